@@ -1,0 +1,29 @@
+# Warning and sanitizer flags for weightd's own targets (not generated code).
+set(WEIGHTD_WARNINGS -Wall -Wextra -Werror -Wno-unused-parameter
+    -Wno-missing-field-initializers)
+if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+  list(APPEND WEIGHTD_WARNINGS -Wthread-safety)
+endif()
+
+if(WEIGHTD_SANITIZE)
+  add_compile_options(-fsanitize=${WEIGHTD_SANITIZE} -fno-omit-frame-pointer)
+  add_link_options(-fsanitize=${WEIGHTD_SANITIZE})
+endif()
+
+function(weightd_target_defaults target)
+  target_compile_options(${target} PRIVATE ${WEIGHTD_WARNINGS})
+  target_include_directories(${target} PUBLIC ${CMAKE_SOURCE_DIR})
+endfunction()
+
+# weightd_unit_test(name SOURCES... LIBS...)
+function(weightd_unit_test name)
+  cmake_parse_arguments(T "" "" "SOURCES;LIBS;LABELS" ${ARGN})
+  add_executable(${name} ${T_SOURCES})
+  weightd_target_defaults(${name})
+  target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY
+                        ${CMAKE_BINARY_DIR}/tests)
+  add_test(NAME ${name} COMMAND ${name})
+  set(labels unit ${T_LABELS})
+  set_tests_properties(${name} PROPERTIES LABELS "${labels}" TIMEOUT 300)
+endfunction()

@@ -1,0 +1,134 @@
+#include "common/fd.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace weightd {
+
+absl::Status ErrnoStatus(int err, absl::string_view what) {
+  std::string msg = absl::StrCat(what, ": ", std::strerror(err));
+  switch (err) {
+    case ENOENT:
+    case ENOTDIR:
+      return absl::NotFoundError(msg);
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(msg);
+    case ENOMEM:
+    case ENOSPC:
+    case EMFILE:
+    case ENFILE:
+      return absl::ResourceExhaustedError(msg);
+    case EINVAL:
+    case EISDIR:
+    case ENAMETOOLONG:
+    case ELOOP:
+      return absl::InvalidArgumentError(msg);
+    case EAGAIN:
+    case ECONNREFUSED:
+    case ECONNRESET:
+    case EPIPE:
+      return absl::UnavailableError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+void UniqueFd::Reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+absl::StatusOr<MappedRegion> MappedRegion::Map(int fd, size_t size, Mode mode) {
+  if (size == 0) return MappedRegion();
+  int prot = mode == Mode::kReadOnly ? PROT_READ : PROT_READ | PROT_WRITE;
+  int flags = mode == Mode::kCopyOnWrite ? MAP_PRIVATE : MAP_SHARED;
+  void* addr = ::mmap(nullptr, size, prot, flags, fd, 0);
+  if (addr == MAP_FAILED) return ErrnoStatus(errno, "mmap");
+  return MappedRegion(addr, size);
+}
+
+void MappedRegion::Reset() {
+  if (addr_ != nullptr) ::munmap(addr_, size_);
+  addr_ = nullptr;
+  size_ = 0;
+}
+
+absl::StatusOr<MemfdSegment> MemfdSegment::Create(absl::string_view name,
+                                                  size_t size, bool prefault) {
+  std::string cname(name);
+  int raw = ::memfd_create(cname.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (raw < 0) return ErrnoStatus(errno, "memfd_create");
+  MemfdSegment seg;
+  seg.fd_.Reset(raw);
+  seg.size_ = size;
+  if (::ftruncate(raw, static_cast<off_t>(size)) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("ftruncate memfd to ", size, " bytes"));
+  }
+  if (size > 0) {
+    int flags = MAP_SHARED | (prefault ? MAP_POPULATE : 0);
+    void* addr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, flags, raw, 0);
+    if (addr == MAP_FAILED) return ErrnoStatus(errno, "mmap memfd");
+    seg.map_ = MappedRegion(addr, size);
+  }
+  return seg;
+}
+
+absl::Status MemfdSegment::Seal() {
+  if (sealed_) return absl::OkStatus();
+  // F_SEAL_WRITE fails while a writable shared mapping exists: drop ours
+  // first and map the sealed file read-only.
+  map_.Reset();
+  if (::fcntl(fd_.get(), F_ADD_SEALS,
+              F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
+    return ErrnoStatus(errno, "sealing memfd");
+  }
+  if (size_ > 0) {
+    auto map = MappedRegion::Map(fd_.get(), size_, MappedRegion::Mode::kReadOnly);
+    if (!map.ok()) return map.status();
+    map_ = std::move(*map);
+  }
+  sealed_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status PreadFull(int fd, void* buf, size_t size, uint64_t offset) {
+  auto* p = static_cast<uint8_t*>(buf);
+  size_t done = 0;
+  while (done < size) {
+    ssize_t n = ::pread(fd, p + done, size - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "pread");
+    }
+    if (n == 0) {
+      return absl::DataLossError(absl::StrCat(
+          "file shrank: expected ", size, " bytes at offset ", offset,
+          ", got ", done));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteFull(int fd, const void* buf, size_t size) {
+  const auto* p = static_cast<const uint8_t*>(buf);
+  size_t done = 0;
+  while (done < size) {
+    ssize_t n = ::write(fd, p + done, size - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "write");
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace weightd

@@ -1,0 +1,120 @@
+// RAII for file descriptors, memory mappings and sealed memfd segments.
+#ifndef WEIGHTD_COMMON_FD_H_
+#define WEIGHTD_COMMON_FD_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace weightd {
+
+// An errno as an absl::Status with the matching code, e.g. ENOENT ->
+// NOT_FOUND, EACCES -> PERMISSION_DENIED, ENOMEM -> RESOURCE_EXHAUSTED.
+absl::Status ErrnoStatus(int err, absl::string_view what);
+
+// Owns one file descriptor; closes it on destruction. Move-only.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  ~UniqueFd() { Reset(); }
+  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() { return std::exchange(fd_, -1); }
+  void Reset(int fd = -1);
+
+ private:
+  int fd_ = -1;
+};
+
+// Owns one mmap()ed region; munmaps on destruction. Move-only.
+class MappedRegion {
+ public:
+  MappedRegion() = default;
+  MappedRegion(void* addr, size_t size) : addr_(addr), size_(size) {}
+  ~MappedRegion() { Reset(); }
+  MappedRegion(MappedRegion&& o) noexcept
+      : addr_(std::exchange(o.addr_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  MappedRegion& operator=(MappedRegion&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      addr_ = std::exchange(o.addr_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  MappedRegion(const MappedRegion&) = delete;
+  MappedRegion& operator=(const MappedRegion&) = delete;
+
+  enum class Mode { kReadOnly, kReadWrite, kCopyOnWrite };
+  // Maps `size` bytes of `fd` from offset 0. size 0 gives an empty region.
+  static absl::StatusOr<MappedRegion> Map(int fd, size_t size, Mode mode);
+
+  uint8_t* data() const { return static_cast<uint8_t*>(addr_); }
+  size_t size() const { return size_; }
+  void Reset();
+
+ private:
+  void* addr_ = nullptr;
+  size_t size_ = 0;
+};
+
+// An anonymous shared-memory file (memfd_create with MFD_ALLOW_SEALING),
+// writable through its mapping until Seal(); after sealing, nobody can write,
+// grow or shrink it (F_SEAL_WRITE|F_SEAL_GROW|F_SEAL_SHRINK|F_SEAL_SEAL) and
+// the daemon's own mapping is read-only. Move-only; not thread-safe until
+// sealed, then read-only and safe to share.
+class MemfdSegment {
+ public:
+  // Creates a segment of `size` bytes named `name` (shown in /proc/pid/fd).
+  // `prefault` touches every page now (MAP_POPULATE) so later writes do not
+  // fault one page at a time.
+  static absl::StatusOr<MemfdSegment> Create(absl::string_view name,
+                                             size_t size, bool prefault);
+
+  MemfdSegment() = default;
+  MemfdSegment(MemfdSegment&&) = default;
+  MemfdSegment& operator=(MemfdSegment&&) = default;
+
+  // Drops write access: remaps read-only and applies the seals.
+  absl::Status Seal();
+
+  bool sealed() const { return sealed_; }
+  int fd() const { return fd_.get(); }
+  size_t size() const { return size_; }
+  // Writable only before Seal().
+  uint8_t* mutable_data() const { return sealed_ ? nullptr : map_.data(); }
+  const uint8_t* data() const { return map_.data(); }
+
+ private:
+  UniqueFd fd_;
+  MappedRegion map_;
+  size_t size_ = 0;
+  bool sealed_ = false;
+};
+
+// pread()s exactly `size` bytes at `offset`, retrying short reads and EINTR.
+// A file shorter than offset+size is DATA_LOSS ("file shrank").
+absl::Status PreadFull(int fd, void* buf, size_t size, uint64_t offset);
+// write()s all of `size` bytes.
+absl::Status WriteFull(int fd, const void* buf, size_t size);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_COMMON_FD_H_

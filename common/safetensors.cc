@@ -1,0 +1,2 @@
+// PLACEHOLDER
+#include "common/safetensors.h"

@@ -1,0 +1,170 @@
+#include "common/unix_socket.h"
+
+#include <errno.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace weightd {
+namespace {
+
+absl::StatusOr<sockaddr_un> MakeAddress(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "socket path \"", path, "\" is empty or longer than ",
+        sizeof(addr.sun_path) - 1, " bytes"));
+  }
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  return addr;
+}
+
+}  // namespace
+
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode) {
+  auto addr = MakeAddress(path);
+  if (!addr.ok()) return addr.status();
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return ErrnoStatus(errno, "socket");
+  struct stat st;
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, " exists and is not a socket"));
+    }
+    ::unlink(path.c_str());
+  }
+  if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&*addr),
+             sizeof(sockaddr_un)) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("bind ", path));
+  }
+  if (::chmod(path.c_str(), mode) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("chmod ", path));
+  }
+  if (::listen(fd.get(), 256) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("listen ", path));
+  }
+  return fd;
+}
+
+absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
+  auto addr = MakeAddress(path);
+  if (!addr.ok()) return addr.status();
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return ErrnoStatus(errno, "socket");
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&*addr),
+                sizeof(sockaddr_un)) != 0) {
+    int err = errno;
+    return absl::UnavailableError(
+        absl::StrCat("connect ", path, ": ", std::strerror(err)));
+  }
+  return fd;
+}
+
+absl::Status SendWithFds(int sock, absl::string_view data,
+                         absl::Span<const int> fds) {
+  if (data.empty()) return absl::InvalidArgumentError("SendWithFds: no data");
+  if (fds.size() > kMaxFdsPerMessage) {
+    return absl::InvalidArgumentError("SendWithFds: too many fds");
+  }
+  iovec iov{const_cast<char*>(data.data()), data.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  std::vector<char> control;
+  if (!fds.empty()) {
+    control.resize(CMSG_SPACE(sizeof(int) * fds.size()));
+    msg.msg_control = control.data();
+    msg.msg_controllen = control.size();
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
+  }
+  ssize_t n;
+  do {
+    n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return ErrnoStatus(errno, "sendmsg");
+  // The fds went with the first byte; send whatever the kernel did not take.
+  if (static_cast<size_t>(n) < data.size()) {
+    return SendAll(sock, data.data() + n, data.size() - n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RecvWithFds(int sock, void* buf, size_t size,
+                         std::vector<UniqueFd>* fds) {
+  auto* p = static_cast<char*>(buf);
+  size_t done = 0;
+  while (done < size) {
+    iovec iov{p + done, size - done};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 253)];
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    ssize_t n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "recvmsg");
+    }
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < count; ++i) {
+          int fd;
+          std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+          if (fds != nullptr) {
+            fds->emplace_back(fd);
+          } else {
+            ::close(fd);
+          }
+        }
+      }
+    }
+    if (msg.msg_flags & MSG_CTRUNC) {
+      return absl::ResourceExhaustedError("recvmsg: file descriptors truncated");
+    }
+    if (n == 0) return absl::UnavailableError("connection closed");
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SendAll(int sock, const void* buf, size_t size) {
+  const auto* p = static_cast<const char*>(buf);
+  size_t done = 0;
+  while (done < size) {
+    ssize_t n = ::send(sock, p + done, size - done, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "send");
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RecvAll(int sock, void* buf, size_t size) {
+  return RecvWithFds(sock, buf, size, nullptr);
+}
+
+absl::StatusOr<PeerCredentials> GetPeerCredentials(int sock) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return ErrnoStatus(errno, "SO_PEERCRED");
+  }
+  return PeerCredentials{cred.pid, cred.uid, cred.gid};
+}
+
+}  // namespace weightd

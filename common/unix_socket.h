@@ -1,0 +1,49 @@
+// Unix-domain stream sockets with file-descriptor passing (SCM_RIGHTS) and
+// peer credentials (SO_PEERCRED).
+#ifndef WEIGHTD_COMMON_UNIX_SOCKET_H_
+#define WEIGHTD_COMMON_UNIX_SOCKET_H_
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "common/fd.h"
+
+namespace weightd {
+
+// The most fds one message carries (the kernel's SCM_MAX_FD is 253).
+inline constexpr size_t kMaxFdsPerMessage = 250;
+
+// Binds and listens on `path` (unlinking a stale socket file first), chmod
+// to `mode`. The socket is close-on-exec.
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode);
+absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path);
+
+// Sends `data` (non-empty) with `fds` attached (<= kMaxFdsPerMessage).
+absl::Status SendWithFds(int sock, absl::string_view data,
+                         absl::Span<const int> fds);
+
+// Receives exactly `size` bytes; fds arriving with them are appended to
+// `fds`. A peer that closes first is UNAVAILABLE ("connection closed").
+absl::Status RecvWithFds(int sock, void* buf, size_t size,
+                         std::vector<UniqueFd>* fds);
+
+// Sends / receives exactly `size` bytes.
+absl::Status SendAll(int sock, const void* buf, size_t size);
+absl::Status RecvAll(int sock, void* buf, size_t size);
+
+struct PeerCredentials {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+absl::StatusOr<PeerCredentials> GetPeerCredentials(int sock);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_COMMON_UNIX_SOCKET_H_

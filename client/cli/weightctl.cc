@@ -1,0 +1,382 @@
+// weightctl: the operator's and test-suite's command line for weightd
+// (DESIGN §3). Flags are parsed here and only here.
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/weightd_client.h"
+#include "common/fd.h"
+#include "common/safetensors.h"
+#include "common/status_macros.h"
+
+namespace weightd {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: weightctl [--socket PATH | --target HOST:PORT] VERB ...\n"
+    "  health\n"
+    "  load NAME PATH [--profile FILE]\n"
+    "  unload NAME | list | info NAME | stats\n"
+    "  fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
+    "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc]\n"
+    "        [--generation G] [--changed-since G] [--names a,b] [--verify] --out FILE\n";
+
+// Positional words and --flag values of one verb.
+struct Args {
+  std::vector<std::string> positional;
+  std::map<std::string, std::string> flags;
+  std::map<std::string, bool> switches;
+
+  bool Has(const std::string& f) const { return flags.count(f) > 0; }
+  std::string Get(const std::string& f, const std::string& def = "") const {
+    auto it = flags.find(f);
+    return it == flags.end() ? def : it->second;
+  }
+};
+
+absl::StatusOr<Args> ParseArgs(const std::vector<std::string>& words,
+                               const std::vector<std::string>& value_flags,
+                               const std::vector<std::string>& switch_flags) {
+  Args out;
+  for (size_t i = 0; i < words.size(); ++i) {
+    const std::string& w = words[i];
+    if (!absl::StartsWith(w, "--")) {
+      out.positional.push_back(w);
+      continue;
+    }
+    std::string name = w, value;
+    bool inline_value = false;
+    if (size_t eq = w.find('='); eq != std::string::npos) {
+      name = w.substr(0, eq);
+      value = w.substr(eq + 1);
+      inline_value = true;
+    }
+    if (std::find(switch_flags.begin(), switch_flags.end(), name) != switch_flags.end()) {
+      out.switches[name] = true;
+      continue;
+    }
+    if (std::find(value_flags.begin(), value_flags.end(), name) == value_flags.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", name));
+    }
+    if (!inline_value) {
+      if (i + 1 >= words.size()) return absl::InvalidArgumentError(absl::StrCat(name, " needs a value"));
+      value = words[++i];
+    }
+    out.flags[name] = value;
+  }
+  return out;
+}
+
+absl::StatusOr<int64_t> ParseInt(const std::string& flag, const std::string& text) {
+  int64_t v;
+  if (!absl::SimpleAtoi(text, &v)) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": \"", text, "\" is not an integer"));
+  }
+  return v;
+}
+
+std::string HumanBytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return absl::StrFormat("%.1f %s", b, units[u]);
+}
+
+std::string ShapeString(const std::vector<int64_t>& s) {
+  return absl::StrCat("[", absl::StrJoin(s, ","), "]");
+}
+
+absl::Status NeedPositional(const Args& a, size_t n, const char* usage) {
+  if (a.positional.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat("usage: weightctl ", usage));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CmdHealth(Client& c) {
+  WD_RETURN_IF_ERROR(c.Health());
+  std::printf("SERVING\n");
+  return absl::OkStatus();
+}
+
+absl::Status CmdLoad(Client& c, const Args& a) {
+  WD_RETURN_IF_ERROR(NeedPositional(a, 2, "load NAME PATH [--profile FILE]"));
+  std::string profile;
+  if (a.Has("--profile")) {
+    std::string path = a.Get("--profile");
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening profile ", path));
+    char buf[65536];
+    ssize_t n;
+    while ((n = ::read(fd.get(), buf, sizeof(buf))) > 0) profile.append(buf, n);
+  }
+  const bool tty = ::isatty(STDERR_FILENO);
+  int last_decile = -1;
+  absl::Time start = absl::Now();
+  auto progress = [&](const LoadProgressUpdate& p) {
+    double frac = p.bytes_total ? static_cast<double>(p.bytes_done) / p.bytes_total : 1.0;
+    if (tty) {
+      int width = 30, filled = static_cast<int>(frac * width);
+      std::fprintf(stderr, "\r[%s%s] %5.1f%%  %s / %s", std::string(filled, '#').c_str(),
+                   std::string(width - filled, ' ').c_str(), frac * 100,
+                   HumanBytes(p.bytes_done).c_str(), HumanBytes(p.bytes_total).c_str());
+      std::fflush(stderr);
+    } else if (static_cast<int>(frac * 10) > last_decile) {
+      last_decile = static_cast<int>(frac * 10);
+      std::fprintf(stderr, "loading %s: %.0f%% (%s of %s)\n", a.positional[0].c_str(), frac * 100,
+                   HumanBytes(p.bytes_done).c_str(), HumanBytes(p.bytes_total).c_str());
+    }
+  };
+  auto info = c.Load(a.positional[0], a.positional[1], profile, progress);
+  if (tty) std::fprintf(stderr, "\n");
+  if (!info.ok()) return info.status();
+  double secs = absl::ToDoubleSeconds(absl::Now() - start);
+  std::printf("loaded %s: %llu tensors, %s in %.2f s (%.2f GB/s), generation %llu\n",
+              info->name.c_str(), static_cast<unsigned long long>(info->tensor_count),
+              HumanBytes(info->total_bytes).c_str(), secs,
+              secs > 0 ? info->total_bytes / secs / 1e9 : 0.0,
+              static_cast<unsigned long long>(info->generation));
+  return absl::OkStatus();
+}
+
+absl::Status CmdUnload(Client& c, const Args& a) {
+  WD_RETURN_IF_ERROR(NeedPositional(a, 1, "unload NAME"));
+  WD_RETURN_IF_ERROR(c.Unload(a.positional[0]));
+  std::printf("unloaded %s\n", a.positional[0].c_str());
+  return absl::OkStatus();
+}
+
+absl::Status CmdList(Client& c, const Args& a) {
+  WD_RETURN_IF_ERROR(NeedPositional(a, 0, "list"));
+  WD_ASSIGN_OR_RETURN(auto models, c.List());
+  for (const ModelInfo& m : models) {
+    std::printf("%s\tgeneration=%llu\ttensors=%llu\tbytes=%llu\tpath=%s\n", m.name.c_str(),
+                static_cast<unsigned long long>(m.generation),
+                static_cast<unsigned long long>(m.tensor_count),
+                static_cast<unsigned long long>(m.total_bytes), m.path.c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CmdInfo(Client& c, const Args& a) {
+  WD_RETURN_IF_ERROR(NeedPositional(a, 1, "info NAME"));
+  WD_ASSIGN_OR_RETURN(ModelInfo m, c.GetModel(a.positional[0]));
+  std::printf("model: %s\npath: %s\ngeneration: %llu\ntensors: %llu\nbytes: %llu\n",
+              m.name.c_str(), m.path.c_str(), static_cast<unsigned long long>(m.generation),
+              static_cast<unsigned long long>(m.tensor_count),
+              static_cast<unsigned long long>(m.total_bytes));
+  for (const std::string& f : m.files) std::printf("file: %s\n", f.c_str());
+  for (const ModelTensor& t : m.tensors) {
+    std::printf("tensor: %s\t%s\t%s\t%s\n", t.name.c_str(), std::string(DTypeName(t.dtype)).c_str(),
+                ShapeString(t.shape).c_str(), t.digest.Hex().c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CmdStats(Client& c, const Args& a) {
+  WD_RETURN_IF_ERROR(NeedPositional(a, 0, "stats"));
+  WD_ASSIGN_OR_RETURN(DaemonStats s, c.Stats());
+  std::printf(
+      "models: %llu\nsegments: %llu\nbytes_resident: %llu\nmaterializations: %llu\n"
+      "materialization_bytes: %llu\ncache_hits: %llu\ncache_misses: %llu\nleases_open: %llu\n"
+      "bytes_served: %llu\nfetches: %llu\n",
+      (unsigned long long)s.models, (unsigned long long)s.segments,
+      (unsigned long long)s.bytes_resident, (unsigned long long)s.materializations,
+      (unsigned long long)s.materialization_bytes, (unsigned long long)s.cache_hits,
+      (unsigned long long)s.cache_misses, (unsigned long long)s.leases_open,
+      (unsigned long long)s.bytes_served, (unsigned long long)s.fetches);
+  return absl::OkStatus();
+}
+
+absl::Status WriteSafetensors(const std::string& path, const ShardSet& set) {
+  std::vector<SafetensorsWriteEntry> entries;
+  for (const TensorView& t : set.tensors()) {
+    entries.push_back(SafetensorsWriteEntry{t.name, t.dtype, t.shape, t.length});
+  }
+  std::string header = BuildSafetensorsHeader(entries);
+  std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("creating ", tmp));
+  absl::Status s = WriteFull(fd.get(), header.data(), header.size());
+  for (const TensorView& t : set.tensors()) {
+    if (!s.ok()) break;
+    s = WriteFull(fd.get(), t.data, t.length);
+  }
+  if (s.ok() && ::fsync(fd.get()) != 0) s = ErrnoStatus(errno, "fsync");
+  fd.Reset();
+  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
+    s = ErrnoStatus(errno, absl::StrCat("renaming to ", path));
+  }
+  if (!s.ok()) ::unlink(tmp.c_str());
+  return Annotate(s, absl::StrCat("writing ", path));
+}
+
+absl::Status CmdFetch(Client& c, const Args& a) {
+  WD_RETURN_IF_ERROR(NeedPositional(a, 1, "fetch NAME [...] --out FILE"));
+  if (!a.Has("--out")) return absl::InvalidArgumentError("fetch needs --out FILE");
+  FetchOptions opt;
+  opt.model = a.positional[0];
+  bool world_form = a.Has("--world") || a.Has("--rank");
+  bool mesh_form = a.Has("--mesh") || a.Has("--coord");
+  if (world_form && mesh_form) {
+    return absl::InvalidArgumentError("give either --world/--rank or --mesh/--coord, not both");
+  }
+  if (world_form) {
+    WD_ASSIGN_OR_RETURN(int64_t world, ParseInt("--world", a.Get("--world", "1")));
+    WD_ASSIGN_OR_RETURN(int64_t rank, ParseInt("--rank", a.Get("--rank", "0")));
+    if (world < 1) return absl::InvalidArgumentError(absl::StrCat("--world must be >= 1, got ", world));
+    opt.mesh = MeshCoord{{world}, {rank}};
+  } else if (mesh_form) {
+    if (!a.Has("--mesh") || !a.Has("--coord")) {
+      return absl::InvalidArgumentError("--mesh and --coord go together");
+    }
+    WD_ASSIGN_OR_RETURN(opt.mesh.shape, ParseMeshShape(a.Get("--mesh")));
+    WD_ASSIGN_OR_RETURN(opt.mesh.coord, ParseCoord(a.Get("--coord")));
+  }
+  WD_RETURN_IF_ERROR(opt.mesh.Validate());
+  if (a.Has("--placements")) {
+    WD_ASSIGN_OR_RETURN(opt.placements, ParsePlacements(a.Get("--placements")));
+    if (opt.placements->size() != opt.mesh.shape.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--placements \"", a.Get("--placements"), "\" has ", opt.placements->size(),
+          " entries but the mesh has ", opt.mesh.shape.size(), " dims"));
+    }
+  }
+  WD_ASSIGN_OR_RETURN(opt.dtype, ParseRequestDType(a.Get("--dtype", "keep")));
+  std::string transport = a.Get("--transport", "shm");
+  if (transport == "shm") {
+    opt.transport = Transport::kShm;
+  } else if (transport == "grpc") {
+    opt.transport = Transport::kGrpc;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--transport: expected shm or grpc, got \"",
+                                                   transport, "\""));
+  }
+  if (a.Has("--generation")) {
+    WD_ASSIGN_OR_RETURN(int64_t g, ParseInt("--generation", a.Get("--generation")));
+    if (g < 1) return absl::InvalidArgumentError("--generation must be >= 1");
+    opt.generation = static_cast<uint64_t>(g);
+  }
+  if (a.Has("--changed-since")) {
+    WD_ASSIGN_OR_RETURN(int64_t g, ParseInt("--changed-since", a.Get("--changed-since")));
+    if (g < 1) return absl::InvalidArgumentError("--changed-since must be >= 1");
+    opt.changed_since = static_cast<uint64_t>(g);
+  }
+  if (a.Has("--names")) {
+    for (absl::string_view n : absl::StrSplit(a.Get("--names"), ',')) {
+      if (!n.empty()) opt.names.emplace_back(n);
+    }
+  }
+  opt.verify_digests = a.switches.count("--verify") > 0;
+  absl::Time start = absl::Now();
+  WD_ASSIGN_OR_RETURN(std::unique_ptr<ShardSet> set, c.Fetch(opt));
+  double secs = absl::ToDoubleSeconds(absl::Now() - start);
+  uint64_t bytes = 0;
+  for (const TensorView& t : set->tensors()) bytes += t.length;
+  WD_RETURN_IF_ERROR(WriteSafetensors(a.Get("--out"), *set));
+  std::printf("fetched %zu tensors (%s) of %s generation %llu, rank %lld of %lld, via %s in %.3f s -> %s\n",
+              set->tensors().size(), HumanBytes(bytes).c_str(), opt.model.c_str(),
+              static_cast<unsigned long long>(set->generation()),
+              static_cast<long long>(opt.mesh.FlatRank()),
+              static_cast<long long>(opt.mesh.WorldSize()), transport.c_str(), secs,
+              a.Get("--out").c_str());
+  return set->Release();
+}
+
+absl::Status Run(int argc, char** argv) {
+  std::vector<std::string> words(argv + 1, argv + argc);
+  ClientOptions copt;
+  if (const char* env = std::getenv("WEIGHTD_SOCKET")) copt.socket = env;
+  // Global flags come before the verb.
+  size_t i = 0;
+  for (; i < words.size() && absl::StartsWith(words[i], "--"); ++i) {
+    std::string w = words[i];
+    std::string value;
+    std::string name = w;
+    if (size_t eq = w.find('='); eq != std::string::npos) {
+      name = w.substr(0, eq);
+      value = w.substr(eq + 1);
+    } else if (name == "--socket" || name == "--target") {
+      if (i + 1 >= words.size()) return absl::InvalidArgumentError(absl::StrCat(name, " needs a value"));
+      value = words[++i];
+    }
+    if (name == "--socket") {
+      copt.socket = value;
+      copt.target.clear();
+    } else if (name == "--target") {
+      copt.target = value;
+      copt.socket.clear();
+    } else if (name == "--help" || name == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", name, "\n", kUsage));
+    }
+  }
+  if (i >= words.size()) return absl::InvalidArgumentError(absl::StrCat("no verb given\n", kUsage));
+  if (copt.socket.empty() && copt.target.empty()) copt.socket = "/run/weightd/weightd.sock";
+  std::string verb = words[i];
+  std::vector<std::string> rest(words.begin() + i + 1, words.end());
+  WD_ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(copt));
+  if (verb == "health") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
+    WD_RETURN_IF_ERROR(NeedPositional(a, 0, "health"));
+    return CmdHealth(*client);
+  }
+  if (verb == "load") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--profile"}, {}));
+    return CmdLoad(*client, a);
+  }
+  if (verb == "unload") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
+    return CmdUnload(*client, a);
+  }
+  if (verb == "list") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
+    return CmdList(*client, a);
+  }
+  if (verb == "info") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
+    return CmdInfo(*client, a);
+  }
+  if (verb == "stats") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
+    return CmdStats(*client, a);
+  }
+  if (verb == "fetch") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest,
+                                          {"--world", "--rank", "--mesh", "--coord",
+                                           "--placements", "--dtype", "--transport",
+                                           "--generation", "--changed-since", "--names", "--out"},
+                                          {"--verify"}));
+    return CmdFetch(*client, a);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown verb \"", verb, "\"\n", kUsage));
+}
+
+}  // namespace
+}  // namespace weightd
+
+int main(int argc, char** argv) {
+  absl::Status s = weightd::Run(argc, argv);
+  if (s.ok()) return 0;
+  std::fprintf(stderr, "error: %s: %s\n", absl::StatusCodeToString(s.code()).c_str(),
+               std::string(s.message()).c_str());
+  return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+}

@@ -1,0 +1,321 @@
+#include "client/weightd_client.h"
+
+#include <cstring>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/data_protocol.h"
+#include "common/status_macros.h"
+#include "common/unix_socket.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "weightd/v1/weightd.grpc.pb.h"
+
+namespace weightd {
+
+// The gRPC channel and stubs, shared by a Client and its ShardSets (which
+// need them to release their leases).
+class ClientChannel {
+ public:
+  explicit ClientChannel(std::shared_ptr<grpc::Channel> channel)
+      : channel(channel),
+        models(v1::Models::NewStub(channel)),
+        shards(v1::Shards::NewStub(channel)),
+        health(grpc::health::v1::Health::NewStub(channel)) {}
+
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Models::Stub> models;
+  std::unique_ptr<v1::Shards::Stub> shards;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health;
+};
+
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+v1::DType ToProto(DType d) { return static_cast<v1::DType>(static_cast<int>(d) + 1); }
+
+absl::StatusOr<DType> FromProto(v1::DType d) {
+  int v = static_cast<int>(d);
+  if (v < 1 || v > kNumDTypes) {
+    return absl::InternalError(absl::StrCat("daemon sent unknown dtype ", v));
+  }
+  return static_cast<DType>(v - 1);
+}
+
+ModelInfo ToModelInfo(const v1::ModelInfo& m) {
+  ModelInfo out;
+  out.name = m.name();
+  out.path = m.path();
+  out.generation = m.generation();
+  out.tensor_count = m.tensor_count();
+  out.total_bytes = m.total_bytes();
+  out.files.assign(m.files().begin(), m.files().end());
+  for (const v1::TensorInfo& t : m.tensors()) {
+    ModelTensor mt;
+    mt.name = t.name();
+    auto d = FromProto(t.dtype());
+    mt.dtype = d.ok() ? *d : DType::kU8;
+    mt.shape.assign(t.shape().begin(), t.shape().end());
+    if (t.digest().size() == 16) std::memcpy(mt.digest.bytes.data(), t.digest().data(), 16);
+    out.tensors.push_back(std::move(mt));
+  }
+  return out;
+}
+
+// Attaches the lease on the data socket and receives one fd per segment.
+absl::Status CollectFds(const std::string& path, const v1::FetchResponse& resp, UniqueFd* conn,
+                        std::vector<UniqueFd>* fds) {
+  WD_ASSIGN_OR_RETURN(*conn, ConnectUnix(path));
+  AttachRequest req{};
+  std::memcpy(req.magic, kAttachMagic, 4);
+  req.lease_id = resp.lease_id();
+  if (resp.token().size() != sizeof(req.token)) {
+    return absl::InternalError("daemon sent a lease token of the wrong size");
+  }
+  std::memcpy(req.token, resp.token().data(), sizeof(req.token));
+  WD_RETURN_IF_ERROR(SendAll(conn->get(), &req, sizeof(req)));
+  AttachReply reply{};
+  WD_RETURN_IF_ERROR_CTX(RecvWithFds(conn->get(), &reply, sizeof(reply), fds),
+                         "reading the data socket reply");
+  if (std::memcmp(reply.magic, kReplyMagic, 4) != 0) {
+    return absl::InternalError("bad reply magic on the data socket");
+  }
+  if (reply.message_len > kMaxReplyMessage) {
+    return absl::InternalError("oversized reply message on the data socket");
+  }
+  std::string msg(reply.message_len, '\0');
+  if (!msg.empty()) WD_RETURN_IF_ERROR(RecvWithFds(conn->get(), msg.data(), msg.size(), fds));
+  if (reply.code != 0) return absl::Status(static_cast<absl::StatusCode>(reply.code), msg);
+  while (fds->size() < reply.num_fds) {
+    char byte;
+    WD_RETURN_IF_ERROR(RecvWithFds(conn->get(), &byte, 1, fds));
+  }
+  if (fds->size() != static_cast<size_t>(resp.segment_sizes_size())) {
+    return absl::InternalError(absl::StrCat("daemon passed ", fds->size(), " fds for ",
+                                            resp.segment_sizes_size(), " segments"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadSegment(v1::Shards::Stub* stub, const v1::FetchResponse& resp, uint32_t index,
+                         std::string* out) {
+  uint64_t size = resp.segment_sizes(index);
+  out->assign(size, '\0');
+  if (size == 0) return absl::OkStatus();
+  grpc::ClientContext ctx;
+  v1::ReadRequest req;
+  req.set_lease_id(resp.lease_id());
+  req.set_token(resp.token());
+  req.set_segment(index);
+  req.set_offset(0);
+  req.set_length(size);
+  auto reader = stub->Read(&ctx, req);
+  v1::ReadChunk chunk;
+  uint64_t got = 0;
+  while (reader->Read(&chunk)) {
+    if (chunk.offset() != got || chunk.data().size() > size - got) {
+      ctx.TryCancel();
+      reader->Finish();
+      return absl::InternalError("daemon sent an out-of-order or oversized chunk");
+    }
+    std::memcpy(out->data() + got, chunk.data().data(), chunk.data().size());
+    got += chunk.data().size();
+  }
+  WD_RETURN_IF_ERROR(FromGrpc(reader->Finish()));
+  if (got != size) {
+    return absl::DataLossError(absl::StrCat("segment ", index, ": got ", got, " of ", size,
+                                            " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  std::string target;
+  if (!options.socket.empty()) {
+    target = "unix:" + options.socket;
+  } else if (!options.target.empty()) {
+    target = options.target;
+  } else {
+    return absl::InvalidArgumentError("give a --socket PATH or a --target HOST:PORT");
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(256 << 20);
+  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  return std::unique_ptr<Client>(new Client(std::make_shared<ClientChannel>(channel)));
+}
+
+Client::Client(std::shared_ptr<ClientChannel> channel) : channel_(std::move(channel)) {}
+Client::~Client() = default;
+
+absl::Status Client::Health() {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  WD_RETURN_IF_ERROR(FromGrpc(channel_->health->Check(&ctx, req, &resp)));
+  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat(
+        "daemon reports ", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status())));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelInfo> Client::Load(
+    const std::string& name, const std::string& path, const std::string& profile_json,
+    const std::function<void(const LoadProgressUpdate&)>& progress) {
+  grpc::ClientContext ctx;
+  v1::LoadRequest req;
+  req.set_name(name);
+  req.set_path(path);
+  req.set_profile_json(profile_json);
+  auto reader = channel_->models->Load(&ctx, req);
+  v1::LoadProgress msg;
+  std::optional<ModelInfo> info;
+  while (reader->Read(&msg)) {
+    if (msg.done()) {
+      info = ToModelInfo(msg.model());
+    } else if (progress) {
+      progress(LoadProgressUpdate{msg.bytes_done(), msg.bytes_total(), msg.tensors_done(),
+                                  msg.tensors_total(), msg.current_file()});
+    }
+  }
+  WD_RETURN_IF_ERROR(FromGrpc(reader->Finish()));
+  if (!info.has_value()) return absl::InternalError("load stream ended without a result");
+  return *info;
+}
+
+absl::Status Client::Unload(const std::string& name) {
+  grpc::ClientContext ctx;
+  v1::UnloadRequest req;
+  req.set_name(name);
+  v1::UnloadResponse resp;
+  return FromGrpc(channel_->models->Unload(&ctx, req, &resp));
+}
+
+absl::StatusOr<std::vector<ModelInfo>> Client::List() {
+  grpc::ClientContext ctx;
+  v1::ListModelsRequest req;
+  v1::ListModelsResponse resp;
+  WD_RETURN_IF_ERROR(FromGrpc(channel_->models->List(&ctx, req, &resp)));
+  std::vector<ModelInfo> out;
+  for (const v1::ModelInfo& m : resp.models()) out.push_back(ToModelInfo(m));
+  return out;
+}
+
+absl::StatusOr<ModelInfo> Client::GetModel(const std::string& name) {
+  grpc::ClientContext ctx;
+  v1::GetModelRequest req;
+  req.set_name(name);
+  v1::ModelInfo resp;
+  WD_RETURN_IF_ERROR(FromGrpc(channel_->models->Get(&ctx, req, &resp)));
+  return ToModelInfo(resp);
+}
+
+absl::StatusOr<DaemonStats> Client::Stats() {
+  grpc::ClientContext ctx;
+  v1::StatsRequest req;
+  v1::StatsResponse r;
+  WD_RETURN_IF_ERROR(FromGrpc(channel_->models->Stats(&ctx, req, &r)));
+  return DaemonStats{r.models(),     r.segments(),    r.bytes_resident(), r.materializations(),
+                     r.materialization_bytes(), r.cache_hits(), r.cache_misses(),
+                     r.leases_open(), r.bytes_served(), r.fetches()};
+}
+
+absl::StatusOr<std::unique_ptr<ShardSet>> Client::Fetch(const FetchOptions& options) {
+  v1::FetchRequest req;
+  req.set_model(options.model);
+  req.set_generation(options.generation);
+  for (int64_t d : options.mesh.shape) req.add_mesh_shape(d);
+  for (int64_t c : options.mesh.coord) req.add_coord(c);
+  if (options.placements.has_value()) {
+    for (const Placement& p : *options.placements) req.add_placements()->set_shard_dim(p.shard_dim);
+  }
+  if (options.dtype.has_value()) req.set_dtype(ToProto(*options.dtype));
+  for (const std::string& n : options.names) req.add_names(n);
+  req.set_transport(options.transport == Transport::kShm ? v1::SHM : v1::GRPC);
+  req.set_changed_since(options.changed_since);
+  v1::FetchResponse resp;
+  {
+    grpc::ClientContext ctx;
+    WD_RETURN_IF_ERROR(FromGrpc(channel_->shards->Fetch(&ctx, req, &resp)));
+  }
+  auto set = std::unique_ptr<ShardSet>(new ShardSet());
+  set->channel_ = channel_;
+  set->lease_id_ = resp.lease_id();
+  set->token_ = resp.token();
+  set->generation_ = resp.generation();
+  // From here on the ShardSet's destructor releases the lease on any error.
+  std::vector<const uint8_t*> bases(resp.segment_sizes_size(), nullptr);
+  if (options.transport == Transport::kShm) {
+    std::vector<UniqueFd> fds;
+    WD_RETURN_IF_ERROR(CollectFds(resp.data_socket(), resp, &set->data_connection_, &fds));
+    for (int i = 0; i < resp.segment_sizes_size(); ++i) {
+      WD_ASSIGN_OR_RETURN(MappedRegion map,
+                          MappedRegion::Map(fds[i].get(), resp.segment_sizes(i),
+                                            MappedRegion::Mode::kReadOnly));
+      bases[i] = map.data();
+      set->maps_.push_back(std::move(map));
+    }
+  } else {
+    set->buffers_.resize(resp.segment_sizes_size());
+    for (int i = 0; i < resp.segment_sizes_size(); ++i) {
+      WD_RETURN_IF_ERROR(ReadSegment(channel_->shards.get(), resp, i, &set->buffers_[i]));
+      bases[i] = reinterpret_cast<const uint8_t*>(set->buffers_[i].data());
+    }
+  }
+  for (const v1::ShardTensor& t : resp.tensors()) {
+    if (t.segment() >= bases.size() || t.offset() > resp.segment_sizes(t.segment()) ||
+        t.length() > resp.segment_sizes(t.segment()) - t.offset()) {
+      return absl::InternalError(absl::StrCat("daemon sent tensor \"", t.name(),
+                                              "\" outside its segment"));
+    }
+    TensorView v;
+    v.name = t.name();
+    WD_ASSIGN_OR_RETURN(v.dtype, FromProto(t.dtype()));
+    v.shape.assign(t.shape().begin(), t.shape().end());
+    v.global_shape.assign(t.global_shape().begin(), t.global_shape().end());
+    v.global_offset.assign(t.global_offset().begin(), t.global_offset().end());
+    v.data = bases[t.segment()] == nullptr ? nullptr : bases[t.segment()] + t.offset();
+    v.length = t.length();
+    if (t.digest().size() == 16) std::memcpy(v.digest.bytes.data(), t.digest().data(), 16);
+    if (options.verify_digests && DigestBytes(v.data, v.length) != v.digest) {
+      return absl::DataLossError(absl::StrCat("tensor \"", v.name, "\": digest mismatch"));
+    }
+    set->tensors_.push_back(std::move(v));
+  }
+  return set;
+}
+
+ShardSet::~ShardSet() { (void)Release(); }
+
+absl::Status ShardSet::Release() {
+  if (released_) return absl::OkStatus();
+  released_ = true;
+  tensors_.clear();
+  maps_.clear();
+  buffers_.clear();
+  absl::Status status;
+  if (channel_ != nullptr && lease_id_ != 0) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::ReleaseRequest req;
+    req.set_lease_id(lease_id_);
+    req.set_token(token_);
+    v1::ReleaseResponse resp;
+    status = FromGrpc(channel_->shards->Release(&ctx, req, &resp));
+    // The data connection closing would end the lease anyway.
+    if (status.code() == absl::StatusCode::kNotFound && data_connection_.valid()) {
+      status = absl::OkStatus();
+    }
+  }
+  data_connection_.Reset();
+  return status;
+}
+
+}  // namespace weightd

@@ -1,0 +1,142 @@
+// C++ client of weightd: control-plane calls over gRPC and the shm data path.
+//
+//   auto client = weightd::Client::Connect({.socket = "/run/weightd.sock"});
+//   auto shards = (*client)->Fetch({.model = "llama", .mesh = {{2}, {rank}}});
+//   for (const weightd::TensorView& t : (*shards)->tensors()) use(t.data, t.length);
+//
+// A ShardSet owns its lease: while it lives, the bytes it maps stay valid and
+// unchanged; destroying it releases the lease (and closes the data
+// connection, which would release it too if the process died first).
+// Client is thread-safe; a ShardSet is immutable after Fetch returns.
+#ifndef WEIGHTD_CLIENT_WEIGHTD_CLIENT_H_
+#define WEIGHTD_CLIENT_WEIGHTD_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/digest.h"
+#include "common/dtype.h"
+#include "common/fd.h"
+#include "common/shard.h"
+
+namespace weightd {
+
+struct ClientOptions {
+  std::string socket;  // unix socket path, or
+  std::string target;  // HOST:PORT
+};
+
+struct ModelTensor {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  Digest digest;
+};
+
+struct ModelInfo {
+  std::string name;
+  std::string path;
+  uint64_t generation = 0;
+  uint64_t tensor_count = 0;
+  uint64_t total_bytes = 0;
+  std::vector<std::string> files;
+  std::vector<ModelTensor> tensors;  // filled by GetModel only
+};
+
+struct LoadProgressUpdate {
+  uint64_t bytes_done = 0, bytes_total = 0, tensors_done = 0, tensors_total = 0;
+  std::string current_file;
+};
+
+struct DaemonStats {
+  uint64_t models = 0, segments = 0, bytes_resident = 0, materializations = 0,
+           materialization_bytes = 0, cache_hits = 0, cache_misses = 0, leases_open = 0,
+           bytes_served = 0, fetches = 0;
+};
+
+enum class Transport { kShm, kGrpc };
+
+struct FetchOptions {
+  std::string model;
+  MeshCoord mesh{{1}, {0}};
+  std::optional<std::vector<Placement>> placements;
+  std::optional<DType> dtype;  // nullopt = keep
+  std::vector<std::string> names;
+  Transport transport = Transport::kShm;
+  uint64_t generation = 0;
+  uint64_t changed_since = 0;
+  // Recompute every tensor's digest on arrival; DATA_LOSS on a mismatch.
+  bool verify_digests = false;
+};
+
+struct TensorView {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> global_offset;
+  const uint8_t* data = nullptr;  // valid while the ShardSet lives
+  uint64_t length = 0;
+  Digest digest;
+};
+
+class Client;
+
+class ShardSet {
+ public:
+  ~ShardSet();  // releases the lease
+  ShardSet(const ShardSet&) = delete;
+  ShardSet& operator=(const ShardSet&) = delete;
+
+  uint64_t generation() const { return generation_; }
+  uint64_t lease_id() const { return lease_id_; }
+  const std::vector<TensorView>& tensors() const { return tensors_; }
+
+  // Releases now; later calls are no-ops. The views dangle afterwards.
+  absl::Status Release();
+
+ private:
+  friend class Client;
+  ShardSet() = default;
+
+  std::shared_ptr<class ClientChannel> channel_;
+  uint64_t lease_id_ = 0;
+  std::string token_;
+  uint64_t generation_ = 0;
+  std::vector<TensorView> tensors_;
+  UniqueFd data_connection_;               // shm: holds the lease
+  std::vector<MappedRegion> maps_;         // shm: read-only segment maps
+  std::vector<std::string> buffers_;       // grpc: segment bytes
+  bool released_ = false;
+};
+
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();
+
+  // OK iff the daemon reports SERVING.
+  absl::Status Health();
+  absl::StatusOr<ModelInfo> Load(const std::string& name, const std::string& path,
+                                 const std::string& profile_json,
+                                 const std::function<void(const LoadProgressUpdate&)>& progress);
+  absl::Status Unload(const std::string& name);
+  absl::StatusOr<std::vector<ModelInfo>> List();
+  absl::StatusOr<ModelInfo> GetModel(const std::string& name);
+  absl::StatusOr<DaemonStats> Stats();
+  absl::StatusOr<std::unique_ptr<ShardSet>> Fetch(const FetchOptions& options);
+
+ private:
+  explicit Client(std::shared_ptr<ClientChannel> channel);
+  std::shared_ptr<ClientChannel> channel_;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_CLIENT_WEIGHTD_CLIENT_H_

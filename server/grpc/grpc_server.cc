@@ -1,0 +1,416 @@
+#include "server/grpc/grpc_server.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <deque>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/log.h"
+#include "common/thread_pool.h"
+#include "server/grpc/status_convert.h"
+#include "weightd/v1/weightd.grpc.pb.h"
+
+namespace weightd {
+namespace {
+
+constexpr size_t kReadChunkBytes = 4u << 20;  // DESIGN §5: chunks <= 4 MiB
+
+void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out) {
+  out->set_name(s.name);
+  out->set_path(s.path);
+  out->set_generation(s.generation);
+  out->set_tensor_count(s.tensor_count);
+  out->set_total_bytes(s.total_bytes);
+  for (const std::string& f : s.files) out->add_files(f);
+}
+
+// A server stream fed by a producer thread. Push() queues a message (the
+// newest replaceable one supersedes a queued replaceable one, so a slow
+// reader never makes progress reports pile up); Close() ends the stream once
+// the queue drains. After Close() the producer must not touch the reactor.
+template <typename T>
+class QueuedWriter : public grpc::ServerWriteReactor<T> {
+ public:
+  void Push(T msg, bool replaceable) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (cancelled_) return;
+      if (replaceable && !queue_.empty() && queue_.back().second) {
+        queue_.back().first = std::move(msg);
+      } else {
+        queue_.emplace_back(std::move(msg), replaceable);
+      }
+      if (writing_) return;
+      writing_ = true;
+      current_ = std::move(queue_.front().first);
+      queue_.pop_front();
+    }
+    this->StartWrite(&current_);
+  }
+
+  void Close(grpc::Status status) {
+    {
+      absl::MutexLock lock(&mu_);
+      closed_ = true;
+      final_ = std::move(status);
+      if (writing_ || !queue_.empty()) return;  // OnWriteDone finishes
+    }
+    this->Finish(final_);
+  }
+
+ private:
+  void OnWriteDone(bool ok) override {
+    bool start = false;
+    bool finish = false;
+    grpc::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok) {
+        cancelled_ = true;
+        queue_.clear();
+      }
+      if (!queue_.empty()) {
+        writing_ = start = true;
+        current_ = std::move(queue_.front().first);
+        queue_.pop_front();
+      } else if (closed_) {
+        finish = true;
+        status = cancelled_ ? grpc::Status::CANCELLED : final_;
+      }
+    }
+    if (start) {
+      this->StartWrite(&current_);
+    } else if (finish) {
+      this->Finish(status);
+    }
+  }
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+  }
+  void OnDone() override { delete this; }  // gRPC reactor idiom
+
+  absl::Mutex mu_;
+  std::deque<std::pair<T, bool>> queue_;
+  T current_;
+  bool writing_ = false;
+  bool closed_ = false;
+  bool cancelled_ = false;
+  grpc::Status final_;
+};
+
+// Streams one ReadRange in <= 4 MiB chunks, producing each on demand.
+class ReadReactor : public grpc::ServerWriteReactor<v1::ReadChunk> {
+ public:
+  explicit ReadReactor(ReadRange range) : range_(std::move(range)) { Next(); }
+
+ private:
+  void Next() {
+    if (pos_ >= range_.length) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    size_t n = static_cast<size_t>(std::min<uint64_t>(kReadChunkBytes, range_.length - pos_));
+    chunk_.set_offset(pos_);
+    chunk_.set_data(reinterpret_cast<const char*>(range_.segment->data() + range_.offset + pos_),
+                    n);
+    pos_ += n;
+    StartWrite(&chunk_);
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status::CANCELLED);
+      return;
+    }
+    Next();
+  }
+  void OnDone() override { delete this; }  // gRPC reactor idiom
+
+  ReadRange range_;
+  uint64_t pos_ = 0;
+  v1::ReadChunk chunk_;
+};
+
+// Runs `fn` on the worker pool and finishes the unary call with its status.
+grpc::ServerUnaryReactor* RunOnPool(grpc::CallbackServerContext* ctx, ThreadPool* pool,
+                                    std::function<absl::Status()> fn) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  pool->Schedule([reactor, fn = std::move(fn)] { reactor->Finish(ToGrpcStatus(fn())); });
+  return reactor;
+}
+
+absl::StatusOr<FetchParams> DecodeFetch(const v1::FetchRequest& req) {
+  FetchParams p;
+  p.model = req.model();
+  p.generation = req.generation();
+  p.mesh.shape.assign(req.mesh_shape().begin(), req.mesh_shape().end());
+  p.mesh.coord.assign(req.coord().begin(), req.coord().end());
+  if (p.mesh.shape.empty()) {
+    p.mesh.shape = {1};
+    if (p.mesh.coord.empty()) p.mesh.coord = {0};
+  }
+  if (req.placements_size() > 0) {
+    std::vector<Placement> pl;
+    for (const v1::Placement& x : req.placements()) {
+      if (x.shard_dim() < -1) {
+        return absl::InvalidArgumentError(absl::StrCat("bad placement shard_dim ", x.shard_dim()));
+      }
+      pl.push_back(Placement{x.shard_dim()});
+    }
+    p.placements = std::move(pl);
+  }
+  if (req.dtype() != v1::DTYPE_UNSPECIFIED) {
+    auto d = FromProtoDType(req.dtype());
+    if (!d.ok()) return d.status();
+    p.dtype = *d;
+  }
+  p.names.assign(req.names().begin(), req.names().end());
+  switch (req.transport()) {
+    case v1::TRANSPORT_UNSPECIFIED:
+    case v1::SHM: p.transport = TransportKind::kShm; break;
+    case v1::GRPC: p.transport = TransportKind::kGrpc; break;
+    case v1::CUDA: p.transport = TransportKind::kCuda; break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unknown transport ", req.transport()));
+  }
+  p.changed_since = req.changed_since();
+  return p;
+}
+
+class ModelsImpl final : public v1::Models::CallbackService {
+ public:
+  ModelsImpl(WeightService* service, ThreadPool* pool) : service_(service), pool_(pool) {}
+
+  grpc::ServerWriteReactor<v1::LoadProgress>* Load(grpc::CallbackServerContext* ctx,
+                                                   const v1::LoadRequest* req) override {
+    auto* writer = new QueuedWriter<v1::LoadProgress>();  // deletes itself in OnDone
+    v1::LoadRequest copy = *req;
+    std::thread([this, writer, copy = std::move(copy)] {
+      auto result = service_->LoadModel(
+          copy.name(), copy.path(), copy.profile_json(), [writer](const LoadProgressInfo& p) {
+            v1::LoadProgress msg;
+            msg.set_bytes_done(p.bytes_done);
+            msg.set_bytes_total(p.bytes_total);
+            msg.set_tensors_done(p.tensors_done);
+            msg.set_tensors_total(p.tensors_total);
+            msg.set_current_file(p.current_file);
+            writer->Push(std::move(msg), /*replaceable=*/true);
+          });
+      if (result.ok()) {
+        v1::LoadProgress done;
+        done.set_done(true);
+        done.set_bytes_done(result->total_bytes);
+        done.set_bytes_total(result->total_bytes);
+        done.set_tensors_done(result->tensor_count);
+        done.set_tensors_total(result->tensor_count);
+        FillModelInfo(*result, done.mutable_model());
+        writer->Push(std::move(done), /*replaceable=*/false);
+      }
+      writer->Close(ToGrpcStatus(result.status()));
+    }).detach();
+    return writer;
+  }
+
+  grpc::ServerUnaryReactor* Unload(grpc::CallbackServerContext* ctx,
+                                   const v1::UnloadRequest* req,
+                                   v1::UnloadResponse*) override {
+    return RunOnPool(ctx, pool_, [this, req] { return service_->UnloadModel(req->name()); });
+  }
+
+  grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx, const v1::ListModelsRequest*,
+                                 v1::ListModelsResponse* resp) override {
+    for (const ModelSummary& s : service_->ListModels()) FillModelInfo(s, resp->add_models());
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* ctx, const v1::GetModelRequest* req,
+                                v1::ModelInfo* resp) override {
+    return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
+      auto detail = service_->GetModel(req->name());
+      if (!detail.ok()) return detail.status();
+      FillModelInfo(detail->summary, resp);
+      for (const TensorSummary& t : detail->tensors) {
+        v1::TensorInfo* ti = resp->add_tensors();
+        ti->set_name(t.name);
+        ti->set_dtype(ToProtoDType(t.dtype));
+        for (int64_t d : t.shape) ti->add_shape(d);
+        ti->set_digest(std::string(t.digest.View()));
+      }
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest*,
+                                  v1::StatsResponse* resp) override {
+    ServiceStats s = service_->Stats();
+    resp->set_models(s.models);
+    resp->set_segments(s.segments);
+    resp->set_bytes_resident(s.bytes_resident);
+    resp->set_materializations(s.materializer.entries);
+    resp->set_materialization_bytes(s.materializer.packed_bytes);
+    resp->set_cache_hits(s.materializer.hits);
+    resp->set_cache_misses(s.materializer.misses);
+    resp->set_leases_open(s.leases_open);
+    resp->set_bytes_served(s.bytes_served);
+    resp->set_fetches(s.fetches);
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+ private:
+  WeightService* service_;
+  ThreadPool* pool_;
+};
+
+class ShardsImpl final : public v1::Shards::CallbackService {
+ public:
+  ShardsImpl(WeightService* service, ThreadPool* pool) : service_(service), pool_(pool) {}
+
+  grpc::ServerUnaryReactor* Fetch(grpc::CallbackServerContext* ctx, const v1::FetchRequest* req,
+                                  v1::FetchResponse* resp) override {
+    return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
+      auto params = DecodeFetch(*req);
+      if (!params.ok()) return params.status();
+      auto result = service_->Fetch(*params);
+      if (!result.ok()) return result.status();
+      resp->set_lease_id(result->lease.id);
+      resp->set_token(std::string(reinterpret_cast<const char*>(result->lease.token.data()),
+                                  result->lease.token.size()));
+      resp->set_generation(result->generation);
+      resp->set_data_socket(result->data_socket);
+      for (uint64_t s : result->segment_sizes) resp->add_segment_sizes(s);
+      for (const FetchedTensor& t : result->tensors) {
+        v1::ShardTensor* st = resp->add_tensors();
+        st->set_name(t.name);
+        st->set_dtype(ToProtoDType(t.dtype));
+        for (int64_t d : t.shape) st->add_shape(d);
+        for (int64_t d : t.global_shape) st->add_global_shape(d);
+        for (int64_t d : t.global_offset) st->add_global_offset(d);
+        st->set_segment(t.segment);
+        st->set_offset(t.offset);
+        st->set_length(t.length);
+        st->set_digest(std::string(t.digest.View()));
+      }
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerWriteReactor<v1::ReadChunk>* Read(grpc::CallbackServerContext* ctx,
+                                                const v1::ReadRequest* req) override {
+    auto range = service_->Read(req->lease_id(), req->token(), req->segment(), req->offset(),
+                                req->length());
+    if (!range.ok()) {
+      auto* writer = new QueuedWriter<v1::ReadChunk>();  // deletes itself in OnDone
+      writer->Close(ToGrpcStatus(range.status()));
+      return writer;
+    }
+    return new ReadReactor(std::move(*range));  // deletes itself in OnDone
+  }
+
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx,
+                                    const v1::ReleaseRequest* req,
+                                    v1::ReleaseResponse*) override {
+    return RunOnPool(ctx, pool_,
+                     [this, req] { return service_->Release(req->lease_id(), req->token()); });
+  }
+
+  grpc::ServerWriteReactor<v1::GenerationEvent>* Watch(grpc::CallbackServerContext* ctx,
+                                                       const v1::WatchRequest* req) override {
+    auto* writer = new QueuedWriter<v1::GenerationEvent>();  // deletes itself in OnDone
+    writer->Close(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                               "generation events arrive with adapters ([3/7 lora])"));
+    return writer;
+  }
+
+ private:
+  WeightService* service_;
+  ThreadPool* pool_;
+};
+
+}  // namespace
+
+class GrpcServer::Impl {
+ public:
+  Impl(GrpcServerOptions options, WeightService* service)
+      : options_(std::move(options)),
+        pool_(options_.worker_threads),
+        models_(service, &pool_),
+        shards_(service, &pool_) {}
+
+  absl::Status Start() {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("unix:" + options_.unix_socket, grpc::InsecureServerCredentials());
+    int tcp_port = 0;
+    if (!options_.tcp_listen.empty()) {
+      builder.AddListeningPort(options_.tcp_listen, grpc::InsecureServerCredentials(), &tcp_port);
+    }
+    builder.SetMaxSendMessageSize(256 << 20);
+    builder.SetMaxReceiveMessageSize(64 << 20);
+    builder.RegisterService(&models_);
+    builder.RegisterService(&shards_);
+    ::unlink(options_.unix_socket.c_str());
+    server_ = builder.BuildAndStart();
+    if (server_ == nullptr) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on unix:", options_.unix_socket,
+                                                 options_.tcp_listen.empty() ? "" : " or ",
+                                                 options_.tcp_listen));
+    }
+    if (!options_.tcp_listen.empty() && tcp_port == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.tcp_listen));
+    }
+    ::chmod(options_.unix_socket.c_str(), options_.unix_socket_mode);
+    server_->GetHealthCheckService()->SetServingStatus(true);
+    return absl::OkStatus();
+  }
+
+  void Shutdown(absl::Duration grace) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (shut_down_) return;
+      shut_down_ = true;
+    }
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      absl::ToChronoMilliseconds(grace));
+    ::unlink(options_.unix_socket.c_str());
+  }
+
+  void Wait() { server_->Wait(); }
+
+ private:
+  GrpcServerOptions options_;
+  ThreadPool pool_;
+  ModelsImpl models_;
+  ShardsImpl shards_;
+  std::unique_ptr<grpc::Server> server_;
+  absl::Mutex mu_;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(GrpcServerOptions options,
+                                                              WeightService* service) {
+  auto impl = std::make_unique<Impl>(std::move(options), service);
+  absl::Status s = impl->Start();
+  if (!s.ok()) return s;
+  return std::unique_ptr<GrpcServer>(new GrpcServer(std::move(impl)));
+}
+
+GrpcServer::GrpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+GrpcServer::~GrpcServer() { Shutdown(absl::Seconds(5)); }
+void GrpcServer::Shutdown(absl::Duration grace) { impl_->Shutdown(grace); }
+void GrpcServer::Wait() { impl_->Wait(); }
+
+}  // namespace weightd

@@ -1,0 +1,46 @@
+// The gRPC face of the daemon: weightd.v1 Models/Shards/Adapters on the
+// callback API, the standard grpc.health.v1 service and server reflection,
+// over a Unix socket and optionally TCP. Thin: every call is translated and
+// handed to WeightService; blocking work runs on a small worker pool, never
+// on gRPC's own threads.
+#ifndef WEIGHTD_SERVER_GRPC_GRPC_SERVER_H_
+#define WEIGHTD_SERVER_GRPC_GRPC_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/service/weight_service.h"
+
+namespace weightd {
+
+struct GrpcServerOptions {
+  std::string unix_socket;  // required
+  mode_t unix_socket_mode = 0660;
+  std::string tcp_listen;   // optional HOST:PORT
+  int worker_threads = 4;
+};
+
+class GrpcServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(GrpcServerOptions options,
+                                                           WeightService* service);
+  ~GrpcServer();
+
+  // Health NOT_SERVING, stop accepting, let in-flight calls finish until
+  // `deadline`, then cancel the rest. Unlinks the socket. Idempotent.
+  void Shutdown(absl::Duration grace);
+  // Blocks until Shutdown() completes.
+  void Wait();
+
+  class Impl;
+
+ private:
+  explicit GrpcServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_GRPC_GRPC_SERVER_H_

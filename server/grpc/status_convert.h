@@ -1,0 +1,23 @@
+// absl::Status <-> grpc::Status. The codes are numerically identical; this is
+// the only place the daemon converts.
+#ifndef WEIGHTD_SERVER_GRPC_STATUS_CONVERT_H_
+#define WEIGHTD_SERVER_GRPC_STATUS_CONVERT_H_
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+#include "common/dtype.h"
+#include "common/shard.h"
+#include "weightd/v1/weightd.pb.h"
+
+namespace weightd {
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+// proto enum <-> DType (DTYPE_UNSPECIFIED has no DType).
+v1::DType ToProtoDType(DType dtype);
+absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_GRPC_STATUS_CONVERT_H_

@@ -1,0 +1,117 @@
+#include "server/lease/lease_table.h"
+
+#include <sys/random.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace weightd {
+namespace {
+
+LeaseToken RandomToken() {
+  LeaseToken token;
+  size_t done = 0;
+  while (done < token.size()) {
+    ssize_t n = ::getrandom(token.data() + done, token.size() - done, 0);
+    if (n > 0) done += static_cast<size_t>(n);
+  }
+  return token;
+}
+
+bool TokenEquals(const LeaseToken& a, absl::string_view b) {
+  if (b.size() != a.size()) return false;
+  unsigned char diff = 0;  // constant time
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ static_cast<uint8_t>(b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+LeaseGrant LeaseTable::Grant(LeaseContents contents) {
+  LeaseGrant grant;
+  grant.token = RandomToken();
+  auto shared = std::make_shared<const LeaseContents>(std::move(contents));
+  absl::MutexLock lock(&mu_);
+  grant.id = next_id_++;
+  leases_[grant.id] = Lease{grant.token, std::move(shared), 0, absl::Now() + idle_ttl_};
+  return grant;
+}
+
+absl::StatusOr<LeaseTable::Lease*> LeaseTable::FindLocked(uint64_t id,
+                                                          absl::string_view token) {
+  auto it = leases_.find(id);
+  if (it == leases_.end()) {
+    return absl::NotFoundError(absl::StrCat("lease ", id, " is unknown or has ended"));
+  }
+  if (!TokenEquals(it->second.token, token)) {
+    return absl::PermissionDeniedError(absl::StrCat("wrong token for lease ", id));
+  }
+  return &it->second;
+}
+
+absl::StatusOr<std::shared_ptr<const LeaseContents>> LeaseTable::Use(
+    uint64_t id, absl::string_view token) {
+  absl::MutexLock lock(&mu_);
+  auto lease = FindLocked(id, token);
+  if (!lease.ok()) return lease.status();
+  if ((*lease)->connection == 0) (*lease)->deadline = absl::Now() + idle_ttl_;
+  return (*lease)->contents;
+}
+
+absl::StatusOr<std::shared_ptr<const LeaseContents>> LeaseTable::Attach(
+    uint64_t id, absl::string_view token, uint64_t connection) {
+  absl::MutexLock lock(&mu_);
+  auto lease = FindLocked(id, token);
+  if (!lease.ok()) return lease.status();
+  if ((*lease)->connection != 0 && (*lease)->connection != connection) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("lease ", id, " is already attached to another connection"));
+  }
+  (*lease)->connection = connection;
+  (*lease)->deadline = absl::InfiniteFuture();
+  return (*lease)->contents;
+}
+
+absl::Status LeaseTable::Release(uint64_t id, absl::string_view token) {
+  std::shared_ptr<const LeaseContents> dropped;  // freed outside the lock
+  absl::MutexLock lock(&mu_);
+  auto lease = FindLocked(id, token);
+  if (!lease.ok()) return lease.status();
+  dropped = std::move((*lease)->contents);
+  leases_.erase(id);
+  return absl::OkStatus();
+}
+
+size_t LeaseTable::ReleaseConnection(uint64_t connection) {
+  std::vector<std::shared_ptr<const LeaseContents>> dropped;
+  absl::MutexLock lock(&mu_);
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    auto cur = it++;
+    if (cur->second.connection == connection) {
+      dropped.push_back(std::move(cur->second.contents));
+      leases_.erase(cur);
+    }
+  }
+  return dropped.size();
+}
+
+size_t LeaseTable::Expire(absl::Time now) {
+  std::vector<std::shared_ptr<const LeaseContents>> dropped;
+  absl::MutexLock lock(&mu_);
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    auto cur = it++;
+    if (cur->second.deadline <= now) {
+      dropped.push_back(std::move(cur->second.contents));
+      leases_.erase(cur);
+    }
+  }
+  return dropped.size();
+}
+
+size_t LeaseTable::size() const {
+  absl::MutexLock lock(&mu_);
+  return leases_.size();
+}
+
+}  // namespace weightd

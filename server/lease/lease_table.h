@@ -1,0 +1,86 @@
+// Leases: a client's hold on what a fetch returned.
+//
+// A lease pins the segments its tensors live in (shared_ptr), so their bytes
+// stay mapped and unchanged however the model moves on. It ends on Release,
+// when the data connection it is attached to closes (the client died or
+// let go), or when its TTL runs out: a lease nobody attached or read within
+// `idle_ttl` is reclaimed, covering clients that hang or never collect.
+//
+// Thread-safe.
+#ifndef WEIGHTD_SERVER_LEASE_LEASE_TABLE_H_
+#define WEIGHTD_SERVER_LEASE_LEASE_TABLE_H_
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/store/segment.h"
+
+namespace weightd {
+
+using LeaseToken = std::array<uint8_t, 16>;
+
+struct LeaseContents {
+  std::string model;
+  uint64_t generation = 0;
+  std::vector<SegmentPtr> segments;  // indexed as in the fetch response
+  uint64_t bytes = 0;                // bytes of the tensors it names
+};
+
+struct LeaseGrant {
+  uint64_t id = 0;
+  LeaseToken token{};
+};
+
+class LeaseTable {
+ public:
+  explicit LeaseTable(absl::Duration idle_ttl) : idle_ttl_(idle_ttl) {}
+
+  LeaseGrant Grant(LeaseContents contents) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The lease's contents; extends its TTL. NOT_FOUND for an unknown or
+  // expired id, PERMISSION_DENIED for a wrong token.
+  absl::StatusOr<std::shared_ptr<const LeaseContents>> Use(
+      uint64_t id, absl::string_view token) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Ties the lease to data connection `connection` (no TTL from now on).
+  absl::StatusOr<std::shared_ptr<const LeaseContents>> Attach(
+      uint64_t id, absl::string_view token, uint64_t connection)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  absl::Status Release(uint64_t id, absl::string_view token) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Ends every lease attached to `connection`; returns how many.
+  size_t ReleaseConnection(uint64_t connection) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Ends leases whose TTL ran out by `now`; returns how many.
+  size_t Expire(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Lease {
+    LeaseToken token;
+    std::shared_ptr<const LeaseContents> contents;
+    uint64_t connection = 0;  // 0 = not attached
+    absl::Time deadline;
+  };
+  absl::StatusOr<Lease*> FindLocked(uint64_t id, absl::string_view token)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const absl::Duration idle_ttl_;
+  mutable absl::Mutex mu_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_LEASE_LEASE_TABLE_H_

@@ -1,0 +1,227 @@
+// weightd: the per-node weight-serving daemon. Flags (DESIGN §3) are parsed
+// here and only here, into the Options structs of the parts they configure.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+#include "server/grpc/grpc_server.h"
+#include "server/service/weight_service.h"
+#include "server/transport/shm_server.h"
+
+namespace weightd {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: weightd --socket PATH [--data-socket PATH] [--listen HOST:PORT]\n"
+    "               [--metrics-listen HOST:PORT] --model-root DIR ...\n"
+    "               [--host-memory-bytes N] [--preload NAME=PATH[@PROFILE]] ...\n"
+    "               [--lease-ttl-seconds N] [--threads N] [--log-format text|json]\n"
+    "               [--socket-mode OCTAL]\n";
+
+struct Preload {
+  std::string name, path, profile;
+};
+
+struct DaemonFlags {
+  WeightServiceOptions service;
+  GrpcServerOptions grpc;
+  ShmDataServer::Options data;
+  std::string metrics_listen;
+  std::vector<Preload> preloads;
+  absl::Duration shutdown_grace = absl::Seconds(10);
+};
+
+absl::Status ParseFlags(int argc, char** argv, DaemonFlags* flags) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  mode_t mode = 0660;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string flag = args[i];
+    std::string value;
+    bool inline_value = false;
+    if (size_t eq = flag.find('='); absl::StartsWith(flag, "--") && eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+      inline_value = true;
+    }
+    auto next = [&]() -> absl::StatusOr<std::string> {
+      if (inline_value) return value;
+      if (i + 1 >= args.size()) return absl::InvalidArgumentError(absl::StrCat(flag, " needs a value"));
+      return args[++i];
+    };
+    auto number = [&](uint64_t* out) -> absl::Status {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      if (!absl::SimpleAtoi(*v, out)) {
+        return absl::InvalidArgumentError(absl::StrCat(flag, ": \"", *v, "\" is not a number"));
+      }
+      return absl::OkStatus();
+    };
+    absl::StatusOr<std::string> v;
+    uint64_t n = 0;
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (flag == "--socket") {
+      if (!(v = next()).ok()) return v.status();
+      flags->grpc.unix_socket = *v;
+    } else if (flag == "--data-socket") {
+      if (!(v = next()).ok()) return v.status();
+      flags->data.path = *v;
+    } else if (flag == "--listen") {
+      if (!(v = next()).ok()) return v.status();
+      flags->grpc.tcp_listen = *v;
+    } else if (flag == "--metrics-listen") {
+      if (!(v = next()).ok()) return v.status();
+      flags->metrics_listen = *v;
+    } else if (flag == "--model-root") {
+      if (!(v = next()).ok()) return v.status();
+      flags->service.model_roots.push_back(*v);
+      // "--model-root A B C": further plain words are roots too.
+      while (!inline_value && i + 1 < args.size() && !absl::StartsWith(args[i + 1], "--")) {
+        flags->service.model_roots.push_back(args[++i]);
+      }
+    } else if (flag == "--host-memory-bytes") {
+      WD_RETURN_IF_ERROR(number(&n));
+      flags->service.host_memory_bytes = n;
+    } else if (flag == "--lease-ttl-seconds") {
+      WD_RETURN_IF_ERROR(number(&n));
+      flags->service.lease_idle_ttl = absl::Seconds(static_cast<int64_t>(n));
+    } else if (flag == "--threads") {
+      WD_RETURN_IF_ERROR(number(&n));
+      if (n < 1 || n > 256) return absl::InvalidArgumentError("--threads must be 1..256");
+      flags->service.worker_threads = static_cast<int>(n);
+    } else if (flag == "--socket-mode") {
+      if (!(v = next()).ok()) return v.status();
+      char* end = nullptr;
+      long m = std::strtol(v->c_str(), &end, 8);
+      if (v->empty() || *end != '\0' || m < 0 || m > 0777) {
+        return absl::InvalidArgumentError(absl::StrCat("--socket-mode: bad octal mode \"", *v, "\""));
+      }
+      mode = static_cast<mode_t>(m);
+    } else if (flag == "--log-format") {
+      if (!(v = next()).ok()) return v.status();
+      if (*v == "json") {
+        SetLogFormat(LogFormat::kJson);
+      } else if (*v == "text") {
+        SetLogFormat(LogFormat::kText);
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat("--log-format: expected text or json, got \"", *v, "\""));
+      }
+    } else if (flag == "--preload") {
+      if (!(v = next()).ok()) return v.status();
+      while (true) {
+        std::string spec = *v;
+        size_t eq = spec.find('=');
+        if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("--preload: expected NAME=PATH[@PROFILE], got \"", spec, "\""));
+        }
+        Preload p{spec.substr(0, eq), spec.substr(eq + 1), ""};
+        if (size_t at = p.path.rfind('@'); at != std::string::npos) {
+          p.profile = p.path.substr(at + 1);
+          p.path = p.path.substr(0, at);
+        }
+        flags->preloads.push_back(std::move(p));
+        if (inline_value || i + 1 >= args.size() || absl::StartsWith(args[i + 1], "--")) break;
+        v = args[++i];
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag \"", flag, "\"\n", kUsage));
+    }
+  }
+  if (flags->grpc.unix_socket.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--socket is required\n", kUsage));
+  }
+  if (flags->service.model_roots.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--model-root is required\n", kUsage));
+  }
+  if (flags->data.path.empty()) flags->data.path = flags->grpc.unix_socket + ".data";
+  flags->grpc.unix_socket_mode = mode;
+  flags->data.mode = mode;
+  flags->service.data_socket_path = flags->data.path;
+  if (!flags->metrics_listen.empty()) {
+    return absl::UnimplementedError("--metrics-listen: Prometheus metrics are not built into this daemon yet");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return absl::NotFoundError(absl::StrCat("cannot open profile ", path));
+  std::string out;
+  char buf[65536];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
+  std::fclose(f);
+  return out;
+}
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "error: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
+               std::string(status.message()).c_str());
+  return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+int Main(int argc, char** argv) {
+  DaemonFlags flags;
+  if (absl::Status s = ParseFlags(argc, argv, &flags); !s.ok()) return Fail(s);
+
+  // Signals are taken synchronously by the main thread; every thread started
+  // from here on inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto service = WeightService::Create(flags.service);
+  if (!service.ok()) return Fail(service.status());
+  for (const Preload& p : flags.preloads) {
+    std::string profile;
+    if (!p.profile.empty()) {
+      auto text = ReadFileToString(p.profile);
+      if (!text.ok()) return Fail(text.status());
+      profile = std::move(*text);
+    }
+    auto loaded = (*service)->LoadModel(p.name, p.path, profile, nullptr);
+    if (!loaded.ok()) return Fail(loaded.status());
+  }
+  auto data = ShmDataServer::Start(flags.data, (*service)->leases());
+  if (!data.ok()) return Fail(data.status());
+  auto grpc = GrpcServer::Start(flags.grpc, service->get());
+  if (!grpc.ok()) return Fail(grpc.status());
+  LogEvent(LogLevel::kInfo, "serving",
+           {{"socket", flags.grpc.unix_socket},
+            {"data_socket", flags.data.path},
+            {"listen", flags.grpc.tcp_listen},
+            {"pid", absl::StrCat(getpid())}});
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  LogEvent(LogLevel::kInfo, "shutdown", {{"signal", strsignal(sig)}});
+  (*grpc)->Shutdown(flags.shutdown_grace);
+  (*data)->Stop();
+  grpc->reset();
+  data->reset();
+  service->reset();
+  LogEvent(LogLevel::kInfo, "stopped", {});
+  return 0;
+}
+
+}  // namespace
+}  // namespace weightd
+
+int main(int argc, char** argv) { return weightd::Main(argc, argv); }

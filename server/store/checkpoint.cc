@@ -1,0 +1,358 @@
+#include "server/store/checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "common/fd.h"
+#include "common/safetensors.h"
+#include "common/status_macros.h"
+
+namespace weightd {
+namespace {
+
+constexpr uint64_t kSegmentAlign = 4096;
+constexpr uint64_t kMaxIndexBytes = 64ull << 20;
+constexpr char kIndexName[] = "model.safetensors.index.json";
+
+uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+std::string Basename(absl::string_view path) {
+  size_t slash = path.rfind('/');
+  return std::string(slash == absl::string_view::npos ? path : path.substr(slash + 1));
+}
+
+struct OpenFile {
+  std::string path;
+  UniqueFd fd;
+  struct stat st {};
+  SafetensorsHeader header;
+  // Placement of the data section.
+  size_t segment_index = 0;
+  uint64_t segment_offset = 0;
+};
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path, uint64_t cap) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+  }
+  if (static_cast<uint64_t>(st.st_size) > cap) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " is ", st.st_size, " bytes, more than the limit of ", cap));
+  }
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  WD_RETURN_IF_ERROR_CTX(PreadFull(fd.get(), out.data(), out.size(), 0), "reading ", path);
+  return out;
+}
+
+absl::StatusOr<OpenFile> OpenSafetensors(const std::string& path) {
+  OpenFile f;
+  f.path = path;
+  f.fd.Reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!f.fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+  if (::fstat(f.fd.get(), &f.st) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("stat ", path));
+  }
+  if (!S_ISREG(f.st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+  }
+  uint64_t size = static_cast<uint64_t>(f.st.st_size);
+  if (size < 8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": file is ", size, " bytes, too short for a safetensors header"));
+  }
+  char prefix[8];
+  WD_RETURN_IF_ERROR_CTX(PreadFull(f.fd.get(), prefix, 8, 0), path);
+  auto header_len = ParseSafetensorsPrefix(absl::string_view(prefix, 8), size);
+  if (!header_len.ok()) return Annotate(header_len.status(), path);
+  std::string json(*header_len, '\0');
+  WD_RETURN_IF_ERROR_CTX(PreadFull(f.fd.get(), json.data(), json.size(), 8), path);
+  auto header = ParseSafetensorsHeader(json, size);
+  if (!header.ok()) return Annotate(header.status(), path);
+  f.header = std::move(*header);
+  return f;
+}
+
+absl::StatusOr<std::vector<std::string>> ListCheckpointFiles(const std::string& path,
+                                                             SafetensorsIndex* index,
+                                                             bool* has_index) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("stat ", path));
+  }
+  *has_index = false;
+  if (S_ISREG(st.st_mode)) {
+    if (Basename(path) == kIndexName) {
+      // An index file named directly: load its directory.
+      std::string dir = path.substr(0, path.rfind('/'));
+      return ListCheckpointFiles(dir, index, has_index);
+    }
+    return std::vector<std::string>{path};
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is neither a file nor a directory"));
+  }
+  std::string index_path = absl::StrCat(path, "/", kIndexName);
+  if (::access(index_path.c_str(), F_OK) == 0) {
+    WD_ASSIGN_OR_RETURN(std::string json, ReadSmallFile(index_path, kMaxIndexBytes));
+    auto parsed = ParseSafetensorsIndex(json);
+    if (!parsed.ok()) return Annotate(parsed.status(), index_path);
+    *index = std::move(*parsed);
+    *has_index = true;
+    std::vector<std::string> files;
+    for (const std::string& f : index->files) files.push_back(absl::StrCat(path, "/", f));
+    return files;
+  }
+  DIR* d = ::opendir(path.c_str());
+  if (d == nullptr) return ErrnoStatus(errno, absl::StrCat("opening directory ", path));
+  std::vector<std::string> files;
+  while (dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    if (absl::EndsWith(name, ".safetensors")) files.push_back(absl::StrCat(path, "/", name));
+  }
+  ::closedir(d);
+  std::sort(files.begin(), files.end());
+  if (files.empty()) {
+    return absl::NotFoundError(absl::StrCat(
+        "directory ", path, " holds no .safetensors files and no ", kIndexName));
+  }
+  return files;
+}
+
+// Progress shared by the reader threads.
+class ProgressTracker {
+ public:
+  ProgressTracker(const LoadProgressFn& fn, uint64_t bytes_total, uint64_t tensors_total)
+      : fn_(fn) {
+    info_.bytes_total = bytes_total;
+    info_.tensors_total = tensors_total;
+  }
+  void Add(uint64_t bytes, uint64_t tensors, const std::string& file) {
+    if (!fn_) return;
+    absl::MutexLock lock(&mu_);
+    info_.bytes_done += bytes;
+    info_.tensors_done += tensors;
+    info_.current_file = file;
+    fn_(info_);
+  }
+
+ private:
+  const LoadProgressFn& fn_;
+  absl::Mutex mu_;
+  LoadProgressInfo info_ ABSL_GUARDED_BY(mu_);
+};
+
+// Runs fn(i) for i in [0, n) on `threads` threads; returns the first error.
+absl::Status ParallelFor(size_t n, int threads,
+                         const std::function<absl::Status(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  absl::Mutex mu;
+  absl::Status first;
+  auto worker = [&] {
+    while (!failed.load(std::memory_order_relaxed)) {
+      size_t i = next.fetch_add(1);
+      if (i >= n) return;
+      absl::Status s = fn(i);
+      if (!s.ok()) {
+        absl::MutexLock lock(&mu);
+        if (first.ok()) first = s;
+        failed = true;
+      }
+    }
+  };
+  int count = std::max(1, std::min<int>(threads, static_cast<int>(n)));
+  std::vector<std::thread> pool;
+  for (int t = 1; t < count; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+  return first;
+}
+
+}  // namespace
+
+int64_t StoredTensor::NumElements() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+Checkpoint::Checkpoint(std::string path, std::vector<std::string> files,
+                       std::vector<StoredTensor> tensors)
+    : path_(std::move(path)), files_(std::move(files)), tensors_(std::move(tensors)) {
+  std::sort(tensors_.begin(), tensors_.end(),
+            [](const StoredTensor& a, const StoredTensor& b) { return a.name < b.name; });
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    by_name_[tensors_[i].name] = i;
+    total_bytes_ += tensors_[i].length;
+  }
+}
+
+const StoredTensor* Checkpoint::Find(absl::string_view name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &tensors_[it->second];
+}
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
+    const std::string& path, const CheckpointLoadOptions& options) {
+  SafetensorsIndex index;
+  bool has_index = false;
+  WD_ASSIGN_OR_RETURN(std::vector<std::string> paths,
+                      ListCheckpointFiles(path, &index, &has_index));
+
+  std::vector<OpenFile> files;
+  files.reserve(paths.size());
+  absl::flat_hash_map<std::string, std::string> owner;  // tensor -> file
+  uint64_t tensors_total = 0;
+  for (const std::string& p : paths) {
+    std::string real = p;
+    if (options.resolve_file) {
+      WD_ASSIGN_OR_RETURN(real, options.resolve_file(p));
+    }
+    WD_ASSIGN_OR_RETURN(OpenFile f, OpenSafetensors(real));
+    f.path = p;
+    for (const SafetensorsEntry& e : f.header.tensors) {
+      auto [it, inserted] = owner.emplace(e.name, p);
+      if (!inserted) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor \"", e.name, "\" appears in both ", it->second, " and ", p));
+      }
+      if (has_index) {
+        auto mapped = index.weight_map.find(e.name);
+        std::string expect = absl::StrCat(path, "/", mapped == index.weight_map.end()
+                                                         ? std::string()
+                                                         : mapped->second);
+        if (mapped == index.weight_map.end() || expect != p) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              p, ": tensor \"", e.name, "\" is not mapped to this file by ", kIndexName));
+        }
+      }
+    }
+    tensors_total += f.header.tensors.size();
+    files.push_back(std::move(f));
+  }
+  if (has_index) {
+    for (const auto& [name, file] : index.weight_map) {
+      if (!owner.contains(name)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            kIndexName, " maps tensor \"", name, "\" to ", file, ", which does not hold it"));
+      }
+    }
+  }
+
+  // Lay the data sections out in segments, in file order.
+  std::vector<uint64_t> segment_sizes;
+  uint64_t bytes_total = 0;
+  for (OpenFile& f : files) {
+    uint64_t data_len = static_cast<uint64_t>(f.st.st_size) - f.header.data_offset;
+    bytes_total += data_len;
+    if (segment_sizes.empty() ||
+        (segment_sizes.back() > 0 &&
+         segment_sizes.back() + data_len > options.segment_target_bytes)) {
+      segment_sizes.push_back(0);
+    }
+    f.segment_index = segment_sizes.size() - 1;
+    f.segment_offset = segment_sizes.back();
+    segment_sizes.back() = AlignUp(segment_sizes.back() + data_len, kSegmentAlign);
+  }
+  std::vector<std::unique_ptr<Segment>> segments;
+  for (uint64_t size : segment_sizes) {
+    WD_ASSIGN_OR_RETURN(auto seg, Segment::Create(options.account, "checkpoint",
+                                                  size, /*prefault=*/true));
+    segments.push_back(std::move(seg));
+  }
+
+  // Read every data section in chunks, in parallel.
+  struct Chunk {
+    size_t file;
+    uint64_t file_offset;
+    uint64_t length;
+    uint8_t* dest;
+  };
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const OpenFile& f = files[i];
+    uint64_t data_len = static_cast<uint64_t>(f.st.st_size) - f.header.data_offset;
+    uint8_t* base = segments[f.segment_index]->mutable_data() + f.segment_offset;
+    for (uint64_t off = 0; off < data_len; off += options.read_chunk_bytes) {
+      uint64_t len = std::min(options.read_chunk_bytes, data_len - off);
+      chunks.push_back({i, f.header.data_offset + off, len, base + off});
+    }
+  }
+  ProgressTracker progress(options.progress, bytes_total, tensors_total);
+  WD_RETURN_IF_ERROR(ParallelFor(chunks.size(), options.read_threads, [&](size_t i) {
+    const Chunk& c = chunks[i];
+    const OpenFile& f = files[c.file];
+    WD_RETURN_IF_ERROR_CTX(PreadFull(f.fd.get(), c.dest, c.length, c.file_offset),
+                           "reading ", f.path);
+    progress.Add(c.length, 0, f.path);
+    return absl::OkStatus();
+  }));
+
+  // A file replaced or rewritten while we read it would give torn tensors.
+  for (const OpenFile& f : files) {
+    struct stat now;
+    if (::fstat(f.fd.get(), &now) != 0) return ErrnoStatus(errno, f.path);
+    if (now.st_size != f.st.st_size || now.st_mtim.tv_sec != f.st.st_mtim.tv_sec ||
+        now.st_mtim.tv_nsec != f.st.st_mtim.tv_nsec) {
+      return absl::DataLossError(absl::StrCat(f.path, " changed while it was being loaded"));
+    }
+  }
+
+  std::vector<StoredTensor> tensors;
+  tensors.reserve(tensors_total);
+  for (const OpenFile& f : files) {
+    for (const SafetensorsEntry& e : f.header.tensors) {
+      StoredTensor t;
+      t.name = e.name;
+      t.dtype = e.dtype;
+      t.shape = e.shape;
+      t.offset = f.segment_offset + e.begin;
+      t.length = e.end - e.begin;
+      t.file = f.path;
+      tensors.push_back(std::move(t));
+    }
+  }
+  // Digest each tensor (segment index recovered from the file order).
+  std::vector<size_t> tensor_segment;
+  for (const OpenFile& f : files) {
+    tensor_segment.insert(tensor_segment.end(), f.header.tensors.size(), f.segment_index);
+  }
+  WD_RETURN_IF_ERROR(ParallelFor(tensors.size(), options.read_threads, [&](size_t i) {
+    StoredTensor& t = tensors[i];
+    t.digest = DigestBytes(segments[tensor_segment[i]]->mutable_data() + t.offset, t.length);
+    return absl::OkStatus();
+  }));
+
+  std::vector<SegmentPtr> sealed;
+  for (auto& seg : segments) {
+    WD_RETURN_IF_ERROR(seg->Seal());
+    sealed.push_back(SegmentPtr(std::move(seg)));
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].segment = sealed[tensor_segment[i]];
+  if (options.progress) {
+    LoadProgressInfo done;
+    done.bytes_done = done.bytes_total = bytes_total;
+    done.tensors_done = done.tensors_total = tensors_total;
+    options.progress(done);
+  }
+  return std::make_shared<const Checkpoint>(path, std::move(paths), std::move(tensors));
+}
+
+}  // namespace weightd

@@ -1,0 +1,92 @@
+// A checkpoint: an immutable set of named tensors read from safetensors into
+// sealed memfd segments. Shared as std::shared_ptr<const Checkpoint> by the
+// models that serve it and by in-flight fetches; thread-safe once built.
+#ifndef WEIGHTD_SERVER_STORE_CHECKPOINT_H_
+#define WEIGHTD_SERVER_STORE_CHECKPOINT_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/digest.h"
+#include "common/dtype.h"
+#include "server/store/segment.h"
+
+namespace weightd {
+
+struct StoredTensor {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  SegmentPtr segment;
+  uint64_t offset = 0;  // inside segment
+  uint64_t length = 0;  // bytes
+  Digest digest;        // of the stored bytes
+  std::string file;     // the file it came from (for messages)
+
+  int64_t NumElements() const;
+  const uint8_t* data() const { return segment->data() + offset; }
+};
+
+class Checkpoint {
+ public:
+  Checkpoint(std::string path, std::vector<std::string> files,
+             std::vector<StoredTensor> tensors);
+
+  const std::string& path() const { return path_; }
+  const std::vector<std::string>& files() const { return files_; }
+  // Sorted by name.
+  const std::vector<StoredTensor>& tensors() const { return tensors_; }
+  // nullptr when absent.
+  const StoredTensor* Find(absl::string_view name) const;
+  uint64_t total_bytes() const { return total_bytes_; }
+
+ private:
+  std::string path_;
+  std::vector<std::string> files_;
+  std::vector<StoredTensor> tensors_;
+  absl::flat_hash_map<std::string, size_t> by_name_;
+  uint64_t total_bytes_ = 0;
+};
+
+struct LoadProgressInfo {
+  uint64_t bytes_done = 0;
+  uint64_t bytes_total = 0;
+  uint64_t tensors_done = 0;
+  uint64_t tensors_total = 0;
+  std::string current_file;
+};
+using LoadProgressFn = std::function<void(const LoadProgressInfo&)>;
+
+struct CheckpointLoadOptions {
+  std::shared_ptr<MemoryAccount> account;  // required
+  // Segments are filled up to this size; a file larger than it gets one of
+  // its own.
+  uint64_t segment_target_bytes = 1ull << 30;
+  // Bytes per pread() call.
+  uint64_t read_chunk_bytes = 16ull << 20;
+  // Threads reading and digesting in parallel.
+  int read_threads = 2;
+  LoadProgressFn progress;  // optional; called from loader threads
+  // Optional: maps every file path (e.g. the files an index names) to the
+  // path to open, failing for paths outside the model roots.
+  std::function<absl::StatusOr<std::string>(const std::string&)> resolve_file;
+};
+
+// Loads `path` — already resolved and confined by the caller — which is a
+// .safetensors file, a directory holding model.safetensors.index.json, or a
+// directory of *.safetensors files (sorted by name). Files are read with
+// pread (never mmap: a file truncated under the daemon must not SIGBUS it)
+// and checked unchanged (size, mtime) after reading: DATA_LOSS otherwise.
+// Errors name the file and the tensor. On failure nothing stays allocated.
+absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
+    const std::string& path, const CheckpointLoadOptions& options);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_STORE_CHECKPOINT_H_

@@ -1,0 +1,55 @@
+#include "server/store/segment.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace weightd {
+namespace {
+std::atomic<uint64_t> next_segment_id{1};
+}  // namespace
+
+absl::Status MemoryAccount::Reserve(uint64_t bytes, absl::string_view what) {
+  uint64_t cur = used_.load(std::memory_order_relaxed);
+  while (true) {
+    if (limit_ != 0 && (bytes > limit_ || cur > limit_ - bytes)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          what, ": needs ", bytes, " bytes but only ",
+          limit_ > cur ? limit_ - cur : 0, " of the host memory budget of ",
+          limit_, " bytes are free"));
+    }
+    if (used_.compare_exchange_weak(cur, cur + bytes,
+                                    std::memory_order_relaxed)) {
+      return absl::OkStatus();
+    }
+  }
+}
+
+void MemoryAccount::Return(uint64_t bytes) {
+  used_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(
+    std::shared_ptr<MemoryAccount> account, absl::string_view kind,
+    uint64_t size, bool prefault) {
+  WD_RETURN_IF_ERROR(account->Reserve(size, absl::StrCat("segment for ", kind)));
+  auto memfd = MemfdSegment::Create(absl::StrCat("weightd:", kind), size, prefault);
+  if (!memfd.ok()) {
+    account->Return(size);
+    return memfd.status();
+  }
+  return std::unique_ptr<Segment>(new Segment(std::move(account), std::move(*memfd)));
+}
+
+Segment::Segment(std::shared_ptr<MemoryAccount> account, MemfdSegment memfd)
+    : account_(std::move(account)),
+      memfd_(std::move(memfd)),
+      id_(next_segment_id.fetch_add(1)) {
+  account_->segments_.fetch_add(1, std::memory_order_relaxed);
+}
+
+Segment::~Segment() {
+  account_->Return(memfd_.size());
+  account_->segments_.fetch_sub(1, std::memory_order_relaxed);
+}
+
+}  // namespace weightd

@@ -1,0 +1,79 @@
+// A sealed memfd segment: the unit of memory the daemon holds and shares.
+//
+// Segments are created writable, filled by exactly one thread, then sealed
+// and published as std::shared_ptr<const Segment>; from then on they are
+// immutable and shared by checkpoints, cache entries and leases, and freed
+// when the last holder lets go. Every live segment's bytes are counted in a
+// MemoryAccount, which enforces the daemon's --host-memory-bytes budget.
+#ifndef WEIGHTD_SERVER_STORE_SEGMENT_H_
+#define WEIGHTD_SERVER_STORE_SEGMENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/fd.h"
+
+namespace weightd {
+
+// Bytes held by live segments, against an optional limit. Thread-safe.
+class MemoryAccount {
+ public:
+  // limit 0 = unlimited.
+  explicit MemoryAccount(uint64_t limit) : limit_(limit) {}
+
+  // Reserves `bytes` or fails with RESOURCE_EXHAUSTED naming `what`.
+  absl::Status Reserve(uint64_t bytes, absl::string_view what);
+  void Return(uint64_t bytes);
+
+  uint64_t used() const { return used_.load(std::memory_order_relaxed); }
+  uint64_t limit() const { return limit_; }
+  uint64_t segments() const { return segments_.load(std::memory_order_relaxed); }
+
+ private:
+  friend class Segment;
+  const uint64_t limit_;
+  std::atomic<uint64_t> used_{0};
+  std::atomic<uint64_t> segments_{0};
+};
+
+class Segment {
+ public:
+  // Creates a writable segment of `size` bytes charged to `account` (which
+  // must outlive the segment). `kind` names it in /proc ("weightd:<kind>").
+  static absl::StatusOr<std::unique_ptr<Segment>> Create(
+      std::shared_ptr<MemoryAccount> account, absl::string_view kind,
+      uint64_t size, bool prefault);
+
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  // Seals the memfd (no writes, grow or shrink by anyone) and remaps it
+  // read-only.
+  absl::Status Seal() { return memfd_.Seal(); }
+
+  uint64_t id() const { return id_; }
+  uint64_t size() const { return memfd_.size(); }
+  int fd() const { return memfd_.fd(); }
+  bool sealed() const { return memfd_.sealed(); }
+  const uint8_t* data() const { return memfd_.data(); }
+  // REQUIRES: !sealed().
+  uint8_t* mutable_data() { return memfd_.mutable_data(); }
+
+ private:
+  Segment(std::shared_ptr<MemoryAccount> account, MemfdSegment memfd);
+
+  std::shared_ptr<MemoryAccount> account_;
+  MemfdSegment memfd_;
+  uint64_t id_;
+};
+
+using SegmentPtr = std::shared_ptr<const Segment>;
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_STORE_SEGMENT_H_

@@ -1,0 +1,63 @@
+// The shm transport's data socket: hands a lease's segment fds to the client
+// that presents its id and token, and ends the lease when that client's
+// connection closes — which is how a killed worker gives back what it held.
+//
+// One thread polls every connection; requests are 32 bytes and replies a
+// few fds, so it never blocks on one client for long.
+#ifndef WEIGHTD_SERVER_TRANSPORT_SHM_SERVER_H_
+#define WEIGHTD_SERVER_TRANSPORT_SHM_SERVER_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "common/fd.h"
+#include "common/unix_socket.h"
+#include "server/lease/lease_table.h"
+
+namespace weightd {
+
+class ShmDataServer {
+ public:
+  struct Options {
+    std::string path;
+    mode_t mode = 0660;
+    // Optional: decides whether a peer may use the socket at all.
+    std::function<absl::Status(const PeerCredentials&)> authorize;
+  };
+
+  // Binds the socket and starts the polling thread. `leases` must outlive
+  // the server.
+  static absl::StatusOr<std::unique_ptr<ShmDataServer>> Start(Options options,
+                                                              LeaseTable* leases);
+  ~ShmDataServer();  // Stop()s
+
+  // Stops the thread, closes every connection (ending their leases) and
+  // unlinks the socket file. Idempotent.
+  void Stop();
+
+  const std::string& path() const { return options_.path; }
+  uint64_t connections_open() const { return open_.load(); }
+
+ private:
+  ShmDataServer(Options options, LeaseTable* leases, UniqueFd listen_fd, UniqueFd wake_fd);
+  void Run();
+
+  const Options options_;
+  LeaseTable* const leases_;
+  UniqueFd listen_fd_;
+  UniqueFd wake_fd_;  // eventfd that breaks poll() on Stop()
+  std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> open_{0};
+  std::thread thread_;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_TRANSPORT_SHM_SERVER_H_

@@ -36,16 +36,16 @@ std::vector<uint8_t> MakeSource(DType dtype) {
   return out;
 }
 
-void BM_Cast(benchmark::State& state, DType from, DType to, const char* kernel) {
+void BM_Cast(benchmark::State& state, DType from, DType to,
+             const char* kernel) {
   const size_t count = kSrcBytes / DTypeSize(from);
   const std::vector<uint8_t> src = MakeSource(from);
   std::vector<uint8_t> dst(count * DTypeSize(to), 1);  // pre-faulted
   for (auto _ : state) {
-    absl::Status s =
-        kernel == nullptr
-            ? CastBuffer(from, src.data(), to, dst.data(), count)
-            : cast_internal::CastBufferWithKernel(kernel, from, src.data(), to,
-                                                  dst.data(), count);
+    absl::Status s = kernel == nullptr
+                         ? CastBuffer(from, src.data(), to, dst.data(), count)
+                         : cast_internal::CastBufferWithKernel(
+                               kernel, from, src.data(), to, dst.data(), count);
     if (!s.ok()) {
       state.SkipWithError(std::string(s.message()).c_str());
       break;
@@ -72,9 +72,9 @@ void BM_Memcpy(benchmark::State& state) {
 
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime();
 
-#define WD_CAST_BENCH(name, from, to, kernel)                            \
-  BENCHMARK_CAPTURE(BM_Cast, name, DType::from, DType::to, kernel)      \
-      ->Unit(benchmark::kMillisecond)                                   \
+#define WD_CAST_BENCH(name, from, to, kernel)                      \
+  BENCHMARK_CAPTURE(BM_Cast, name, DType::from, DType::to, kernel) \
+      ->Unit(benchmark::kMillisecond)                              \
       ->UseRealTime()
 
 WD_CAST_BENCH(F32_to_BF16, kF32, kBF16, nullptr);

@@ -258,7 +258,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::Fetch(const FetchOptions& opti
     for (int i = 0; i < resp.segment_sizes_size(); ++i) {
       WD_ASSIGN_OR_RETURN(MappedRegion map,
                           MappedRegion::Map(fds[i].get(), resp.segment_sizes(i),
-                                            MappedRegion::Mode::kReadOnly));
+                                            MappedRegion::Mode::kReadOnly, options.populate));
       bases[i] = map.data();
       set->maps_.push_back(std::move(map));
     }

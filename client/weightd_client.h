@@ -73,6 +73,9 @@ struct FetchOptions {
   uint64_t changed_since = 0;
   // Recompute every tensor's digest on arrival; DATA_LOSS on a mismatch.
   bool verify_digests = false;
+  // shm: fill the page tables at map time so first reads do not fault page
+  // by page.
+  bool populate = true;
 };
 
 struct TensorView {

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -30,9 +31,8 @@ uint32_t Bits(float f) { return std::bit_cast<uint32_t>(f); }
 float F(uint32_t w) { return std::bit_cast<float>(w); }
 uint64_t Bits(double d) { return std::bit_cast<uint64_t>(d); }
 
-constexpr DType kFloatTypes[] = {DType::kF64,    DType::kF32,
-                                 DType::kF16,    DType::kBF16,
-                                 DType::kF8E4M3, DType::kF8E5M2};
+constexpr DType kFloatTypes[] = {DType::kF64,  DType::kF32,    DType::kF16,
+                                 DType::kBF16, DType::kF8E4M3, DType::kF8E5M2};
 
 // Kernel families this CPU can run, vector ones first.
 std::vector<std::string> VectorKernels() {
@@ -70,8 +70,9 @@ double RefHalfValue(uint16_t h) {
   const int e = (h >> 10) & 0x1F;
   const int m = h & 0x3FF;
   const double s = (h & 0x8000) ? -1.0 : 1.0;
-  if (e == 31) return m ? std::numeric_limits<double>::quiet_NaN()
-                        : s * std::numeric_limits<double>::infinity();
+  if (e == 31)
+    return m ? std::numeric_limits<double>::quiet_NaN()
+             : s * std::numeric_limits<double>::infinity();
   if (e == 0) return s * std::ldexp(m, -24);
   return s * std::ldexp(1024 + m, e - 25);
 }
@@ -95,7 +96,8 @@ TEST(CastTest, HalfExhaustiveRoundTrip) {
     if (std::isnan(ref)) {
       ASSERT_TRUE(std::isnan(f)) << h;
       // c10 keeps the payload and sets the quiet bit.
-      EXPECT_EQ(Bits(f), ((h & 0x8000u) << 16) | 0x7FC00000u | ((h & 0x3FFu) << 13))
+      EXPECT_EQ(Bits(f),
+                ((h & 0x8000u) << 16) | 0x7FC00000u | ((h & 0x3FFu) << 13))
           << h;
       EXPECT_EQ(FloatToHalf(f), (h & 0x8000) | 0x7E00) << h;
     } else {
@@ -125,41 +127,43 @@ TEST(CastTest, FloatToHalfSpecialValues) {
     uint16_t out;
   };
   const Case cases[] = {
-      {0x00000000, 0x0000},         // +0
-      {0x80000000, 0x8000},         // -0
-      {0x7F800000, 0x7C00},         // +Inf
-      {0xFF800000, 0xFC00},         // -Inf
-      {0x7FC00000, 0x7E00},         // qNaN
-      {0xFFC00001, 0xFE00},         // -qNaN with payload
-      {0x7F800001, 0x7E00},         // sNaN
-      {0x7FFFFFFF, 0x7E00},         // NaN, all payload bits
-      {Bits(65504.0f), 0x7BFF},     // max finite
-      {Bits(65519.99f), 0x7BFF},    // just below the overflow boundary
-      {Bits(65520.0f), 0x7C00},     // overflow boundary rounds to Inf
+      {0x00000000, 0x0000},       // +0
+      {0x80000000, 0x8000},       // -0
+      {0x7F800000, 0x7C00},       // +Inf
+      {0xFF800000, 0xFC00},       // -Inf
+      {0x7FC00000, 0x7E00},       // qNaN
+      {0xFFC00001, 0xFE00},       // -qNaN with payload
+      {0x7F800001, 0x7E00},       // sNaN
+      {0x7FFFFFFF, 0x7E00},       // NaN, all payload bits
+      {Bits(65504.0f), 0x7BFF},   // max finite
+      {Bits(65519.99f), 0x7BFF},  // just below the overflow boundary
+      {Bits(65520.0f), 0x7C00},   // overflow boundary rounds to Inf
       {Bits(-65520.0f), 0xFC00},
       {Bits(1e10f), 0x7C00},
-      {0x7F7FFFFF, 0x7C00},         // F32 max
-      {Bits(0x1p-14f), 0x0400},     // min normal
-      {Bits(0x1p-24f), 0x0001},     // min subnormal
-      {Bits(0x1p-25f), 0x0000},     // tie between 0 and min subnormal -> 0
-      {Bits(0x1p-25f) + 1, 0x0001}, // just above that tie
-      {Bits(0x3p-25f), 0x0002},     // tie between 1 and 2 subnormal steps
-      {Bits(0x5p-25f), 0x0002},     // tie between 2 and 3 -> 2
+      {0x7F7FFFFF, 0x7C00},          // F32 max
+      {Bits(0x1p-14f), 0x0400},      // min normal
+      {Bits(0x1p-24f), 0x0001},      // min subnormal
+      {Bits(0x1p-25f), 0x0000},      // tie between 0 and min subnormal -> 0
+      {Bits(0x1p-25f) + 1, 0x0001},  // just above that tie
+      {Bits(0x3p-25f), 0x0002},      // tie between 1 and 2 subnormal steps
+      {Bits(0x5p-25f), 0x0002},      // tie between 2 and 3 -> 2
       {Bits(-0x1p-24f), 0x8001},
-      {Bits(0x1.ffcp-15f), 0x0400}, // largest subnormal + half step -> min normal
-      {Bits(0x1.ff8p-15f), 0x03FF}, // largest subnormal
-      {0x00000001, 0x0000},         // F32 subnormal
+      {Bits(0x1.ffcp-15f),
+       0x0400},  // largest subnormal + half step -> min normal
+      {Bits(0x1.ff8p-15f), 0x03FF},  // largest subnormal
+      {0x00000001, 0x0000},          // F32 subnormal
       {0x80000001, 0x8000},
       {Bits(1.0f), 0x3C00},
-      {Bits(1.0f + 0x1p-11f), 0x3C00},           // tie -> even
-      {Bits(1.0f + 0x3p-11f), 0x3C02},           // tie -> even (up)
-      {Bits(1.0f + 0x1p-11f) + 1, 0x3C01},       // above the tie
+      {Bits(1.0f + 0x1p-11f), 0x3C00},      // tie -> even
+      {Bits(1.0f + 0x3p-11f), 0x3C02},      // tie -> even (up)
+      {Bits(1.0f + 0x1p-11f) + 1, 0x3C01},  // above the tie
       {Bits(65504.0f + 15.99f), 0x7BFF},
       {Bits(-2.0f), 0xC000},
   };
   for (const Case& c : cases) {
     EXPECT_EQ(FloatToHalf(F(c.in)), c.out) << absl::StrFormat("0x%08x", c.in);
-    EXPECT_EQ(RefFloatToHalf(F(c.in)), c.out) << absl::StrFormat("0x%08x", c.in);
+    EXPECT_EQ(RefFloatToHalf(F(c.in)), c.out)
+        << absl::StrFormat("0x%08x", c.in);
   }
 }
 
@@ -169,24 +173,24 @@ TEST(CastTest, FloatToBFloat16SpecialValues) {
     uint16_t out;
   };
   const Case cases[] = {
-      {0x00000000, 0x0000}, {0x80000000, 0x8000}, {0x7F800000, 0x7F80},
-      {0xFF800000, 0xFF80}, {0x7FC00000, 0x7FC0}, {0xFFC00001, 0x7FC0},
-      {0x7F800001, 0x7FC0}, {0xFFFFFFFF, 0x7FC0}, {0x3F800000, 0x3F80},
-      {0x3F808000, 0x3F80},  // tie -> even (down)
-      {0x3F818000, 0x3F82},  // tie -> even (up)
-      {0x3F808001, 0x3F81},  // above the tie
-      {0x3F807FFF, 0x3F80},  // below the tie
-      {0x7F7FFFFF, 0x7F80},  // F32 max rounds to Inf
-      {0xFF7FFFFF, 0xFF80},
-      {0x7F7F7FFF, 0x7F7F},  // largest that stays finite
+      {0x00000000, 0x0000}, {0x80000000, 0x8000},
+      {0x7F800000, 0x7F80}, {0xFF800000, 0xFF80},
+      {0x7FC00000, 0x7FC0}, {0xFFC00001, 0x7FC0},
+      {0x7F800001, 0x7FC0}, {0xFFFFFFFF, 0x7FC0},
+      {0x3F800000, 0x3F80}, {0x3F808000, 0x3F80},  // tie -> even (down)
+      {0x3F818000, 0x3F82},                        // tie -> even (up)
+      {0x3F808001, 0x3F81},                        // above the tie
+      {0x3F807FFF, 0x3F80},                        // below the tie
+      {0x7F7FFFFF, 0x7F80},                        // F32 max rounds to Inf
+      {0xFF7FFFFF, 0xFF80}, {0x7F7F7FFF, 0x7F7F},  // largest that stays finite
       {0x00000001, 0x0000},  // subnormals round like everything else
       {0x00008000, 0x0000},  // tie -> even
-      {0x00018000, 0x0002},
-      {0x00008001, 0x0001},
+      {0x00018000, 0x0002}, {0x00008001, 0x0001},
       {0x807FFFFF, 0x8080},  // largest negative subnormal -> -min normal
   };
   for (const Case& c : cases) {
-    EXPECT_EQ(FloatToBFloat16(F(c.in)), c.out) << absl::StrFormat("0x%08x", c.in);
+    EXPECT_EQ(FloatToBFloat16(F(c.in)), c.out)
+        << absl::StrFormat("0x%08x", c.in);
   }
 }
 
@@ -213,21 +217,35 @@ TEST(CastTest, Fp8E4M3KnownValues) {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const Case cases[] = {
-      {0.0f, 0x00},      {-0.0f, 0x80},     {1.0f, 0x38},     {-2.0f, 0xC0},
-      {448.0f, 0x7E},    {-448.0f, 0xFE},   {416.0f, 0x7D},
-      {464.0f, 0x7E},    // tie between 448 and 480(NaN) -> even mantissa 448
-      {464.5f, 0x7F},    // past the tie: rounds into the NaN code
-      {479.0f, 0x7F},    {480.0f, 0x7F},    {-480.0f, 0xFF},  {1e6f, 0x7F},
-      {inf, 0x7F},       {-inf, 0xFF},      {nan, 0x7F},      {-nan, 0xFF},
+      {0.0f, 0x00},
+      {-0.0f, 0x80},
+      {1.0f, 0x38},
+      {-2.0f, 0xC0},
+      {448.0f, 0x7E},
+      {-448.0f, 0xFE},
+      {416.0f, 0x7D},
+      {464.0f, 0x7E},  // tie between 448 and 480(NaN) -> even mantissa 448
+      {464.5f, 0x7F},  // past the tie: rounds into the NaN code
+      {479.0f, 0x7F},
+      {480.0f, 0x7F},
+      {-480.0f, 0xFF},
+      {1e6f, 0x7F},
+      {inf, 0x7F},
+      {-inf, 0xFF},
+      {nan, 0x7F},
+      {-nan, 0xFF},
       {0x1p-6f, 0x08},   // min normal
       {0x1p-9f, 0x01},   // min subnormal
       {0x1p-10f, 0x00},  // tie between 0 and min subnormal -> 0
       {0x1.000002p-10f, 0x01},
       {0x3p-10f, 0x02},  // tie between 1 and 2 -> 2
-      {0x7p-9f, 0x07},   {0xfp-10f, 0x08},  // tie between 7 and 8 -> 8
-      {-0x1p-9f, 0x81},  {0x1p-30f, 0x00},  {-0x1p-30f, 0x80},
-      {1.0625f, 0x38},   // tie -> even
-      {1.1875f, 0x3A},   // tie -> even (up)
+      {0x7p-9f, 0x07},
+      {0xfp-10f, 0x08},  // tie between 7 and 8 -> 8
+      {-0x1p-9f, 0x81},
+      {0x1p-30f, 0x00},
+      {-0x1p-30f, 0x80},
+      {1.0625f, 0x38},  // tie -> even
+      {1.1875f, 0x3A},  // tie -> even (up)
   };
   for (const Case& c : cases) {
     EXPECT_EQ(FloatToFp8E4M3(c.in), c.out) << c.in;
@@ -253,17 +271,17 @@ TEST(CastTest, Fp8E5M2KnownValues) {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const Case cases[] = {
-      {0.0f, 0x00},       {-0.0f, 0x80},     {1.0f, 0x3C},
-      {57344.0f, 0x7B},   // max finite
-      {61439.0f, 0x7B},   {61440.0f, 0x7C},  // tie -> even = Inf
-      {65536.0f, 0x7C},   {-1e9f, 0xFC},     {inf, 0x7C},      {-inf, 0xFC},
-      {nan, 0x7F},        {-nan, 0xFF},
-      {0x1p-14f, 0x04},   // min normal
-      {0x1p-16f, 0x01},   // min subnormal
-      {0x1p-17f, 0x00},   // tie -> 0
-      {0x3p-17f, 0x02},   // tie -> 2
-      {1.125f, 0x3C},     // tie -> even
-      {1.375f, 0x3E},     // tie -> even (up)
+      {0.0f, 0x00},     {-0.0f, 0x80},    {1.0f, 0x3C},
+      {57344.0f, 0x7B},                    // max finite
+      {61439.0f, 0x7B}, {61440.0f, 0x7C},  // tie -> even = Inf
+      {65536.0f, 0x7C}, {-1e9f, 0xFC},    {inf, 0x7C},
+      {-inf, 0xFC},     {nan, 0x7F},      {-nan, 0xFF},
+      {0x1p-14f, 0x04},  // min normal
+      {0x1p-16f, 0x01},  // min subnormal
+      {0x1p-17f, 0x00},  // tie -> 0
+      {0x3p-17f, 0x02},  // tie -> 2
+      {1.125f, 0x3C},    // tie -> even
+      {1.375f, 0x3E},    // tie -> even (up)
   };
   for (const Case& c : cases) {
     EXPECT_EQ(FloatToFp8E5M2(c.in), c.out) << c.in;
@@ -275,16 +293,20 @@ TEST(CastTest, Fp8E5M2KnownValues) {
 TEST(CastBufferTest, F64RoundsToF32First) {
   // PyTorch rounds F64 -> F32 -> F16: the 2^-40 is lost first, and the F32
   // value is then an exact tie that goes to even.
-  const double in[] = {1.0 + 0x1p-11 + 0x1p-40, 1.0 + 0x1p-8 + 0x1p-40,
-                       1.0 + 0x1p-24 + 0x1p-40, 1e300, -1e300,
-                       std::numeric_limits<double>::quiet_NaN(), -0.0};
+  const double in[] = {1.0 + 0x1p-11 + 0x1p-40,
+                       1.0 + 0x1p-8 + 0x1p-40,
+                       1.0 + 0x1p-24 + 0x1p-40,
+                       1e300,
+                       -1e300,
+                       std::numeric_limits<double>::quiet_NaN(),
+                       -0.0};
   uint16_t f16[7];
   uint16_t bf16[7];
   float f32[7];
   ASSERT_TRUE(CastBuffer(DType::kF64, in, DType::kF16, f16, 7).ok());
   ASSERT_TRUE(CastBuffer(DType::kF64, in, DType::kBF16, bf16, 7).ok());
   ASSERT_TRUE(CastBuffer(DType::kF64, in, DType::kF32, f32, 7).ok());
-  EXPECT_EQ(f16[0], 0x3C00);  // not 0x3C01
+  EXPECT_EQ(f16[0], 0x3C00);   // not 0x3C01
   EXPECT_EQ(bf16[1], 0x3F80);  // not 0x3F81
   EXPECT_EQ(Bits(f32[2]), 0x3F800001u);
   EXPECT_EQ(f16[3], 0x7C00);
@@ -338,9 +360,13 @@ TEST(CastBufferTest, IdentityIsCopy) {
 TEST(CastBufferTest, KernelNameAndUnknownKernel) {
   const absl::string_view name = CastKernelName();
   EXPECT_TRUE(name == "scalar" || name == "avx2" || name == "avx512") << name;
-  if (std::getenv("WEIGHTD_CAST_KERNEL") == nullptr) {
-    const std::vector<std::string> vec = VectorKernels();
+  const std::vector<std::string> vec = VectorKernels();
+  const char* forced = std::getenv("WEIGHTD_CAST_KERNEL");
+  if (forced == nullptr) {
     EXPECT_EQ(name, vec.empty() ? "scalar" : vec.front());
+  } else if (std::string(forced) == "scalar" ||
+             std::find(vec.begin(), vec.end(), forced) != vec.end()) {
+    EXPECT_EQ(name, forced);  // run with WEIGHTD_CAST_KERNEL=avx2 etc.
   }
   float in = 1.0f;
   uint16_t out;
@@ -406,8 +432,10 @@ TEST(CastBufferTest, ScalarFp8BuffersMatchElementFunctions) {
   for (int c = 0; c < 256; ++c) {
     const uint8_t v = static_cast<uint8_t>(c);
     float f[2];
-    ASSERT_TRUE(CastBufferScalar(DType::kF8E4M3, &v, DType::kF32, &f[0], 1).ok());
-    ASSERT_TRUE(CastBufferScalar(DType::kF8E5M2, &v, DType::kF32, &f[1], 1).ok());
+    ASSERT_TRUE(
+        CastBufferScalar(DType::kF8E4M3, &v, DType::kF32, &f[0], 1).ok());
+    ASSERT_TRUE(
+        CastBufferScalar(DType::kF8E5M2, &v, DType::kF32, &f[1], 1).ok());
     EXPECT_EQ(Bits(f[0]), Bits(Fp8E4M3ToFloat(v)));
     EXPECT_EQ(Bits(f[1]), Bits(Fp8E5M2ToFloat(v)));
     // FP8 -> F16 goes through F32.
@@ -471,11 +499,19 @@ TEST(CastBufferTest, VectorMatchesScalarOnRandomF32) {
       ExpectSameAsScalar(kernel, DType::kF32, src.data() + 1, to, kCount,
                          DTypeSize(to));
     }
+    // Byte-misaligned source and destination (alignment is not required).
+    const void* odd_src = reinterpret_cast<const char*>(src.data()) + 1;
+    for (DType to : {DType::kBF16, DType::kF16, DType::kF64}) {
+      ExpectSameAsScalar(kernel, DType::kF32, odd_src, to, kCount - 1, 1);
+    }
     // A short odd length for the tails.
     for (size_t n : {1, 7, 15, 17, 31, 33, 63, 65}) {
-      ExpectSameAsScalar(kernel, DType::kF32, src.data() + 3, DType::kBF16, n, 2);
-      ExpectSameAsScalar(kernel, DType::kF32, src.data() + 3, DType::kF16, n, 2);
-      ExpectSameAsScalar(kernel, DType::kF32, src.data() + 3, DType::kF8E4M3, n, 1);
+      ExpectSameAsScalar(kernel, DType::kF32, src.data() + 3, DType::kBF16, n,
+                         2);
+      ExpectSameAsScalar(kernel, DType::kF32, src.data() + 3, DType::kF16, n,
+                         2);
+      ExpectSameAsScalar(kernel, DType::kF32, src.data() + 3, DType::kF8E4M3, n,
+                         1);
     }
   }
 }
@@ -516,9 +552,9 @@ TEST(CastBufferTest, VectorMatchesScalarOnRandomF64) {
   }
   // Scalar F64 -> F16 is F64 -> F32 -> F16.
   std::vector<uint16_t> out(kCount);
-  ASSERT_TRUE(CastBufferScalar(DType::kF64, src.data(), DType::kF16, out.data(),
-                               kCount)
-                  .ok());
+  ASSERT_TRUE(
+      CastBufferScalar(DType::kF64, src.data(), DType::kF16, out.data(), kCount)
+          .ok());
   for (size_t i = 0; i < kCount; ++i) {
     ASSERT_EQ(out[i], FloatToHalf(static_cast<float>(src[i]))) << i;
   }

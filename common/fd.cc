@@ -45,10 +45,12 @@ void UniqueFd::Reset(int fd) {
   fd_ = fd;
 }
 
-absl::StatusOr<MappedRegion> MappedRegion::Map(int fd, size_t size, Mode mode) {
+absl::StatusOr<MappedRegion> MappedRegion::Map(int fd, size_t size, Mode mode,
+                                               bool populate) {
   if (size == 0) return MappedRegion();
   int prot = mode == Mode::kReadOnly ? PROT_READ : PROT_READ | PROT_WRITE;
   int flags = mode == Mode::kCopyOnWrite ? MAP_PRIVATE : MAP_SHARED;
+  if (populate) flags |= MAP_POPULATE;
   void* addr = ::mmap(nullptr, size, prot, flags, fd, 0);
   if (addr == MAP_FAILED) return ErrnoStatus(errno, "mmap");
   return MappedRegion(addr, size);

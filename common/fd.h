@@ -64,7 +64,10 @@ class MappedRegion {
 
   enum class Mode { kReadOnly, kReadWrite, kCopyOnWrite };
   // Maps `size` bytes of `fd` from offset 0. size 0 gives an empty region.
-  static absl::StatusOr<MappedRegion> Map(int fd, size_t size, Mode mode);
+  // `populate` fills the page tables now (MAP_POPULATE), far cheaper than
+  // one fault per page on first touch.
+  static absl::StatusOr<MappedRegion> Map(int fd, size_t size, Mode mode,
+                                          bool populate = false);
 
   uint8_t* data() const { return static_cast<uint8_t*>(addr_); }
   size_t size() const { return size_; }

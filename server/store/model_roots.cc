@@ -4,6 +4,8 @@
 #include <limits.h>
 #include <stdlib.h>
 
+#include <filesystem>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -54,6 +56,15 @@ absl::StatusOr<std::string> ModelRoots::Resolve(absl::string_view path) const {
                                     : absl::StrCat(roots_.front(), "/", path);
   auto real = RealPath(full);
   if (!real.ok()) {
+    // Say nothing of what exists outside the roots.
+    std::string lexical = std::filesystem::path(full).lexically_normal().string();
+    bool inside = false;
+    for (const std::string& root : roots_) inside = inside || IsInside(lexical, root);
+    if (!inside) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("path \"", path, "\" is outside the model roots [",
+                       absl::StrJoin(roots_, ", "), "]"));
+    }
     if (real.status().code() == absl::StatusCode::kNotFound) {
       return absl::NotFoundError(absl::StrCat("path \"", path, "\" does not exist"));
     }

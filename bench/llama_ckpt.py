@@ -1,0 +1,62 @@
+"""Llama-shaped safetensors checkpoints for the benchmarks, written tensor by
+tensor (never the whole model in memory). TinyLlama-1.1B layout by default:
+~2.2 GB in bf16."""
+import json
+import os
+import struct
+
+import torch
+
+TINYLLAMA = dict(vocab=32000, hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4)
+
+
+def llama_shapes(vocab, hidden, intermediate, layers, heads, kv_heads):
+    head_dim = hidden // heads
+    shapes = [("model.embed_tokens.weight", [vocab, hidden])]
+    for i in range(layers):
+        p = "model.layers.%d." % i
+        shapes += [
+            (p + "input_layernorm.weight", [hidden]),
+            (p + "self_attn.q_proj.weight", [heads * head_dim, hidden]),
+            (p + "self_attn.k_proj.weight", [kv_heads * head_dim, hidden]),
+            (p + "self_attn.v_proj.weight", [kv_heads * head_dim, hidden]),
+            (p + "self_attn.o_proj.weight", [hidden, heads * head_dim]),
+            (p + "post_attention_layernorm.weight", [hidden]),
+            (p + "mlp.gate_proj.weight", [intermediate, hidden]),
+            (p + "mlp.up_proj.weight", [intermediate, hidden]),
+            (p + "mlp.down_proj.weight", [hidden, intermediate]),
+        ]
+    shapes += [("model.norm.weight", [hidden]), ("lm_head.weight", [vocab, hidden])]
+    return shapes
+
+
+def write_checkpoint(path, shapes, dtype=torch.bfloat16, seed=0):
+    esize = torch.tensor([], dtype=dtype).element_size()
+    st = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[dtype]
+    header, off = {}, 0
+    for name, shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": st, "shape": shape, "data_offsets": [off, off + n * esize]}
+        off += n * esize
+    hb = json.dumps(header).encode()
+    hb += b" " * ((8 - len(hb) % 8) % 8)
+    gen = torch.Generator().manual_seed(seed)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for name, shape in shapes:
+            t = torch.randn(shape, generator=gen).mul_(0.02).to(dtype)
+            f.write(t.view(-1).view(torch.uint8).numpy().tobytes())
+    os.replace(tmp, path)
+    return off
+
+
+def ensure_checkpoint(directory, config=TINYLLAMA, dtype=torch.bfloat16):
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "model.safetensors")
+    if not os.path.exists(path):
+        write_checkpoint(path, llama_shapes(**config), dtype)
+    return path

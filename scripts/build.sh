@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Configures and builds weightd into ${BUILD_DIR:-build}.
+#   scripts/build.sh [--release] [--sanitize address,undefined|thread] [extra cmake args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_type=RelWithDebInfo
+sanitize=""
+extra=()
+while (($#)); do
+  case "$1" in
+    --release) build_type=Release ;;
+    --sanitize) sanitize="$2"; shift ;;
+    *) extra+=("$1") ;;
+  esac
+  shift
+done
+BUILD_DIR=${BUILD_DIR:-build}
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$build_type" \
+  -DWEIGHTD_SANITIZE="$sanitize" "${extra[@]}"
+cmake --build "$BUILD_DIR" -j"$(nproc)"

@@ -1,0 +1,71 @@
+#include "server/lease/lease_table.h"
+
+#include <gtest/gtest.h>
+
+namespace weightd {
+namespace {
+
+absl::string_view TokenOf(const LeaseGrant& g) {
+  return absl::string_view(reinterpret_cast<const char*>(g.token.data()), g.token.size());
+}
+
+std::shared_ptr<MemoryAccount> Account() { return std::make_shared<MemoryAccount>(0); }
+
+LeaseContents WithSegment(const std::shared_ptr<MemoryAccount>& account) {
+  auto seg = Segment::Create(account, "test", 4096, false);
+  EXPECT_TRUE(seg.ok());
+  LeaseContents c;
+  c.segments.push_back(SegmentPtr(std::move(*seg)));
+  return c;
+}
+
+TEST(LeaseTableTest, WrongTokenIsPermissionDeniedUnknownIsNotFound) {
+  LeaseTable table(absl::Seconds(60));
+  LeaseGrant g = table.Grant(LeaseContents{});
+  std::string bad(TokenOf(g));
+  bad[0] ^= 1;
+  EXPECT_EQ(table.Use(g.id, bad).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(table.Use(g.id + 1, TokenOf(g)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(table.Use(g.id, TokenOf(g)).ok());
+  EXPECT_TRUE(table.Release(g.id, TokenOf(g)).ok());
+  EXPECT_EQ(table.Release(g.id, TokenOf(g)).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(LeaseTableTest, LeaseKeepsSegmentsAliveUntilReleased) {
+  auto account = Account();
+  LeaseTable table(absl::Seconds(60));
+  LeaseGrant g = table.Grant(WithSegment(account));
+  EXPECT_EQ(account->used(), 4096u);
+  ASSERT_TRUE(table.Release(g.id, TokenOf(g)).ok());
+  EXPECT_EQ(account->used(), 0u);
+}
+
+TEST(LeaseTableTest, ClosingConnectionEndsOnlyItsLeases) {
+  auto account = Account();
+  LeaseTable table(absl::Seconds(60));
+  LeaseGrant a = table.Grant(WithSegment(account));
+  LeaseGrant b = table.Grant(WithSegment(account));
+  LeaseGrant c = table.Grant(WithSegment(account));
+  ASSERT_TRUE(table.Attach(a.id, TokenOf(a), 7).ok());
+  ASSERT_TRUE(table.Attach(b.id, TokenOf(b), 7).ok());
+  ASSERT_TRUE(table.Attach(c.id, TokenOf(c), 8).ok());
+  EXPECT_EQ(table.Attach(a.id, TokenOf(a), 9).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(table.ReleaseConnection(7), 2u);
+  EXPECT_EQ(table.size(), 1u);
+  EXPECT_EQ(account->used(), 4096u);
+}
+
+TEST(LeaseTableTest, UnattachedLeasesExpireAttachedOnesDoNot) {
+  LeaseTable table(absl::Seconds(10));
+  LeaseGrant idle = table.Grant(LeaseContents{});
+  LeaseGrant held = table.Grant(LeaseContents{});
+  ASSERT_TRUE(table.Attach(held.id, TokenOf(held), 1).ok());
+  EXPECT_EQ(table.Expire(absl::Now() + absl::Seconds(5)), 0u);
+  EXPECT_EQ(table.Expire(absl::Now() + absl::Seconds(11)), 1u);
+  EXPECT_EQ(table.Use(idle.id, TokenOf(idle)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(table.Use(held.id, TokenOf(held)).ok());
+}
+
+}  // namespace
+}  // namespace weightd

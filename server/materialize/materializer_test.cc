@@ -1,0 +1,153 @@
+#include "server/materialize/materializer.h"
+
+#include <cstring>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "common/cast.h"
+
+namespace weightd {
+namespace {
+
+// A stored F32 tensor of `shape` with values 0, 1, 2, ... in its own segment.
+struct Fixture {
+  std::shared_ptr<MemoryAccount> account = std::make_shared<MemoryAccount>(0);
+  StoredTensor tensor;
+
+  explicit Fixture(std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    auto seg = Segment::Create(account, "base", std::max<int64_t>(n * 4, 1), false);
+    EXPECT_TRUE(seg.ok());
+    for (int64_t i = 0; i < n; ++i) {
+      float v = static_cast<float>(i);
+      std::memcpy((*seg)->mutable_data() + i * 4, &v, 4);
+    }
+    EXPECT_TRUE((*seg)->Seal().ok());
+    tensor.name = "t";
+    tensor.dtype = DType::kF32;
+    tensor.shape = shape;
+    tensor.length = n * 4;
+    tensor.segment = SegmentPtr(std::move(*seg));
+    tensor.digest = DigestBytes(tensor.segment->data(), tensor.length);
+  }
+};
+
+// The element values a box holds, by brute force.
+std::vector<float> Expected(const std::vector<int64_t>& shape, const ShardBox& box) {
+  std::vector<float> out;
+  size_t nd = shape.size();
+  std::vector<int64_t> idx(nd, 0);
+  int64_t total = box.NumElements();
+  for (int64_t k = 0; k < total; ++k) {
+    int64_t lin = 0;
+    for (size_t d = 0; d < nd; ++d) lin = lin * shape[d] + box.offset[d] + idx[d];
+    out.push_back(static_cast<float>(lin));
+    for (size_t d = nd; d-- > 0;) {
+      if (++idx[d] < box.shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
+
+std::vector<float> Read(const ServedTensor& s) {
+  std::vector<float> out(s.length / 4);
+  if (!out.empty()) std::memcpy(out.data(), s.segment->data() + s.offset, s.length);
+  return out;
+}
+
+TEST(MaterializerTest, ContiguousSameDtypeIsAViewIntoTheBase) {
+  Fixture f({10, 4});
+  Materializer m({f.account, 2});
+  ShardBox box{{3, 0}, {3, 4}};
+  auto r = m.Materialize({{&f.tensor, box, DType::kF32}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE((*r)[0].view);
+  EXPECT_EQ((*r)[0].segment, f.tensor.segment);
+  EXPECT_EQ((*r)[0].offset, 3u * 4 * 4);
+  EXPECT_EQ(Read((*r)[0]), Expected(f.tensor.shape, box));
+  EXPECT_EQ((*r)[0].digest, DigestBytes(f.tensor.data() + 48, 48));
+}
+
+TEST(MaterializerTest, ColumnSliceIsPackedAndCached) {
+  Fixture f({5, 6});
+  Materializer m({f.account, 2});
+  ShardBox box{{0, 2}, {5, 2}};
+  auto r1 = m.Materialize({{&f.tensor, box, DType::kF32}});
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  EXPECT_FALSE((*r1)[0].view);
+  EXPECT_TRUE((*r1)[0].segment->sealed());
+  EXPECT_EQ(Read((*r1)[0]), Expected(f.tensor.shape, box));
+  auto r2 = m.Materialize({{&f.tensor, box, DType::kF32}});
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ((*r2)[0].segment, (*r1)[0].segment) << "identical requests share one copy";
+  EXPECT_EQ(m.stats().hits, 1u);
+}
+
+TEST(MaterializerTest, BatchOfMissesSharesOneSegment) {
+  Fixture f({8, 8});
+  Materializer m({f.account, 2});
+  std::vector<MaterializeItem> items;
+  for (int i = 0; i < 4; ++i) items.push_back({&f.tensor, ShardBox{{0, 2 * i}, {8, 2}}, DType::kBF16});
+  auto r = m.Materialize(items);
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ((*r)[i].segment, (*r)[0].segment);
+    EXPECT_EQ((*r)[i].length, 8u * 2 * 2);
+    EXPECT_EQ((*r)[i].offset % 64, 0u);
+  }
+  EXPECT_EQ(m.stats().packed_segments, 1u);
+}
+
+TEST(MaterializerTest, CopyBoxMatchesBruteForceOnRandomBoxes) {
+  std::mt19937 rng(7);
+  for (int iter = 0; iter < 300; ++iter) {
+    size_t nd = 1 + rng() % 4;
+    std::vector<int64_t> shape(nd);
+    for (auto& d : shape) d = 1 + rng() % 5;
+    Fixture f(shape);
+    ShardBox box;
+    for (size_t d = 0; d < nd; ++d) {
+      int64_t off = rng() % shape[d];
+      box.offset.push_back(off);
+      box.shape.push_back(rng() % (shape[d] - off + 1));
+    }
+    std::vector<float> out(std::max<int64_t>(box.NumElements(), 1));
+    ASSERT_TRUE(CopyBox(f.tensor.data(), DType::kF32, shape, box,
+                        reinterpret_cast<uint8_t*>(out.data()), DType::kF32).ok());
+    out.resize(box.NumElements());
+    EXPECT_EQ(out, Expected(shape, box)) << "iteration " << iter;
+  }
+}
+
+TEST(MaterializerTest, EvictUnusedFreesOnlyUnheldSegments) {
+  Fixture f({4, 4});
+  Materializer m({f.account, 1});
+  uint64_t base = f.account->used();
+  auto held = m.Materialize({{&f.tensor, ShardBox{{0, 0}, {4, 2}}, DType::kF32}});
+  auto unheld = m.Materialize({{&f.tensor, ShardBox{{0, 2}, {4, 2}}, DType::kF32}});
+  ASSERT_TRUE(held.ok() && unheld.ok());
+  unheld->clear();
+  EXPECT_GT(m.EvictUnused(), 0u);
+  EXPECT_GT(f.account->used(), base) << "the held shard stays";
+  held->clear();
+  m.EvictUnused();
+  EXPECT_EQ(f.account->used(), base);
+}
+
+TEST(MaterializerTest, ViewCacheDoesNotKeepUnloadedBaseAlive) {
+  auto f = std::make_unique<Fixture>(std::vector<int64_t>{4, 4});
+  auto account = f->account;
+  Materializer m({account, 1});
+  {
+    auto r = m.Materialize({{&f->tensor, ShardBox{{0, 0}, {2, 4}}, DType::kF32}});
+    ASSERT_TRUE(r.ok());
+  }
+  f.reset();
+  EXPECT_EQ(account->used(), 0u);
+}
+
+}  // namespace
+}  // namespace weightd

@@ -1,0 +1,163 @@
+#include "server/store/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "common/fd.h"
+#include "common/safetensors.h"
+#include "server/store/model_roots.h"
+
+namespace weightd {
+namespace {
+
+namespace fs = std::filesystem;
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/weightd-ckpt-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    account_ = std::make_shared<MemoryAccount>(0);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Writes a file of F32 tensors [n] each filled with `base + i`.
+  std::string WriteFile(const std::string& name,
+                        const std::vector<std::pair<std::string, int>>& tensors) {
+    std::vector<SafetensorsWriteEntry> entries;
+    std::string data;
+    for (const auto& [tname, n] : tensors) {
+      entries.push_back({tname, DType::kF32, {n}, static_cast<uint64_t>(n) * 4});
+      for (int i = 0; i < n; ++i) {
+        float v = static_cast<float>(tname.size() * 1000 + i);
+        data.append(reinterpret_cast<const char*>(&v), 4);
+      }
+    }
+    std::string path = dir_ + "/" + name;
+    std::string blob = BuildSafetensorsHeader(entries) + data;
+    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644));
+    EXPECT_TRUE(WriteFull(fd.get(), blob.data(), blob.size()).ok());
+    return path;
+  }
+
+  CheckpointLoadOptions Options() {
+    CheckpointLoadOptions o;
+    o.account = account_;
+    o.read_chunk_bytes = 8;  // exercise chunking on tiny files
+    return o;
+  }
+
+  std::string dir_;
+  std::shared_ptr<MemoryAccount> account_;
+};
+
+TEST_F(CheckpointTest, LoadsSingleFileIntoSealedSegment) {
+  std::string path = WriteFile("m.safetensors", {{"a", 3}, {"bb", 5}});
+  auto ckpt = LoadCheckpoint(path, Options());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  ASSERT_EQ((*ckpt)->tensors().size(), 2u);
+  const StoredTensor* bb = (*ckpt)->Find("bb");
+  ASSERT_NE(bb, nullptr);
+  EXPECT_EQ(bb->shape, std::vector<int64_t>({5}));
+  EXPECT_TRUE(bb->segment->sealed());
+  float v;
+  std::memcpy(&v, bb->data() + 8, 4);
+  EXPECT_EQ(v, 2002.0f);
+  EXPECT_EQ(bb->digest, DigestBytes(bb->data(), bb->length));
+  // The seal forbids writes through any new mapping.
+  EXPECT_FALSE(MappedRegion::Map(bb->segment->fd(), bb->segment->size(),
+                                 MappedRegion::Mode::kReadWrite).ok());
+  EXPECT_GT(account_->used(), 0u);
+  ckpt->reset();
+  EXPECT_EQ(account_->used(), 0u);
+}
+
+TEST_F(CheckpointTest, DirectoryOfFilesAndDuplicateAcrossFiles) {
+  WriteFile("b.safetensors", {{"x", 2}});
+  WriteFile("a.safetensors", {{"y", 2}});
+  auto ckpt = LoadCheckpoint(dir_, Options());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ((*ckpt)->files().front(), dir_ + "/a.safetensors");
+  EXPECT_NE((*ckpt)->Find("x"), nullptr);
+  EXPECT_NE((*ckpt)->Find("y"), nullptr);
+
+  WriteFile("c.safetensors", {{"x", 4}});
+  auto dup = LoadCheckpoint(dir_, Options());
+  ASSERT_EQ(dup.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(dup.status().message().find("\"x\" appears in both"), std::string::npos)
+      << dup.status();
+  ckpt->reset();
+  EXPECT_EQ(account_->used(), 0u) << "a failed load must free what it allocated";
+}
+
+TEST_F(CheckpointTest, IndexMustMatchFiles) {
+  WriteFile("p1.safetensors", {{"a", 2}});
+  WriteFile("p2.safetensors", {{"b", 2}});
+  auto write_index = [&](const std::string& json) {
+    std::string p = dir_ + "/model.safetensors.index.json";
+    UniqueFd fd(::open(p.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644));
+    ASSERT_TRUE(WriteFull(fd.get(), json.data(), json.size()).ok());
+  };
+  write_index(R"({"weight_map": {"a": "p1.safetensors", "b": "p2.safetensors"}})");
+  auto ok = LoadCheckpoint(dir_, Options());
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)->files().size(), 2u);
+
+  write_index(R"({"weight_map": {"a": "p2.safetensors", "b": "p1.safetensors"}})");
+  EXPECT_EQ(LoadCheckpoint(dir_, Options()).status().code(), absl::StatusCode::kInvalidArgument);
+
+  write_index(R"({"weight_map": {"a": "p1.safetensors", "b": "p2.safetensors", "c": "p2.safetensors"}})");
+  auto missing = LoadCheckpoint(dir_, Options());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.status().message().find("\"c\""), std::string::npos) << missing.status();
+}
+
+TEST_F(CheckpointTest, BudgetExceededIsResourceExhaustedAndFreesAll) {
+  std::string path = WriteFile("m.safetensors", {{"a", 4096}});
+  CheckpointLoadOptions o = Options();
+  o.account = std::make_shared<MemoryAccount>(1024);
+  auto r = LoadCheckpoint(path, o);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_EQ(o.account->used(), 0u);
+}
+
+TEST_F(CheckpointTest, TruncatedFileIsInvalidArgument) {
+  std::string path = WriteFile("m.safetensors", {{"a", 16}});
+  ASSERT_EQ(::truncate(path.c_str(), fs::file_size(path) - 4), 0);
+  auto r = LoadCheckpoint(path, Options());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find(path), std::string::npos) << r.status();
+}
+
+TEST_F(CheckpointTest, ModelRootsConfinePaths) {
+  std::string inside = WriteFile("m.safetensors", {{"a", 1}});
+  fs::create_directory(dir_ + "/root");
+  fs::create_symlink("/etc/hostname", dir_ + "/root/escape");
+  fs::create_symlink(inside, dir_ + "/root/ok.safetensors");
+  auto roots = ModelRoots::Create({dir_ + "/root"});
+  ASSERT_TRUE(roots.ok());
+  EXPECT_EQ(roots->Resolve(dir_ + "/root/escape").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(roots->Resolve(inside).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(roots->Resolve("/etc/passwd").status().code(), absl::StatusCode::kPermissionDenied);
+  // A symlink to a file outside the root escapes it, even with a good name.
+  EXPECT_EQ(roots->Resolve(dir_ + "/root/ok.safetensors").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(roots->Resolve(dir_ + "/root/nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(roots->Resolve(dir_ + "/root/../m.safetensors").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(ModelRoots::Create({dir_ + "/missing"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace weightd

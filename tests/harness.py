@@ -1,0 +1,116 @@
+"""Test harness shared by the Python suites: starts a real weightd on Unix
+sockets in a temp dir and drives it through the real weightctl binary.
+
+Environment: WEIGHTD_BUILD (default: <repo>/build) locates build/bin.
+"""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD = os.environ.get("WEIGHTD_BUILD", os.path.join(REPO, "build"))
+WEIGHTD = os.path.join(BUILD, "bin", "weightd")
+WEIGHTCTL = os.path.join(BUILD, "bin", "weightctl")
+sys.path.insert(0, os.path.join(REPO, "tests", "parity"))
+sys.path.insert(0, os.path.join(BUILD, "python"))
+
+
+class CtlResult:
+    def __init__(self, proc):
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+
+    @property
+    def error_code(self):
+        """The CANONICAL_CODE of an `error: CODE: message` line, or None."""
+        for line in self.stderr.splitlines():
+            if line.startswith("error: "):
+                return line.split(":", 2)[1].strip()
+        return None
+
+    @property
+    def error_message(self):
+        for line in self.stderr.splitlines():
+            if line.startswith("error: "):
+                return line.split(":", 2)[2].strip()
+        return None
+
+
+class Daemon:
+    """A weightd process. Use as a context manager or call start()/stop()."""
+
+    def __init__(self, model_root=None, extra_args=(), workdir=None):
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="weightd-test-")
+            workdir = self._tmp.name
+        self.workdir = workdir
+        self.model_root = model_root or os.path.join(workdir, "models")
+        os.makedirs(self.model_root, exist_ok=True)
+        self.socket = os.path.join(workdir, "w.sock")
+        self.data_socket = self.socket + ".data"
+        self.log_path = os.path.join(workdir, "weightd.log")
+        self.extra_args = list(extra_args)
+        self.proc = None
+
+    def start(self, timeout=20.0):
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [WEIGHTD, "--socket", self.socket, "--model-root", self.model_root] + self.extra_args,
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("weightd exited early: " + self.log())
+            if os.path.exists(self.socket) and self.ctl("health").returncode == 0:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("weightd did not become healthy: " + self.log())
+
+    def stop(self, timeout=20.0):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self._log.close()
+        rc = self.proc.returncode if self.proc else None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        return rc
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def ctl(self, *args, timeout=120):
+        proc = subprocess.run([WEIGHTCTL, "--socket", self.socket] + [str(a) for a in args],
+                              capture_output=True, text=True, timeout=timeout)
+        return CtlResult(proc)
+
+    def ctl_ok(self, *args, timeout=120):
+        r = self.ctl(*args, timeout=timeout)
+        if r.returncode != 0:
+            raise AssertionError("weightctl %s failed (%d): %s" % (" ".join(map(str, args)),
+                                                                     r.returncode, r.stderr))
+        return r
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,1 @@
+"""weightd: Python client (placeholder, replaced by the client package)."""

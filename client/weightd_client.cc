@@ -258,7 +258,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::Fetch(const FetchOptions& opti
     for (int i = 0; i < resp.segment_sizes_size(); ++i) {
       WD_ASSIGN_OR_RETURN(MappedRegion map,
                           MappedRegion::Map(fds[i].get(), resp.segment_sizes(i),
-                                            MappedRegion::Mode::kReadOnly, options.populate));
+                                            MappedRegion::Mode::kReadOnly));
       bases[i] = map.data();
       set->maps_.push_back(std::move(map));
     }
@@ -284,6 +284,13 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::Fetch(const FetchOptions& opti
     v.data = bases[t.segment()] == nullptr ? nullptr : bases[t.segment()] + t.offset();
     v.length = t.length();
     if (t.digest().size() == 16) std::memcpy(v.digest.bytes.data(), t.digest().data(), 16);
+    if (options.populate && options.transport == Transport::kShm) {
+      // Only this shard's pages: the segment may hold the whole checkpoint.
+      absl::Status populated = set->maps_[t.segment()].PopulateRead(t.offset(), t.length());
+      if (!populated.ok() && populated.code() != absl::StatusCode::kUnimplemented) {
+        return populated;
+      }
+    }
     if (options.verify_digests && DigestBytes(v.data, v.length) != v.digest) {
       return absl::DataLossError(absl::StrCat("tensor \"", v.name, "\": digest mismatch"));
     }

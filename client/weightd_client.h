@@ -73,8 +73,8 @@ struct FetchOptions {
   uint64_t changed_since = 0;
   // Recompute every tensor's digest on arrival; DATA_LOSS on a mismatch.
   bool verify_digests = false;
-  // shm: fill the page tables at map time so first reads do not fault page
-  // by page.
+  // shm: fill the page tables of this shard's bytes before Fetch returns,
+  // so first reads do not fault page by page.
   bool populate = true;
 };
 

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -54,6 +55,25 @@ absl::StatusOr<MappedRegion> MappedRegion::Map(int fd, size_t size, Mode mode,
   void* addr = ::mmap(nullptr, size, prot, flags, fd, 0);
   if (addr == MAP_FAILED) return ErrnoStatus(errno, "mmap");
   return MappedRegion(addr, size);
+}
+
+absl::Status MappedRegion::PopulateRead(size_t offset, size_t length) const {
+#ifndef MADV_POPULATE_READ
+  return absl::UnimplementedError("MADV_POPULATE_READ is not available");
+#else
+  if (length == 0) return absl::OkStatus();
+  if (offset > size_ || length > size_ - offset) {
+    return absl::OutOfRangeError("PopulateRead: range outside the mapping");
+  }
+  static const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  size_t begin = offset / page * page;
+  size_t end = std::min(size_, (offset + length + page - 1) / page * page);
+  if (::madvise(data() + begin, end - begin, MADV_POPULATE_READ) != 0) {
+    if (errno == EINVAL) return absl::UnimplementedError("MADV_POPULATE_READ unsupported");
+    return ErrnoStatus(errno, "madvise(MADV_POPULATE_READ)");
+  }
+  return absl::OkStatus();
+#endif
 }
 
 void MappedRegion::Reset() {

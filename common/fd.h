@@ -73,6 +73,11 @@ class MappedRegion {
   size_t size() const { return size_; }
   void Reset();
 
+  // Fills the page tables for [offset, offset + length) now
+  // (MADV_POPULATE_READ), so reading it later takes no page faults. Kernels
+  // before 5.14 lack it: UNIMPLEMENTED, and the pages fault in on first use.
+  absl::Status PopulateRead(size_t offset, size_t length) const;
+
  private:
   void* addr_ = nullptr;
   size_t size_ = 0;

@@ -48,6 +48,7 @@ class Daemon:
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="weightd-test-")
             workdir = self._tmp.name
+        os.makedirs(workdir, exist_ok=True)
         self.workdir = workdir
         self.model_root = model_root or os.path.join(workdir, "models")
         os.makedirs(self.model_root, exist_ok=True)

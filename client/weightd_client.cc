@@ -21,11 +21,13 @@ class ClientChannel {
       : channel(channel),
         models(v1::Models::NewStub(channel)),
         shards(v1::Shards::NewStub(channel)),
+        adapters(v1::Adapters::NewStub(channel)),
         health(grpc::health::v1::Health::NewStub(channel)) {}
 
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Models::Stub> models;
   std::unique_ptr<v1::Shards::Stub> shards;
+  std::unique_ptr<v1::Adapters::Stub> adapters;
   std::unique_ptr<grpc::health::v1::Health::Stub> health;
 };
 
@@ -54,6 +56,8 @@ ModelInfo ToModelInfo(const v1::ModelInfo& m) {
   out.tensor_count = m.tensor_count();
   out.total_bytes = m.total_bytes();
   out.files.assign(m.files().begin(), m.files().end());
+  out.adapters.assign(m.adapters().begin(), m.adapters().end());
+  out.report.assign(m.report().begin(), m.report().end());
   for (const v1::TensorInfo& t : m.tensors()) {
     ModelTensor mt;
     mt.name = t.name();
@@ -61,6 +65,8 @@ ModelInfo ToModelInfo(const v1::ModelInfo& m) {
     mt.dtype = d.ok() ? *d : DType::kU8;
     mt.shape.assign(t.shape().begin(), t.shape().end());
     if (t.digest().size() == 16) std::memcpy(mt.digest.bytes.data(), t.digest().data(), 16);
+    mt.sources.assign(t.sources().begin(), t.sources().end());
+    mt.patched_by.assign(t.patched_by().begin(), t.patched_by().end());
     out.tensors.push_back(std::move(mt));
   }
   return out;
@@ -224,7 +230,7 @@ absl::StatusOr<DaemonStats> Client::Stats() {
   WD_RETURN_IF_ERROR(FromGrpc(channel_->models->Stats(&ctx, req, &r)));
   return DaemonStats{r.models(),     r.segments(),    r.bytes_resident(), r.materializations(),
                      r.materialization_bytes(), r.cache_hits(), r.cache_misses(),
-                     r.leases_open(), r.bytes_served(), r.fetches()};
+                     r.leases_open(), r.bytes_served(), r.fetches(), r.applies(), r.adapters()};
 }
 
 absl::StatusOr<std::unique_ptr<ShardSet>> Client::Fetch(const FetchOptions& options) {
@@ -297,6 +303,93 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::Fetch(const FetchOptions& opti
     set->tensors_.push_back(std::move(v));
   }
   return set;
+}
+
+namespace {
+AdapterInfo ToAdapterInfo(const v1::AdapterInfo& a) {
+  AdapterInfo out;
+  out.name = a.name();
+  out.path = a.path();
+  out.format = a.format();
+  out.tensor_count = a.tensor_count();
+  out.bytes = a.bytes();
+  out.ignored.assign(a.ignored().begin(), a.ignored().end());
+  return out;
+}
+}  // namespace
+
+absl::StatusOr<AdapterInfo> Client::LoadAdapter(const std::string& name, const std::string& path,
+                                                const std::string& format, bool strict) {
+  grpc::ClientContext ctx;
+  v1::LoadAdapterRequest req;
+  req.set_name(name);
+  req.set_path(path);
+  req.set_format(format);
+  req.set_strict(strict);
+  v1::AdapterInfo resp;
+  WD_RETURN_IF_ERROR(FromGrpc(channel_->adapters->Load(&ctx, req, &resp)));
+  return ToAdapterInfo(resp);
+}
+
+absl::Status Client::UnloadAdapter(const std::string& name) {
+  grpc::ClientContext ctx;
+  v1::UnloadAdapterRequest req;
+  req.set_name(name);
+  v1::UnloadAdapterResponse resp;
+  return FromGrpc(channel_->adapters->Unload(&ctx, req, &resp));
+}
+
+absl::StatusOr<std::vector<AdapterInfo>> Client::ListAdapters() {
+  grpc::ClientContext ctx;
+  v1::ListAdaptersRequest req;
+  v1::ListAdaptersResponse resp;
+  WD_RETURN_IF_ERROR(FromGrpc(channel_->adapters->List(&ctx, req, &resp)));
+  std::vector<AdapterInfo> out;
+  for (const v1::AdapterInfo& a : resp.adapters()) out.push_back(ToAdapterInfo(a));
+  return out;
+}
+
+absl::StatusOr<GenerationEvent> Client::Apply(const std::string& model,
+                                              const std::vector<AdapterStrength>& stack,
+                                              uint64_t expect_generation) {
+  grpc::ClientContext ctx;
+  v1::ApplyRequest req;
+  req.set_model(model);
+  for (const AdapterStrength& a : stack) {
+    v1::AdapterRef* r = req.add_adapters();
+    r->set_name(a.name);
+    r->set_strength(a.strength);
+  }
+  req.set_expect_generation(expect_generation);
+  v1::ApplyResponse resp;
+  WD_RETURN_IF_ERROR(FromGrpc(channel_->adapters->Apply(&ctx, req, &resp)));
+  GenerationEvent ev;
+  ev.model = model;
+  ev.generation = resp.generation();
+  ev.adapters.assign(resp.adapters().begin(), resp.adapters().end());
+  return ev;
+}
+
+absl::Status Client::Watch(const std::string& model, bool include_current,
+                           const std::function<bool(const GenerationEvent&)>& on_event) {
+  grpc::ClientContext ctx;
+  v1::WatchRequest req;
+  req.set_model(model);
+  req.set_include_current(include_current);
+  auto reader = channel_->shards->Watch(&ctx, req);
+  v1::GenerationEvent msg;
+  while (reader->Read(&msg)) {
+    GenerationEvent ev;
+    ev.model = msg.model();
+    ev.generation = msg.generation();
+    ev.adapters.assign(msg.adapters().begin(), msg.adapters().end());
+    if (!on_event(ev)) {
+      ctx.TryCancel();
+      reader->Finish();
+      return absl::OkStatus();
+    }
+  }
+  return FromGrpc(reader->Finish());
 }
 
 ShardSet::~ShardSet() { (void)Release(); }

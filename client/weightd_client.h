@@ -37,6 +37,8 @@ struct ModelTensor {
   DType dtype;
   std::vector<int64_t> shape;
   Digest digest;
+  std::vector<std::string> sources;
+  std::vector<std::string> patched_by;
 };
 
 struct ModelInfo {
@@ -46,7 +48,26 @@ struct ModelInfo {
   uint64_t tensor_count = 0;
   uint64_t total_bytes = 0;
   std::vector<std::string> files;
-  std::vector<ModelTensor> tensors;  // filled by GetModel only
+  std::vector<std::string> adapters;  // current stack, "name:strength"
+  std::vector<std::string> report;    // profile report lines
+  std::vector<ModelTensor> tensors;   // filled by GetModel only
+};
+
+struct AdapterInfo {
+  std::string name, path, format;
+  uint64_t tensor_count = 0, bytes = 0;
+  std::vector<std::string> ignored;
+};
+
+struct AdapterStrength {
+  std::string name;
+  float strength = 1.0f;
+};
+
+struct GenerationEvent {
+  std::string model;
+  uint64_t generation = 0;
+  std::vector<std::string> adapters;
 };
 
 struct LoadProgressUpdate {
@@ -57,7 +78,7 @@ struct LoadProgressUpdate {
 struct DaemonStats {
   uint64_t models = 0, segments = 0, bytes_resident = 0, materializations = 0,
            materialization_bytes = 0, cache_hits = 0, cache_misses = 0, leases_open = 0,
-           bytes_served = 0, fetches = 0;
+           bytes_served = 0, fetches = 0, applies = 0, adapters = 0;
 };
 
 enum class Transport { kShm, kGrpc };
@@ -134,6 +155,19 @@ class Client {
   absl::StatusOr<ModelInfo> GetModel(const std::string& name);
   absl::StatusOr<DaemonStats> Stats();
   absl::StatusOr<std::unique_ptr<ShardSet>> Fetch(const FetchOptions& options);
+
+  absl::StatusOr<AdapterInfo> LoadAdapter(const std::string& name, const std::string& path,
+                                          const std::string& format, bool strict);
+  absl::Status UnloadAdapter(const std::string& name);
+  absl::StatusOr<std::vector<AdapterInfo>> ListAdapters();
+  // Sets the model's whole stack; returns the new generation.
+  absl::StatusOr<GenerationEvent> Apply(const std::string& model,
+                                        const std::vector<AdapterStrength>& stack,
+                                        uint64_t expect_generation);
+  // Calls `on_event` for each new generation until it returns false or the
+  // stream ends. include_current: report the current generation first.
+  absl::Status Watch(const std::string& model, bool include_current,
+                     const std::function<bool(const GenerationEvent&)>& on_event);
 
  private:
   explicit Client(std::shared_ptr<ClientChannel> channel);

@@ -9,6 +9,7 @@ find_package(PkgConfig REQUIRED)
 pkg_check_modules(RE2 REQUIRED IMPORTED_TARGET re2)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 find_package(nlohmann_json 3 REQUIRED)
+find_package(prometheus-cpp CONFIG REQUIRED)
 
 find_program(WEIGHTD_PROTOC protoc REQUIRED)
 find_program(WEIGHTD_GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)

@@ -7,7 +7,7 @@ WEIGHTD_PACKAGES=(
   cmake ninja-build g++ clang pkg-config
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev libre2-dev libxxhash-dev nlohmann-json3-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev prometheus-cpp-dev
   python3 python3-torch python3-numpy python3-grpcio python3-protobuf python3-pytest
 )
 

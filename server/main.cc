@@ -17,6 +17,7 @@
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "server/grpc/grpc_server.h"
+#include "server/metrics/prometheus_exporter.h"
 #include "server/service/weight_service.h"
 #include "server/transport/shm_server.h"
 
@@ -151,9 +152,6 @@ absl::Status ParseFlags(int argc, char** argv, DaemonFlags* flags) {
   flags->grpc.unix_socket_mode = mode;
   flags->data.mode = mode;
   flags->service.data_socket_path = flags->data.path;
-  if (!flags->metrics_listen.empty()) {
-    return absl::UnimplementedError("--metrics-listen: Prometheus metrics are not built into this daemon yet");
-  }
   return absl::OkStatus();
 }
 
@@ -203,16 +201,24 @@ int Main(int argc, char** argv) {
   if (!data.ok()) return Fail(data.status());
   auto grpc = GrpcServer::Start(flags.grpc, service->get());
   if (!grpc.ok()) return Fail(grpc.status());
+  std::unique_ptr<MetricsServer> metrics;
+  if (!flags.metrics_listen.empty()) {
+    auto started = MetricsServer::Start(flags.metrics_listen, service->get());
+    if (!started.ok()) return Fail(started.status());
+    metrics = std::move(*started);
+  }
   LogEvent(LogLevel::kInfo, "serving",
            {{"socket", flags.grpc.unix_socket},
             {"data_socket", flags.data.path},
             {"listen", flags.grpc.tcp_listen},
+            {"metrics_listen", flags.metrics_listen},
             {"pid", absl::StrCat(getpid())}});
 
   int sig = 0;
   sigwait(&signals, &sig);
   LogEvent(LogLevel::kInfo, "shutdown", {{"signal", strsignal(sig)}});
   (*grpc)->Shutdown(flags.shutdown_grace);
+  metrics.reset();
   (*data)->Stop();
   grpc->reset();
   data->reset();

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -32,7 +33,11 @@ constexpr char kUsage[] =
     "  unload NAME | list | info NAME | stats\n"
     "  fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
     "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc]\n"
-    "        [--generation G] [--changed-since G] [--names a,b] [--verify] --out FILE\n";
+    "        [--generation G] [--changed-since G] [--names a,b] [--verify] --out FILE\n"
+    "  adapter load NAME PATH [--format auto|peft|kohya|dense] [--strict]\n"
+    "  adapter list | adapter unload NAME\n"
+    "  apply MODEL [ADAPTER[:STRENGTH] ...] [--expect-generation G]   (none = back to base)\n"
+    "  watch MODEL [--count N]\n";
 
 // Positional words and --flag values of one verb.
 struct Args {
@@ -152,6 +157,7 @@ absl::Status CmdLoad(Client& c, const Args& a) {
               HumanBytes(info->total_bytes).c_str(), secs,
               secs > 0 ? info->total_bytes / secs / 1e9 : 0.0,
               static_cast<unsigned long long>(info->generation));
+  for (const std::string& line : info->report) std::printf("%s\n", line.c_str());
   return absl::OkStatus();
 }
 
@@ -182,9 +188,17 @@ absl::Status CmdInfo(Client& c, const Args& a) {
               static_cast<unsigned long long>(m.tensor_count),
               static_cast<unsigned long long>(m.total_bytes));
   for (const std::string& f : m.files) std::printf("file: %s\n", f.c_str());
+  std::printf("adapters: %s\n", m.adapters.empty() ? "(none)" : absl::StrJoin(m.adapters, " ").c_str());
+  for (const std::string& line : m.report) std::printf("report: %s\n", line.c_str());
   for (const ModelTensor& t : m.tensors) {
-    std::printf("tensor: %s\t%s\t%s\t%s\n", t.name.c_str(), std::string(DTypeName(t.dtype)).c_str(),
-                ShapeString(t.shape).c_str(), t.digest.Hex().c_str());
+    std::string from;
+    if (!(t.sources.size() == 1 && t.sources[0] == t.name)) {
+      from = absl::StrCat("\tfrom=", t.sources.empty() ? "(new)" : absl::StrJoin(t.sources, ","));
+    }
+    std::string by = t.patched_by.empty() ? "" : absl::StrCat("\tpatched_by=", absl::StrJoin(t.patched_by, ","));
+    std::printf("tensor: %s\t%s\t%s\t%s%s%s\n", t.name.c_str(),
+                std::string(DTypeName(t.dtype)).c_str(), ShapeString(t.shape).c_str(),
+                t.digest.Hex().c_str(), from.c_str(), by.c_str());
   }
   return absl::OkStatus();
 }
@@ -195,12 +209,13 @@ absl::Status CmdStats(Client& c, const Args& a) {
   std::printf(
       "models: %llu\nsegments: %llu\nbytes_resident: %llu\nmaterializations: %llu\n"
       "materialization_bytes: %llu\ncache_hits: %llu\ncache_misses: %llu\nleases_open: %llu\n"
-      "bytes_served: %llu\nfetches: %llu\n",
+      "bytes_served: %llu\nfetches: %llu\napplies: %llu\nadapters: %llu\n",
       (unsigned long long)s.models, (unsigned long long)s.segments,
       (unsigned long long)s.bytes_resident, (unsigned long long)s.materializations,
       (unsigned long long)s.materialization_bytes, (unsigned long long)s.cache_hits,
       (unsigned long long)s.cache_misses, (unsigned long long)s.leases_open,
-      (unsigned long long)s.bytes_served, (unsigned long long)s.fetches);
+      (unsigned long long)s.bytes_served, (unsigned long long)s.fetches,
+      (unsigned long long)s.applies, (unsigned long long)s.adapters);
   return absl::OkStatus();
 }
 
@@ -299,6 +314,94 @@ absl::Status CmdFetch(Client& c, const Args& a) {
   return set->Release();
 }
 
+absl::Status CmdAdapter(Client& c, const Args& a) {
+  if (a.positional.empty()) {
+    return absl::InvalidArgumentError("usage: weightctl adapter load|list|unload ...");
+  }
+  const std::string& sub = a.positional[0];
+  if (sub == "load") {
+    if (a.positional.size() != 3) {
+      return absl::InvalidArgumentError("usage: weightctl adapter load NAME PATH [--format F] [--strict]");
+    }
+    WD_ASSIGN_OR_RETURN(AdapterInfo info,
+                        c.LoadAdapter(a.positional[1], a.positional[2], a.Get("--format", "auto"),
+                                      a.switches.count("--strict") > 0));
+    std::printf("loaded adapter %s (%s): patches %llu parameters, %s\n", info.name.c_str(),
+                info.format.c_str(), static_cast<unsigned long long>(info.tensor_count),
+                HumanBytes(info.bytes).c_str());
+    if (!info.ignored.empty()) {
+      std::printf("ignored keys (not understood; --strict makes them an error):\n");
+      for (const std::string& k : info.ignored) std::printf("  %s\n", k.c_str());
+    }
+    return absl::OkStatus();
+  }
+  if (sub == "list") {
+    if (a.positional.size() != 1) return absl::InvalidArgumentError("usage: weightctl adapter list");
+    WD_ASSIGN_OR_RETURN(auto list, c.ListAdapters());
+    for (const AdapterInfo& i : list) {
+      std::printf("%s\tformat=%s\tparameters=%llu\tbytes=%llu\tpath=%s\n", i.name.c_str(),
+                  i.format.c_str(), static_cast<unsigned long long>(i.tensor_count),
+                  static_cast<unsigned long long>(i.bytes), i.path.c_str());
+    }
+    return absl::OkStatus();
+  }
+  if (sub == "unload") {
+    if (a.positional.size() != 2) return absl::InvalidArgumentError("usage: weightctl adapter unload NAME");
+    WD_RETURN_IF_ERROR(c.UnloadAdapter(a.positional[1]));
+    std::printf("unloaded adapter %s\n", a.positional[1].c_str());
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown adapter verb \"", sub, "\""));
+}
+
+absl::Status CmdApply(Client& c, const Args& a) {
+  if (a.positional.empty()) {
+    return absl::InvalidArgumentError("usage: weightctl apply MODEL [ADAPTER[:STRENGTH] ...]");
+  }
+  std::vector<AdapterStrength> stack;
+  for (size_t i = 1; i < a.positional.size(); ++i) {
+    const std::string& spec = a.positional[i];
+    AdapterStrength s;
+    size_t colon = spec.rfind(':');
+    s.name = spec.substr(0, colon);
+    if (colon != std::string::npos) {
+      std::string value = spec.substr(colon + 1);
+      if (!absl::SimpleAtof(value, &s.strength) || !std::isfinite(s.strength)) {
+        return absl::InvalidArgumentError(absl::StrCat("bad strength \"", value, "\" in \"", spec, "\""));
+      }
+    }
+    if (s.name.empty()) return absl::InvalidArgumentError(absl::StrCat("empty adapter name in \"", spec, "\""));
+    stack.push_back(std::move(s));
+  }
+  uint64_t expect = 0;
+  if (a.Has("--expect-generation")) {
+    WD_ASSIGN_OR_RETURN(int64_t g, ParseInt("--expect-generation", a.Get("--expect-generation")));
+    if (g < 1) return absl::InvalidArgumentError("--expect-generation must be >= 1");
+    expect = static_cast<uint64_t>(g);
+  }
+  WD_ASSIGN_OR_RETURN(GenerationEvent ev, c.Apply(a.positional[0], stack, expect));
+  std::printf("%s generation %llu: %s\n", ev.model.c_str(), static_cast<unsigned long long>(ev.generation),
+              ev.adapters.empty() ? "base (no adapters)" : absl::StrJoin(ev.adapters, " ").c_str());
+  return absl::OkStatus();
+}
+
+absl::Status CmdWatch(Client& c, const Args& a) {
+  WD_RETURN_IF_ERROR(NeedPositional(a, 1, "watch MODEL [--count N]"));
+  int64_t count = 0;
+  if (a.Has("--count")) {
+    WD_ASSIGN_OR_RETURN(count, ParseInt("--count", a.Get("--count")));
+    if (count < 1) return absl::InvalidArgumentError("--count must be >= 1");
+  }
+  int64_t seen = 0;
+  return c.Watch(a.positional[0], false, [&](const GenerationEvent& ev) {
+    std::printf("%s generation %llu: %s\n", ev.model.c_str(),
+                static_cast<unsigned long long>(ev.generation),
+                ev.adapters.empty() ? "base (no adapters)" : absl::StrJoin(ev.adapters, " ").c_str());
+    std::fflush(stdout);
+    return count == 0 || ++seen < count;
+  });
+}
+
 absl::Status Run(int argc, char** argv) {
   std::vector<std::string> words(argv + 1, argv + argc);
   ClientOptions copt;
@@ -358,6 +461,18 @@ absl::Status Run(int argc, char** argv) {
   if (verb == "stats") {
     WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
     return CmdStats(*client, a);
+  }
+  if (verb == "adapter") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--format"}, {"--strict"}));
+    return CmdAdapter(*client, a);
+  }
+  if (verb == "apply") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--expect-generation"}, {}));
+    return CmdApply(*client, a);
+  }
+  if (verb == "watch") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--count"}, {}));
+    return CmdWatch(*client, a);
   }
   if (verb == "fetch") {
     WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest,

@@ -29,6 +29,17 @@ void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_tensor_count(s.tensor_count);
   out->set_total_bytes(s.total_bytes);
   for (const std::string& f : s.files) out->add_files(f);
+  for (const std::string& a : s.adapters) out->add_adapters(a);
+  for (const std::string& r : s.report) out->add_report(r);
+}
+
+void FillAdapterInfo(const AdapterSummary& a, v1::AdapterInfo* out) {
+  out->set_name(a.name);
+  out->set_path(a.path);
+  out->set_format(a.format);
+  out->set_tensor_count(a.tensor_count);
+  out->set_bytes(a.bytes);
+  for (const std::string& i : a.ignored) out->add_ignored(i);
 }
 
 // A server stream fed by a producer thread. Push() queues a message (the
@@ -53,6 +64,11 @@ class QueuedWriter : public grpc::ServerWriteReactor<T> {
       queue_.pop_front();
     }
     this->StartWrite(&current_);
+  }
+
+  bool cancelled() {
+    absl::MutexLock lock(&mu_);
+    return cancelled_;
   }
 
   void Close(grpc::Status status) {
@@ -245,6 +261,8 @@ class ModelsImpl final : public v1::Models::CallbackService {
         ti->set_dtype(ToProtoDType(t.dtype));
         for (int64_t d : t.shape) ti->add_shape(d);
         ti->set_digest(std::string(t.digest.View()));
+        for (const std::string& src : t.sources) ti->add_sources(src);
+        for (const std::string& a : t.patched_by) ti->add_patched_by(a);
       }
       return absl::OkStatus();
     });
@@ -263,6 +281,8 @@ class ModelsImpl final : public v1::Models::CallbackService {
     resp->set_leases_open(s.leases_open);
     resp->set_bytes_served(s.bytes_served);
     resp->set_fetches(s.fetches);
+    resp->set_applies(s.applies);
+    resp->set_adapters(s.adapters);
     auto* reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
@@ -328,9 +348,84 @@ class ShardsImpl final : public v1::Shards::CallbackService {
   grpc::ServerWriteReactor<v1::GenerationEvent>* Watch(grpc::CallbackServerContext* ctx,
                                                        const v1::WatchRequest* req) override {
     auto* writer = new QueuedWriter<v1::GenerationEvent>();  // deletes itself in OnDone
-    writer->Close(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                               "generation events arrive with adapters ([3/7 lora])"));
+    v1::WatchRequest copy = *req;
+    // One thread per watcher: watchers are few (operators, a worker each).
+    std::thread([this, writer, ctx, copy = std::move(copy)] {
+      uint64_t after = copy.after();
+      if (after == 0) {
+        auto current = service_->WaitForGeneration(copy.model(), 0, absl::ZeroDuration());
+        if (!current.ok()) {
+          writer->Close(ToGrpcStatus(current.status()));
+          return;
+        }
+        after = (*current)->generation;
+        if (copy.include_current()) after -= 1;
+      }
+      while (!ctx->IsCancelled() && !writer->cancelled()) {
+        auto event = service_->WaitForGeneration(copy.model(), after, absl::Milliseconds(500));
+        if (!event.ok()) {
+          writer->Close(ToGrpcStatus(event.status()));
+          return;
+        }
+        if (!event->has_value()) continue;
+        v1::GenerationEvent msg;
+        msg.set_model((*event)->model);
+        msg.set_generation((*event)->generation);
+        for (const std::string& a : (*event)->adapters) msg.add_adapters(a);
+        after = (*event)->generation;
+        writer->Push(std::move(msg), /*replaceable=*/false);
+      }
+      writer->Close(grpc::Status::CANCELLED);
+    }).detach();
     return writer;
+  }
+
+ private:
+  WeightService* service_;
+  ThreadPool* pool_;
+};
+
+class AdaptersImpl final : public v1::Adapters::CallbackService {
+ public:
+  AdaptersImpl(WeightService* service, ThreadPool* pool) : service_(service), pool_(pool) {}
+
+  grpc::ServerUnaryReactor* Load(grpc::CallbackServerContext* ctx,
+                                 const v1::LoadAdapterRequest* req,
+                                 v1::AdapterInfo* resp) override {
+    return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
+      auto info = service_->LoadAdapter(req->name(), req->path(), req->format(), req->strict());
+      if (!info.ok()) return info.status();
+      FillAdapterInfo(*info, resp);
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* Unload(grpc::CallbackServerContext* ctx,
+                                   const v1::UnloadAdapterRequest* req,
+                                   v1::UnloadAdapterResponse*) override {
+    return RunOnPool(ctx, pool_, [this, req] { return service_->UnloadAdapter(req->name()); });
+  }
+
+  grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx,
+                                 const v1::ListAdaptersRequest*,
+                                 v1::ListAdaptersResponse* resp) override {
+    for (const AdapterSummary& a : service_->ListAdapters()) FillAdapterInfo(a, resp->add_adapters());
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* Apply(grpc::CallbackServerContext* ctx, const v1::ApplyRequest* req,
+                                  v1::ApplyResponse* resp) override {
+    return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
+      std::vector<AdapterRef> stack;
+      for (const v1::AdapterRef& r : req->adapters()) stack.push_back(AdapterRef{r.name(), r.strength()});
+      auto info = service_->Apply(req->model(), stack, req->expect_generation());
+      if (!info.ok()) return info.status();
+      resp->set_generation(info->generation);
+      for (const std::string& a : info->adapters) resp->add_adapters(a);
+      return absl::OkStatus();
+    });
   }
 
  private:
@@ -346,7 +441,8 @@ class GrpcServer::Impl {
       : options_(std::move(options)),
         pool_(options_.worker_threads),
         models_(service, &pool_),
-        shards_(service, &pool_) {}
+        shards_(service, &pool_),
+        adapters_(service, &pool_) {}
 
   absl::Status Start() {
     grpc::EnableDefaultHealthCheckService(true);
@@ -361,6 +457,7 @@ class GrpcServer::Impl {
     builder.SetMaxReceiveMessageSize(64 << 20);
     builder.RegisterService(&models_);
     builder.RegisterService(&shards_);
+    builder.RegisterService(&adapters_);
     ::unlink(options_.unix_socket.c_str());
     server_ = builder.BuildAndStart();
     if (server_ == nullptr) {
@@ -395,6 +492,7 @@ class GrpcServer::Impl {
   ThreadPool pool_;
   ModelsImpl models_;
   ShardsImpl shards_;
+  AdaptersImpl adapters_;
   std::unique_ptr<grpc::Server> server_;
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;

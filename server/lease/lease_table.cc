@@ -109,6 +109,15 @@ size_t LeaseTable::Expire(absl::Time now) {
   return dropped.size();
 }
 
+size_t LeaseTable::CountFor(absl::string_view model, uint64_t generation) const {
+  absl::MutexLock lock(&mu_);
+  size_t n = 0;
+  for (const auto& [id, lease] : leases_) {
+    if (lease.contents->model == model && lease.contents->generation == generation) ++n;
+  }
+  return n;
+}
+
 size_t LeaseTable::size() const {
   absl::MutexLock lock(&mu_);
   return leases_.size();

@@ -65,6 +65,10 @@ class LeaseTable {
 
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Open leases on `model` at `generation`.
+  size_t CountFor(absl::string_view model, uint64_t generation) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   struct Lease {
     LeaseToken token;

@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/cast.h"
 #include "common/status_macros.h"
 
@@ -12,11 +15,11 @@ namespace weightd {
 namespace {
 
 constexpr uint64_t kPackAlign = 64;
+constexpr float kFp8E4M3Max = 448.0f;
 
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-// Linear element index of the box's first element, when the box is one
-// contiguous run.
+// Linear element index of the box's first element.
 int64_t LinearStart(absl::Span<const int64_t> global_shape, const ShardBox& box) {
   int64_t index = 0;
   for (size_t d = 0; d < global_shape.size(); ++d) {
@@ -25,7 +28,63 @@ int64_t LinearStart(absl::Span<const int64_t> global_shape, const ShardBox& box)
   return index;
 }
 
+bool IsPlainView(const MaterializeItem& item) {
+  if (item.scalar.has_value() || item.fp8_scale.has_value() || item.slices.size() != 1) {
+    return false;
+  }
+  const PartSlice& s = item.slices[0];
+  return s.stored != nullptr && s.patches.empty() && s.stored->dtype == item.out_dtype &&
+         IsContiguous(s.shape, s.box);
+}
+
+void AppendFloat(std::string* key, float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  absl::StrAppend(key, bits, ";");
+}
+
+// fp32 values of a slice, patches applied, in box order.
+absl::Status SliceToFloat(const PartSlice& s, std::vector<float>* acc) {
+  const int64_t n = s.box.NumElements();
+  acc->assign(static_cast<size_t>(n), 0.0f);
+  if (n == 0) return absl::OkStatus();
+  if (s.stored != nullptr) {
+    WD_RETURN_IF_ERROR(CopyBox(s.stored->data(), s.stored->dtype, s.shape, s.box,
+                               reinterpret_cast<uint8_t*>(acc->data()), DType::kF32));
+  }
+  if (s.patches.empty()) return absl::OkStatus();
+  BaseRowReader base = [&s](int64_t row_begin, int64_t row_end, float* out) -> absl::Status {
+    if (s.shape.empty() || row_begin < 0 || row_end > s.shape[0] || row_begin > row_end) {
+      return absl::InternalError("base row read out of range");
+    }
+    int64_t cols = 1;
+    for (size_t d = 1; d < s.shape.size(); ++d) cols *= s.shape[d];
+    if (s.stored == nullptr) {
+      std::fill(out, out + (row_end - row_begin) * cols, 0.0f);
+      return absl::OkStatus();
+    }
+    ShardBox rows;
+    rows.offset.assign(s.shape.size(), 0);
+    rows.offset[0] = row_begin;
+    rows.shape = s.shape;
+    rows.shape[0] = row_end - row_begin;
+    return CopyBox(s.stored->data(), s.stored->dtype, s.shape, rows,
+                   reinterpret_cast<uint8_t*>(out), DType::kF32);
+  };
+  for (const AppliedPatch& p : s.patches) {
+    WD_RETURN_IF_ERROR(p.patch->Apply(s.box, s.shape, p.strength, base, acc->data()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+int64_t OutputElements(const MaterializeItem& item) {
+  if (item.scalar.has_value()) return 1;
+  int64_t n = 0;
+  for (const PartSlice& s : item.slices) n += s.box.NumElements();
+  return n;
+}
 
 absl::Status CopyBox(const uint8_t* src, DType src_dtype,
                      absl::Span<const int64_t> global_shape, const ShardBox& box,
@@ -45,7 +104,6 @@ absl::Status CopyBox(const uint8_t* src, DType src_dtype,
     run *= box.shape[k];
     if (box.shape[k] != global_shape[k]) break;
   }
-  // Strides of the global tensor, in elements.
   std::vector<int64_t> stride(ndim, 1);
   for (size_t d = ndim - 1; d > 0; --d) stride[d - 1] = stride[d] * global_shape[d];
   std::vector<int64_t> idx(k, 0);  // odometer over the box's outer dims
@@ -63,14 +121,98 @@ absl::Status CopyBox(const uint8_t* src, DType src_dtype,
   return absl::OkStatus();
 }
 
-Materializer::Materializer(Options options) : options_(std::move(options)) {}
-
-Materializer::Key Materializer::MakeKey(const MaterializeItem& item) {
-  return Key{item.tensor->digest, item.tensor->dtype, item.out_dtype,
-             item.tensor->shape,  item.box.offset,    item.box.shape};
+absl::Status FillItem(const MaterializeItem& item, uint8_t* dst) {
+  const size_t out_size = DTypeSize(item.out_dtype);
+  if (item.scalar.has_value()) {
+    return CastBuffer(DType::kF32, &*item.scalar, item.out_dtype, dst, 1);
+  }
+  if (item.fp8_scale.has_value() && item.out_dtype != DType::kF8E4M3) {
+    return absl::InternalError("fp8 quantization needs F8_E4M3 output");
+  }
+  uint64_t off = 0;
+  std::vector<float> acc;
+  for (const PartSlice& s : item.slices) {
+    const int64_t n = s.box.NumElements();
+    if (n == 0) continue;
+    uint8_t* out = dst + off;
+    off += static_cast<uint64_t>(n) * out_size;
+    if (s.stored != nullptr && s.patches.empty() && !item.fp8_scale.has_value()) {
+      if (!CanCast(s.stored->dtype, item.out_dtype)) {
+        return absl::InvalidArgumentError(absl::StrCat("cannot convert ",
+                                                       DTypeName(s.stored->dtype), " to ",
+                                                       DTypeName(item.out_dtype)));
+      }
+      WD_RETURN_IF_ERROR(CopyBox(s.stored->data(), s.stored->dtype, s.shape, s.box, out,
+                                 item.out_dtype));
+      continue;
+    }
+    if (s.stored == nullptr && s.patches.empty() && !item.fp8_scale.has_value()) {
+      std::memset(out, 0, static_cast<size_t>(n) * out_size);  // zero in every dtype
+      continue;
+    }
+    if (!IsFloating(item.out_dtype) || !IsFloating(s.dtype)) {
+      return absl::InvalidArgumentError("adapter patches apply only to floating tensors");
+    }
+    WD_RETURN_IF_ERROR(SliceToFloat(s, &acc));
+    if (item.fp8_scale.has_value()) {
+      const float scale = *item.fp8_scale;
+      for (float& x : acc) {
+        x /= scale;
+        if (x > kFp8E4M3Max) x = kFp8E4M3Max;
+        if (x < -kFp8E4M3Max) x = -kFp8E4M3Max;
+      }
+    }
+    WD_RETURN_IF_ERROR(CastBuffer(DType::kF32, acc.data(), item.out_dtype, out,
+                                  static_cast<size_t>(n)));
+  }
+  return absl::OkStatus();
 }
 
-bool Materializer::Lookup(const Key& key, ServedTensor* out) {
+absl::StatusOr<float> AbsMax(absl::Span<const PartSlice> slices) {
+  float amax = 0.0f;
+  std::vector<float> acc;
+  for (const PartSlice& s : slices) {
+    WD_RETURN_IF_ERROR(SliceToFloat(s, &acc));
+    for (float x : acc) {
+      float a = std::fabs(x);
+      if (a > amax) amax = a;  // NaN compares false: ignored
+    }
+  }
+  return amax;
+}
+
+Materializer::Materializer(Options options) : options_(std::move(options)) {}
+
+std::string Materializer::MakeKey(const MaterializeItem& item) {
+  std::string key = absl::StrCat(static_cast<int>(item.out_dtype), "|");
+  if (item.scalar.has_value()) {
+    key += "scalar:";
+    AppendFloat(&key, *item.scalar);
+    return key;
+  }
+  if (item.fp8_scale.has_value()) {
+    key += "fp8:";
+    AppendFloat(&key, *item.fp8_scale);
+  }
+  for (const PartSlice& s : item.slices) {
+    if (s.stored != nullptr) {
+      absl::StrAppend(&key, "P", s.stored->digest.Hex(), ":", static_cast<int>(s.stored->dtype));
+    } else {
+      absl::StrAppend(&key, "Z", static_cast<int>(s.dtype));
+    }
+    absl::StrAppend(&key, "[", absl::StrJoin(s.shape, ","), "]@[", absl::StrJoin(s.box.offset, ","),
+                    "]+[", absl::StrJoin(s.box.shape, ","), "]");
+    for (const AppliedPatch& p : s.patches) {
+      absl::StrAppend(&key, "{", p.patch->CacheKey(), "*");
+      AppendFloat(&key, p.strength);
+      key += "}";
+    }
+    key += "|";
+  }
+  return key;
+}
+
+bool Materializer::Lookup(const std::string& key, MaterializedTensor* out) {
   auto it = cache_.find(key);
   if (it == cache_.end()) return false;
   const Entry& e = it->second;
@@ -80,26 +222,26 @@ bool Materializer::Lookup(const Key& key, ServedTensor* out) {
       cache_.erase(it);
       return false;
     }
-    *out = ServedTensor{std::move(seg), e.offset, e.length, e.digest, true};
+    *out = MaterializedTensor{std::move(seg), e.offset, e.length, e.digest, true};
     return true;
   }
   auto p = packed_.find(e.packed_segment_id);
   if (p == packed_.end()) return false;
-  *out = ServedTensor{p->second.segment, e.offset, e.length, e.digest, false};
+  *out = MaterializedTensor{p->second.segment, e.offset, e.length, e.digest, false};
   return true;
 }
 
-absl::StatusOr<std::vector<ServedTensor>> Materializer::Materialize(
-    absl::Span<const MaterializeItem> items) {
-  std::vector<ServedTensor> out(items.size());
-  std::vector<Key> keys;
+absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
+    absl::Span<const MaterializeItem> items, const std::string& tag) {
+  std::vector<MaterializedTensor> out(items.size());
+  std::vector<std::string> keys;
   keys.reserve(items.size());
   std::vector<size_t> misses;
+  for (const MaterializeItem& item : items) keys.push_back(MakeKey(item));
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < items.size(); ++i) {
-      keys.push_back(MakeKey(items[i]));
-      if (Lookup(keys.back(), &out[i])) {
+      if (Lookup(keys[i], &out[i])) {
         ++stats_.hits;
       } else {
         ++stats_.misses;
@@ -112,25 +254,32 @@ absl::StatusOr<std::vector<ServedTensor>> Materializer::Materialize(
   // Views need only a digest; the rest is packed into one new segment.
   std::vector<size_t> packed;
   uint64_t packed_bytes = 0;
-  std::vector<uint64_t> pack_offset(items.size(), 0);
+  bool tagged = false;
+  const StoredTensor* first_base = nullptr;
   for (size_t i : misses) {
     const MaterializeItem& item = items[i];
-    const StoredTensor& t = *item.tensor;
-    if (!CanCast(t.dtype, item.out_dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor \"", t.name, "\": cannot convert ", DTypeName(t.dtype), " to ",
-          DTypeName(item.out_dtype)));
+    for (const PartSlice& s : item.slices) {
+      if (s.stored != nullptr && !CanCast(s.stored->dtype, item.out_dtype) &&
+          !item.fp8_scale.has_value()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor \"", item.name, "\": cannot convert ", DTypeName(s.stored->dtype), " to ",
+            DTypeName(item.out_dtype)));
+      }
+      if (first_base == nullptr && s.stored != nullptr) first_base = s.stored;
     }
-    uint64_t length = static_cast<uint64_t>(item.box.NumElements()) * DTypeSize(item.out_dtype);
-    if (item.out_dtype == t.dtype && IsContiguous(t.shape, item.box)) {
-      uint64_t start = static_cast<uint64_t>(LinearStart(t.shape, item.box)) *
-                       DTypeSize(t.dtype);
-      out[i] = ServedTensor{t.segment, t.offset + start, length, Digest(), true};
+    uint64_t length = static_cast<uint64_t>(OutputElements(item)) * DTypeSize(item.out_dtype);
+    if (IsPlainView(item)) {
+      const PartSlice& s = item.slices[0];
+      uint64_t start = static_cast<uint64_t>(LinearStart(s.shape, s.box)) *
+                       DTypeSize(s.stored->dtype);
+      out[i] = MaterializedTensor{s.stored->segment, s.stored->offset + start, length, Digest(),
+                                  true};
     } else {
-      pack_offset[i] = packed_bytes;
-      packed_bytes = AlignUp(packed_bytes + length, kPackAlign);
-      out[i].offset = pack_offset[i];
+      out[i].offset = packed_bytes;
       out[i].length = length;
+      for (const PartSlice& s : item.slices) tagged = tagged || !s.patches.empty();
+      tagged = tagged || item.fp8_scale.has_value() || item.scalar.has_value();
+      packed_bytes = AlignUp(packed_bytes + length, kPackAlign);
       packed.push_back(i);
     }
   }
@@ -147,19 +296,15 @@ absl::StatusOr<std::vector<ServedTensor>> Materializer::Materialize(
       size_t m = next.fetch_add(1);
       if (m >= misses.size()) return;
       size_t i = misses[m];
-      const MaterializeItem& item = items[i];
       if (out[i].view) {
         out[i].digest = DigestBytes(out[i].segment->data() + out[i].offset, out[i].length);
         continue;
       }
       uint8_t* dst = segment->mutable_data() + out[i].offset;
-      absl::Status s = CopyBox(item.tensor->data(), item.tensor->dtype, item.tensor->shape,
-                               item.box, dst, item.out_dtype);
+      absl::Status s = FillItem(items[i], dst);
       if (!s.ok()) {
         absl::MutexLock lock(&err_mu);
-        if (first_error.ok()) {
-          first_error = Annotate(s, absl::StrCat("tensor \"", item.tensor->name, "\""));
-        }
+        if (first_error.ok()) first_error = Annotate(s, absl::StrCat("tensor \"", items[i].name, "\""));
         continue;
       }
       out[i].digest = DigestBytes(dst, out[i].length);
@@ -183,7 +328,8 @@ absl::StatusOr<std::vector<ServedTensor>> Materializer::Materialize(
   if (sealed != nullptr) {
     PackedSegment& ps = packed_[sealed->id()];
     ps.segment = sealed;
-    ps.base = items[packed.front()].tensor->segment;
+    if (first_base != nullptr) ps.base = first_base->segment;
+    if (tagged) ps.tag = tag;
     stats_.packed_segments++;
     stats_.packed_bytes += sealed->size();
   }
@@ -198,12 +344,9 @@ absl::StatusOr<std::vector<ServedTensor>> Materializer::Materialize(
       e.packed_segment_id = sealed->id();
     }
     auto [it, inserted] = cache_.try_emplace(keys[i], e);
-    if (!inserted) {
-      // A concurrent call computed the same thing first: keep its entry
-      // (identical bytes); ours lives on only as long as this fetch.
-      continue;
-    }
-    if (!out[i].view) packed_[sealed->id()].entries++;
+    // A concurrent call may have computed the same thing first: keep its
+    // entry (identical bytes); ours lives on only as long as this fetch.
+    if (inserted && !out[i].view) packed_[sealed->id()].entries++;
   }
   if (sealed != nullptr && packed_[sealed->id()].entries == 0) {
     stats_.packed_segments--;
@@ -233,11 +376,21 @@ uint64_t Materializer::Sweep() {
   return EvictLocked(/*orphans_only=*/true);
 }
 
+void Materializer::RetireTag(const std::string& tag) {
+  if (tag.empty()) return;
+  absl::MutexLock lock(&mu_);
+  retired_tags_.insert(tag);
+  EvictLocked(/*orphans_only=*/true);
+}
+
 uint64_t Materializer::EvictLocked(bool orphans_only) {
   uint64_t freed = 0;
+  absl::flat_hash_set<std::string> live_tags;
   for (auto it = packed_.begin(); it != packed_.end();) {
     auto cur = it++;
-    if (orphans_only && !cur->second.base.expired()) continue;
+    bool retired = !cur->second.tag.empty() && retired_tags_.contains(cur->second.tag);
+    if (retired && cur->second.segment.use_count() != 1) live_tags.insert(cur->second.tag);
+    if (orphans_only && !cur->second.base.expired() && !retired) continue;
     if (cur->second.segment.use_count() == 1) {
       freed += cur->second.segment->size();
       stats_.packed_segments--;
@@ -251,6 +404,11 @@ uint64_t Materializer::EvictLocked(bool orphans_only) {
     bool dead = e.packed_segment_id == 0 ? e.view_segment.expired()
                                          : !packed_.contains(e.packed_segment_id);
     if (dead) cache_.erase(cur);
+  }
+  // A retired tag is forgotten once none of its segments is left.
+  for (auto it = retired_tags_.begin(); it != retired_tags_.end();) {
+    auto cur = it++;
+    if (!live_tags.contains(*cur)) retired_tags_.erase(cur);
   }
   return freed;
 }

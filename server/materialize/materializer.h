@@ -1,12 +1,19 @@
-// Materialization: the bytes of one rank's local shard of a stored tensor,
-// in the dtype it asked for.
+// Materialization: the bytes of one rank's local shard of a served tensor,
+// in the dtype it asked for, with its adapter patches merged.
 //
-// A contiguous slice in the stored dtype is a view into the base segment
-// (zero copy). Anything else (a cast, a non-contiguous slice) is packed into
-// a new sealed segment. Results are cached by (base digest, global shape,
-// box, output dtype) so identical requests — HSDP replicas, repeated
-// fetches — share one copy. One Materialize() call packs all its misses into
-// one segment, so a fetch hands out a handful of fds, not one per tensor.
+// A served tensor is one or more checkpoint tensors ("parts", concatenated
+// along dim 0 by a profile's merge rules) or none (a zero-filled new
+// parameter). A request names, per part, the box of that part it needs; the
+// output is those boxes concatenated along dim 0.
+//
+// A single unpatched contiguous slice in the stored dtype is a view into the
+// base segment (zero copy). Anything else — a cast, a non-contiguous slice,
+// several parts, LoRA patches, FP8 quantization — is computed into a new
+// sealed segment: patched slices in fp32 with one rounding at the end
+// (DESIGN §2). Results are cached by their inputs (part digests, boxes,
+// patches and strengths, output dtype, scale) so identical requests — HSDP
+// replicas, repeated fetches — share one copy. One Materialize() call packs
+// all its misses into one segment, so a fetch hands out a handful of fds.
 //
 // Thread-safe.
 #ifndef WEIGHTD_SERVER_MATERIALIZE_MATERIALIZER_H_
@@ -14,31 +21,54 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "common/digest.h"
 #include "common/dtype.h"
 #include "common/shard.h"
+#include "server/adapter/patch.h"
 #include "server/store/checkpoint.h"
 #include "server/store/segment.h"
 
 namespace weightd {
 
-struct MaterializeItem {
-  const StoredTensor* tensor;  // borrowed for the call
-  ShardBox box;
-  DType out_dtype;
+struct AppliedPatch {
+  TensorPatchPtr patch;
+  float strength = 1.0f;
 };
 
-struct ServedTensor {
+// The box of one part that a request needs.
+struct PartSlice {
+  const StoredTensor* stored = nullptr;  // borrowed; nullptr = zeros
+  DType dtype = DType::kF32;             // stored dtype (zero-fill dtype when no stored)
+  std::vector<int64_t> shape;            // the part's shape
+  ShardBox box;                          // in the part's coordinates
+  std::vector<AppliedPatch> patches;     // applied in order, fp32
+};
+
+struct MaterializeItem {
+  std::string name;  // for messages
+  std::vector<PartSlice> slices;  // concatenated along dim 0
+  DType out_dtype = DType::kF32;
+  // FP8 quantization: out = e4m3(clamp(x / scale, ±448)); out_dtype must be
+  // F8_E4M3.
+  std::optional<float> fp8_scale;
+  // Instead of slices: one F32 scalar (an FP8 scale companion tensor).
+  std::optional<float> scalar;
+};
+
+struct MaterializedTensor {
   SegmentPtr segment;
   uint64_t offset = 0;
   uint64_t length = 0;
-  Digest digest;  // of the served bytes
+  Digest digest;      // of the served bytes
   bool view = false;  // true when the bytes are the base segment's own
 };
 
@@ -54,15 +84,23 @@ class Materializer {
  public:
   struct Options {
     std::shared_ptr<MemoryAccount> account;
-    int threads = 2;  // workers that slice and cast one call's misses
+    int threads = 2;  // workers that slice, merge and cast one call's misses
   };
   explicit Materializer(Options options);
 
   // One result per item, in order. Fails with INVALID_ARGUMENT for a cast
   // the kernels do not support, RESOURCE_EXHAUSTED when the budget cannot
   // hold the packed segment even after evicting unused cache entries.
-  absl::StatusOr<std::vector<ServedTensor>> Materialize(
-      absl::Span<const MaterializeItem> items) ABSL_LOCKS_EXCLUDED(mu_);
+  // `tag` names what the results depend on beyond their inputs' content
+  // (e.g. "model#generation" when adapters are merged); packed segments
+  // holding patched or quantized items carry it, and RetireTag() lets the
+  // cache drop them once nothing holds them.
+  absl::StatusOr<std::vector<MaterializedTensor>> Materialize(
+      absl::Span<const MaterializeItem> items, const std::string& tag = "")
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The tag's segments are dropped now if unheld, else by a later Sweep().
+  void RetireTag(const std::string& tag) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Drops every cache entry nobody else holds (its segment is referenced
   // only by the cache): used under memory pressure. Returns bytes freed.
@@ -76,23 +114,6 @@ class Materializer {
   MaterializerStats stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  struct Key {
-    Digest base;
-    DType src;
-    DType out;
-    std::vector<int64_t> global_shape;
-    std::vector<int64_t> offset;
-    std::vector<int64_t> shape;
-    bool operator==(const Key& o) const {
-      return base == o.base && src == o.src && out == o.out &&
-             global_shape == o.global_shape && offset == o.offset && shape == o.shape;
-    }
-    template <typename H>
-    friend H AbslHashValue(H h, const Key& k) {
-      return H::combine(std::move(h), k.base, k.src, k.out, k.global_shape,
-                        k.offset, k.shape);
-    }
-  };
   struct Entry {
     // Views point into the base segment without owning it, so that a
     // cached view never keeps an unloaded checkpoint's memory alive.
@@ -104,13 +125,15 @@ class Materializer {
   };
   struct PackedSegment {
     SegmentPtr segment;
-    std::weak_ptr<const Segment> base;  // of the first item; for sweeping
+    std::weak_ptr<const Segment> base;  // of the first stored part; for sweeping
     uint64_t entries = 0;
+    std::string tag;
   };
 
-  static Key MakeKey(const MaterializeItem& item);
+  static std::string MakeKey(const MaterializeItem& item);
   // Looks `key` up; fills `out` on a hit.
-  bool Lookup(const Key& key, ServedTensor* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Lookup(const std::string& key, MaterializedTensor* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::unique_ptr<Segment>> CreateSegment(uint64_t size);
   // Drops packed segments only the cache holds; with `orphans_only`, just
   // those whose base is gone. Then drops the entries left dangling.
@@ -118,16 +141,26 @@ class Materializer {
 
   const Options options_;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<Key, Entry> cache_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Entry> cache_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, PackedSegment> packed_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> retired_tags_ ABSL_GUARDED_BY(mu_);
   MaterializerStats stats_ ABSL_GUARDED_BY(mu_);
 };
+
+// Elements of the item's output (sum over its slices).
+int64_t OutputElements(const MaterializeItem& item);
 
 // Copies the `box` of the row-major tensor at `src` (dtype `src_dtype`,
 // shape `global_shape`) into `dst`, densely, converting to `dst_dtype`.
 absl::Status CopyBox(const uint8_t* src, DType src_dtype,
                      absl::Span<const int64_t> global_shape, const ShardBox& box,
                      uint8_t* dst, DType dst_dtype);
+
+// Writes the item's output into `dst` (OutputElements * out size bytes).
+absl::Status FillItem(const MaterializeItem& item, uint8_t* dst);
+
+// max |x| over the fp32 values of `slices` (patches applied), NaN ignored.
+absl::StatusOr<float> AbsMax(absl::Span<const PartSlice> slices);
 
 }  // namespace weightd
 

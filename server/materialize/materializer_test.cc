@@ -52,7 +52,15 @@ std::vector<float> Expected(const std::vector<int64_t>& shape, const ShardBox& b
   return out;
 }
 
-std::vector<float> Read(const ServedTensor& s) {
+MaterializeItem Item(const StoredTensor& t, ShardBox box, DType out) {
+  MaterializeItem item;
+  item.name = t.name;
+  item.slices.push_back(PartSlice{&t, t.dtype, t.shape, std::move(box), {}});
+  item.out_dtype = out;
+  return item;
+}
+
+std::vector<float> Read(const MaterializedTensor& s) {
   std::vector<float> out(s.length / 4);
   if (!out.empty()) std::memcpy(out.data(), s.segment->data() + s.offset, s.length);
   return out;
@@ -62,7 +70,7 @@ TEST(MaterializerTest, ContiguousSameDtypeIsAViewIntoTheBase) {
   Fixture f({10, 4});
   Materializer m({f.account, 2});
   ShardBox box{{3, 0}, {3, 4}};
-  auto r = m.Materialize({{&f.tensor, box, DType::kF32}});
+  auto r = m.Materialize({Item(f.tensor, box, DType::kF32)});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE((*r)[0].view);
   EXPECT_EQ((*r)[0].segment, f.tensor.segment);
@@ -75,12 +83,12 @@ TEST(MaterializerTest, ColumnSliceIsPackedAndCached) {
   Fixture f({5, 6});
   Materializer m({f.account, 2});
   ShardBox box{{0, 2}, {5, 2}};
-  auto r1 = m.Materialize({{&f.tensor, box, DType::kF32}});
+  auto r1 = m.Materialize({Item(f.tensor, box, DType::kF32)});
   ASSERT_TRUE(r1.ok()) << r1.status();
   EXPECT_FALSE((*r1)[0].view);
   EXPECT_TRUE((*r1)[0].segment->sealed());
   EXPECT_EQ(Read((*r1)[0]), Expected(f.tensor.shape, box));
-  auto r2 = m.Materialize({{&f.tensor, box, DType::kF32}});
+  auto r2 = m.Materialize({Item(f.tensor, box, DType::kF32)});
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ((*r2)[0].segment, (*r1)[0].segment) << "identical requests share one copy";
   EXPECT_EQ(m.stats().hits, 1u);
@@ -90,7 +98,7 @@ TEST(MaterializerTest, BatchOfMissesSharesOneSegment) {
   Fixture f({8, 8});
   Materializer m({f.account, 2});
   std::vector<MaterializeItem> items;
-  for (int i = 0; i < 4; ++i) items.push_back({&f.tensor, ShardBox{{0, 2 * i}, {8, 2}}, DType::kBF16});
+  for (int i = 0; i < 4; ++i) items.push_back(Item(f.tensor, ShardBox{{0, 2 * i}, {8, 2}}, DType::kBF16));
   auto r = m.Materialize(items);
   ASSERT_TRUE(r.ok()) << r.status();
   for (int i = 0; i < 4; ++i) {
@@ -126,8 +134,8 @@ TEST(MaterializerTest, EvictUnusedFreesOnlyUnheldSegments) {
   Fixture f({4, 4});
   Materializer m({f.account, 1});
   uint64_t base = f.account->used();
-  auto held = m.Materialize({{&f.tensor, ShardBox{{0, 0}, {4, 2}}, DType::kF32}});
-  auto unheld = m.Materialize({{&f.tensor, ShardBox{{0, 2}, {4, 2}}, DType::kF32}});
+  auto held = m.Materialize({Item(f.tensor, ShardBox{{0, 0}, {4, 2}}, DType::kF32)});
+  auto unheld = m.Materialize({Item(f.tensor, ShardBox{{0, 2}, {4, 2}}, DType::kF32)});
   ASSERT_TRUE(held.ok() && unheld.ok());
   unheld->clear();
   EXPECT_GT(m.EvictUnused(), 0u);
@@ -142,11 +150,88 @@ TEST(MaterializerTest, ViewCacheDoesNotKeepUnloadedBaseAlive) {
   auto account = f->account;
   Materializer m({account, 1});
   {
-    auto r = m.Materialize({{&f->tensor, ShardBox{{0, 0}, {2, 4}}, DType::kF32}});
+    auto r = m.Materialize({Item(f->tensor, ShardBox{{0, 0}, {2, 4}}, DType::kF32)});
     ASSERT_TRUE(r.ok());
   }
   f.reset();
   EXPECT_EQ(account->used(), 0u);
+}
+
+}  // namespace
+}  // namespace weightd
+
+namespace weightd {
+namespace {
+
+// ΔW = a constant added to every element (enough to check plumbing; the
+// LoRA math is tested with the adapter library).
+class AddConstantPatch : public TensorPatch {
+ public:
+  explicit AddConstantPatch(float c) : c_(c) {}
+  Kind kind() const override { return Kind::kAdd; }
+  std::string CacheKey() const override { return absl::StrCat("add", c_); }
+  std::vector<int64_t> shape() const override { return {}; }
+  absl::Status Apply(const ShardBox& box, absl::Span<const int64_t>, float strength,
+                     const BaseRowReader&, float* acc) const override {
+    for (int64_t i = 0; i < box.NumElements(); ++i) acc[i] += strength * c_;
+    return absl::OkStatus();
+  }
+
+ private:
+  float c_;
+};
+
+TEST(MaterializerTest, MergedPartsConcatenateAlongDimZero) {
+  Fixture a({2, 3}), b({4, 3});
+  Materializer m({a.account, 2});
+  MaterializeItem item;
+  item.name = "qkv";
+  item.out_dtype = DType::kF32;
+  item.slices.push_back(PartSlice{&a.tensor, DType::kF32, {2, 3}, ShardBox{{1, 0}, {1, 3}}, {}});
+  item.slices.push_back(PartSlice{&b.tensor, DType::kF32, {4, 3}, ShardBox{{2, 0}, {2, 3}}, {}});
+  auto r = m.Materialize({item});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE((*r)[0].view);
+  EXPECT_EQ(Read((*r)[0]), std::vector<float>({3, 4, 5, 6, 7, 8, 9, 10, 11}));
+}
+
+TEST(MaterializerTest, PatchesAccumulateInFp32AndRoundOnce) {
+  Fixture f({2, 2});
+  Materializer m({f.account, 1});
+  MaterializeItem item = Item(f.tensor, ShardBox{{0, 0}, {2, 2}}, DType::kF32);
+  item.slices[0].patches.push_back({std::make_shared<AddConstantPatch>(0.5f), 2.0f});
+  item.slices[0].patches.push_back({std::make_shared<AddConstantPatch>(0.25f), 1.0f});
+  auto r = m.Materialize({item});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(Read((*r)[0]), std::vector<float>({1.25f, 2.25f, 3.25f, 4.25f}));
+  // A different strength is a different cache entry.
+  item.slices[0].patches[0].strength = 0.0f;
+  auto r2 = m.Materialize({item});
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ(Read((*r2)[0]), std::vector<float>({0.25f, 1.25f, 2.25f, 3.25f}));
+}
+
+TEST(MaterializerTest, ZeroFilledPartAndFp8Quantization) {
+  Fixture f({4});
+  Materializer m({f.account, 1});
+  MaterializeItem zeros;
+  zeros.name = "new";
+  zeros.out_dtype = DType::kBF16;
+  zeros.slices.push_back(PartSlice{nullptr, DType::kF32, {3, 2}, ShardBox{{0, 0}, {3, 2}}, {}});
+  MaterializeItem q = Item(f.tensor, ShardBox{{0}, {4}}, DType::kF8E4M3);
+  q.fp8_scale = 3.0f / 448.0f;  // amax of 0,1,2,3 over 448
+  auto amax = AbsMax(q.slices);
+  ASSERT_TRUE(amax.ok());
+  EXPECT_EQ(*amax, 3.0f);
+  auto r = m.Materialize({zeros, q});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)[0].length, 12u);
+  for (uint64_t i = 0; i < 12; ++i) EXPECT_EQ((*r)[0].segment->data()[(*r)[0].offset + i], 0);
+  const uint8_t* q8 = (*r)[1].segment->data() + (*r)[1].offset;
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(q8[i], FloatToFp8E4M3(static_cast<float>(i) / (3.0f / 448.0f)));
+  }
+  EXPECT_EQ(q8[3], FloatToFp8E4M3(448.0f));
 }
 
 }  // namespace

@@ -1,11 +1,13 @@
 #include "server/service/weight_service.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "server/profile/name_summary.h"
 #include "common/status_macros.h"
 
 namespace weightd {
@@ -60,6 +62,7 @@ void WeightService::ReapLoop() {
     if (expired > 0) {
       LogEvent(LogLevel::kInfo, "lease_expired", {{"count", absl::StrCat(expired)}});
     }
+    PruneGenerations();
     materializer_.Sweep();
   }
 }
@@ -68,11 +71,130 @@ ModelSummary WeightService::Summarize(const Model& model) {
   ModelSummary s;
   s.name = model.name;
   s.path = model.path;
-  s.generation = model.generation;
-  s.tensor_count = model.checkpoint->tensors().size();
+  s.generation = model.current->number;
+  s.tensor_count = model.served->size() + model.current->added.size();
   s.total_bytes = model.checkpoint->total_bytes();
   s.files = model.checkpoint->files();
+  for (const AdapterRef& r : model.current->stack) s.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
+  s.report = model.layout->report.Summary();
   return s;
+}
+
+absl::StatusOr<std::shared_ptr<const WeightService::Model>> WeightService::FindModel(
+    const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(name);
+  if (it == models_.end()) {
+    return absl::NotFoundError(absl::StrCat("model \"", name, "\" is not loaded"));
+  }
+  return it->second;
+}
+
+std::vector<const WeightService::Served*> WeightService::ServedAt(const Model& model,
+                                                                  const Generation& gen) {
+  std::vector<const Served*> out;
+  out.reserve(model.served->size() + gen.added.size());
+  for (const Served& s : *model.served) out.push_back(&s);
+  for (const Served& s : gen.added) out.push_back(&s);
+  std::sort(out.begin(), out.end(),
+            [](const Served* a, const Served* b) { return a->plan.name < b->plan.name; });
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<WeightService::Generation>> WeightService::BuildGeneration(
+    const Model& model, uint64_t number, const std::vector<AdapterRef>& stack,
+    std::vector<std::shared_ptr<const Adapter>> adapters) {
+  auto gen = std::make_shared<Generation>();
+  gen->number = number;
+  gen->stack = stack;
+  // Where each checkpoint name and single-part served name lands.
+  absl::flat_hash_map<std::string, std::pair<const Served*, const StoredTensor*>> by_name;
+  for (const Served& s : *model.served) {
+    for (const StoredTensor* p : s.parts) by_name.emplace(p->name, std::make_pair(&s, p));
+    if (s.parts.size() == 1) by_name.emplace(s.plan.name, std::make_pair(&s, s.parts[0]));
+  }
+  std::vector<std::string> base_names;
+  for (const StoredTensor& t : model.checkpoint->tensors()) base_names.push_back(t.name);
+  absl::flat_hash_map<std::string, size_t> added_index;
+  for (size_t a = 0; a < stack.size(); ++a) {
+    const AdapterRef& ref = stack[a];
+    const Adapter& adapter = *adapters[a];
+    if (!std::isfinite(ref.strength)) {
+      return absl::InvalidArgumentError(absl::StrCat("adapter \"", ref.name,
+                                                     "\": strength must be finite"));
+    }
+    for (const AdapterEntry& entry : adapter.entries) {
+      std::string target = entry.target;
+      if (entry.needs_kohya_resolution) {
+        auto resolved = ResolveKohyaTarget(target, base_names);
+        if (!resolved.ok()) {
+          return Annotate(resolved.status(), absl::StrCat("adapter \"", ref.name, "\""));
+        }
+        target = *resolved;
+      }
+      std::vector<int64_t> want = entry.patch->shape();
+      auto it = by_name.find(target);
+      std::string key;
+      std::string served_name;
+      if (it != by_name.end()) {
+        const StoredTensor* part = it->second.second;
+        if (want != part->shape) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "adapter \"", ref.name, "\": patch for \"", target, "\" has shape ",
+              ShapeString(want), " but the parameter is ", ShapeString(part->shape)));
+        }
+        if (!IsFloating(part->dtype)) {
+          return absl::InvalidArgumentError(absl::StrCat("adapter \"", ref.name, "\": \"", target,
+                                                         "\" is not a floating tensor"));
+        }
+        key = part->name;
+        served_name = it->second.first->plan.name;
+      } else if (entry.patch->kind() == TensorPatch::Kind::kReplace) {
+        // .set_weight may add a parameter the checkpoint lacks.
+        auto [ai, inserted] = added_index.try_emplace(target, gen->added.size());
+        if (inserted) {
+          Served s;
+          s.plan.name = target;
+          s.plan.dtype = DType::kF32;
+          s.plan.shape = want;
+          s.plan.part_rows = {want.empty() ? 1 : want[0]};
+          gen->added.push_back(std::move(s));
+        } else if (gen->added[ai->second].plan.shape != want) {
+          return absl::InvalidArgumentError(absl::StrCat("adapters disagree on the shape of new "
+                                                         "parameter \"", target, "\""));
+        }
+        key = target;
+        served_name = target;
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "adapter \"", ref.name, "\" patches \"", target, "\", which model \"", model.name,
+            "\" does not have"));
+      }
+      gen->patches[key].push_back(AppliedPatch{entry.patch, ref.strength});
+      auto& by = gen->patched_by[served_name];
+      if (by.empty() || by.back() != ref.name) by.push_back(ref.name);
+    }
+  }
+  gen->adapters = std::move(adapters);
+  // Content identity per served tensor, for --changed-since.
+  for (const Served* s : ServedAt(model, *gen)) {
+    DigestBuilder b;
+    for (const StoredTensor* p : s->parts) b.Update(p->digest.bytes.data(), 16);
+    std::vector<std::string> keys;
+    for (const StoredTensor* p : s->parts) keys.push_back(p->name);
+    if (s->parts.empty()) keys.push_back(s->plan.name);
+    for (const std::string& k : keys) {
+      auto pit = gen->patches.find(k);
+      if (pit == gen->patches.end()) continue;
+      for (const AppliedPatch& ap : pit->second) {
+        std::string ck = ap.patch->CacheKey();
+        b.Update(ck.data(), ck.size());
+        b.Update(&ap.strength, sizeof(float));
+      }
+    }
+    gen->content[s->plan.name] = b.Finish();
+  }
+  return gen;
 }
 
 absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
@@ -80,8 +202,11 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
                                                       const std::string& profile_json,
                                                       const LoadProgressFn& progress) {
   WD_RETURN_IF_ERROR(ValidateModelName(name));
+  std::shared_ptr<const Profile> profile;
   if (!profile_json.empty()) {
-    return absl::UnimplementedError("model profiles are not supported by this daemon yet");
+    auto parsed = Profile::Parse(profile_json);
+    if (!parsed.ok()) return Annotate(parsed.status(), "profile");
+    profile = std::make_shared<const Profile>(std::move(*parsed));
   }
   WD_ASSIGN_OR_RETURN(std::string resolved, roots_.Resolve(path));
   {
@@ -92,32 +217,72 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
     loading_.insert(name);
   }
   absl::Time start = absl::Now();
-  CheckpointLoadOptions opts;
-  opts.account = account_;
-  opts.read_threads = options_.worker_threads;
-  opts.progress = progress;
-  opts.resolve_file = [this](const std::string& p) { return roots_.Resolve(p); };
-  auto checkpoint = LoadCheckpoint(resolved, opts);
+  auto build = [&]() -> absl::StatusOr<std::shared_ptr<Model>> {
+    CheckpointLoadOptions opts;
+    opts.account = account_;
+    opts.read_threads = options_.worker_threads;
+    opts.progress = progress;
+    opts.resolve_file = [this](const std::string& p) { return roots_.Resolve(p); };
+    auto model = std::make_shared<Model>();
+    model->name = name;
+    model->path = resolved;
+    model->profile = profile;
+    WD_ASSIGN_OR_RETURN(model->checkpoint, LoadCheckpoint(resolved, opts));
+    std::vector<SourceTensorInfo> sources;
+    for (const StoredTensor& t : model->checkpoint->tensors()) {
+      sources.push_back(SourceTensorInfo{t.name, t.dtype, t.shape});
+    }
+    ServedLayout layout;
+    if (profile != nullptr) {
+      auto mapped = profile->Map(sources);
+      if (!mapped.ok()) return Annotate(mapped.status(), "applying the profile");
+      layout = std::move(*mapped);
+    } else {
+      layout = Profile::Identity(sources);
+    }
+    auto served = std::make_shared<std::vector<Served>>();
+    for (const ServedTensorPlan& plan : layout.tensors) {
+      Served s;
+      s.plan = plan;
+      for (const ServedPart& part : plan.parts) {
+        const StoredTensor* t = model->checkpoint->Find(part.source);
+        if (t == nullptr) {
+          return absl::InternalError(absl::StrCat("profile names unknown part ", part.source));
+        }
+        s.parts.push_back(t);
+      }
+      served->push_back(std::move(s));
+    }
+    model->served = std::move(served);
+    model->layout = std::make_shared<const ServedLayout>(std::move(layout));
+    WD_ASSIGN_OR_RETURN(auto gen, BuildGeneration(*model, 1, {}, {}));
+    model->current = std::move(gen);
+    model->history = {model->current};
+    return model;
+  };
+  auto built = build();
   absl::MutexLock lock(&mu_);
   loading_.erase(name);
-  if (!checkpoint.ok()) {
+  if (!built.ok()) {
     LogEvent(LogLevel::kWarning, "load_failed",
-             {{"model", name}, {"path", path}, {"error", checkpoint.status().ToString()}});
-    return Annotate(checkpoint.status(), absl::StrCat("loading model \"", name, "\""));
+             {{"model", name}, {"path", path}, {"error", built.status().ToString()}});
+    return Annotate(built.status(), absl::StrCat("loading model \"", name, "\""));
   }
-  auto model = std::make_shared<Model>();
-  model->name = name;
-  model->path = resolved;
-  model->checkpoint = std::move(*checkpoint);
-  ModelSummary summary = Summarize(*model);
-  models_[name] = std::move(model);
+  ModelSummary summary = Summarize(**built);
+  models_[name] = std::move(*built);
   double secs = absl::ToDoubleSeconds(absl::Now() - start);
+  loads_.fetch_add(1);
+  load_bytes_.fetch_add(summary.total_bytes);
+  load_ns_.fetch_add(static_cast<uint64_t>(secs * 1e9));
   LogEvent(LogLevel::kInfo, "load",
            {{"model", name},
             {"path", resolved},
             {"tensors", absl::StrCat(summary.tensor_count)},
             {"bytes", absl::StrCat(summary.total_bytes)},
             {"seconds", absl::StrCat(secs)}});
+  for (const std::string& line : summary.report) {
+    LogEvent(LogLevel::kInfo, "load_report", {{"model", name}, {"line", line}});
+  }
   return summary;
 }
 
@@ -131,7 +296,9 @@ absl::Status WeightService::UnloadModel(const std::string& name) {
     }
     dropped = std::move(it->second);
     models_.erase(it);
+    generation_changed_.SignalAll();
   }
+  for (const auto& g : dropped->history) materializer_.RetireTag(absl::StrCat(name, "#", g->number));
   dropped.reset();
   materializer_.Sweep();
   LogEvent(LogLevel::kInfo, "unload", {{"model", name}});
@@ -148,127 +315,439 @@ std::vector<ModelSummary> WeightService::ListModels() const {
 }
 
 absl::StatusOr<ModelDetail> WeightService::GetModel(const std::string& name) const {
-  std::shared_ptr<const Model> model;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = models_.find(name);
-    if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model \"", name, "\" is not loaded"));
-    }
-    model = it->second;
-  }
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(name));
   ModelDetail detail;
   detail.summary = Summarize(*model);
-  for (const StoredTensor& t : model->checkpoint->tensors()) {
-    detail.tensors.push_back(TensorSummary{t.name, t.dtype, t.shape, t.digest});
+  const Generation& gen = *model->current;
+  for (const Served* s : ServedAt(*model, gen)) {
+    TensorSummary t;
+    t.name = s->plan.name;
+    t.dtype = s->plan.quantize_fp8 ? DType::kF8E4M3 : s->plan.dtype_override.value_or(s->plan.dtype);
+    t.shape = s->plan.shape;
+    auto c = gen.content.find(t.name);
+    if (c != gen.content.end()) t.digest = c->second;
+    for (const StoredTensor* p : s->parts) t.sources.push_back(p->name);
+    auto by = gen.patched_by.find(t.name);
+    if (by != gen.patched_by.end()) t.patched_by = by->second;
+    detail.tensors.push_back(std::move(t));
   }
   return detail;
 }
 
+absl::StatusOr<float> WeightService::Fp8Scale(const Served& served, const Generation& gen,
+                                              const std::vector<Placement>& whole) {
+  {
+    absl::MutexLock lock(&gen.scale_mu);
+    auto it = gen.fp8_scales.find(served.plan.name);
+    if (it != gen.fp8_scales.end()) return it->second;
+  }
+  std::vector<PartSlice> slices;
+  for (const StoredTensor* p : served.parts) {
+    PartSlice s;
+    s.stored = p;
+    s.dtype = p->dtype;
+    s.shape = p->shape;
+    s.box.offset.assign(p->shape.size(), 0);
+    s.box.shape = p->shape;
+    auto pit = gen.patches.find(p->name);
+    if (pit != gen.patches.end()) s.patches = pit->second;
+    slices.push_back(std::move(s));
+  }
+  WD_ASSIGN_OR_RETURN(float amax, AbsMax(slices));
+  // amax / 448 (DESIGN §4); an all-zero tensor gets scale 1 so that x / scale
+  // stays defined.
+  float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+  absl::MutexLock lock(&gen.scale_mu);
+  gen.fp8_scales[served.plan.name] = scale;
+  return scale;
+}
+
 absl::StatusOr<FetchResult> WeightService::Fetch(const FetchParams& params) {
+  absl::Time start = absl::Now();
+  auto result = FetchImpl(params);
+  double secs = absl::ToDoubleSeconds(absl::Now() - start);
+  if (!result.ok()) {
+    fetch_errors_.fetch_add(1);
+  } else if (params.transport == TransportKind::kGrpc) {
+    fetch_latency_grpc_.Record(secs);
+  } else {
+    fetch_latency_shm_.Record(secs);
+  }
+  return result;
+}
+
+absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) {
   if (params.transport == TransportKind::kCuda) {
     return absl::UnimplementedError("the cuda transport is not built into this daemon");
   }
-  std::shared_ptr<const Model> model;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = models_.find(params.model);
-    if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model \"", params.model, "\" is not loaded"));
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(params.model));
+  auto find_gen = [&](uint64_t number) -> absl::StatusOr<std::shared_ptr<const Generation>> {
+    if (number == 0) return model->current;
+    for (const auto& g : model->history) {
+      if (g->number == number) return g;
     }
-    model = it->second;
-  }
-  if (params.generation != 0 && params.generation != model->generation) {
-    return absl::NotFoundError(absl::StrCat("generation ", params.generation, " of model \"",
-                                            params.model, "\" is not available (current is ",
-                                            model->generation, ")"));
+    return absl::NotFoundError(absl::StrCat("generation ", number, " of model \"", params.model,
+                                            "\" is not available (current is ",
+                                            model->current->number, ")"));
+  };
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Generation> gen, find_gen(params.generation));
+  std::shared_ptr<const Generation> since;
+  if (params.changed_since != 0) {
+    WD_ASSIGN_OR_RETURN(since, find_gen(params.changed_since));
   }
   WD_RETURN_IF_ERROR(params.mesh.Validate());
-  std::vector<Placement> placements =
-      params.placements.has_value() ? *params.placements : DefaultPlacements(params.mesh.shape.size());
-  if (placements.size() != params.mesh.shape.size()) {
+  const size_t mesh_dims = params.mesh.shape.size();
+  if (params.placements.has_value() && params.placements->size() != mesh_dims) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "placements \"", PlacementsToString(placements), "\" name ", placements.size(),
-        " mesh dims but the mesh has ", params.mesh.shape.size()));
+        "placements \"", PlacementsToString(*params.placements), "\" name ",
+        params.placements->size(), " mesh dims but the mesh has ", mesh_dims));
   }
-  // Select the tensors.
-  std::vector<const StoredTensor*> selected;
-  const Checkpoint& ckpt = *model->checkpoint;
-  if (params.changed_since != 0 && params.changed_since != model->generation) {
-    return absl::NotFoundError(absl::StrCat("generation ", params.changed_since, " of model \"",
-                                            params.model, "\" is not available (current is ",
-                                            model->generation, ")"));
+  std::vector<Placement> defaults = DefaultPlacements(mesh_dims);
+  if (params.placements.has_value()) {
+    defaults = *params.placements;
+  } else if (model->profile != nullptr && model->profile->default_placements().has_value()) {
+    defaults = *model->profile->default_placements();
+    if (defaults.size() != mesh_dims) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the profile's default_placements \"", PlacementsToString(defaults), "\" name ",
+          defaults.size(), " mesh dims but the mesh has ", mesh_dims,
+          "; pass --placements"));
+    }
   }
-  if (params.changed_since == 0) {
-    if (params.names.empty()) {
-      for (const StoredTensor& t : ckpt.tensors()) selected.push_back(&t);
+
+  // Select the served tensors.
+  std::vector<const Served*> all = ServedAt(*model, *gen);
+  std::vector<const Served*> selected;
+  if (!params.names.empty()) {
+    absl::flat_hash_map<std::string, const Served*> by_name;
+    for (const Served* s : all) by_name[s->plan.name] = s;
+    std::vector<std::string> unknown;
+    for (const std::string& n : params.names) {
+      auto it = by_name.find(n);
+      if (it == by_name.end()) {
+        unknown.push_back(n);
+      } else {
+        selected.push_back(it->second);
+      }
+    }
+    if (!unknown.empty()) {
+      return absl::NotFoundError(absl::StrCat("model \"", params.model, "\" has no tensor named ",
+                                              absl::StrJoin(unknown, ", ")));
+    }
+  } else {
+    selected = all;
+  }
+  if (since != nullptr) {
+    std::vector<const Served*> changed;
+    for (const Served* s : selected) {
+      auto now = gen->content.find(s->plan.name);
+      auto then = since->content.find(s->plan.name);
+      if (then == since->content.end() || now == gen->content.end() || now->second != then->second) {
+        changed.push_back(s);
+      }
+    }
+    selected = std::move(changed);
+  }
+
+  std::vector<MaterializeItem> items;
+  std::vector<FetchedTensor> tables;
+  items.reserve(selected.size());
+  auto patches_for = [&](const std::string& key) {
+    auto it = gen->patches.find(key);
+    return it == gen->patches.end() ? std::vector<AppliedPatch>() : it->second;
+  };
+  for (const Served* s : selected) {
+    const ServedTensorPlan& plan = s->plan;
+    const std::vector<Placement>& placements = plan.placements.has_value() ? *plan.placements : defaults;
+    if (placements.size() != mesh_dims) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor \"", plan.name, "\": its profile placements \"", PlacementsToString(placements),
+          "\" name ", placements.size(), " mesh dims but the mesh has ", mesh_dims));
+    }
+    MaterializeItem item;
+    item.name = plan.name;
+    FetchedTensor ft;
+    ft.name = plan.name;
+    ft.global_shape = plan.shape;
+    auto context = [&](const absl::Status& st) {
+      return Annotate(st, absl::StrCat("tensor \"", plan.name, "\" of shape ", ShapeString(plan.shape)));
+    };
+    if (plan.per_part && s->parts.size() > 1) {
+      int64_t rows = 0;
+      for (const StoredTensor* p : s->parts) {
+        auto box = PlanShard(p->shape, params.mesh, placements);
+        if (!box.ok()) return context(box.status());
+        if (ft.shape.empty()) {
+          ft.shape = box->shape;
+          ft.global_offset = box->offset;
+        }
+        rows += box->shape[0];
+        item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(*box), patches_for(p->name)});
+      }
+      ft.shape[0] = rows;
     } else {
-      std::vector<std::string> unknown;
-      for (const std::string& n : params.names) {
-        const StoredTensor* t = ckpt.Find(n);
-        if (t == nullptr) {
-          unknown.push_back(n);
-        } else {
-          selected.push_back(t);
+      auto box = PlanShard(plan.shape, params.mesh, placements);
+      if (!box.ok()) return context(box.status());
+      ft.shape = box->shape;
+      ft.global_offset = box->offset;
+      if (s->parts.empty()) {
+        item.slices.push_back(PartSlice{nullptr, plan.dtype, plan.shape, *box, patches_for(plan.name)});
+      } else if (s->parts.size() == 1 || plan.shape.empty()) {
+        const StoredTensor* p = s->parts[0];
+        item.slices.push_back(PartSlice{p, p->dtype, p->shape, *box, patches_for(p->name)});
+      } else {
+        // A merged tensor sharded as a whole: each part gives the rows of the
+        // box that fall inside it.
+        int64_t begin = box->offset[0], end = begin + box->shape[0], part_start = 0;
+        for (const StoredTensor* p : s->parts) {
+          int64_t part_end = part_start + p->shape[0];
+          int64_t lo = std::max(begin, part_start), hi = std::min(end, part_end);
+          if (lo < hi) {
+            ShardBox pb = *box;
+            pb.offset[0] = lo - part_start;
+            pb.shape[0] = std::max<int64_t>(0, hi - lo);
+            item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(pb), patches_for(p->name)});
+          }
+          part_start = part_end;
+        }
+        if (item.slices.empty()) {  // an empty shard: zero rows of the first part
+          const StoredTensor* p = s->parts.front();
+          ShardBox pb = *box;
+          pb.offset[0] = 0;
+          pb.shape[0] = 0;
+          item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(pb), {}});
         }
       }
-      if (!unknown.empty()) {
-        return absl::NotFoundError(absl::StrCat("model \"", params.model,
-                                                "\" has no tensor named ",
-                                                absl::StrJoin(unknown, ", ")));
+    }
+    DType stored = plan.dtype;
+    DType out = stored;
+    if (plan.quantize_fp8) {
+      out = DType::kF8E4M3;
+      WD_ASSIGN_OR_RETURN(float scale, Fp8Scale(*s, *gen, defaults));
+      item.fp8_scale = scale;
+    } else if (plan.dtype_override.has_value()) {
+      out = *plan.dtype_override;
+    } else if (params.dtype.has_value() && IsFloating(stored)) {
+      if (!IsFloating(*params.dtype)) {
+        return absl::InvalidArgumentError(absl::StrCat("cannot serve float tensors as ",
+                                                       DTypeName(*params.dtype)));
       }
+      out = *params.dtype;
+    }
+    item.out_dtype = out;
+    ft.dtype = out;
+    std::optional<float> scale = item.fp8_scale;
+    items.push_back(std::move(item));
+    tables.push_back(std::move(ft));
+    if (scale.has_value()) {
+      MaterializeItem companion;
+      companion.name = plan.name + "_scale";
+      companion.out_dtype = DType::kF32;
+      companion.scalar = *scale;
+      FetchedTensor cft;
+      cft.name = companion.name;
+      cft.dtype = DType::kF32;
+      items.push_back(std::move(companion));
+      tables.push_back(std::move(cft));
     }
   }
-  std::vector<MaterializeItem> items;
-  items.reserve(selected.size());
-  for (const StoredTensor* t : selected) {
-    auto box = PlanShard(t->shape, params.mesh, placements);
-    if (!box.ok()) {
-      return Annotate(box.status(), absl::StrCat("tensor \"", t->name, "\" of shape ",
-                                                 ShapeString(t->shape)));
-    }
-    DType out = t->dtype;
-    if (params.dtype.has_value() && IsFloating(t->dtype)) out = *params.dtype;
-    if (params.dtype.has_value() && !IsFloating(*params.dtype) && IsFloating(t->dtype) &&
-        *params.dtype != t->dtype) {
-      return absl::InvalidArgumentError(absl::StrCat("cannot serve float tensors as ",
-                                                     DTypeName(*params.dtype)));
-    }
-    items.push_back(MaterializeItem{t, std::move(*box), out});
-  }
-  WD_ASSIGN_OR_RETURN(std::vector<ServedTensor> served, materializer_.Materialize(items));
+  WD_ASSIGN_OR_RETURN(std::vector<MaterializedTensor> served,
+                      materializer_.Materialize(items, absl::StrCat(params.model, "#", gen->number)));
 
   FetchResult result;
-  result.generation = model->generation;
+  result.generation = gen->number;
   result.data_socket = options_.data_socket_path;
   LeaseContents lease;
   lease.model = params.model;
-  lease.generation = model->generation;
+  lease.generation = gen->number;
   absl::flat_hash_map<uint64_t, uint32_t> segment_index;
   for (size_t i = 0; i < items.size(); ++i) {
-    const ServedTensor& s = served[i];
-    auto [it, inserted] = segment_index.try_emplace(s.segment->id(), lease.segments.size());
+    const MaterializedTensor& m = served[i];
+    auto [it, inserted] = segment_index.try_emplace(m.segment->id(), lease.segments.size());
     if (inserted) {
-      lease.segments.push_back(s.segment);
-      result.segment_sizes.push_back(s.segment->size());
+      lease.segments.push_back(m.segment);
+      result.segment_sizes.push_back(m.segment->size());
     }
-    FetchedTensor ft;
-    ft.name = items[i].tensor->name;
-    ft.dtype = items[i].out_dtype;
-    ft.shape = items[i].box.shape;
-    ft.global_shape = items[i].tensor->shape;
-    ft.global_offset = items[i].box.offset;
+    FetchedTensor& ft = tables[i];
     ft.segment = it->second;
-    ft.offset = s.offset;
-    ft.length = s.length;
-    ft.digest = s.digest;
-    lease.bytes += s.length;
+    ft.offset = m.offset;
+    ft.length = m.length;
+    ft.digest = m.digest;
+    lease.bytes += m.length;
     result.tensors.push_back(std::move(ft));
   }
   bytes_served_.fetch_add(lease.bytes);
   fetches_.fetch_add(1);
   result.lease = leases_.Grant(std::move(lease));
   return result;
+}
+
+absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& name,
+                                                          const std::string& path,
+                                                          const std::string& format,
+                                                          bool strict) {
+  WD_RETURN_IF_ERROR(ValidateModelName(name));
+  WD_ASSIGN_OR_RETURN(AdapterFormat fmt, ParseAdapterFormat(format.empty() ? "auto" : format));
+  WD_ASSIGN_OR_RETURN(std::string resolved, roots_.Resolve(path));
+  {
+    absl::MutexLock lock(&mu_);
+    if (adapters_.contains(name)) {
+      return absl::AlreadyExistsError(absl::StrCat("adapter \"", name, "\" is already loaded"));
+    }
+  }
+  auto adapter = ::weightd::LoadAdapter(resolved, fmt);
+  if (!adapter.ok()) return Annotate(adapter.status(), absl::StrCat("loading adapter \"", name, "\""));
+  AdapterSummary info;
+  info.name = name;
+  info.path = resolved;
+  info.format = std::string(AdapterFormatName((*adapter)->format));
+  info.tensor_count = (*adapter)->entries.size();
+  info.bytes = (*adapter)->bytes;
+  info.ignored = SummarizeNames((*adapter)->ignored_keys);
+  if (strict && !(*adapter)->ignored_keys.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "adapter \"", name, "\": ", (*adapter)->ignored_keys.size(), " keys not understood: ",
+        absl::StrJoin(info.ignored, "; ")));
+  }
+  absl::MutexLock lock(&mu_);
+  if (!adapters_.emplace(name, *adapter).second) {
+    return absl::AlreadyExistsError(absl::StrCat("adapter \"", name, "\" is already loaded"));
+  }
+  adapter_info_[name] = info;
+  LogEvent(LogLevel::kInfo, "adapter_load",
+           {{"adapter", name}, {"path", resolved}, {"format", info.format},
+            {"targets", absl::StrCat(info.tensor_count)},
+            {"ignored", absl::StrCat((*adapter)->ignored_keys.size())}});
+  return info;
+}
+
+absl::Status WeightService::UnloadAdapter(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  if (adapters_.erase(name) == 0) {
+    return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
+  }
+  adapter_info_.erase(name);
+  LogEvent(LogLevel::kInfo, "adapter_unload", {{"adapter", name}});
+  return absl::OkStatus();
+}
+
+std::vector<AdapterSummary> WeightService::ListAdapters() const {
+  std::vector<AdapterSummary> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, info] : adapter_info_) out.push_back(info);
+  std::sort(out.begin(), out.end(),
+            [](const AdapterSummary& a, const AdapterSummary& b) { return a.name < b.name; });
+  return out;
+}
+
+absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_name,
+                                                    const std::vector<AdapterRef>& stack,
+                                                    uint64_t expect_generation) {
+  std::shared_ptr<const Model> model;
+  std::vector<std::shared_ptr<const Adapter>> adapters;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = models_.find(model_name);
+    if (it == models_.end()) {
+      return absl::NotFoundError(absl::StrCat("model \"", model_name, "\" is not loaded"));
+    }
+    model = it->second;
+    for (const AdapterRef& ref : stack) {
+      auto a = adapters_.find(ref.name);
+      if (a == adapters_.end()) {
+        return absl::NotFoundError(absl::StrCat("adapter \"", ref.name, "\" is not loaded"));
+      }
+      adapters.push_back(a->second);
+    }
+  }
+  if (expect_generation != 0 && expect_generation != model->current->number) {
+    return absl::AbortedError(absl::StrCat("model \"", model_name, "\" is at generation ",
+                                           model->current->number, ", not ", expect_generation));
+  }
+  // Built outside the lock; published only if nobody moved the model on.
+  uint64_t number = model->current->number + 1;
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<Generation> gen,
+                      BuildGeneration(*model, number, stack, std::move(adapters)));
+  std::vector<uint64_t> retired;
+  GenerationInfo info;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = models_.find(model_name);
+    if (it == models_.end() || it->second != model) {
+      return absl::AbortedError(absl::StrCat("model \"", model_name,
+                                             "\" changed while the apply was prepared; retry"));
+    }
+    auto next = std::make_shared<Model>(*model);
+    next->current = gen;
+    next->history.clear();
+    for (const auto& g : model->history) {
+      if (leases_.CountFor(model_name, g->number) > 0) {
+        next->history.push_back(g);
+      } else {
+        retired.push_back(g->number);
+      }
+    }
+    next->history.push_back(gen);
+    it->second = next;
+    info.model = model_name;
+    info.generation = number;
+    for (const AdapterRef& r : stack) info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
+    generation_changed_.SignalAll();
+  }
+  applies_.fetch_add(1);
+  for (uint64_t g : retired) materializer_.RetireTag(absl::StrCat(model_name, "#", g));
+  LogEvent(LogLevel::kInfo, "apply",
+           {{"model", model_name}, {"generation", absl::StrCat(number)},
+            {"adapters", absl::StrJoin(info.adapters, ",")}});
+  return info;
+}
+
+void WeightService::PruneGenerations() {
+  std::vector<std::string> retired;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [name, model] : models_) {
+      bool prune = false;
+      for (const auto& g : model->history) {
+        if (g != model->current && leases_.CountFor(name, g->number) == 0) prune = true;
+      }
+      if (!prune) continue;
+      auto next = std::make_shared<Model>(*model);
+      next->history.clear();
+      for (const auto& g : model->history) {
+        if (g == model->current || leases_.CountFor(name, g->number) > 0) {
+          next->history.push_back(g);
+        } else {
+          retired.push_back(absl::StrCat(name, "#", g->number));
+        }
+      }
+      model = next;
+    }
+  }
+  for (const std::string& tag : retired) materializer_.RetireTag(tag);
+}
+
+absl::StatusOr<std::optional<GenerationInfo>> WeightService::WaitForGeneration(
+    const std::string& model_name, uint64_t after, absl::Duration timeout) {
+  absl::Time deadline = absl::Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    auto it = models_.find(model_name);
+    if (it == models_.end()) {
+      return absl::NotFoundError(absl::StrCat("model \"", model_name, "\" is not loaded"));
+    }
+    const Generation& gen = *it->second->current;
+    if (gen.number > after) {
+      GenerationInfo info;
+      info.model = model_name;
+      info.generation = gen.number;
+      for (const AdapterRef& r : gen.stack) info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
+      return std::optional<GenerationInfo>(std::move(info));
+    }
+    if (generation_changed_.WaitWithDeadline(&mu_, deadline)) {
+      return std::optional<GenerationInfo>();
+    }
+  }
 }
 
 absl::StatusOr<ReadRange> WeightService::Read(uint64_t lease_id, absl::string_view token,
@@ -292,6 +771,7 @@ absl::StatusOr<ReadRange> WeightService::Read(uint64_t lease_id, absl::string_vi
 
 absl::Status WeightService::Release(uint64_t lease_id, absl::string_view token) {
   WD_RETURN_IF_ERROR(leases_.Release(lease_id, token));
+  PruneGenerations();
   materializer_.Sweep();
   return absl::OkStatus();
 }
@@ -309,6 +789,17 @@ ServiceStats WeightService::Stats() const {
   s.leases_open = leases_.size();
   s.bytes_served = bytes_served_.load();
   s.fetches = fetches_.load();
+  s.applies = applies_.load();
+  s.loads = loads_.load();
+  s.load_bytes = load_bytes_.load();
+  s.load_seconds = static_cast<double>(load_ns_.load()) / 1e9;
+  s.fetch_errors = fetch_errors_.load();
+  s.fetch_latency_shm = fetch_latency_shm_.Take();
+  s.fetch_latency_grpc = fetch_latency_grpc_.Take();
+  {
+    absl::MutexLock lock(&mu_);
+    s.adapters = adapters_.size();
+  }
   return s;
 }
 

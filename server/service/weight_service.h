@@ -23,10 +23,13 @@
 #include "absl/time/time.h"
 #include "common/dtype.h"
 #include "common/shard.h"
+#include "server/adapter/adapter.h"
 #include "server/lease/lease_table.h"
 #include "server/materialize/materializer.h"
+#include "server/profile/profile.h"
 #include "server/store/checkpoint.h"
 #include "server/store/model_roots.h"
+#include "server/service/latency_histogram.h"
 #include "server/store/segment.h"
 
 namespace weightd {
@@ -43,21 +46,45 @@ struct ModelSummary {
   std::string name;
   std::string path;
   uint64_t generation = 0;
-  uint64_t tensor_count = 0;
-  uint64_t total_bytes = 0;
+  uint64_t tensor_count = 0;  // served tensors
+  uint64_t total_bytes = 0;   // checkpoint bytes
   std::vector<std::string> files;
+  std::vector<std::string> adapters;  // current stack, "name:strength"
+  std::vector<std::string> report;    // profile report, names summarized
 };
 
 struct TensorSummary {
-  std::string name;
-  DType dtype;
+  std::string name;  // served name
+  DType dtype;       // as served by default (dtype rules and quantization applied)
   std::vector<int64_t> shape;
-  Digest digest;
+  Digest digest;     // content identity at the current generation
+  std::vector<std::string> sources;  // checkpoint names (reverse map)
+  std::vector<std::string> patched_by;  // adapters touching it
 };
 
 struct ModelDetail {
   ModelSummary summary;
   std::vector<TensorSummary> tensors;
+};
+
+struct AdapterSummary {
+  std::string name;
+  std::string path;
+  std::string format;
+  uint64_t tensor_count = 0;  // parameters it patches
+  uint64_t bytes = 0;
+  std::vector<std::string> ignored;  // keys not understood, summarized
+};
+
+struct AdapterRef {
+  std::string name;
+  float strength = 1.0f;
+};
+
+struct GenerationInfo {
+  std::string model;
+  uint64_t generation = 0;
+  std::vector<std::string> adapters;  // "name:strength"
 };
 
 enum class TransportKind { kShm, kGrpc, kCuda };
@@ -109,6 +136,14 @@ struct ServiceStats {
   uint64_t leases_open = 0;
   uint64_t bytes_served = 0;
   uint64_t fetches = 0;
+  uint64_t applies = 0;
+  uint64_t adapters = 0;
+  uint64_t loads = 0;
+  uint64_t load_bytes = 0;
+  double load_seconds = 0;
+  uint64_t fetch_errors = 0;
+  LatencyHistogram::Snapshot fetch_latency_shm;
+  LatencyHistogram::Snapshot fetch_latency_grpc;
 };
 
 class WeightService {
@@ -134,22 +169,81 @@ class WeightService {
                                  uint32_t segment, uint64_t offset, uint64_t length);
   absl::Status Release(uint64_t lease_id, absl::string_view token);
 
+  // Adapters. `strict`: keys the parser does not understand fail the load.
+  absl::StatusOr<AdapterSummary> LoadAdapter(const std::string& name, const std::string& path,
+                                             const std::string& format, bool strict)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Models applying it keep their generations; the name becomes free.
+  absl::Status UnloadAdapter(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<AdapterSummary> ListAdapters() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Sets `model`'s whole adapter stack (empty = back to the base) as a new
+  // generation, atomically. expect_generation != 0 and != current: ABORTED.
+  // Shape mismatches, unknown adapters or targets, bad strengths: an error
+  // and the current generation untouched.
+  absl::StatusOr<GenerationInfo> Apply(const std::string& model,
+                                       const std::vector<AdapterRef>& stack,
+                                       uint64_t expect_generation) ABSL_LOCKS_EXCLUDED(mu_);
+  // Blocks until `model` has a generation > `after`, or `timeout` passes
+  // (then nullopt). NOT_FOUND when the model is unloaded.
+  absl::StatusOr<std::optional<GenerationInfo>> WaitForGeneration(const std::string& model,
+                                                                  uint64_t after,
+                                                                  absl::Duration timeout)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   ServiceStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
   LeaseTable* leases() { return &leases_; }
   const WeightServiceOptions& options() const { return options_; }
 
  private:
+  // A served tensor of a model: its plan and its parts in the store.
+  struct Served {
+    ServedTensorPlan plan;
+    std::vector<const StoredTensor*> parts;  // borrowed from the checkpoint
+  };
+  // One generation: the adapter stack and the patches it puts on each part
+  // (keyed by the part's checkpoint name, or served name for new tensors).
+  struct Generation {
+    uint64_t number = 1;
+    std::vector<AdapterRef> stack;
+    std::vector<std::shared_ptr<const Adapter>> adapters;  // kept alive
+    absl::flat_hash_map<std::string, std::vector<AppliedPatch>> patches;
+    absl::flat_hash_map<std::string, std::vector<std::string>> patched_by;  // served -> adapters
+    // Served tensors added by .set_weight (absent from the checkpoint).
+    std::vector<Served> added;
+    absl::flat_hash_map<std::string, Digest> content;  // served name -> identity
+    // FP8 scales (amax / 448) computed on first use, per served tensor.
+    mutable absl::Mutex scale_mu;
+    mutable absl::flat_hash_map<std::string, float> fp8_scales ABSL_GUARDED_BY(scale_mu);
+  };
+  // Immutable; an apply publishes a new Model sharing everything but the
+  // generation list.
   struct Model {
     std::string name;
     std::string path;
-    uint64_t generation = 1;
     std::shared_ptr<const Checkpoint> checkpoint;
+    std::shared_ptr<const Profile> profile;  // null: identity layout
+    std::shared_ptr<const std::vector<Served>> served;  // sorted by name
+    std::shared_ptr<const ServedLayout> layout;
+    std::shared_ptr<const Generation> current;
+    // Older generations still leased (and the current one).
+    std::vector<std::shared_ptr<const Generation>> history;
   };
 
   WeightService(WeightServiceOptions options, ModelRoots roots);
   static ModelSummary Summarize(const Model& model);
+  absl::StatusOr<std::shared_ptr<const Model>> FindModel(const std::string& name) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The served tensors at `gen`: the model's plus those the generation adds.
+  static std::vector<const Served*> ServedAt(const Model& model, const Generation& gen);
+  static absl::StatusOr<std::shared_ptr<Generation>> BuildGeneration(
+      const Model& model, uint64_t number, const std::vector<AdapterRef>& stack,
+      std::vector<std::shared_ptr<const Adapter>> adapters);
+  absl::StatusOr<float> Fp8Scale(const Served& served, const Generation& gen,
+                                 const std::vector<Placement>& whole);
   void ReapLoop();
+  // Drops generations that are neither current nor leased, and their cache.
+  void PruneGenerations() ABSL_LOCKS_EXCLUDED(mu_);
 
   const WeightServiceOptions options_;
   const ModelRoots roots_;
@@ -160,9 +254,20 @@ class WeightService {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<const Model>> models_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> loading_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<const Adapter>> adapters_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, AdapterSummary> adapter_info_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar generation_changed_;
 
   std::atomic<uint64_t> bytes_served_{0};
   std::atomic<uint64_t> fetches_{0};
+  std::atomic<uint64_t> applies_{0};
+  std::atomic<uint64_t> loads_{0};
+  std::atomic<uint64_t> load_bytes_{0};
+  std::atomic<uint64_t> load_ns_{0};
+  std::atomic<uint64_t> fetch_errors_{0};
+  LatencyHistogram fetch_latency_shm_;
+  LatencyHistogram fetch_latency_grpc_;
+  absl::StatusOr<FetchResult> FetchImpl(const FetchParams& params);
 
   absl::Notification stop_;
   std::thread reaper_;

@@ -1,0 +1,741 @@
+"""weightd Python client: control plane over gRPC, bytes over shm or gRPC.
+
+    import weightd
+    client = weightd.Client(socket="/run/weightd/w.sock")
+    with client.fetch("llama", world=8, rank=3, dtype="bf16") as h:
+        weightd.load_into_module(model, h)
+
+On the shm transport every tensor is a zero-copy view of a memfd segment
+the daemon passed over its data socket, mapped copy-on-write (MAP_PRIVATE):
+writing into a tensor (engines post-process weights in place) lands in this
+process's private pages; the daemon's sealed segment, other workers and
+later fetches never see it. On the grpc transport the bytes are streamed
+into private buffers and the tensors are views of those.
+
+Lifetime: a ShardHandle holds a lease. release() (or leaving a `with`
+block) ends it at once. Otherwise the lease lives as long as the handle or
+any tensor/array made from it is alive, and ends when the last one is
+garbage collected (or the process dies: the daemon sees the data
+connection close). Tensors you keep after release() stay valid (the
+mapping still holds the memory), but the daemon no longer accounts for them.
+"""
+import json
+import mmap
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Tuple
+
+import grpc
+import numpy as np
+
+from . import _datasock, _dtypes
+from .errors import Error, from_grpc
+from .v1 import weightd_pb2 as pb
+from .v1 import weightd_pb2_grpc as pb_grpc
+
+_MAX_MESSAGE = 256 << 20
+_READ_MERGE_GAP = 1 << 16  # grpc transport: coalesce tensor ranges closer than this
+
+
+def _torch_or_none():
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None
+
+
+# ---------------------------------------------------------------- value types
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A served tensor of a model (Client.info)."""
+    name: str
+    dtype: str  # safetensors spelling: "F32", "BF16", "F8_E4M3", ...
+    shape: Tuple[int, ...]
+    digest: bytes  # 16-byte content identity (XXH3-128) at the current generation
+    sources: Tuple[str, ...] = ()  # checkpoint tensors it is made of
+    patched_by: Tuple[str, ...] = ()  # adapters of the current stack touching it
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: str
+    generation: int
+    tensor_count: int
+    total_bytes: int
+    files: Tuple[str, ...] = ()
+    tensors: Tuple[TensorInfo, ...] = ()  # filled by info(), empty in list()
+    adapters: Tuple[str, ...] = ()  # current stack, "name:strength"
+    report: Tuple[str, ...] = ()  # profile report lines
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    bytes_done: int
+    bytes_total: int
+    tensors_done: int
+    tensors_total: int
+    current_file: str
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of a fetched shard: the rank's local piece."""
+    name: str
+    dtype: str  # served dtype, safetensors spelling
+    shape: Tuple[int, ...]  # local shape
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    digest: bytes  # XXH3-128 of the served bytes
+    segment: int
+    offset: int
+    length: int
+
+    @property
+    def numel(self):
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    model: str
+    generation: int
+    adapters: Tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    path: str
+    format: str
+    tensor_count: int
+    bytes: int = 0
+    ignored: Tuple[str, ...] = ()
+
+
+def _opt(msg, name, default=()):
+    """A field that older daemons' protos lack."""
+    v = getattr(msg, name, default)
+    return tuple(v) if not isinstance(v, (int, float, str, bytes)) else v
+
+
+def _request(cls, **fields):
+    """cls(**fields), dropping fields this proto lacks when they are unset."""
+    known = cls.DESCRIPTOR.fields_by_name
+    for k in [k for k in fields if k not in known]:
+        if fields[k]:
+            raise Error("UNIMPLEMENTED", "%s has no field %s in this client's proto"
+                        % (cls.DESCRIPTOR.name, k))
+        del fields[k]
+    return cls(**fields)
+
+
+def _adapter_info(a):
+    return AdapterInfo(a.name, a.path, a.format, a.tensor_count, _opt(a, "bytes", 0),
+                       _opt(a, "ignored"))
+
+
+def _model_info(m):
+    return ModelInfo(
+        name=m.name, path=m.path, generation=m.generation, tensor_count=m.tensor_count,
+        total_bytes=m.total_bytes, files=tuple(m.files),
+        tensors=tuple(TensorInfo(t.name, _dtypes.name_of_enum(t.dtype), tuple(t.shape),
+                                 bytes(t.digest), _opt(t, "sources"), _opt(t, "patched_by"))
+                      for t in m.tensors),
+        adapters=_opt(m, "adapters"), report=_opt(m, "report"))
+
+
+# ---------------------------------------------------------------- request parsing
+
+
+def _parse_placement(p):
+    if isinstance(p, bool):
+        raise Error("INVALID_ARGUMENT", "invalid placement %r" % (p,))
+    if isinstance(p, int):
+        if p < -1:
+            raise Error("INVALID_ARGUMENT", "invalid placement %d (-1 = replicate)" % p)
+        return p
+    if not isinstance(p, str):
+        # torch DTensor placements: Shard(dim) has .dim; Replicate has none.
+        if type(p).__name__ == "Replicate":
+            return -1
+        dim = getattr(p, "dim", None)
+        if type(p).__name__ == "Shard" and isinstance(dim, int):
+            return dim
+        raise Error("INVALID_ARGUMENT", "invalid placement %r" % (p,))
+    t = p.strip()
+    if t in ("R", "Replicate()"):
+        return -1
+    m = re.fullmatch(r"S(\d+)|Shard\((\d+)\)", t)
+    if not m:
+        raise Error("INVALID_ARGUMENT", "invalid placement \"%s\" (expected R, S<dim>, "
+                    "Replicate() or Shard(<dim>))" % p)
+    return int(m.group(1) or m.group(2))
+
+
+def _parse_placements(placements):
+    if placements is None:
+        return None
+    if isinstance(placements, str):
+        if not placements.strip():
+            raise Error("INVALID_ARGUMENT", "empty placement list")
+        placements = placements.split(",")
+    return [_parse_placement(p) for p in placements]
+
+
+_TRANSPORTS = {"shm": pb.SHM, "grpc": pb.GRPC}
+
+
+def _parse_profile(profile):
+    """dict -> JSON; str starting with '{' -> JSON text; else a file path."""
+    if profile is None:
+        return ""
+    if isinstance(profile, dict):
+        return json.dumps(profile)
+    if isinstance(profile, bytes):
+        return profile.decode()
+    if isinstance(profile, str) and profile.lstrip().startswith("{"):
+        return profile
+    try:
+        with open(os.fspath(profile), "r") as f:
+            return f.read()
+    except OSError as e:
+        raise Error("INVALID_ARGUMENT", "cannot read profile %s: %s" % (profile, e)) from None
+
+
+# ---------------------------------------------------------------- health (no stubs)
+
+
+def _read_varint(data, i):
+    shift = value = 0
+    while True:
+        if i >= len(data):
+            raise ValueError("truncated varint")
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def _decode_health_response(data):
+    """grpc.health.v1.HealthCheckResponse -> its `status` (field 1, varint)."""
+    status, i = 0, 0
+    while i < len(data):
+        key, i = _read_varint(data, i)
+        fnum, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = _read_varint(data, i)
+            if fnum == 1:
+                status = v
+        elif wt == 1:
+            i += 8
+        elif wt == 2:
+            n, i = _read_varint(data, i)
+            i += n
+        elif wt == 5:
+            i += 4
+        else:
+            raise ValueError("bad wire type %d" % wt)
+    return status
+
+
+_SERVING_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+# ---------------------------------------------------------------- leases and buffers
+
+
+class _Lease:
+    """A daemon lease. Ends on release(), or when garbage collected (the
+    handle and every buffer made from it gone): then the data connection
+    closes (shm; the daemon ends the lease) or a Release is sent (grpc)."""
+
+    def __init__(self, shards, lease_id, token):
+        self._shards = shards
+        self.lease_id = lease_id
+        self.token = token
+        self.conn = None  # shm data connection
+        self._lock = threading.Lock()
+        self.done = False
+
+    def release(self, timeout=10.0):
+        with self._lock:
+            if self.done:
+                return
+            self.done = True
+            conn, self.conn = self.conn, None
+        err = None
+        try:
+            self._shards.Release(pb.ReleaseRequest(lease_id=self.lease_id, token=self.token),
+                                 timeout=timeout)
+        except grpc.RpcError as e:
+            # The data connection closing ends the lease anyway.
+            if not (conn is not None and e.code() == grpc.StatusCode.NOT_FOUND):
+                err = from_grpc(e, "releasing lease %d" % self.lease_id)
+        except ValueError as e:  # the client's channel was closed
+            if conn is None:
+                err = Error("FAILED_PRECONDITION", "releasing lease %d: %s (the lease ends "
+                            "with its TTL)" % (self.lease_id, e))
+        finally:
+            if conn is not None:
+                conn.close()
+        if err is not None:
+            raise err
+
+    def __del__(self):
+        try:
+            if self.done:
+                return
+            self.done = True
+            if self.conn is not None:
+                self.conn.close()  # the daemon ends the lease with the connection
+                self.conn = None
+            else:
+                # fire and forget; the lease's idle TTL covers a lost request
+                self._shards.Release.future(
+                    pb.ReleaseRequest(lease_id=self.lease_id, token=self.token), timeout=5.0)
+        except BaseException:
+            pass
+
+
+class _Segment(mmap.mmap):
+    """A copy-on-write map of one memfd segment; holds the lease alive."""
+
+
+class _Buffer(bytearray):
+    """Bytes streamed over the grpc transport; holds the lease alive."""
+
+
+def _address_of(buf):
+    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
+
+
+# ---------------------------------------------------------------- ShardHandle
+
+
+class ShardHandle:
+    """The result of Client.fetch: the rank's local shards under a lease."""
+
+    def __init__(self, lease, generation, transport, tensors, pieces):
+        self._lease = lease
+        self.generation = generation
+        self.transport = transport
+        self.tensors = tensors  # list of TensorMeta, in the daemon's order
+        self._pieces = pieces  # name -> (buffer object, byte offset in it) or None (empty)
+
+    @property
+    def lease_id(self):
+        return self._lease.lease_id
+
+    @property
+    def released(self):
+        return self._lease.done
+
+    @property
+    def names(self):
+        return [t.name for t in self.tensors]
+
+    @property
+    def nbytes(self):
+        return sum(t.length for t in self.tensors)
+
+    def __len__(self):
+        return len(self.tensors)
+
+    def __repr__(self):
+        return "<weightd.ShardHandle lease=%d generation=%d tensors=%d bytes=%d %s%s>" % (
+            self._lease.lease_id, self.generation, len(self.tensors), self.nbytes,
+            self.transport, " released" if self.released else "")
+
+    def _check(self):
+        if self._pieces is None:
+            raise Error("FAILED_PRECONDITION", "the shard handle was released")
+
+    def _tensor(self, torch, meta):
+        dt = _dtypes.torch_dtype(meta.dtype)
+        n = meta.numel
+        if n == 0:
+            return torch.empty(meta.shape, dtype=dt)
+        buf, off = self._pieces[meta.name]
+        if meta.dtype == "BOOL":
+            arr = np.frombuffer(buf, dtype=np.bool_, count=n, offset=off)
+            return torch.from_numpy(arr).reshape(meta.shape)
+        return torch.frombuffer(buf, dtype=dt, count=n, offset=off).reshape(meta.shape)
+
+    def _array(self, meta):
+        dt = _dtypes.numpy_dtype(meta.dtype)
+        n = meta.numel
+        if n == 0:
+            return np.empty(meta.shape, dtype=dt)
+        buf, off = self._pieces[meta.name]
+        return np.frombuffer(buf, dtype=dt, count=n, offset=off).reshape(meta.shape)
+
+    def state_dict(self):
+        """{name: torch.Tensor} of zero-copy views (NumPy arrays when torch is
+        not installed). F8 types are uint8 tensors on torch without float8."""
+        self._check()
+        torch = _torch_or_none()
+        if torch is None:
+            return self.numpy_dict()
+        return {t.name: self._tensor(torch, t) for t in self.tensors}
+
+    def numpy_dict(self):
+        """{name: numpy.ndarray} of zero-copy views. BF16 is given as uint16
+        (the raw bits), F8_E4M3/F8_E5M2 as uint8."""
+        self._check()
+        return {t.name: self._array(t) for t in self.tensors}
+
+    def __getitem__(self, name):
+        self._check()
+        for t in self.tensors:
+            if t.name == name:
+                torch = _torch_or_none()
+                return self._array(t) if torch is None else self._tensor(torch, t)
+        raise KeyError(name)
+
+    def _segment_ranges(self):
+        """[(start, end)] addresses of the mapped segments / received buffers."""
+        self._check()
+        seen, out = set(), []
+        for piece in self._pieces.values():
+            if piece is None or id(piece[0]) in seen:
+                continue
+            seen.add(id(piece[0]))
+            if len(piece[0]):
+                a = _address_of(piece[0])
+                out.append((a, a + len(piece[0])))
+        return sorted(out)
+
+    def release(self):
+        """Ends the lease (Release RPC, then closes the data connection) and
+        drops the handle's maps. Idempotent."""
+        self._pieces = None
+        self._lease.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self.release()
+        except Error:
+            if exc_type is None:
+                raise  # else keep the body's exception; the lease ends with its connection
+
+
+# ---------------------------------------------------------------- watch
+
+
+class WatchStream:
+    """Iterator over GenerationEvent; cancel() (or close()) ends it."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            ev = next(self._call)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and self._call.cancelled():
+                raise StopIteration from None
+            raise from_grpc(e) from None
+        return GenerationEvent(ev.model, ev.generation, tuple(ev.adapters))
+
+    def cancel(self):
+        self._call.cancel()
+
+    close = cancel
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cancel()
+
+
+# ---------------------------------------------------------------- Client
+
+
+class Client:
+    """A connection to a weightd daemon.
+
+    Client(socket="/path/w.sock")  - the daemon's gRPC Unix socket (default:
+                                     $WEIGHTD_SOCKET)
+    Client(target="host:port")     - gRPC over TCP (use transport="grpc")
+    """
+
+    def __init__(self, socket=None, target=None, *, timeout=None, options=()):
+        if socket is not None and target is not None:
+            raise Error("INVALID_ARGUMENT", "give socket= or target=, not both")
+        if socket is None and target is None:
+            socket = os.environ.get("WEIGHTD_SOCKET")
+        if socket is not None:
+            self.target = "unix:" + os.fspath(socket)
+        elif target is not None:
+            self.target = target
+        else:
+            raise Error("INVALID_ARGUMENT", "give a socket=PATH or a target=\"HOST:PORT\"")
+        self.timeout = timeout  # default deadline for unary calls (None = none)
+        opts = [("grpc.max_receive_message_length", _MAX_MESSAGE),
+                ("grpc.max_send_message_length", 64 << 20)] + list(options)
+        self._channel = grpc.insecure_channel(self.target, options=opts)
+        self._models = pb_grpc.ModelsStub(self._channel)
+        self._shards = pb_grpc.ShardsStub(self._channel)
+        self._adapters = pb_grpc.AdaptersStub(self._channel)
+        self._health = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check", request_serializer=lambda _: b"",
+            response_deserializer=_decode_health_response)
+
+    # -- plumbing
+
+    def _call(self, method, request, timeout=None):
+        try:
+            return method(request, timeout=timeout if timeout is not None else self.timeout)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    def close(self):
+        """Closes the channel. Leases of live handles end with their data
+        connections (shm) or their TTL (grpc)."""
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- health and models
+
+    def health(self, timeout=5.0):
+        """True when the daemon reports SERVING; raises Error otherwise
+        (UNAVAILABLE with the reported status, or the RPC's error)."""
+        status = self._call(self._health, None, timeout=timeout)
+        if status != 1:
+            raise Error("UNAVAILABLE", "daemon reports %s" % _SERVING_NAMES.get(status, status))
+        return True
+
+    def load(self, name, path, profile=None, progress=None, timeout=None):
+        """Loads checkpoint `path` as model `name` and returns its ModelInfo.
+        profile: a dict, JSON text, or a path to a JSON file (DESIGN §4).
+        progress: optional callable receiving LoadProgress updates."""
+        req = pb.LoadRequest(name=name, path=os.fspath(path), profile_json=_parse_profile(profile))
+        info = None
+        try:
+            for msg in self._models.Load(req, timeout=timeout):
+                if msg.done:
+                    info = _model_info(msg.model)
+                elif progress is not None:
+                    progress(LoadProgress(msg.bytes_done, msg.bytes_total, msg.tensors_done,
+                                          msg.tensors_total, msg.current_file))
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        if info is None:
+            raise Error("INTERNAL", "load stream ended without a result")
+        return info
+
+    def unload(self, name):
+        self._call(self._models.Unload, pb.UnloadRequest(name=name))
+
+    def list(self):
+        """[ModelInfo] of the loaded models (without per-tensor entries)."""
+        resp = self._call(self._models.List, pb.ListModelsRequest())
+        return [_model_info(m) for m in resp.models]
+
+    def info(self, name):
+        """ModelInfo of `name`, with its tensors."""
+        return _model_info(self._call(self._models.Get, pb.GetModelRequest(name=name)))
+
+    def stats(self):
+        """The daemon's counters as a dict (models, segments, bytes_resident,
+        materializations, ..., leases_open, bytes_served, fetches)."""
+        resp = self._call(self._models.Stats, pb.StatsRequest())
+        return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
+
+    # -- adapters
+
+    def load_adapter(self, name, path, format="auto", strict=False):
+        """Loads a LoRA / dense patch (format auto|peft|kohya|dense)."""
+        r = self._call(self._adapters.Load, _request(
+            pb.LoadAdapterRequest, name=name, path=os.fspath(path), format=format,
+            strict=strict))
+        return _adapter_info(r)
+
+    def unload_adapter(self, name):
+        self._call(self._adapters.Unload, pb.UnloadAdapterRequest(name=name))
+
+    def list_adapters(self):
+        r = self._call(self._adapters.List, pb.ListAdaptersRequest())
+        return [_adapter_info(a) for a in r.adapters]
+
+    def apply(self, model, adapters=(), expect_generation=0):
+        """Sets model's adapter stack: [name | (name, strength)]; returns the
+        new generation."""
+        refs = []
+        for a in adapters:
+            name, strength = (a, 1.0) if isinstance(a, str) else a
+            refs.append(pb.AdapterRef(name=name, strength=float(strength)))
+        r = self._call(self._adapters.Apply, pb.ApplyRequest(
+            model=model, adapters=refs, expect_generation=expect_generation))
+        return r.generation
+
+    # -- shards
+
+    def watch(self, model, after=0, include_current=False, timeout=None):
+        """Iterator over GenerationEvent for `model`, one per new generation
+        (those > `after`; 0 = > the current one; include_current first
+        reports the current generation). Raises Error (e.g. code
+        "UNIMPLEMENTED") when the daemon refuses. cancel() ends it."""
+        req = _request(pb.WatchRequest, model=model, after=int(after),
+                       include_current=bool(include_current))
+        return WatchStream(self._shards.Watch(req, timeout=timeout))
+
+    def fetch(self, model, world=None, rank=None, *, mesh=None, coord=None, placements=None,
+              dtype=None, generation=0, changed_since=0, names=None, transport="shm",
+              timeout=None):
+        """Fetches this rank's local shards of `model` and returns a ShardHandle.
+
+        world/rank: a 1-D mesh (default 1/0); or mesh=(A, B, ...) with
+        coord=(i, j, ...). placements: one per mesh dim, "R,S0" or
+        ["R", "S0"] (or ints: -1 replicate, d = Shard(d)); None = profile /
+        defaults. dtype: None/"keep", "f32", "f16", "bf16", "f8_e4m3", ...
+        generation: 0 = current. changed_since: only tensors whose digest
+        differs from that generation. names: only these tensors.
+        transport: "shm" (zero-copy, same node) or "grpc" (streamed).
+        """
+        if mesh is not None or coord is not None:
+            if world is not None or rank is not None:
+                raise Error("INVALID_ARGUMENT", "give either world/rank or mesh/coord, not both")
+            if mesh is None or coord is None:
+                raise Error("INVALID_ARGUMENT", "mesh and coord go together")
+            if isinstance(mesh, str):
+                mesh = [int(x) for x in mesh.lower().split("x")]
+            if isinstance(coord, str):
+                coord = [int(x) for x in coord.split(",")]
+            mesh_shape, mesh_coord = [int(x) for x in mesh], [int(x) for x in coord]
+        else:
+            mesh_shape = [1 if world is None else int(world)]
+            mesh_coord = [0 if rank is None else int(rank)]
+        pl = _parse_placements(placements)
+        if pl is not None and len(pl) != len(mesh_shape):
+            raise Error("INVALID_ARGUMENT", "placements %r have %d entries but the mesh has %d "
+                        "dims" % (placements, len(pl), len(mesh_shape)))
+        if transport not in _TRANSPORTS:
+            raise Error("INVALID_ARGUMENT", "transport: expected shm or grpc, got %r"
+                        % (transport,))
+        dt = _dtypes.parse_request_dtype(dtype)
+        req = pb.FetchRequest(
+            model=model, generation=int(generation), mesh_shape=mesh_shape, coord=mesh_coord,
+            dtype=_dtypes.enum_of_name(dt) if dt else pb.DTYPE_UNSPECIFIED,
+            names=list(names or ()), transport=_TRANSPORTS[transport],
+            changed_since=int(changed_since))
+        if pl is not None:
+            req.placements.extend(pb.Placement(shard_dim=d) for d in pl)
+        resp = self._call(self._shards.Fetch, req, timeout=timeout)
+        lease = _Lease(self._shards, resp.lease_id, bytes(resp.token))
+        try:
+            return self._collect(resp, lease, transport, timeout)
+        except BaseException:
+            try:
+                lease.release()
+            except Exception:
+                pass
+            raise
+
+    def _collect(self, resp, lease, transport, timeout):
+        sizes = list(resp.segment_sizes)
+        metas = []
+        for t in resp.tensors:
+            meta = TensorMeta(
+                name=t.name, dtype=_dtypes.name_of_enum(t.dtype), shape=tuple(t.shape),
+                global_shape=tuple(t.global_shape), global_offset=tuple(t.global_offset),
+                digest=bytes(t.digest), segment=t.segment, offset=t.offset, length=t.length)
+            if meta.segment >= len(sizes) or meta.offset > sizes[meta.segment] or \
+                    meta.length > sizes[meta.segment] - meta.offset:
+                raise Error("INTERNAL", "daemon sent tensor \"%s\" outside its segment"
+                            % meta.name)
+            if meta.length != meta.numel * _dtypes.itemsize(meta.dtype):
+                raise Error("INTERNAL", "daemon sent tensor \"%s\" of %d bytes for shape %s %s"
+                            % (meta.name, meta.length, list(meta.shape), meta.dtype))
+            metas.append(meta)
+        pieces = {}
+        if transport == "shm":
+            conn, fds = _datasock.attach(resp.data_socket, resp.lease_id, bytes(resp.token),
+                                         len(sizes))
+            lease.conn = conn
+            maps = []
+            try:
+                for fd, size in zip(fds, sizes):
+                    if size == 0:
+                        maps.append(None)
+                        continue
+                    seg = _Segment(fd, size, flags=mmap.MAP_PRIVATE,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                    seg._lease = lease
+                    maps.append(seg)
+            except OSError as e:
+                raise Error("INTERNAL", "mapping a segment: %s" % e) from None
+            finally:
+                for fd in fds:  # mmap keeps its own reference
+                    os.close(fd)
+            for m in metas:
+                pieces[m.name] = (maps[m.segment], m.offset) if m.length else None
+        else:
+            for seg_index in range(len(sizes)):
+                ranges = sorted((m.offset, m.offset + m.length) for m in metas
+                                if m.segment == seg_index and m.length)
+                merged = []
+                for lo, hi in ranges:
+                    if merged and lo <= merged[-1][1] + _READ_MERGE_GAP:
+                        merged[-1][1] = max(merged[-1][1], hi)
+                    else:
+                        merged.append([lo, hi])
+                bufs = [(lo, hi, self._read(lease, seg_index, lo, hi - lo, timeout))
+                        for lo, hi in merged]
+                for m in metas:
+                    if m.segment != seg_index or not m.length:
+                        continue
+                    for lo, hi, buf in bufs:
+                        if lo <= m.offset and m.offset + m.length <= hi:
+                            pieces[m.name] = (buf, m.offset - lo)
+                            break
+            for m in metas:
+                pieces.setdefault(m.name, None)
+        return ShardHandle(lease, resp.generation, transport, metas, pieces)
+
+    def _read(self, lease, segment, offset, length, timeout):
+        buf = _Buffer(length)
+        buf._lease = lease
+        view = memoryview(buf)
+        got = 0
+        call = self._shards.Read(pb.ReadRequest(lease_id=lease.lease_id, token=lease.token,
+                                                segment=segment, offset=offset, length=length),
+                                 timeout=timeout)
+        try:
+            for chunk in call:
+                n = len(chunk.data)
+                if chunk.offset != got or n > length - got:
+                    call.cancel()
+                    raise Error("INTERNAL", "daemon sent an out-of-order or oversized chunk")
+                view[got:got + n] = chunk.data
+                got += n
+        except grpc.RpcError as e:
+            raise from_grpc(e, "reading segment %d" % segment) from None
+        finally:
+            view.release()
+        if got != length:
+            raise Error("DATA_LOSS", "segment %d: got %d of %d bytes" % (segment, got, length))
+        return buf

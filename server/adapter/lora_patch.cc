@@ -1,0 +1,296 @@
+#include "server/adapter/lora_patch.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+
+namespace weightd {
+namespace {
+
+// Floats of scratch per GEMM block (1 MiB): large enough that OpenBLAS's
+// per-call packing of the narrow factor is amortized, small enough to stay
+// near the cache.
+constexpr int64_t kScratchFloats = int64_t{1} << 18;
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+int64_t NumElements(absl::Span<const int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// The served tensor must be the shape the patch expects, and the box must
+// lie inside it.
+absl::Status CheckBox(const ShardBox& box, absl::Span<const int64_t> global_shape,
+                      absl::Span<const int64_t> shape) {
+  if (!std::equal(global_shape.begin(), global_shape.end(), shape.begin(), shape.end())) {
+    return absl::InvalidArgumentError(absl::StrCat("patch expects a tensor of shape ",
+                                                   ShapeString(shape), ", got ",
+                                                   ShapeString(global_shape)));
+  }
+  if (box.offset.size() != shape.size() || box.shape.size() != shape.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("box of rank ", box.shape.size(),
+                                                   " for a tensor of rank ", shape.size()));
+  }
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (box.offset[d] < 0 || box.shape[d] < 0 || box.offset[d] > shape[d] ||
+        box.shape[d] > shape[d] - box.offset[d]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "box offset ", ShapeString(box.offset), " shape ", ShapeString(box.shape),
+          " is outside tensor ", ShapeString(shape)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFactors(const LowRankFactors& f) {
+  if (f.rank < 1 || f.in < 0 || f.out < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad LoRA dims rank=", f.rank, " in=", f.in, " out=", f.out));
+  }
+  if (static_cast<int64_t>(f.a.size()) != f.rank * f.in ||
+      static_cast<int64_t>(f.b.size()) != f.out * f.rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LoRA factor sizes ", f.a.size(), "/", f.b.size(), " do not match rank=", f.rank,
+        " in=", f.in, " out=", f.out));
+  }
+  return absl::OkStatus();
+}
+
+std::string ScaleString(double scale) { return absl::StrFormat("%a", scale); }
+
+// C[m, n] (row-major, ldc = n) = op(X) @ op(Y), alpha 1, beta 0.
+void Gemm(bool trans_x, bool trans_y, int64_t m, int64_t n, int64_t k, const float* x,
+          int64_t ldx, const float* y, int64_t ldy, float* c) {
+  cblas_sgemm(CblasRowMajor, trans_x ? CblasTrans : CblasNoTrans,
+              trans_y ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
+              static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, x,
+              static_cast<blasint>(ldx), y, static_cast<blasint>(ldy), 0.0f, c,
+              static_cast<blasint>(n));
+}
+
+}  // namespace
+
+float EffectiveScale(float strength, double scale) {
+  return static_cast<float>(static_cast<double>(strength) * scale);
+}
+
+void SetGemmThreads(int threads) { openblas_set_num_threads(std::max(1, threads)); }
+
+// ---------------------------------------------------------------- LoraPatch
+
+absl::StatusOr<std::shared_ptr<const LoraPatch>> LoraPatch::Create(PatchSource source,
+                                                                   LowRankFactors factors,
+                                                                   double scale,
+                                                                   bool transposed) {
+  WD_RETURN_IF_ERROR(CheckFactors(factors));
+  if (!std::isfinite(scale)) {
+    return absl::InvalidArgumentError(absl::StrCat("LoRA scale ", scale, " is not finite"));
+  }
+  return std::shared_ptr<const LoraPatch>(
+      new LoraPatch(std::move(source), std::move(factors), scale, transposed));
+}
+
+std::string LoraPatch::CacheKey() const {
+  return absl::StrCat("lora", transposed_ ? "T" : "", "|", source_.adapter_digest.Hex(), "|",
+                      source_.target, "|", ScaleString(scale_));
+}
+
+std::vector<int64_t> LoraPatch::shape() const {
+  if (transposed_) return {f_.in, f_.out};
+  return {f_.out, f_.in};
+}
+
+uint64_t LoraPatch::bytes() const { return (f_.a.size() + f_.b.size()) * sizeof(float); }
+
+absl::Status LoraPatch::Apply(const ShardBox& box, absl::Span<const int64_t> global_shape,
+                              float strength, const BaseRowReader& base, float* acc) const {
+  const std::vector<int64_t> want = shape();
+  WD_RETURN_IF_ERROR(CheckBox(box, global_shape, want));
+  const int64_t r0 = box.offset[0], nr = box.shape[0];
+  const int64_t c0 = box.offset[1], nc = box.shape[1];
+  if (nr == 0 || nc == 0) return absl::OkStatus();
+  const float s = EffectiveScale(strength, scale_);
+  const int64_t k = f_.rank;
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(nr, kScratchFloats / nc));
+  std::vector<float> tmp(static_cast<size_t>(block * nc));
+  for (int64_t i = 0; i < nr; i += block) {
+    const int64_t m = std::min(block, nr - i);
+    if (!transposed_) {
+      // ΔW[r][c] = Σ_k B[r][k] A[k][c]: rows of B, columns of A, no copies.
+      Gemm(false, false, m, nc, k, f_.b.data() + (r0 + i) * k, k, f_.a.data() + c0, f_.in,
+           tmp.data());
+    } else {
+      // ΔW[r][c] = Σ_k A[k][r] B[c][k]: columns of A (rows of ΔW), rows of B.
+      Gemm(true, true, m, nc, k, f_.a.data() + (r0 + i), f_.in, f_.b.data() + c0 * k, k,
+           tmp.data());
+    }
+    float* dst = acc + i * nc;
+    const int64_t n = m * nc;
+    for (int64_t j = 0; j < n; ++j) {
+      const float delta = tmp[j] * s;  // (B @ A) * scaling, then the add
+      dst[j] += delta;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- DoraPatch
+
+absl::StatusOr<std::shared_ptr<const DoraPatch>> DoraPatch::Create(PatchSource source,
+                                                                   LowRankFactors factors,
+                                                                   double scale,
+                                                                   std::vector<float> magnitude) {
+  WD_RETURN_IF_ERROR(CheckFactors(factors));
+  if (!std::isfinite(scale)) {
+    return absl::InvalidArgumentError(absl::StrCat("DoRA scale ", scale, " is not finite"));
+  }
+  if (static_cast<int64_t>(magnitude.size()) != factors.out) {
+    return absl::InvalidArgumentError(absl::StrCat("DoRA magnitude has ", magnitude.size(),
+                                                   " values, the weight has ", factors.out,
+                                                   " output rows"));
+  }
+  return std::shared_ptr<const DoraPatch>(
+      new DoraPatch(std::move(source), std::move(factors), scale, std::move(magnitude)));
+}
+
+std::string DoraPatch::CacheKey() const {
+  return absl::StrCat("dora|", source_.adapter_digest.Hex(), "|", source_.target, "|",
+                      ScaleString(scale_));
+}
+
+uint64_t DoraPatch::bytes() const {
+  return (f_.a.size() + f_.b.size() + magnitude_.size()) * sizeof(float);
+}
+
+absl::Status DoraPatch::Apply(const ShardBox& box, absl::Span<const int64_t> global_shape,
+                              float strength, const BaseRowReader& base, float* acc) const {
+  const std::vector<int64_t> want = shape();
+  WD_RETURN_IF_ERROR(CheckBox(box, global_shape, want));
+  const int64_t r0 = box.offset[0], nr = box.shape[0];
+  const int64_t c0 = box.offset[1], nc = box.shape[1];
+  if (nr == 0 || nc == 0) return absl::OkStatus();
+  if (!base) {
+    return absl::InvalidArgumentError("DoRA patch needs a reader for the base weight");
+  }
+  const float s = EffectiveScale(strength, scale_);
+  const int64_t k = f_.rank, in = f_.in;
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(nr, kScratchFloats / std::max<int64_t>(in, 1)));
+  std::vector<float> w(static_cast<size_t>(block * in));
+  std::vector<float> d(static_cast<size_t>(block * in));
+  for (int64_t i = 0; i < nr; i += block) {
+    const int64_t m = std::min(block, nr - i);
+    WD_RETURN_IF_ERROR_CTX(base(r0 + i, r0 + i + m, w.data()), "reading base rows ", r0 + i,
+                           "..", r0 + i + m, " for DoRA norms");
+    // Full rows of B @ A: the norm spans the whole input dim.
+    Gemm(false, false, m, in, k, f_.b.data() + (r0 + i) * k, k, f_.a.data(), in, d.data());
+    for (int64_t q = 0; q < m; ++q) {
+      float* drow = d.data() + q * in;
+      const float* wrow = w.data() + q * in;
+      double sum_sq = 0.0;
+      for (int64_t c = 0; c < in; ++c) {
+        const float delta = drow[c] * s;
+        drow[c] = delta;
+        const float v = wrow[c] + delta;
+        sum_sq += static_cast<double>(v) * static_cast<double>(v);
+      }
+      const float norm = static_cast<float>(std::sqrt(sum_sq));
+      const float factor = magnitude_[r0 + i + q] / norm;
+      float* dst = acc + (i + q) * nc;
+      for (int64_t j = 0; j < nc; ++j) {
+        const float v = dst[j] + drow[c0 + j];
+        dst[j] = factor * v;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- DensePatch
+
+absl::StatusOr<std::shared_ptr<const DensePatch>> DensePatch::Create(PatchSource source,
+                                                                     std::vector<int64_t> shape,
+                                                                     std::vector<float> values,
+                                                                     Mode mode, double scale) {
+  for (int64_t dim : shape) {
+    if (dim < 0) return absl::InvalidArgumentError(absl::StrCat("negative dim in ", ShapeString(shape)));
+  }
+  if (static_cast<int64_t>(values.size()) != NumElements(shape)) {
+    return absl::InvalidArgumentError(absl::StrCat("dense patch has ", values.size(),
+                                                   " values for shape ", ShapeString(shape)));
+  }
+  if (!std::isfinite(scale)) {
+    return absl::InvalidArgumentError(absl::StrCat("dense patch scale ", scale, " is not finite"));
+  }
+  return std::shared_ptr<const DensePatch>(
+      new DensePatch(std::move(source), std::move(shape), std::move(values), mode, scale));
+}
+
+std::string DensePatch::CacheKey() const {
+  const char* kind = mode_ == Mode::kAdd ? "add" : mode_ == Mode::kSet ? "set" : "keep";
+  return absl::StrCat("dense-", kind, "|", source_.adapter_digest.Hex(), "|", source_.target, "|",
+                      ScaleString(scale_));
+}
+
+absl::Status DensePatch::Apply(const ShardBox& box, absl::Span<const int64_t> global_shape,
+                               float strength, const BaseRowReader& base, float* acc) const {
+  WD_RETURN_IF_ERROR(CheckBox(box, global_shape, shape_));
+  const size_t rank = shape_.size();
+  const float s = EffectiveScale(strength, scale_);
+  auto apply_run = [&](const float* src, float* dst, int64_t n) {
+    switch (mode_) {
+      case Mode::kAdd:
+        for (int64_t j = 0; j < n; ++j) {
+          const float delta = src[j] * s;
+          dst[j] += delta;
+        }
+        break;
+      case Mode::kSet:
+        for (int64_t j = 0; j < n; ++j) dst[j] = src[j] * s;
+        break;
+      case Mode::kSetIgnoringStrength:
+        std::copy(src, src + n, dst);
+        break;
+    }
+  };
+  if (rank == 0) {
+    apply_run(values_.data(), acc, 1);
+    return absl::OkStatus();
+  }
+  for (int64_t dim : box.shape) {
+    if (dim == 0) return absl::OkStatus();
+  }
+  // Row-major strides of the full tensor; walk the box one innermost run at
+  // a time.
+  std::vector<int64_t> stride(rank, 1);
+  for (size_t d = rank - 1; d > 0; --d) stride[d - 1] = stride[d] * shape_[d];
+  const int64_t inner = box.shape[rank - 1];
+  std::vector<int64_t> idx(rank, 0);  // over dims [0, rank-1)
+  float* dst = acc;
+  while (true) {
+    int64_t src_off = box.offset[rank - 1];
+    for (size_t d = 0; d + 1 < rank; ++d) src_off += (box.offset[d] + idx[d]) * stride[d];
+    apply_run(values_.data() + src_off, dst, inner);
+    dst += inner;
+    size_t d = rank - 1;
+    while (d > 0) {
+      --d;
+      if (++idx[d] < box.shape[d]) break;
+      idx[d] = 0;
+      if (d == 0) return absl::OkStatus();
+    }
+    if (rank == 1) return absl::OkStatus();
+  }
+}
+
+}  // namespace weightd

@@ -1,0 +1,121 @@
+#include "server/metrics/prometheus_exporter.h"
+
+#include <prometheus/collectable.h>
+#include <prometheus/exposer.h>
+#include <prometheus/metric_family.h>
+
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+
+namespace weightd {
+namespace {
+
+prometheus::MetricFamily Scalar(const std::string& name, const std::string& help,
+                                prometheus::MetricType type, double value) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = type;
+  prometheus::ClientMetric m;
+  if (type == prometheus::MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
+  f.metric.push_back(std::move(m));
+  return f;
+}
+
+prometheus::ClientMetric HistogramMetric(const LatencyHistogram::Snapshot& s,
+                                         const std::string& transport) {
+  prometheus::ClientMetric m;
+  m.label.push_back({"transport", transport});
+  m.histogram.sample_count = s.count;
+  m.histogram.sample_sum = s.sum_seconds;
+  for (size_t i = 0; i < LatencyHistogram::kBounds.size(); ++i) {
+    m.histogram.bucket.push_back({s.cumulative[i], LatencyHistogram::kBounds[i]});
+  }
+  m.histogram.bucket.push_back({s.count, std::numeric_limits<double>::infinity()});
+  return m;
+}
+
+class StatsCollectable : public prometheus::Collectable {
+ public:
+  explicit StatsCollectable(const WeightService* service) : service_(service) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    using prometheus::MetricType;
+    ServiceStats s = service_->Stats();
+    std::vector<prometheus::MetricFamily> out = {
+        Scalar("weightd_models", "Models loaded.", MetricType::Gauge, s.models),
+        Scalar("weightd_adapters", "Adapters loaded.", MetricType::Gauge, s.adapters),
+        Scalar("weightd_segments", "Sealed memory segments held.", MetricType::Gauge, s.segments),
+        Scalar("weightd_resident_bytes", "Bytes held in segments (checkpoints and shards).",
+               MetricType::Gauge, s.bytes_resident),
+        Scalar("weightd_memory_limit_bytes", "The --host-memory-bytes budget (0 = none).",
+               MetricType::Gauge, s.memory_limit),
+        Scalar("weightd_pinned_bytes", "Bytes registered with cudaHostRegister.",
+               MetricType::Gauge, 0),
+        Scalar("weightd_materialization_cache_entries", "Cached materializations.",
+               MetricType::Gauge, s.materializer.entries),
+        Scalar("weightd_materialization_cache_bytes", "Bytes of packed (non-view) materializations.",
+               MetricType::Gauge, s.materializer.packed_bytes),
+        Scalar("weightd_materialization_cache_hits_total", "Materialization cache hits.",
+               MetricType::Counter, s.materializer.hits),
+        Scalar("weightd_materialization_cache_misses_total", "Materialization cache misses.",
+               MetricType::Counter, s.materializer.misses),
+        Scalar("weightd_leases_open", "Open leases.", MetricType::Gauge, s.leases_open),
+        Scalar("weightd_fetches_total", "Successful fetches.", MetricType::Counter, s.fetches),
+        Scalar("weightd_fetch_errors_total", "Failed fetches.", MetricType::Counter, s.fetch_errors),
+        Scalar("weightd_served_bytes_total", "Bytes of shards handed to clients.",
+               MetricType::Counter, s.bytes_served),
+        Scalar("weightd_adapter_applies_total", "Adapter stacks applied (generations made).",
+               MetricType::Counter, s.applies),
+        Scalar("weightd_loads_total", "Checkpoints loaded.", MetricType::Counter, s.loads),
+        Scalar("weightd_load_bytes_total", "Checkpoint bytes loaded.", MetricType::Counter,
+               s.load_bytes),
+        Scalar("weightd_load_seconds_total", "Seconds spent loading (bytes / seconds = throughput).",
+               MetricType::Counter, s.load_seconds),
+    };
+    prometheus::MetricFamily latency;
+    latency.name = "weightd_fetch_duration_seconds";
+    latency.help = "Fetch call latency in the daemon, by transport.";
+    latency.type = MetricType::Histogram;
+    latency.metric.push_back(HistogramMetric(s.fetch_latency_shm, "shm"));
+    latency.metric.push_back(HistogramMetric(s.fetch_latency_grpc, "grpc"));
+    out.push_back(std::move(latency));
+    return out;
+  }
+
+ private:
+  const WeightService* service_;
+};
+
+}  // namespace
+
+class MetricsServer::Impl {
+ public:
+  std::unique_ptr<prometheus::Exposer> exposer;
+  std::shared_ptr<StatsCollectable> collectable;
+};
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& address,
+                                                                    const WeightService* service) {
+  auto impl = std::make_unique<Impl>();
+  // prometheus-cpp (civetweb) reports a bind failure by throwing; this is
+  // the one place an exception is caught, at the library boundary.
+  try {
+    impl->exposer = std::make_unique<prometheus::Exposer>(address);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("--metrics-listen ", address, ": ", e.what()));
+  }
+  impl->collectable = std::make_shared<StatsCollectable>(service);
+  impl->exposer->RegisterCollectable(impl->collectable);
+  return std::unique_ptr<MetricsServer>(new MetricsServer(std::move(impl)));
+}
+
+MetricsServer::MetricsServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+MetricsServer::~MetricsServer() = default;
+
+}  // namespace weightd

@@ -3,13 +3,18 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <map>
+#include <set>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -29,7 +34,9 @@ constexpr char kUsage[] =
     "               [--metrics-listen HOST:PORT] --model-root DIR ...\n"
     "               [--host-memory-bytes N] [--preload NAME=PATH[@PROFILE]] ...\n"
     "               [--lease-ttl-seconds N] [--threads N] [--log-format text|json]\n"
-    "               [--socket-mode OCTAL]\n";
+    "               [--socket-mode OCTAL] [--config FILE]\n"
+    "Every flag may also be set as WEIGHTD_<FLAG> (e.g. WEIGHTD_MODEL_ROOT=/a,/b)\n"
+    "or in a config file of \"flag = value\" lines (--config or WEIGHTD_CONFIG).\n";
 
 struct Preload {
   std::string name, path, profile;
@@ -44,8 +51,119 @@ struct DaemonFlags {
   absl::Duration shutdown_grace = absl::Seconds(10);
 };
 
-absl::Status ParseFlags(int argc, char** argv, DaemonFlags* flags) {
-  std::vector<std::string> args(argv + 1, argv + argc);
+// Every flag also comes from the environment (WEIGHTD_<FLAG>, dashes as
+// underscores, e.g. WEIGHTD_MODEL_ROOT; lists comma-separated) and from a
+// config file (--config FILE or WEIGHTD_CONFIG: one "flag = value" per line,
+// '#' comments, a repeated flag adds a value). The command line beats the
+// environment, which beats the file; for list flags (model-root, preload) the
+// strongest source that names the flag gives the whole list.
+constexpr const char* kFlagNames[] = {
+    "socket", "data-socket", "listen", "metrics-listen", "model-root", "host-memory-bytes",
+    "preload", "lease-ttl-seconds", "threads", "log-format", "socket-mode"};
+
+struct FlagSource {
+  std::string origin;                               // "file", "env", "argv"
+  std::vector<std::pair<std::string, std::string>> values;  // flag -> value, in order
+};
+
+absl::StatusOr<FlagSource> ReadConfigFile(const std::string& path) {
+  FlagSource src{absl::StrCat("config ", path), {}};
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return absl::NotFoundError(absl::StrCat("cannot open config file ", path));
+  char line[4096];
+  int number = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    ++number;
+    std::string text(absl::StripAsciiWhitespace(line));
+    if (text.empty() || text[0] == '#') continue;
+    size_t eq = text.find('=');
+    if (eq == std::string::npos) {
+      std::fclose(f);
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", number, ": expected flag = value"));
+    }
+    std::string key(absl::StripAsciiWhitespace(text.substr(0, eq)));
+    std::string value(absl::StripAsciiWhitespace(text.substr(eq + 1)));
+    if (absl::StartsWith(key, "--")) key = key.substr(2);
+    src.values.emplace_back(key, value);
+  }
+  std::fclose(f);
+  return src;
+}
+
+FlagSource ReadEnvironment() {
+  FlagSource src{"environment", {}};
+  for (const char* name : kFlagNames) {
+    std::string var = absl::StrCat("WEIGHTD_", absl::AsciiStrToUpper(name));
+    for (char& c : var) c = c == '-' ? '_' : c;
+    const char* value = std::getenv(var.c_str());
+    if (value == nullptr) continue;
+    bool list = std::string(name) == "model-root" || std::string(name) == "preload";
+    if (list) {
+      for (absl::string_view v : absl::StrSplit(value, ',', absl::SkipEmpty())) {
+        src.values.emplace_back(name, std::string(v));
+      }
+    } else {
+      src.values.emplace_back(name, value);
+    }
+  }
+  return src;
+}
+
+// Merges file < env < argv into one argv-style list.
+absl::StatusOr<std::vector<std::string>> CollectArgs(int argc, char** argv) {
+  std::vector<std::string> cli(argv + 1, argv + argc);
+  std::string config;
+  if (const char* env = std::getenv("WEIGHTD_CONFIG")) config = env;
+  std::vector<std::string> rest;
+  for (size_t i = 0; i < cli.size(); ++i) {
+    if (cli[i] == "--config" && i + 1 < cli.size()) {
+      config = cli[++i];
+    } else if (absl::StartsWith(cli[i], "--config=")) {
+      config = cli[i].substr(9);
+    } else {
+      rest.push_back(cli[i]);
+    }
+  }
+  std::vector<FlagSource> sources;
+  if (!config.empty()) {
+    WD_ASSIGN_OR_RETURN(FlagSource file, ReadConfigFile(config));
+    sources.push_back(std::move(file));
+  }
+  sources.push_back(ReadEnvironment());
+  std::vector<std::string> merged;
+  std::set<std::string> on_cli;
+  for (const std::string& a : rest) {
+    if (!absl::StartsWith(a, "--")) continue;
+    on_cli.insert(a.substr(2, a.find('=') == std::string::npos ? std::string::npos : a.find('=') - 2));
+  }
+  // Later sources override earlier ones flag by flag.
+  std::map<std::string, std::vector<std::string>> chosen;
+  std::vector<std::string> order;
+  for (const FlagSource& src : sources) {
+    std::map<std::string, std::vector<std::string>> mine;
+    for (const auto& [k, v] : src.values) {
+      if (std::find(std::begin(kFlagNames), std::end(kFlagNames), k) == std::end(kFlagNames)) {
+        return absl::InvalidArgumentError(absl::StrCat(src.origin, ": unknown flag \"", k, "\""));
+      }
+      mine[k].push_back(v);
+    }
+    for (auto& [k, vs] : mine) {
+      if (!chosen.count(k)) order.push_back(k);
+      chosen[k] = std::move(vs);
+    }
+  }
+  for (const std::string& k : order) {
+    if (on_cli.count(k)) continue;
+    for (const std::string& v : chosen[k]) {
+      merged.push_back("--" + k);
+      merged.push_back(v);
+    }
+  }
+  merged.insert(merged.end(), rest.begin(), rest.end());
+  return merged;
+}
+
+absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags) {
   mode_t mode = 0660;
   for (size_t i = 0; i < args.size(); ++i) {
     std::string flag = args[i];
@@ -174,7 +292,11 @@ int Fail(const absl::Status& status) {
 
 int Main(int argc, char** argv) {
   DaemonFlags flags;
-  if (absl::Status s = ParseFlags(argc, argv, &flags); !s.ok()) return Fail(s);
+  auto args = CollectArgs(argc, argv);
+  if (!args.ok()) return Fail(args.status());
+  if (absl::Status s = ParseFlags(*args, &flags); !s.ok()) return Fail(s);
+  // The effective configuration, whatever its sources.
+  LogEvent(LogLevel::kInfo, "config", {{"args", absl::StrJoin(*args, " ")}});
 
   // Signals are taken synchronously by the main thread; every thread started
   // from here on inherits the mask.

@@ -147,9 +147,9 @@ absl::StatusOr<TensorMap> ReadTensors(const TensorFile& f,
                       absl::StrCat("dtype ", DTypeName(e.dtype), " is not a floating type"));
     }
     buf.resize(static_cast<size_t>(length));
-    WD_RETURN_IF_ERROR_CTX(PreadFull(f.fd.get(), buf.data(), buf.size(),
-                                     f.header.data_offset + e.begin),
-                           f.path, ": tensor \"", e.name, "\"");
+    WD_RETURN_IF_ERROR_CTX(
+        PreadFull(f.fd.get(), buf.data(), buf.size(), f.header.data_offset + e.begin), f.path,
+        ": tensor \"", e.name, "\"");
     digest->Update(buf.data(), buf.size());
     if (!want) continue;
     LoadedTensor t;
@@ -273,8 +273,8 @@ absl::StatusOr<PeftConfig> ParsePeftConfig(absl::string_view text, const std::st
     if (!it->is_string()) return ConfigError(c, "\"bias\" must be a string");
     c.bias = it->get<std::string>();
     if (c.bias != "none" && c.bias != "all" && c.bias != "lora_only") {
-      return ConfigError(c, absl::StrCat("\"bias\" \"", c.bias,
-                                         "\" is not one of none, all, lora_only"));
+      return ConfigError(
+          c, absl::StrCat("\"bias\" \"", c.bias, "\" is not one of none, all, lora_only"));
     }
   }
   WD_RETURN_IF_ERROR(ParsePatterns(c, j, "rank_pattern", /*integer=*/true, &c.rank_pattern));
@@ -303,11 +303,12 @@ absl::StatusOr<PeftConfig> ParsePeftConfig(absl::string_view text, const std::st
       }
     }
   }
-  for (absl::string_view field : {"alora_invocation_tokens", "layer_replication",
-                                  "target_parameters", "use_qalora", "use_bdlora", "arrow_config",
-                                  "kasa_config", "velora_config", "monteclora_config"}) {
+  for (absl::string_view field :
+       {"alora_invocation_tokens", "layer_replication", "target_parameters", "use_qalora",
+        "use_bdlora", "arrow_config", "kasa_config", "velora_config", "monteclora_config"}) {
     if (IsSet(j, field)) {
-      return ConfigError(c, absl::StrCat("\"", field, "\" is set: this LoRA variant cannot be "
+      return ConfigError(c, absl::StrCat("\"", field,
+                                         "\" is set: this LoRA variant cannot be "
                                          "merged"));
     }
   }
@@ -315,8 +316,7 @@ absl::StatusOr<PeftConfig> ParsePeftConfig(absl::string_view text, const std::st
 }
 
 // Value of the first pattern matching `module`, if any.
-std::optional<double> MatchPattern(const std::vector<Pattern>& patterns,
-                                   absl::string_view module) {
+std::optional<double> MatchPattern(const std::vector<Pattern>& patterns, absl::string_view module) {
   for (const Pattern& p : patterns) {
     if (RE2::FullMatch(re2::StringPiece(module.data(), module.size()), *p.re)) return p.value;
   }
@@ -376,10 +376,11 @@ KeyInfo Classify(absl::string_view key) {
     Role role;
     bool whole_param;  // the stem is a parameter, not a module
   };
-  static constexpr Suffix kDense[] = {
-      {".diff_param", "", Role::kDenseAdd, true}, {".diff_b", ".bias", Role::kDenseAdd, false},
-      {".diff", ".weight", Role::kDenseAdd, false}, {".set_weight", ".weight", Role::kDenseSet, false},
-      {".set_param", "", Role::kDenseSet, true}};
+  static constexpr Suffix kDense[] = {{".diff_param", "", Role::kDenseAdd, true},
+                                      {".diff_b", ".bias", Role::kDenseAdd, false},
+                                      {".diff", ".weight", Role::kDenseAdd, false},
+                                      {".set_weight", ".weight", Role::kDenseSet, false},
+                                      {".set_param", "", Role::kDenseSet, true}};
   for (const Suffix& s : kDense) {
     if (!absl::EndsWith(n, s.suffix)) continue;
     absl::string_view stem = n.substr(0, n.size() - s.suffix.size());
@@ -463,8 +464,8 @@ struct Builder {
     auto [it, inserted] = claims.try_emplace({target, kohya});
     Claim& c = it->second;
     if (!inserted) {
-      const bool conflict = c.replace || kind == TensorPatch::Kind::kReplace ||
-                            (lora && c.lora) || (!lora && c.add);
+      const bool conflict =
+          c.replace || kind == TensorPatch::Kind::kReplace || (lora && c.lora) || (!lora && c.add);
       if (conflict) {
         return absl::InvalidArgumentError(absl::StrCat(file, ": tensors \"", c.key, "\" and \"",
                                                        key, "\" both patch \"", target, "\""));
@@ -472,9 +473,12 @@ struct Builder {
     } else {
       c.key = key;
     }
-    if (kind == TensorPatch::Kind::kReplace) c.replace = true;
-    else if (lora) c.lora = true;
-    else c.add = true;
+    if (kind == TensorPatch::Kind::kReplace)
+      c.replace = true;
+    else if (lora)
+      c.lora = true;
+    else
+      c.add = true;
     return absl::OkStatus();
   }
 
@@ -490,8 +494,7 @@ struct Builder {
 
   absl::Status AddDense(const KeyInfo& k) {
     const LoadedTensor& t = T(&k);
-    const auto mode =
-        k.role == Role::kDenseAdd ? DensePatch::Mode::kAdd : DensePatch::Mode::kSet;
+    const auto mode = k.role == Role::kDenseAdd ? DensePatch::Mode::kAdd : DensePatch::Mode::kSet;
     auto patch = DensePatch::Create(Source(k.module), t.shape, t.values, mode);
     if (!patch.ok()) return KeyError(file, k.key, patch.status().message());
     return Add(k.module, k.kohya_name, *patch, false, k.key, (*patch)->bytes());
@@ -518,10 +521,10 @@ struct Builder {
       }
     }
     if (a.shape[0] != b.shape[1]) {
-      return KeyError(file, up->key,
-                      absl::StrCat("rank mismatch: ", down_name, " ", ShapeString(a.shape),
-                                   " has rank ", a.shape[0], " but ", up_name, " is ",
-                                   ShapeString(b.shape)));
+      return KeyError(
+          file, up->key,
+          absl::StrCat("rank mismatch: ", down_name, " ", ShapeString(a.shape), " has rank ",
+                       a.shape[0], " but ", up_name, " is ", ShapeString(b.shape)));
     }
     if (a.shape[0] < 1) return KeyError(file, down->key, "rank 0");
     LowRankFactors f;
@@ -608,14 +611,29 @@ absl::Status BuildPeft(Builder& bld, const std::vector<KeyInfo>& keys, const Pef
   for (const KeyInfo& k : keys) {
     PeftModule& m = modules[k.module];
     switch (k.role) {
-      case Role::kPeftA: WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.a)); break;
-      case Role::kPeftB: WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.b)); break;
-      case Role::kPeftBias: WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.bias)); break;
-      case Role::kEmbA: WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.emb_a)); break;
-      case Role::kEmbB: WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.emb_b)); break;
-      case Role::kMagnitude: WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.magnitude)); break;
-      case Role::kAlpha: WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.alpha)); break;
-      default: break;
+      case Role::kPeftA:
+        WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.a));
+        break;
+      case Role::kPeftB:
+        WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.b));
+        break;
+      case Role::kPeftBias:
+        WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.bias));
+        break;
+      case Role::kEmbA:
+        WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.emb_a));
+        break;
+      case Role::kEmbB:
+        WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.emb_b));
+        break;
+      case Role::kMagnitude:
+        WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.magnitude));
+        break;
+      case Role::kAlpha:
+        WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.alpha));
+        break;
+      default:
+        break;
     }
   }
   for (const auto& [name, m] : modules) {
@@ -653,11 +671,12 @@ absl::Status BuildPeft(Builder& bld, const std::vector<KeyInfo>& keys, const Pef
     const int64_t rank = f.rank;
     double alpha;
     if (cfg.present) {
-      const double r_cfg = MatchPattern(cfg.rank_pattern, name).value_or(static_cast<double>(cfg.r));
+      const double r_cfg =
+          MatchPattern(cfg.rank_pattern, name).value_or(static_cast<double>(cfg.r));
       if (r_cfg != static_cast<double>(rank)) {
         return KeyError(bld.file, ka->key,
-                        absl::StrCat("rank ", rank, " does not match r=", r_cfg, " that ",
-                                     cfg.path, " gives module \"", name, "\""));
+                        absl::StrCat("rank ", rank, " does not match r=", r_cfg, " that ", cfg.path,
+                                     " gives module \"", name, "\""));
       }
       alpha = MatchPattern(cfg.alpha_pattern, name).value_or(cfg.lora_alpha);
     } else {
@@ -677,7 +696,8 @@ absl::Status BuildPeft(Builder& bld, const std::vector<KeyInfo>& keys, const Pef
         return KeyError(bld.file, m.magnitude->key,
                         "lora_magnitude_vector present but use_dora is not set");
       }
-      if (embedding) return KeyError(bld.file, m.magnitude->key, "DoRA on embeddings is not supported");
+      if (embedding)
+        return KeyError(bld.file, m.magnitude->key, "DoRA on embeddings is not supported");
       if (transposed) {
         return KeyError(bld.file, m.magnitude->key, "DoRA with fan_in_fan_out is not supported");
       }
@@ -706,7 +726,8 @@ absl::Status BuildPeft(Builder& bld, const std::vector<KeyInfo>& keys, const Pef
       auto patch = DensePatch::Create(bld.Source(bias_target), bias.shape, bias.values,
                                       DensePatch::Mode::kAdd, scale);
       if (!patch.ok()) return KeyError(bld.file, m.bias->key, patch.status().message());
-      WD_RETURN_IF_ERROR(bld.Add(bias_target, false, *patch, false, m.bias->key, (*patch)->bytes()));
+      WD_RETURN_IF_ERROR(
+          bld.Add(bias_target, false, *patch, false, m.bias->key, (*patch)->bytes()));
     }
   }
   return absl::OkStatus();
@@ -717,11 +738,20 @@ absl::Status BuildKohya(Builder& bld, const std::vector<KeyInfo>& keys) {
   for (const KeyInfo& k : keys) {
     KohyaModule& m = modules[k.module];
     switch (k.role) {
-      case Role::kKohyaDown: WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.down)); break;
-      case Role::kKohyaUp: WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.up)); break;
-      case Role::kAlpha: WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.alpha)); break;
-      case Role::kDoraScale: WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.dora_scale)); break;
-      default: break;
+      case Role::kKohyaDown:
+        WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.down));
+        break;
+      case Role::kKohyaUp:
+        WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.up));
+        break;
+      case Role::kAlpha:
+        WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.alpha));
+        break;
+      case Role::kDoraScale:
+        WD_RETURN_IF_ERROR(SetSlot(bld.file, &k, &m.dora_scale));
+        break;
+      default:
+        break;
     }
   }
   for (const auto& [name, m] : modules) {
@@ -740,8 +770,8 @@ absl::Status BuildKohya(Builder& bld, const std::vector<KeyInfo>& keys) {
     const std::string target = kohya ? name : absl::StrCat(name, ".weight");
     if (m.dora_scale != nullptr) {
       const LoadedTensor& d = bld.T(m.dora_scale);
-      const bool on_out = d.shape == std::vector<int64_t>{f.out} ||
-                          d.shape == std::vector<int64_t>{f.out, 1};
+      const bool on_out =
+          d.shape == std::vector<int64_t>{f.out} || d.shape == std::vector<int64_t>{f.out, 1};
       if (!on_out) {
         return KeyError(bld.file, m.dora_scale->key,
                         absl::StrCat("dora_scale shape ", ShapeString(d.shape),
@@ -761,9 +791,9 @@ absl::Status BuildKohya(Builder& bld, const std::vector<KeyInfo>& keys) {
 }
 
 absl::Status CheckNotDirectoryFormat(const std::string& path, AdapterFormat format) {
-  return absl::InvalidArgumentError(absl::StrCat(
-      path, " is a directory; format ", AdapterFormatName(format),
-      " expects a .safetensors file (directories are PEFT adapters)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, " is a directory; format ", AdapterFormatName(format),
+                   " expects a .safetensors file (directories are PEFT adapters)"));
 }
 
 bool FileExists(const std::string& path) {
@@ -785,10 +815,14 @@ absl::StatusOr<AdapterFormat> ParseAdapterFormat(absl::string_view text) {
 
 absl::string_view AdapterFormatName(AdapterFormat format) {
   switch (format) {
-    case AdapterFormat::kAuto: return "auto";
-    case AdapterFormat::kPeft: return "peft";
-    case AdapterFormat::kKohya: return "kohya";
-    case AdapterFormat::kDense: return "dense";
+    case AdapterFormat::kAuto:
+      return "auto";
+    case AdapterFormat::kPeft:
+      return "peft";
+    case AdapterFormat::kKohya:
+      return "kohya";
+    case AdapterFormat::kDense:
+      return "dense";
   }
   return "unknown";
 }
@@ -837,9 +871,10 @@ absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& pa
       dense += k.role == Role::kDenseAdd || k.role == Role::kDenseSet;
     }
     if (peft > 0 && kohya > 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          weights_path, ": mixes PEFT (lora_A/lora_B) and kohya (lora_down/lora_up) keys; "
-          "pass the format explicitly"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(weights_path,
+                       ": mixes PEFT (lora_A/lora_B) and kohya (lora_down/lora_up) keys; "
+                       "pass the format explicitly"));
     }
     if (peft > 0) {
       format = AdapterFormat::kPeft;
@@ -853,8 +888,8 @@ absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& pa
       return absl::InvalidArgumentError(absl::StrCat(
           "cannot tell the adapter format of ", weights_path,
           ": no lora_A/lora_B, lora_down/lora_up or dense (.diff, .set_weight) keys among its ",
-          keys.size(), " tensors", sample.empty() ? "" : " (e.g. \"", absl::StrJoin(sample, "\", \""),
-          sample.empty() ? "" : "\")"));
+          keys.size(), " tensors", sample.empty() ? "" : " (e.g. \"",
+          absl::StrJoin(sample, "\", \""), sample.empty() ? "" : "\")"));
     }
   }
 
@@ -983,9 +1018,9 @@ absl::StatusOr<std::string> ResolveKohyaTarget(absl::string_view flat,
   const std::vector<const std::string*>& found = exact.empty() ? tail : exact;
   if (found.size() == 1) return *found[0];
   if (found.empty()) {
-    return absl::NotFoundError(absl::StrCat(
-        "kohya module \"", flat, "\" matches no parameter of the base (looking for a ",
-        suffix, " whose module, with '.' as '_', is \"", module, "\")"));
+    return absl::NotFoundError(
+        absl::StrCat("kohya module \"", flat, "\" matches no parameter of the base (looking for a ",
+                     suffix, " whose module, with '.' as '_', is \"", module, "\")"));
   }
   std::vector<absl::string_view> names;
   for (size_t i = 0; i < found.size() && i < 4; ++i) names.push_back(*found[i]);

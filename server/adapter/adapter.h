@@ -76,12 +76,12 @@ struct AdapterEntry {
 };
 
 struct Adapter {
-  std::string path;       // as given to LoadAdapter
+  std::string path;                             // as given to LoadAdapter
   AdapterFormat format = AdapterFormat::kAuto;  // the one used (never kAuto)
-  Digest digest;          // XXH3-128 over the files' bytes (config first, for PEFT)
-  std::vector<AdapterEntry> entries;        // in key order
-  std::vector<std::string> ignored_keys;    // keys not understood (original spelling)
-  uint64_t bytes = 0;                       // fp32 bytes held by the patches
+  Digest digest;                          // XXH3-128 over the files' bytes (config first, for PEFT)
+  std::vector<AdapterEntry> entries;      // in key order
+  std::vector<std::string> ignored_keys;  // keys not understood (original spelling)
+  uint64_t bytes = 0;                     // fp32 bytes held by the patches
 };
 
 // Loads the adapter at `path` (see the header comment). With kAuto the

@@ -196,9 +196,9 @@ std::vector<ShardBox> TestBoxes(int64_t rows, int64_t cols) {
   for (int64_t c = 0; c * cc < cols; ++c) {  // column shards (Shard(1) over 3)
     boxes.push_back({{0, c * cc}, {rows, std::min(cc, cols - c * cc)}});
   }
-  boxes.push_back({{1, 2}, {rows / 2, cols / 3}});   // both split
-  boxes.push_back({{rows - 1, cols - 2}, {1, 2}});   // corner
-  boxes.push_back({{rows / 2, 0}, {0, cols}});       // empty
+  boxes.push_back({{1, 2}, {rows / 2, cols / 3}});  // both split
+  boxes.push_back({{rows - 1, cols - 2}, {1, 2}});  // corner
+  boxes.push_back({{rows / 2, 0}, {0, cols}});      // empty
   return boxes;
 }
 
@@ -214,7 +214,8 @@ void CheckLora(const LoraPatch& p, const std::vector<float>& a, const std::vecto
   for (int64_t o = 0; o < f.out; ++o) {
     for (int64_t i = 0; i < f.in; ++i) {
       double s = 0;
-      for (int64_t k = 0; k < f.rank; ++k) s += std::fabs(double(b[o * f.rank + k]) * a[k * f.in + i]);
+      for (int64_t k = 0; k < f.rank; ++k)
+        s += std::fabs(double(b[o * f.rank + k]) * a[k * f.in + i]);
       mag[p.transposed() ? i * f.out + o : o * f.in + i] = s;
     }
   }
@@ -291,7 +292,8 @@ TEST(LoraPatchTest, TallMatrixSpansSeveralGemmBlocks) {
   std::vector<double> d = DeltaRef(a, b, 8, cols, rows, 0.5, false);
   for (const ShardBox& box : {ShardBox{{0, 0}, {rows, cols}}, ShardBox{{13, 100}, {500, 900}}}) {
     CheckBox(
-        *p, w, rows, cols, box, 1.0f, [&](int64_t r, int64_t c) { return w[r * cols + c] + d[r * cols + c]; },
+        *p, w, rows, cols, box, 1.0f,
+        [&](int64_t r, int64_t c) { return w[r * cols + c] + d[r * cols + c]; },
         [&](int64_t r, int64_t c) { return std::fabs(w[r * cols + c]) + 1.0; });
   }
 }
@@ -305,7 +307,8 @@ TEST(LoraPatchTest, TallTransposedAndDoraSpanSeveralBlocks) {
   std::vector<double> d = DeltaRef(a, b, 4, rows, cols, 0.25, true);
   for (const ShardBox& box : {ShardBox{{0, 0}, {rows, cols}}, ShardBox{{250, 7}, {449, 1000}}}) {
     CheckBox(
-        *t, w, rows, cols, box, 1.0f, [&](int64_t r, int64_t c) { return w[r * cols + c] + d[r * cols + c]; },
+        *t, w, rows, cols, box, 1.0f,
+        [&](int64_t r, int64_t c) { return w[r * cols + c] + d[r * cols + c]; },
         [&](int64_t r, int64_t c) { return std::fabs(w[r * cols + c]) + 1.0; });
   }
   // DoRA reads base rows in blocks of 1 MiB / in.
@@ -511,8 +514,8 @@ TEST_F(AdapterTest, PeftPlainDirectory) {
 }
 
 TEST_F(AdapterTest, PeftRsLoraScalesBySqrtRank) {
-  std::string d = Peft("rs", R"({"r": 16, "lora_alpha": 8, "use_rslora": true})",
-                       PeftPair(kQ, 16, 8, 8, 1));
+  std::string d =
+      Peft("rs", R"({"r": 16, "lora_alpha": 8, "use_rslora": true})", PeftPair(kQ, 16, 8, 8, 1));
   auto a = LoadAdapter(d, AdapterFormat::kPeft);
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_DOUBLE_EQ(As<LoraPatch>(&(*a)->entries[0])->scale(), 8.0 / 4.0);
@@ -589,8 +592,8 @@ TEST_F(AdapterTest, PeftDoraBuildsDoraPatch) {
   err("d3", R"({"r": 2, "lora_alpha": 2, "use_dora": true, "fan_in_fan_out": true})", tensors,
       "fan_in_fan_out");
   auto short_mag = PeftPair(kQ, 2, 6, 8, 1);
-  short_mag.push_back(F32(absl::StrCat("base_model.model.", kQ, ".lora_magnitude_vector"), {7},
-                          Random(7, 1)));
+  short_mag.push_back(
+      F32(absl::StrCat("base_model.model.", kQ, ".lora_magnitude_vector"), {7}, Random(7, 1)));
   err("d4", R"({"r": 2, "lora_alpha": 2, "use_dora": true})", short_mag, "magnitude shape [7]");
 }
 
@@ -600,9 +603,10 @@ TEST_F(AdapterTest, PeftModulesToSaveAreReplacements) {
   tensors.push_back(
       F32("base_model.model.classifier.modules_to_save.default.dense.bias", {2}, {9, 10}));
   tensors.push_back(F32("base_model.model.lm_head.weight", {2, 2}, {1, 1, 1, 1}));  // not listed
-  tensors.push_back(F32("base_model.model.model.norm.alpha", {1}, {3}));             // not LoRA
+  tensors.push_back(F32("base_model.model.model.norm.alpha", {1}, {3}));            // not LoRA
   std::string d = Peft("mts", R"({"r": 2, "lora_alpha": 2,
-      "modules_to_save": ["score", "classifier"]})", tensors);
+      "modules_to_save": ["score", "classifier"]})",
+                       tensors);
   auto a = LoadAdapter(d, AdapterFormat::kAuto);
   ASSERT_TRUE(a.ok()) << a.status();
   const AdapterEntry* score = Find(**a, "score.weight");
@@ -612,8 +616,8 @@ TEST_F(AdapterTest, PeftModulesToSaveAreReplacements) {
   ASSERT_TRUE(score->patch->Apply({{0, 0}, {2, 4}}, {2, 4}, 0.25f, nullptr, acc.data()).ok());
   EXPECT_EQ(acc, (std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8}));  // strength ignored
   ASSERT_NE(Find(**a, "classifier.dense.bias"), nullptr);
-  EXPECT_EQ(Sorted((*a)->ignored_keys), Sorted({"base_model.model.lm_head.weight",
-                                                       "base_model.model.model.norm.alpha"}));
+  EXPECT_EQ(Sorted((*a)->ignored_keys),
+            Sorted({"base_model.model.lm_head.weight", "base_model.model.model.norm.alpha"}));
 }
 
 TEST_F(AdapterTest, PeftEmbeddingAndLoraBias) {
@@ -687,7 +691,8 @@ TEST_F(AdapterTest, PeftConfigErrors) {
   }
   // Accepted: true / "gaussian" inits, explicit nulls.
   auto ok = LoadAdapter(Peft("ok", R"({"r": 2, "lora_alpha": 2, "init_lora_weights": "gaussian",
-      "layer_replication": null, "alpha_pattern": {}, "modules_to_save": null})", pair),
+      "layer_replication": null, "alpha_pattern": {}, "modules_to_save": null})",
+                             pair),
                         AdapterFormat::kAuto);
   EXPECT_TRUE(ok.ok()) << ok.status();
 }
@@ -709,8 +714,9 @@ TEST_F(AdapterTest, PeftTensorErrorsNameFileAndKey) {
       "conv LoRA is not supported");
   err("oned", {F32(a, {8}, Random(8, 1)), F32(b, {4, 2}, Random(8, 1))}, "must be 2-D");
   err("int", {I64(a, {2, 4}), F32(b, {4, 2}, Random(8, 1))}, "I64 is not a floating type");
-  err("dup", {F32(a, {2, 4}, Random(8, 1)), F32(b, {4, 2}, Random(8, 1)),
-              F32(absl::StrCat(kQ, ".lora_A.default.weight"), {2, 4}, Random(8, 1))},
+  err("dup",
+      {F32(a, {2, 4}, Random(8, 1)), F32(b, {4, 2}, Random(8, 1)),
+       F32(absl::StrCat(kQ, ".lora_A.default.weight"), {2, 4}, Random(8, 1))},
       "are the same LoRA factor");
   err("none", {F32("base_model.model.x.weight", {2}, {1, 2})}, "no peft adapter tensors");
   // Broken safetensors.
@@ -746,11 +752,12 @@ TEST_F(AdapterTest, MissingFilesAreNotFound) {
 TEST_F(AdapterTest, KohyaWithAlphaInBf16) {
   std::string f = Path("k.safetensors");
   std::vector<float> down = Bf16Values(Random(4 * 6, 1)), up = Bf16Values(Random(5 * 4, 2));
-  WriteSafetensors(f, {BF16("lora_unet_model_layers_0_self_attn_q_proj.lora_down.weight", {4, 6}, down),
-                       BF16("lora_unet_model_layers_0_self_attn_q_proj.lora_up.weight", {5, 4}, up),
-                       BF16("lora_unet_model_layers_0_self_attn_q_proj.alpha", {}, {2.0f}),
-                       F32("lora_unet_stray.alpha", {}, {1.0f}),
-                       F32("lora_unet_x.hada_w1_a", {2, 2}, {1, 2, 3, 4})});
+  WriteSafetensors(
+      f, {BF16("lora_unet_model_layers_0_self_attn_q_proj.lora_down.weight", {4, 6}, down),
+          BF16("lora_unet_model_layers_0_self_attn_q_proj.lora_up.weight", {5, 4}, up),
+          BF16("lora_unet_model_layers_0_self_attn_q_proj.alpha", {}, {2.0f}),
+          F32("lora_unet_stray.alpha", {}, {1.0f}),
+          F32("lora_unet_x.hada_w1_a", {2, 2}, {1, 2, 3, 4})});
   auto a = LoadAdapter(f, AdapterFormat::kAuto);
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ((*a)->format, AdapterFormat::kKohya);
@@ -773,15 +780,17 @@ TEST_F(AdapterTest, KohyaWithAlphaInBf16) {
 
 TEST_F(AdapterTest, KohyaMissingOrZeroAlphaMeansRank) {
   std::string f = Path("k0.safetensors");
-  WriteSafetensors(f, {F32("lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight", {3, 4}, Random(12, 1)),
-                       F32("lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight", {2, 3}, Random(6, 2)),
-                       F32("lora_te_text_model_encoder_layers_0_mlp_fc2.lora_down.weight", {3, 4}, Random(12, 3)),
-                       F32("lora_te_text_model_encoder_layers_0_mlp_fc2.lora_up.weight", {2, 3}, Random(6, 4)),
-                       F32("lora_te_text_model_encoder_layers_0_mlp_fc2.alpha", {}, {0.0f}),
-                       // ComfyUI/Wan dotted module names: no resolution.
-                       F32("diffusion_model.blocks.0.ffn.0.lora_down.weight", {3, 4}, Random(12, 5)),
-                       F32("diffusion_model.blocks.0.ffn.0.lora_up.weight", {2, 3}, Random(6, 6)),
-                       F32("diffusion_model.blocks.0.ffn.0.alpha", {}, {6.0f})});
+  WriteSafetensors(
+      f,
+      {F32("lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight", {3, 4}, Random(12, 1)),
+       F32("lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight", {2, 3}, Random(6, 2)),
+       F32("lora_te_text_model_encoder_layers_0_mlp_fc2.lora_down.weight", {3, 4}, Random(12, 3)),
+       F32("lora_te_text_model_encoder_layers_0_mlp_fc2.lora_up.weight", {2, 3}, Random(6, 4)),
+       F32("lora_te_text_model_encoder_layers_0_mlp_fc2.alpha", {}, {0.0f}),
+       // ComfyUI/Wan dotted module names: no resolution.
+       F32("diffusion_model.blocks.0.ffn.0.lora_down.weight", {3, 4}, Random(12, 5)),
+       F32("diffusion_model.blocks.0.ffn.0.lora_up.weight", {2, 3}, Random(6, 6)),
+       F32("diffusion_model.blocks.0.ffn.0.alpha", {}, {6.0f})});
   auto a = LoadAdapter(f, AdapterFormat::kKohya);
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_EQ((*a)->entries.size(), 3u);
@@ -804,15 +813,18 @@ TEST_F(AdapterTest, KohyaErrorsAndDora) {
   };
   const std::string n = "lora_unet_blocks_0_attn_qkv";
   err("noup", {F32(n + ".lora_down.weight", {2, 4}, Random(8, 1))}, "lora_down without lora_up");
-  err("alpha", {F32(n + ".lora_down.weight", {2, 4}, Random(8, 1)),
-                F32(n + ".lora_up.weight", {3, 2}, Random(6, 1)), F32(n + ".alpha", {2}, {1, 1})},
+  err("alpha",
+      {F32(n + ".lora_down.weight", {2, 4}, Random(8, 1)),
+       F32(n + ".lora_up.weight", {3, 2}, Random(6, 1)), F32(n + ".alpha", {2}, {1, 1})},
       "alpha must be a scalar");
-  err("rank", {F32(n + ".lora_down.weight", {2, 4}, Random(8, 1)),
-               F32(n + ".lora_up.weight", {3, 3}, Random(9, 1))},
+  err("rank",
+      {F32(n + ".lora_down.weight", {2, 4}, Random(8, 1)),
+       F32(n + ".lora_up.weight", {3, 3}, Random(9, 1))},
       "rank mismatch");
-  err("doraaxis", {F32(n + ".lora_down.weight", {2, 4}, Random(8, 1)),
-                   F32(n + ".lora_up.weight", {3, 2}, Random(6, 1)),
-                   F32(n + ".dora_scale", {1, 4}, Random(4, 1))},
+  err("doraaxis",
+      {F32(n + ".lora_down.weight", {2, 4}, Random(8, 1)),
+       F32(n + ".lora_up.weight", {3, 2}, Random(6, 1)),
+       F32(n + ".dora_scale", {1, 4}, Random(4, 1))},
       "input-axis DoRA");
   std::string f = Path("dora.safetensors");
   WriteSafetensors(f, {F32(n + ".lora_down.weight", {2, 4}, Random(8, 1)),
@@ -826,10 +838,12 @@ TEST_F(AdapterTest, KohyaErrorsAndDora) {
 }
 
 TEST(KohyaResolveTest, ExactPrefixedBiasAmbiguousAndMissing) {
-  std::vector<std::string> base = {
-      "double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_attn.qkv.bias",
-      "text_model.encoder.layers.0.mlp.fc1.weight", "a.b_c.weight", "a_b.c.weight",
-      "model.diffusion_model.single_blocks.1.linear1.weight"};
+  std::vector<std::string> base = {"double_blocks.0.img_attn.qkv.weight",
+                                   "double_blocks.0.img_attn.qkv.bias",
+                                   "text_model.encoder.layers.0.mlp.fc1.weight",
+                                   "a.b_c.weight",
+                                   "a_b.c.weight",
+                                   "model.diffusion_model.single_blocks.1.linear1.weight"};
   EXPECT_EQ(*ResolveKohyaTarget("lora_unet_double_blocks_0_img_attn_qkv", base),
             "double_blocks.0.img_attn.qkv.weight");
   EXPECT_EQ(*ResolveKohyaTarget("lora_transformer_double_blocks_0_img_attn_qkv", base),
@@ -857,13 +871,12 @@ TEST(KohyaResolveTest, ExactPrefixedBiasAmbiguousAndMissing) {
 
 TEST_F(AdapterTest, DensePayloads) {
   std::string f = Path("dense.safetensors");
-  WriteSafetensors(f, {F32("blocks.0.norm.diff", {4}, {1, 2, 3, 4}),
-                       F32("blocks.0.proj.diff_b", {2}, {5, 6}),
-                       F32("scale_shift_table.diff_param", {1, 2}, {7, 8}),
-                       F32("diffusion_model.blocks.0.to_gate_compress.set_weight", {2, 2}, {1, 2, 3, 4}),
-                       BF16("blocks.0.proj_l.set_param", {2}, {0.5f, -2.0f}),
-                       F32("lora_unet_blocks_1_norm.diff", {2}, {1, 1}),
-                       F32("something.else", {1}, {0})});
+  WriteSafetensors(
+      f, {F32("blocks.0.norm.diff", {4}, {1, 2, 3, 4}), F32("blocks.0.proj.diff_b", {2}, {5, 6}),
+          F32("scale_shift_table.diff_param", {1, 2}, {7, 8}),
+          F32("diffusion_model.blocks.0.to_gate_compress.set_weight", {2, 2}, {1, 2, 3, 4}),
+          BF16("blocks.0.proj_l.set_param", {2}, {0.5f, -2.0f}),
+          F32("lora_unet_blocks_1_norm.diff", {2}, {1, 1}), F32("something.else", {1}, {0})});
   auto a = LoadAdapter(f, AdapterFormat::kAuto);
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ((*a)->format, AdapterFormat::kDense);
@@ -878,7 +891,9 @@ TEST_F(AdapterTest, DensePayloads) {
   EXPECT_TRUE(Find(**a, "lora_unet_blocks_1_norm")->needs_kohya_resolution);
 
   std::vector<float> acc = {10, 10, 10, 10};
-  ASSERT_TRUE(Find(**a, "blocks.0.norm.weight")->patch->Apply({{1}, {2}}, {4}, 0.5f, nullptr, acc.data()).ok());
+  ASSERT_TRUE(Find(**a, "blocks.0.norm.weight")
+                  ->patch->Apply({{1}, {2}}, {4}, 0.5f, nullptr, acc.data())
+                  .ok());
   EXPECT_EQ(acc[0], 11.0f);  // 10 + 0.5·2
   EXPECT_EQ(acc[1], 11.5f);
   std::vector<float> w(4, 99.0f);
@@ -887,7 +902,8 @@ TEST_F(AdapterTest, DensePayloads) {
   ASSERT_TRUE(set.Apply({{0, 0}, {2, 2}}, {2, 2}, 2.0f, nullptr, w.data()).ok());
   EXPECT_EQ(w, (std::vector<float>{2, 4, 6, 8}));  // strength · value
   std::vector<float> l(2);
-  ASSERT_TRUE(Find(**a, "blocks.0.proj_l")->patch->Apply({{0}, {2}}, {2}, 1.0f, nullptr, l.data()).ok());
+  ASSERT_TRUE(
+      Find(**a, "blocks.0.proj_l")->patch->Apply({{0}, {2}}, {2}, 1.0f, nullptr, l.data()).ok());
   EXPECT_EQ(l, (std::vector<float>{0.5f, -2.0f}));
 
   // Two payloads on one parameter are rejected.

@@ -39,15 +39,15 @@ absl::Status CheckBox(const ShardBox& box, absl::Span<const int64_t> global_shap
                                                    ShapeString(global_shape)));
   }
   if (box.offset.size() != shape.size() || box.shape.size() != shape.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("box of rank ", box.shape.size(),
-                                                   " for a tensor of rank ", shape.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("box of rank ", box.shape.size(), " for a tensor of rank ", shape.size()));
   }
   for (size_t d = 0; d < shape.size(); ++d) {
     if (box.offset[d] < 0 || box.shape[d] < 0 || box.offset[d] > shape[d] ||
         box.shape[d] > shape[d] - box.offset[d]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "box offset ", ShapeString(box.offset), " shape ", ShapeString(box.shape),
-          " is outside tensor ", ShapeString(shape)));
+      return absl::InvalidArgumentError(absl::StrCat("box offset ", ShapeString(box.offset),
+                                                     " shape ", ShapeString(box.shape),
+                                                     " is outside tensor ", ShapeString(shape)));
     }
   }
   return absl::OkStatus();
@@ -60,9 +60,9 @@ absl::Status CheckFactors(const LowRankFactors& f) {
   }
   if (static_cast<int64_t>(f.a.size()) != f.rank * f.in ||
       static_cast<int64_t>(f.b.size()) != f.out * f.rank) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "LoRA factor sizes ", f.a.size(), "/", f.b.size(), " do not match rank=", f.rank,
-        " in=", f.in, " out=", f.out));
+    return absl::InvalidArgumentError(absl::StrCat("LoRA factor sizes ", f.a.size(), "/",
+                                                   f.b.size(), " do not match rank=", f.rank,
+                                                   " in=", f.in, " out=", f.out));
   }
   return absl::OkStatus();
 }
@@ -70,13 +70,12 @@ absl::Status CheckFactors(const LowRankFactors& f) {
 std::string ScaleString(double scale) { return absl::StrFormat("%a", scale); }
 
 // C[m, n] (row-major, ldc = n) = op(X) @ op(Y), alpha 1, beta 0.
-void Gemm(bool trans_x, bool trans_y, int64_t m, int64_t n, int64_t k, const float* x,
-          int64_t ldx, const float* y, int64_t ldy, float* c) {
+void Gemm(bool trans_x, bool trans_y, int64_t m, int64_t n, int64_t k, const float* x, int64_t ldx,
+          const float* y, int64_t ldy, float* c) {
   cblas_sgemm(CblasRowMajor, trans_x ? CblasTrans : CblasNoTrans,
-              trans_y ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
-              static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, x,
-              static_cast<blasint>(ldx), y, static_cast<blasint>(ldy), 0.0f, c,
-              static_cast<blasint>(n));
+              trans_y ? CblasTrans : CblasNoTrans, static_cast<blasint>(m), static_cast<blasint>(n),
+              static_cast<blasint>(k), 1.0f, x, static_cast<blasint>(ldx), y,
+              static_cast<blasint>(ldy), 0.0f, c, static_cast<blasint>(n));
 }
 
 }  // namespace
@@ -91,8 +90,7 @@ void SetGemmThreads(int threads) { openblas_set_num_threads(std::max(1, threads)
 
 absl::StatusOr<std::shared_ptr<const LoraPatch>> LoraPatch::Create(PatchSource source,
                                                                    LowRankFactors factors,
-                                                                   double scale,
-                                                                   bool transposed) {
+                                                                   double scale, bool transposed) {
   WD_RETURN_IF_ERROR(CheckFactors(factors));
   if (!std::isfinite(scale)) {
     return absl::InvalidArgumentError(absl::StrCat("LoRA scale ", scale, " is not finite"));
@@ -185,13 +183,14 @@ absl::Status DoraPatch::Apply(const ShardBox& box, absl::Span<const int64_t> glo
   }
   const float s = EffectiveScale(strength, scale_);
   const int64_t k = f_.rank, in = f_.in;
-  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(nr, kScratchFloats / std::max<int64_t>(in, 1)));
+  const int64_t block =
+      std::max<int64_t>(1, std::min<int64_t>(nr, kScratchFloats / std::max<int64_t>(in, 1)));
   std::vector<float> w(static_cast<size_t>(block * in));
   std::vector<float> d(static_cast<size_t>(block * in));
   for (int64_t i = 0; i < nr; i += block) {
     const int64_t m = std::min(block, nr - i);
-    WD_RETURN_IF_ERROR_CTX(base(r0 + i, r0 + i + m, w.data()), "reading base rows ", r0 + i,
-                           "..", r0 + i + m, " for DoRA norms");
+    WD_RETURN_IF_ERROR_CTX(base(r0 + i, r0 + i + m, w.data()), "reading base rows ", r0 + i, "..",
+                           r0 + i + m, " for DoRA norms");
     // Full rows of B @ A: the norm spans the whole input dim.
     Gemm(false, false, m, in, k, f_.b.data() + (r0 + i) * k, k, f_.a.data(), in, d.data());
     for (int64_t q = 0; q < m; ++q) {
@@ -223,11 +222,12 @@ absl::StatusOr<std::shared_ptr<const DensePatch>> DensePatch::Create(PatchSource
                                                                      std::vector<float> values,
                                                                      Mode mode, double scale) {
   for (int64_t dim : shape) {
-    if (dim < 0) return absl::InvalidArgumentError(absl::StrCat("negative dim in ", ShapeString(shape)));
+    if (dim < 0)
+      return absl::InvalidArgumentError(absl::StrCat("negative dim in ", ShapeString(shape)));
   }
   if (static_cast<int64_t>(values.size()) != NumElements(shape)) {
-    return absl::InvalidArgumentError(absl::StrCat("dense patch has ", values.size(),
-                                                   " values for shape ", ShapeString(shape)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("dense patch has ", values.size(), " values for shape ", ShapeString(shape)));
   }
   if (!std::isfinite(scale)) {
     return absl::InvalidArgumentError(absl::StrCat("dense patch scale ", scale, " is not finite"));

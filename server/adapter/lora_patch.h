@@ -84,7 +84,10 @@ class LoraPatch final : public TensorPatch {
 
  private:
   LoraPatch(PatchSource source, LowRankFactors factors, double scale, bool transposed)
-      : source_(std::move(source)), f_(std::move(factors)), scale_(scale), transposed_(transposed) {}
+      : source_(std::move(source)),
+        f_(std::move(factors)),
+        scale_(scale),
+        transposed_(transposed) {}
 
   PatchSource source_;
   LowRankFactors f_;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "server/adapter/lora_patch.h"
 #include "server/profile/name_summary.h"
 #include "common/status_macros.h"
 
@@ -39,6 +40,9 @@ std::string ShapeString(absl::Span<const int64_t> shape) {
 absl::StatusOr<std::unique_ptr<WeightService>> WeightService::Create(
     WeightServiceOptions options) {
   WD_ASSIGN_OR_RETURN(ModelRoots roots, ModelRoots::Create(options.model_roots));
+  // Parallelism comes from the materializer's workers (one item each);
+  // OpenBLAS threads inside every GEMM would only oversubscribe the cores.
+  SetGemmThreads(1);
   return std::unique_ptr<WeightService>(new WeightService(std::move(options), std::move(roots)));
 }
 

@@ -1,7 +1,9 @@
 """Daemon lifecycle: preload, health, SIGTERM shutdown (exit 0, sockets
 unlinked), flag errors in the `error: CODE: message` form."""
+import json
 import os
 import subprocess
+import time
 
 import torch
 
@@ -44,7 +46,9 @@ def test_health_fails_when_no_daemon(tmp_path):
 def _daemon_flags_error(tmp_path, *args):
     r = subprocess.run([harness.WEIGHTD] + list(args), capture_output=True, text=True, timeout=30)
     assert r.returncode != 0
-    return r.stderr.splitlines()[0]
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 1, r.stderr
+    return errors[0]
 
 
 def test_bad_daemon_flags_are_invalid_argument(tmp_path):
@@ -78,3 +82,80 @@ def test_memory_budget_refuses_oversized_load(tmp_path):
         assert "big" not in d.ctl_ok("list").stdout
         d.ctl_ok("load", "small", small)
         assert "bytes_resident: 4096\n" in d.ctl_ok("stats").stdout
+
+
+def test_flags_from_environment_and_config_file(tmp_path):
+    """Every flag also comes from WEIGHTD_<FLAG> and a config file; the
+    command line wins over the environment, which wins over the file."""
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    conf = tmp_path / "weightd.conf"
+    conf.write_text("# weightd config\nsocket = %s\nmodel-root = %s\nlog-format = text\n"
+                    "preload = fromfile=%s\n" % (tmp_path / "file.sock", root, path))
+    env = dict(os.environ, WEIGHTD_CONFIG=str(conf), WEIGHTD_LOG_FORMAT="json",
+               WEIGHTD_SOCKET=str(tmp_path / "env.sock"))
+    proc = subprocess.Popen([harness.WEIGHTD, "--threads", "1"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        sock = tmp_path / "env.sock"
+        for _ in range(200):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        r = subprocess.run([harness.WEIGHTCTL, "--socket", str(sock), "list"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("fromfile\t")
+        assert not (tmp_path / "file.sock").exists()
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)
+    lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    config = [l for l in lines if l.get("event") == "config"]
+    assert config and "--socket %s" % (tmp_path / "env.sock") in config[0]["args"]
+    assert any(l.get("event") == "load" and l.get("model") == "fromfile" for l in lines)
+    bad = tmp_path / "bad.conf"
+    bad.write_text("colour = blue\n")
+    r = subprocess.run([harness.WEIGHTD, "--config", str(bad)], capture_output=True, text=True)
+    assert r.returncode != 0 and 'error: INVALID_ARGUMENT: config %s: unknown flag "colour"' % bad in r.stderr
+
+
+def test_metrics_endpoint_counts_the_work(tmp_path):
+    import socket as pysocket
+    import urllib.request
+    s = pysocket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    with harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                        extra_args=["--metrics-listen", "127.0.0.1:%d" % port]) as d:
+        def scrape():
+            text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5).read().decode()
+            values = {}
+            for line in text.splitlines():
+                if line and not line.startswith("#"):
+                    k, v = line.rsplit(" ", 1)
+                    values[k] = float(v)
+            return values
+        m0 = scrape()
+        assert m0["weightd_models"] == 0
+        d.ctl_ok("load", "m", path)
+        for r in range(2):
+            d.ctl_ok("fetch", "m", "--world", "2", "--rank", r, "--out", tmp_path / "o.st")
+        d.ctl_ok("fetch", "m", "--dtype", "bf16", "--transport", "grpc", "--out", tmp_path / "o.st")
+        d.ctl("fetch", "nope", "--out", tmp_path / "o.st")
+        m1 = scrape()
+        assert m1["weightd_models"] == 1
+        assert m1["weightd_loads_total"] == 1 and m1["weightd_load_bytes_total"] == 48
+        assert m1["weightd_fetches_total"] == 3
+        assert m1["weightd_fetch_errors_total"] == 1
+        assert m1["weightd_served_bytes_total"] == 24 + 24 + 24
+        assert m1['weightd_fetch_duration_seconds_count{transport="shm"}'] == 2
+        assert m1['weightd_fetch_duration_seconds_count{transport="grpc"}'] == 1
+        assert m1["weightd_resident_bytes"] > m0["weightd_resident_bytes"]
+        assert m1["weightd_materialization_cache_misses_total"] >= 3
+        assert m1["weightd_leases_open"] == 0

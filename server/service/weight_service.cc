@@ -181,6 +181,7 @@ absl::StatusOr<std::shared_ptr<WeightService::Generation>> WeightService::BuildG
   }
   gen->adapters = std::move(adapters);
   // Content identity per served tensor, for --changed-since.
+  auto content = std::make_shared<ContentMap>();
   for (const Served* s : ServedAt(model, *gen)) {
     DigestBuilder b;
     for (const StoredTensor* p : s->parts) b.Update(p->digest.bytes.data(), 16);
@@ -196,8 +197,9 @@ absl::StatusOr<std::shared_ptr<WeightService::Generation>> WeightService::BuildG
         b.Update(&ap.strength, sizeof(float));
       }
     }
-    gen->content[s->plan.name] = b.Finish();
+    (*content)[s->plan.name] = b.Finish();
   }
+  gen->content = std::move(content);
   return gen;
 }
 
@@ -262,6 +264,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
     WD_ASSIGN_OR_RETURN(auto gen, BuildGeneration(*model, 1, {}, {}));
     model->current = std::move(gen);
     model->history = {model->current};
+    model->digests = {{1, model->current->content}};
     return model;
   };
   auto built = build();
@@ -328,8 +331,8 @@ absl::StatusOr<ModelDetail> WeightService::GetModel(const std::string& name) con
     t.name = s->plan.name;
     t.dtype = s->plan.quantize_fp8 ? DType::kF8E4M3 : s->plan.dtype_override.value_or(s->plan.dtype);
     t.shape = s->plan.shape;
-    auto c = gen.content.find(t.name);
-    if (c != gen.content.end()) t.digest = c->second;
+    auto c = gen.content->find(t.name);
+    if (c != gen.content->end()) t.digest = c->second;
     for (const StoredTensor* p : s->parts) t.sources.push_back(p->name);
     auto by = gen.patched_by.find(t.name);
     if (by != gen.patched_by.end()) t.patched_by = by->second;
@@ -395,9 +398,16 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
                                             model->current->number, ")"));
   };
   WD_ASSIGN_OR_RETURN(std::shared_ptr<const Generation> gen, find_gen(params.generation));
-  std::shared_ptr<const Generation> since;
+  std::shared_ptr<const ContentMap> since;
   if (params.changed_since != 0) {
-    WD_ASSIGN_OR_RETURN(since, find_gen(params.changed_since));
+    for (const auto& [number, content] : model->digests) {
+      if (number == params.changed_since) since = content;
+    }
+    if (since == nullptr) {
+      return absl::NotFoundError(absl::StrCat("generation ", params.changed_since, " of model \"",
+                                              params.model, "\" is unknown (current is ",
+                                              model->current->number, ")"));
+    }
   }
   WD_RETURN_IF_ERROR(params.mesh.Validate());
   const size_t mesh_dims = params.mesh.shape.size();
@@ -444,9 +454,9 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   if (since != nullptr) {
     std::vector<const Served*> changed;
     for (const Served* s : selected) {
-      auto now = gen->content.find(s->plan.name);
-      auto then = since->content.find(s->plan.name);
-      if (then == since->content.end() || now == gen->content.end() || now->second != then->second) {
+      auto now = gen->content->find(s->plan.name);
+      auto then = since->find(s->plan.name);
+      if (then == since->end() || now == gen->content->end() || now->second != then->second) {
         changed.push_back(s);
       }
     }
@@ -692,6 +702,8 @@ absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_nam
       }
     }
     next->history.push_back(gen);
+    next->digests.emplace_back(number, gen->content);
+    if (next->digests.size() > kDigestHistory) next->digests.erase(next->digests.begin());
     it->second = next;
     info.model = model_name;
     info.generation = number;

@@ -196,6 +196,7 @@ class WeightService {
   const WeightServiceOptions& options() const { return options_; }
 
  private:
+  using ContentMap = absl::flat_hash_map<std::string, Digest>;
   // A served tensor of a model: its plan and its parts in the store.
   struct Served {
     ServedTensorPlan plan;
@@ -211,7 +212,7 @@ class WeightService {
     absl::flat_hash_map<std::string, std::vector<std::string>> patched_by;  // served -> adapters
     // Served tensors added by .set_weight (absent from the checkpoint).
     std::vector<Served> added;
-    absl::flat_hash_map<std::string, Digest> content;  // served name -> identity
+    std::shared_ptr<const ContentMap> content;  // served name -> identity
     // FP8 scales (amax / 448) computed on first use, per served tensor.
     mutable absl::Mutex scale_mu;
     mutable absl::flat_hash_map<std::string, float> fp8_scales ABSL_GUARDED_BY(scale_mu);
@@ -228,7 +229,11 @@ class WeightService {
     std::shared_ptr<const Generation> current;
     // Older generations still leased (and the current one).
     std::vector<std::shared_ptr<const Generation>> history;
+    // Content identities of the last kDigestHistory generations, leased or
+    // not: all --changed-since needs.
+    std::vector<std::pair<uint64_t, std::shared_ptr<const ContentMap>>> digests;
   };
+  static constexpr size_t kDigestHistory = 256;
 
   WeightService(WeightServiceOptions options, ModelRoots roots);
   static ModelSummary Summarize(const Model& model);

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -43,16 +44,18 @@ void AppendFloat(std::string* key, float f) {
   absl::StrAppend(key, bits, ";");
 }
 
-// fp32 values of a slice, patches applied, in box order.
-absl::Status SliceToFloat(const PartSlice& s, std::vector<float>* acc) {
-  const int64_t n = s.box.NumElements();
-  acc->assign(static_cast<size_t>(n), 0.0f);
-  if (n == 0) return absl::OkStatus();
-  if (s.stored != nullptr) {
-    WD_RETURN_IF_ERROR(CopyBox(s.stored->data(), s.stored->dtype, s.shape, s.box,
-                               reinterpret_cast<uint8_t*>(acc->data()), DType::kF32));
-  }
-  if (s.patches.empty()) return absl::OkStatus();
+// Floats per block when a slice is computed in fp32: small enough to stay
+// in cache and to reuse one buffer per thread (fresh pages cost more here
+// than the arithmetic), large enough for efficient GEMMs.
+constexpr int64_t kBlockFloats = 1 << 18;
+
+// Calls fn(box, values, n) for consecutive row blocks of the slice, with the
+// fp32 values of each block (patches applied) in box order.
+absl::Status ForEachFloatBlock(
+    const PartSlice& s,
+    const std::function<absl::Status(const ShardBox&, float*, int64_t)>& fn) {
+  const int64_t total = s.box.NumElements();
+  if (total == 0) return absl::OkStatus();
   BaseRowReader base = [&s](int64_t row_begin, int64_t row_end, float* out) -> absl::Status {
     if (s.shape.empty() || row_begin < 0 || row_end > s.shape[0] || row_begin > row_end) {
       return absl::InternalError("base row read out of range");
@@ -71,8 +74,28 @@ absl::Status SliceToFloat(const PartSlice& s, std::vector<float>* acc) {
     return CopyBox(s.stored->data(), s.stored->dtype, s.shape, rows,
                    reinterpret_cast<uint8_t*>(out), DType::kF32);
   };
-  for (const AppliedPatch& p : s.patches) {
-    WD_RETURN_IF_ERROR(p.patch->Apply(s.box, s.shape, p.strength, base, acc->data()));
+  const int64_t rows = s.box.shape.empty() ? 1 : s.box.shape[0];
+  const int64_t per_row = total / rows;
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(rows, kBlockFloats / std::max<int64_t>(per_row, 1)));
+  thread_local std::vector<float> acc;
+  acc.resize(static_cast<size_t>(block * per_row));
+  for (int64_t r = 0; r < rows; r += block) {
+    ShardBox sub = s.box;
+    if (!sub.shape.empty()) {
+      sub.offset[0] += r;
+      sub.shape[0] = std::min(block, rows - r);
+    }
+    const int64_t n = sub.NumElements();
+    if (s.stored != nullptr) {
+      WD_RETURN_IF_ERROR(CopyBox(s.stored->data(), s.stored->dtype, s.shape, sub,
+                                 reinterpret_cast<uint8_t*>(acc.data()), DType::kF32));
+    } else {
+      std::fill(acc.begin(), acc.begin() + n, 0.0f);
+    }
+    for (const AppliedPatch& p : s.patches) {
+      WD_RETURN_IF_ERROR(p.patch->Apply(sub, s.shape, p.strength, base, acc.data()));
+    }
+    WD_RETURN_IF_ERROR(fn(sub, acc.data(), n));
   }
   return absl::OkStatus();
 }
@@ -130,7 +153,6 @@ absl::Status FillItem(const MaterializeItem& item, uint8_t* dst) {
     return absl::InternalError("fp8 quantization needs F8_E4M3 output");
   }
   uint64_t off = 0;
-  std::vector<float> acc;
   for (const PartSlice& s : item.slices) {
     const int64_t n = s.box.NumElements();
     if (n == 0) continue;
@@ -153,30 +175,36 @@ absl::Status FillItem(const MaterializeItem& item, uint8_t* dst) {
     if (!IsFloating(item.out_dtype) || !IsFloating(s.dtype)) {
       return absl::InvalidArgumentError("adapter patches apply only to floating tensors");
     }
-    WD_RETURN_IF_ERROR(SliceToFloat(s, &acc));
-    if (item.fp8_scale.has_value()) {
-      const float scale = *item.fp8_scale;
-      for (float& x : acc) {
-        x /= scale;
-        if (x > kFp8E4M3Max) x = kFp8E4M3Max;
-        if (x < -kFp8E4M3Max) x = -kFp8E4M3Max;
+    uint8_t* cursor = out;
+    WD_RETURN_IF_ERROR(ForEachFloatBlock(s, [&](const ShardBox&, float* v, int64_t count) {
+      if (item.fp8_scale.has_value()) {
+        const float scale = *item.fp8_scale;
+        for (int64_t i = 0; i < count; ++i) {
+          float x = v[i] / scale;
+          if (x > kFp8E4M3Max) x = kFp8E4M3Max;
+          if (x < -kFp8E4M3Max) x = -kFp8E4M3Max;
+          v[i] = x;
+        }
       }
-    }
-    WD_RETURN_IF_ERROR(CastBuffer(DType::kF32, acc.data(), item.out_dtype, out,
-                                  static_cast<size_t>(n)));
+      WD_RETURN_IF_ERROR(CastBuffer(DType::kF32, v, item.out_dtype, cursor,
+                                    static_cast<size_t>(count)));
+      cursor += static_cast<size_t>(count) * out_size;
+      return absl::OkStatus();
+    }));
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<float> AbsMax(absl::Span<const PartSlice> slices) {
   float amax = 0.0f;
-  std::vector<float> acc;
   for (const PartSlice& s : slices) {
-    WD_RETURN_IF_ERROR(SliceToFloat(s, &acc));
-    for (float x : acc) {
-      float a = std::fabs(x);
-      if (a > amax) amax = a;  // NaN compares false: ignored
-    }
+    WD_RETURN_IF_ERROR(ForEachFloatBlock(s, [&](const ShardBox&, float* v, int64_t count) {
+      for (int64_t i = 0; i < count; ++i) {
+        float a = std::fabs(v[i]);
+        if (a > amax) amax = a;  // NaN compares false: ignored
+      }
+      return absl::OkStatus();
+    }));
   }
   return amax;
 }

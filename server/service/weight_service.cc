@@ -132,7 +132,10 @@ absl::StatusOr<std::shared_ptr<WeightService::Generation>> WeightService::BuildG
       if (entry.needs_kohya_resolution) {
         auto resolved = ResolveKohyaTarget(target, base_names);
         if (!resolved.ok()) {
-          return Annotate(resolved.status(), absl::StrCat("adapter \"", ref.name, "\""));
+          // Like any target the model lacks: the request does not fit the
+          // model (NOT_FOUND would read as "adapter not loaded").
+          return absl::InvalidArgumentError(absl::StrCat(
+              "adapter \"", ref.name, "\": ", resolved.status().message()));
         }
         target = *resolved;
       }
@@ -687,10 +690,13 @@ absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_nam
   {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(model_name);
-    if (it == models_.end() || it->second != model) {
+    // Only another apply (or unload/reload) loses us the race; a prune of
+    // old generations leaves `current` as it was.
+    if (it == models_.end() || it->second->current != model->current) {
       return absl::AbortedError(absl::StrCat("model \"", model_name,
                                              "\" changed while the apply was prepared; retry"));
     }
+    model = it->second;
     auto next = std::make_shared<Model>(*model);
     next->current = gen;
     next->history.clear();

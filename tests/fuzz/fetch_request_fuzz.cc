@@ -1,0 +1,131 @@
+// Fuzzes the wire decoding of weightd.v1.FetchRequest and what the daemon
+// does with it before touching a model: the checks of DecodeFetch
+// (server/grpc/grpc_server.cc, mirrored here because it is internal to that
+// file; FromProtoDType is the real one), MeshCoord::Validate and PlanShard
+// over a fixed table of tensor shapes — the path every Fetch RPC takes.
+//
+// The input is the serialized message. A message that parses must
+// re-serialize to bytes that parse to the same message.
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/shard.h"
+#include "server/grpc/status_convert.h"
+#include "weightd/v1/weightd.pb.h"
+
+namespace weightd {
+namespace {
+
+#define FUZZ_CHECK(cond)                                                   \
+  do {                                                                     \
+    if (!(cond)) {                                                         \
+      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__,     \
+                   __LINE__, #cond);                                       \
+      std::abort();                                                        \
+    }                                                                      \
+  } while (0)
+
+struct Decoded {
+  MeshCoord mesh;
+  std::optional<std::vector<Placement>> placements;
+  std::optional<DType> dtype;
+};
+
+// DecodeFetch's checks (grpc_server.cc), minus the fields it only copies.
+absl::StatusOr<Decoded> Decode(const v1::FetchRequest& req) {
+  Decoded p;
+  p.mesh.shape.assign(req.mesh_shape().begin(), req.mesh_shape().end());
+  p.mesh.coord.assign(req.coord().begin(), req.coord().end());
+  if (p.mesh.shape.empty()) {
+    p.mesh.shape = {1};
+    if (p.mesh.coord.empty()) p.mesh.coord = {0};
+  }
+  if (req.placements_size() > 0) {
+    std::vector<Placement> pl;
+    for (const v1::Placement& x : req.placements()) {
+      if (x.shard_dim() < -1) {
+        return absl::InvalidArgumentError(absl::StrCat("bad placement shard_dim ", x.shard_dim()));
+      }
+      pl.push_back(Placement{x.shard_dim()});
+    }
+    p.placements = std::move(pl);
+  }
+  if (req.dtype() != v1::DTYPE_UNSPECIFIED) {
+    absl::StatusOr<DType> d = FromProtoDType(req.dtype());
+    if (!d.ok()) return d.status();
+    FUZZ_CHECK(ToProtoDType(*d) == req.dtype());
+    p.dtype = *d;
+  }
+  switch (req.transport()) {
+    case v1::TRANSPORT_UNSPECIFIED:
+    case v1::SHM:
+    case v1::GRPC:
+    case v1::CUDA:
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unknown transport ", req.transport()));
+  }
+  return p;
+}
+
+// Shapes of the kinds a checkpoint holds: scalar, vector, matrix, uneven,
+// empty, and high-rank.
+const std::vector<std::vector<int64_t>>& Shapes() {
+  static const auto* const kShapes = new std::vector<std::vector<int64_t>>{
+      {}, {7}, {64, 32}, {5, 3}, {0, 8}, {1}, {3, 1, 4, 1, 5}, {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
+      {int64_t{1} << 40, 3},
+  };
+  return *kShapes;
+}
+
+void Plan(const Decoded& p) {
+  if (!p.mesh.Validate().ok()) return;
+  const std::vector<Placement> placements =
+      p.placements.has_value() ? *p.placements : DefaultPlacements(p.mesh.shape.size());
+  for (const std::vector<int64_t>& shape : Shapes()) {
+    absl::StatusOr<ShardBox> box = PlanShard(shape, p.mesh, placements);
+    if (!box.ok()) {
+      FUZZ_CHECK(box.status().code() == absl::StatusCode::kInvalidArgument);
+      continue;
+    }
+    if (shape.empty()) {
+      FUZZ_CHECK(box->shape.empty() && box->offset.empty());
+      continue;
+    }
+    FUZZ_CHECK(box->shape.size() == shape.size() && box->offset.size() == shape.size());
+    for (size_t d = 0; d < shape.size(); ++d) {
+      FUZZ_CHECK(box->offset[d] >= 0 && box->shape[d] >= 0);
+      FUZZ_CHECK(box->shape[d] <= shape[d] - box->offset[d]);
+    }
+    (void)box->NumElements();
+    (void)IsContiguous(shape, *box);
+  }
+}
+
+}  // namespace
+}  // namespace weightd
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace weightd;
+  v1::FetchRequest req;
+  if (!req.ParseFromArray(data, static_cast<int>(size))) return 0;
+
+  const std::string wire = req.SerializeAsString();
+  v1::FetchRequest again;
+  FUZZ_CHECK(again.ParseFromString(wire));
+  FUZZ_CHECK(again.SerializeAsString() == wire);
+
+  absl::StatusOr<Decoded> decoded = Decode(req);
+  if (!decoded.ok()) return 0;
+  Plan(*decoded);
+  return 0;
+}

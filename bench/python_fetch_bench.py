@@ -27,7 +27,8 @@ sock, world, rank, dtype = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.
 client = weightd.Client(socket=sock)
 sys.stdin.readline()
 t0 = time.perf_counter()
-with client.fetch("llama", world=world, rank=rank, dtype=None if dtype == "keep" else dtype) as h:
+with client.fetch("llama", world=world, rank=rank, dtype=None if dtype == "keep" else dtype,
+                  populate=True) as h:
     sd = h.state_dict()
     total = 0
     for t in sd.values():  # one element per 4 KiB page: the shard is then resident for us

@@ -58,6 +58,23 @@ for r in range(2):
         r, len(shard), sum(t.numel() * t.element_size() for t in shard.values()) / 2**20, r))
 PY
 
+step "the same checkpoint as a tensor-parallel model, through the Llama profile"
+ctl load llama-tp "$DEMO/models/llama-mini" --profile deploy/profiles/llama-tp.json
+ctl info llama-tp | grep -E "tensor: layers\.0\.(attn\.qkv|mlp\.gate_up)\.weight"
+ctl fetch llama-tp --world 2 --rank 1 --out "$DEMO/tp-rank1.safetensors"
+/usr/bin/python3 - "$DEMO" <<'PY'
+import sys, torch
+sys.path.insert(0, "tests/parity")
+import st_io
+demo = sys.argv[1]
+full = st_io.load(demo + "/models/llama-mini/model.safetensors")
+tp = st_io.load(demo + "/tp-rank1.safetensors")
+p = "model.layers.0.self_attn."
+want = torch.cat([torch.chunk(full[p + x + "_proj.weight"], 2, 0)[1] for x in "qkv"], 0)
+assert torch.equal(tp["layers.0.attn.qkv.weight"], want)
+print("TP rank 1 qkv = cat(q, k, v row halves), as vLLM's QKVParallelLinear: %s" % list(want.shape))
+PY
+
 step "an HSDP 2x2 rank asks for f32 over the grpc transport"
 ctl fetch llama --mesh 2x2 --coord 1,0 --dtype f32 --transport grpc --out "$DEMO/hsdp-1-0.safetensors"
 

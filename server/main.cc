@@ -34,6 +34,7 @@ constexpr char kUsage[] =
     "               [--metrics-listen HOST:PORT] --model-root DIR ...\n"
     "               [--host-memory-bytes N] [--preload NAME=PATH[@PROFILE]] ...\n"
     "               [--lease-ttl-seconds N] [--threads N] [--log-format text|json]\n"
+    "               [--log-level debug|info|warning|error]\n"
     "               [--socket-mode OCTAL] [--config FILE]\n"
     "Every flag may also be set as WEIGHTD_<FLAG> (e.g. WEIGHTD_MODEL_ROOT=/a,/b)\n"
     "or in a config file of \"flag = value\" lines (--config or WEIGHTD_CONFIG).\n";
@@ -59,7 +60,7 @@ struct DaemonFlags {
 // strongest source that names the flag gives the whole list.
 constexpr const char* kFlagNames[] = {
     "socket", "data-socket", "listen", "metrics-listen", "model-root", "host-memory-bytes",
-    "preload", "lease-ttl-seconds", "threads", "log-format", "socket-mode"};
+    "preload", "lease-ttl-seconds", "threads", "log-format", "log-level", "socket-mode"};
 
 struct FlagSource {
   std::string origin;                               // "file", "env", "argv"
@@ -237,6 +238,19 @@ absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags
         SetLogFormat(LogFormat::kText);
       } else {
         return absl::InvalidArgumentError(absl::StrCat("--log-format: expected text or json, got \"", *v, "\""));
+      }
+    } else if (flag == "--log-level") {
+      if (!(v = next()).ok()) return v.status();
+      if (*v == "debug") {
+        SetMinLogLevel(LogLevel::kDebug);
+      } else if (*v == "info") {
+        SetMinLogLevel(LogLevel::kInfo);
+      } else if (*v == "warning") {
+        SetMinLogLevel(LogLevel::kWarning);
+      } else if (*v == "error") {
+        SetMinLogLevel(LogLevel::kError);
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat("--log-level: expected debug|info|warning|error, got \"", *v, "\""));
       }
     } else if (flag == "--preload") {
       if (!(v = next()).ok()) return v.status();

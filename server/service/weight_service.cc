@@ -595,7 +595,15 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   }
   bytes_served_.fetch_add(lease.bytes);
   fetches_.fetch_add(1);
+  uint64_t lease_bytes = lease.bytes;
   result.lease = leases_.Grant(std::move(lease));
+  if (LogEnabled(LogLevel::kDebug)) {
+    LogEvent(LogLevel::kDebug, "lease_grant",
+             {{"lease", absl::StrCat(result.lease.id)}, {"model", params.model},
+              {"generation", absl::StrCat(gen->number)},
+              {"tensors", absl::StrCat(result.tensors.size())},
+              {"bytes", absl::StrCat(lease_bytes)}});
+  }
   return result;
 }
 
@@ -793,6 +801,7 @@ absl::StatusOr<ReadRange> WeightService::Read(uint64_t lease_id, absl::string_vi
 
 absl::Status WeightService::Release(uint64_t lease_id, absl::string_view token) {
   WD_RETURN_IF_ERROR(leases_.Release(lease_id, token));
+  LogEvent(LogLevel::kDebug, "lease_release", {{"lease", absl::StrCat(lease_id)}});
   PruneGenerations();
   materializer_.Sweep();
   return absl::OkStatus();

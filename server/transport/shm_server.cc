@@ -86,8 +86,10 @@ void ShmDataServer::Run() {
   auto close_conn = [&](std::map<int, Connection>::iterator it) {
     size_t ended = leases_->ReleaseConnection(it->second.id);
     if (ended > 0) {
-      WD_LOG(DEBUG) << "data connection " << it->second.id << " closed, ended " << ended
-              << " lease(s)";
+      LogEvent(LogLevel::kDebug, "lease_end",
+               {{"connection", absl::StrCat(it->second.id)},
+                {"leases", absl::StrCat(ended)},
+                {"reason", "data connection closed"}});
     }
     conns.erase(it);
     open_.fetch_sub(1);

@@ -114,6 +114,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::string_view in(reinterpret_cast<const char*>(data), size);
   std::vector<absl::string_view> lines = absl::StrSplit(in, absl::MaxSplits('\n', 4));
   lines.resize(5);
+  // Flags arrive as std::strings: never a null view (on which absl::StrSplit
+  // yields no pieces at all, so the parsers would return empty lists).
+  for (absl::string_view& line : lines) {
+    if (line.data() == nullptr) line = absl::string_view("", 0);
+  }
 
   absl::StatusOr<std::vector<int64_t>> mesh_shape = ParseMeshShape(lines[0]);
   absl::StatusOr<std::vector<int64_t>> coord = ParseCoord(lines[1]);

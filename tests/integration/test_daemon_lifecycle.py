@@ -159,3 +159,28 @@ def test_metrics_endpoint_counts_the_work(tmp_path):
         assert m1["weightd_resident_bytes"] > m0["weightd_resident_bytes"]
         assert m1["weightd_materialization_cache_misses_total"] >= 3
         assert m1["weightd_leases_open"] == 0
+
+
+def test_structured_json_log_has_one_line_per_event(tmp_path):
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                       extra_args=["--log-format", "json", "--log-level", "debug"])
+    d.start()
+    d.ctl_ok("load", "m", path)
+    d.ctl_ok("fetch", "m", "--out", tmp_path / "o.st")
+    d.ctl_ok("fetch", "m", "--transport", "grpc", "--out", tmp_path / "o.st")
+    assert d.stop() == 0
+    events = [json.loads(l) for l in d_log_lines(tmp_path / "d" / "weightd.log")]
+    kinds = [e.get("event") for e in events]
+    assert kinds.count("load") == 1 and kinds.count("lease_grant") == 2
+    assert "lease_release" in kinds  # weightctl releases each lease when done
+    grant = next(e for e in events if e.get("event") == "lease_grant")
+    assert grant["model"] == "m" and grant["generation"] == "1" and grant["tensors"] == "1"
+    assert all("ts" in e and "level" in e for e in events)
+
+
+def d_log_lines(path):
+    with open(path) as f:
+        return [l for l in f.read().splitlines() if l.startswith("{")]

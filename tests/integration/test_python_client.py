@@ -305,6 +305,28 @@ def test_zero_copy_rss(client):
     h.release()
 
 
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError("no " + field)
+
+
+def test_populate_maps_shared_pages_without_copying(client):
+    shard = BIG_ROWS * BIG_COLS * 4
+    anon, shmem = _status_kib("RssAnon"), _status_kib("RssShmem")
+    with client.fetch("big", populate=True) as h:
+        t = h.state_dict()["big"]
+        # The page tables are filled: the daemon's pages count as shared
+        # memory in this process, and nothing was copied into private memory.
+        assert (_status_kib("RssShmem") - shmem) * 1024 >= shard * 9 // 10
+        assert (_status_kib("RssAnon") - anon) * 1024 < shard // 8
+        assert _inside(t.data_ptr(), shard, h._segment_ranges())
+        assert float(t[-1, -1]) == BIG_ROWS * BIG_COLS - 1
+        del t
+
+
 # ---------------------------------------------------------------- copy on write
 
 

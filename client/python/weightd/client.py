@@ -308,6 +308,22 @@ class _Lease:
             pass
 
 
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
+_PAGE = mmap.PAGESIZE
+
+
+def _populate(seg, offset, length):
+    """Fills the page tables of this shard's bytes now (one madvise instead
+    of a fault per page on first read). Best effort: older kernels refuse
+    MADV_POPULATE_READ and the pages then fault in on first use."""
+    start = offset // _PAGE * _PAGE
+    end = min(len(seg), -(-(offset + length) // _PAGE) * _PAGE)
+    try:
+        seg.madvise(_MADV_POPULATE_READ, start, end - start)
+    except OSError:
+        pass
+
+
 class _Segment(mmap.mmap):
     """A copy-on-write map of one memfd segment; holds the lease alive."""
 
@@ -605,7 +621,7 @@ class Client:
 
     def fetch(self, model, world=None, rank=None, *, mesh=None, coord=None, placements=None,
               dtype=None, generation=0, changed_since=0, names=None, transport="shm",
-              timeout=None):
+              populate=False, timeout=None):
         """Fetches this rank's local shards of `model` and returns a ShardHandle.
 
         world/rank: a 1-D mesh (default 1/0); or mesh=(A, B, ...) with
@@ -615,6 +631,10 @@ class Client:
         generation: 0 = current. changed_since: only tensors whose digest
         differs from that generation. names: only these tensors.
         transport: "shm" (zero-copy, same node) or "grpc" (streamed).
+        populate: shm only — fill this process's page tables for the shard
+        now (MADV_POPULATE_READ), so a worker that reads everything at once
+        takes no page faults; the daemon's pages then count in its RSS
+        (RssShmem), still shared, never copied.
         """
         if mesh is not None or coord is not None:
             if world is not None or rank is not None:
@@ -647,7 +667,7 @@ class Client:
         resp = self._call(self._shards.Fetch, req, timeout=timeout)
         lease = _Lease(self._shards, resp.lease_id, bytes(resp.token))
         try:
-            return self._collect(resp, lease, transport, timeout)
+            return self._collect(resp, lease, transport, timeout, populate)
         except BaseException:
             try:
                 lease.release()
@@ -655,7 +675,7 @@ class Client:
                 pass
             raise
 
-    def _collect(self, resp, lease, transport, timeout):
+    def _collect(self, resp, lease, transport, timeout, populate=False):
         sizes = list(resp.segment_sizes)
         metas = []
         for t in resp.tensors:
@@ -693,6 +713,8 @@ class Client:
                     os.close(fd)
             for m in metas:
                 pieces[m.name] = (maps[m.segment], m.offset) if m.length else None
+                if m.length and populate:
+                    _populate(maps[m.segment], m.offset, m.length)
         else:
             for seg_index in range(len(sizes)):
                 ranges = sorted((m.offset, m.offset + m.length) for m in metas

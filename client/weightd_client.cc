@@ -223,6 +223,15 @@ absl::StatusOr<ModelInfo> Client::GetModel(const std::string& name) {
   return ToModelInfo(resp);
 }
 
+absl::StatusOr<std::pair<uint64_t, uint64_t>> Client::Verify(const std::string& name) {
+  grpc::ClientContext ctx;
+  v1::VerifyRequest req;
+  req.set_name(name);
+  v1::VerifyResponse resp;
+  WD_RETURN_IF_ERROR(FromGrpc(channel_->models->Verify(&ctx, req, &resp)));
+  return std::make_pair(resp.tensors(), resp.bytes());
+}
+
 absl::StatusOr<DaemonStats> Client::Stats() {
   grpc::ClientContext ctx;
   v1::StatsRequest req;

@@ -154,6 +154,9 @@ class Client {
   absl::StatusOr<std::vector<ModelInfo>> List();
   absl::StatusOr<ModelInfo> GetModel(const std::string& name);
   absl::StatusOr<DaemonStats> Stats();
+  // Recomputes every resident tensor's digest in the daemon; DATA_LOSS on a
+  // mismatch. Returns (tensors, bytes) checked.
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> Verify(const std::string& name);
   absl::StatusOr<std::unique_ptr<ShardSet>> Fetch(const FetchOptions& options);
 
   absl::StatusOr<AdapterInfo> LoadAdapter(const std::string& name, const std::string& path,

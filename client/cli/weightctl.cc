@@ -30,7 +30,7 @@ constexpr char kUsage[] =
     "usage: weightctl [--socket PATH | --target HOST:PORT] VERB ...\n"
     "  health\n"
     "  load NAME PATH [--profile FILE]\n"
-    "  unload NAME | list | info NAME | stats\n"
+    "  unload NAME | list | info NAME | stats | verify NAME\n"
     "  fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
     "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc]\n"
     "        [--generation G] [--changed-since G] [--names a,b] [--verify] --out FILE\n"
@@ -457,6 +457,14 @@ absl::Status Run(int argc, char** argv) {
   if (verb == "info") {
     WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
     return CmdInfo(*client, a);
+  }
+  if (verb == "verify") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
+    WD_RETURN_IF_ERROR(NeedPositional(a, 1, "verify NAME"));
+    WD_ASSIGN_OR_RETURN(auto r, client->Verify(a.positional[0]));
+    std::printf("verified %s: %llu tensors, %s, every digest matches\n", a.positional[0].c_str(),
+                static_cast<unsigned long long>(r.first), HumanBytes(r.second).c_str());
+    return absl::OkStatus();
   }
   if (verb == "stats") {
     WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));

@@ -268,6 +268,17 @@ class ModelsImpl final : public v1::Models::CallbackService {
     });
   }
 
+  grpc::ServerUnaryReactor* Verify(grpc::CallbackServerContext* ctx, const v1::VerifyRequest* req,
+                                   v1::VerifyResponse* resp) override {
+    return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
+      auto r = service_->Verify(req->name());
+      if (!r.ok()) return r.status();
+      resp->set_tensors(r->tensors);
+      resp->set_bytes(r->bytes);
+      return absl::OkStatus();
+    });
+  }
+
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest*,
                                   v1::StatsResponse* resp) override {
     ServiceStats s = service_->Stats();

@@ -607,6 +607,23 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   return result;
 }
 
+absl::StatusOr<WeightService::VerifyResult> WeightService::Verify(const std::string& name) const {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(name));
+  VerifyResult r;
+  std::vector<std::string> bad;
+  for (const StoredTensor& t : model->checkpoint->tensors()) {
+    if (DigestBytes(t.data(), t.length) != t.digest) bad.push_back(t.name);
+    ++r.tensors;
+    r.bytes += t.length;
+  }
+  if (!bad.empty()) {
+    return absl::DataLossError(absl::StrCat("model \"", name, "\": ", bad.size(),
+                                            " tensor(s) no longer match their digest: ",
+                                            absl::StrJoin(SummarizeNames(bad), "; ")));
+  }
+  return r;
+}
+
 absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& name,
                                                           const std::string& path,
                                                           const std::string& format,

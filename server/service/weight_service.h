@@ -165,6 +165,13 @@ class WeightService {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::StatusOr<FetchResult> Fetch(const FetchParams& params) ABSL_LOCKS_EXCLUDED(mu_);
+
+  struct VerifyResult {
+    uint64_t tensors = 0;
+    uint64_t bytes = 0;
+  };
+  // Recomputes every stored tensor's digest: DATA_LOSS naming mismatches.
+  absl::StatusOr<VerifyResult> Verify(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<ReadRange> Read(uint64_t lease_id, absl::string_view token,
                                  uint32_t segment, uint64_t offset, uint64_t length);
   absl::Status Release(uint64_t lease_id, absl::string_view token);

@@ -184,3 +184,14 @@ def test_structured_json_log_has_one_line_per_event(tmp_path):
 def d_log_lines(path):
     with open(path) as f:
         return [l for l in f.read().splitlines() if l.startswith("{")]
+
+
+def test_verify_recomputes_digests(tmp_path):
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    with harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d")) as d:
+        d.ctl_ok("load", "m", path)
+        out = d.ctl_ok("verify", "m").stdout
+        assert out.startswith("verified m: 1 tensors, 48.0 B, every digest matches"), out
+        assert d.ctl("verify", "nope").error_code == "NOT_FOUND"

@@ -15,12 +15,18 @@
 // MXCSR (no flush-to-zero, no denormals-are-zero), as c10 does.
 #include "common/cast.h"
 
+#include <cpuid.h>
+
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own
 // _mm512_undefined_*() helpers when inlined; the warning is a false positive.
+#if defined(__clang__)
+#include <immintrin.h>
+#else
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
+#endif
 
 #include <bit>
 #include <cmath>
@@ -926,9 +932,15 @@ KernelFamily MakeAvx512Family() {
 // ---------------------------------------------------------------------------
 // Family selection.
 
+// F16C straight from CPUID: clang before 16 rejects
+// __builtin_cpu_supports("f16c").
+bool CpuHasF16c() {
+  unsigned a, b, c, d;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+
 bool CpuHasAvx2() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-         __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && CpuHasF16c() && __builtin_cpu_supports("fma");
 }
 
 bool CpuHasAvx512() {

@@ -48,8 +48,7 @@ fi
 
 # Coverage instrumentation on every library; libFuzzer's main only on the
 # fuzz executables (tests/fuzz/CMakeLists.txt). UB aborts like a crash.
-# -Wno-unknown-warning-option: common/cast.cc silences a GCC-only warning.
-flags="-fsanitize=fuzzer-no-link -fno-sanitize-recover=undefined -Wno-unknown-warning-option"
+flags="-fsanitize=fuzzer-no-link -fno-sanitize-recover=undefined"
 CC=clang CXX=clang++ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \

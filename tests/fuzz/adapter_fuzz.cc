@@ -15,7 +15,7 @@
 // Every loaded patch is then applied to its whole shape and to a half of it
 // (small shapes only), against a zero base, so the patches' slicing runs on
 // the factors the parser built. The files live in one temporary directory
-// per process, rewritten on each input.
+// per process (on tmpfs when possible), rewritten on each input.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -40,13 +40,12 @@
 namespace weightd {
 namespace {
 
-#define FUZZ_CHECK(cond)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__,     \
-                   __LINE__, #cond);                                       \
-      std::abort();                                                        \
-    }                                                                      \
+#define FUZZ_CHECK(cond)                                                                 \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                      \
+    }                                                                                    \
   } while (0)
 
 // Patches with more elements than this are not applied (the box math is the
@@ -54,10 +53,11 @@ namespace {
 constexpr int64_t kMaxApplyElements = 1 << 14;
 
 struct Paths {
-  std::string single;   // <tmp>/single/adapter.safetensors
-  std::string sibling;  // <tmp>/sibling/w.safetensors
+  std::string root;
+  std::string single;   // <root>/single/adapter.safetensors
+  std::string sibling;  // <root>/sibling/w.safetensors
   std::string sibling_config;
-  std::string peft_dir;  // <tmp>/peft
+  std::string peft_dir;  // <root>/peft
   std::string peft_config;
   std::string peft_weights;
 };
@@ -69,25 +69,46 @@ void MakeDir(const std::string& path) {
   }
 }
 
+// tmpfs when there is one: rewriting files with O_TRUNC on a disk file
+// system (ext4's auto_da_alloc flushes them on close) costs milliseconds per
+// input.
+std::string MakeTempRoot() {
+  std::vector<std::string> bases = {"/dev/shm"};
+  const char* tmp = std::getenv("TMPDIR");
+  bases.push_back(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp");
+  for (const std::string& base : bases) {
+    std::string tmpl = base + "/weightd-adapter-fuzz-XXXXXX";
+    if (::mkdtemp(tmpl.data()) != nullptr) return tmpl;
+  }
+  std::perror("mkdtemp");
+  std::abort();
+}
+
 const Paths& TempPaths() {
   static const Paths* const kPaths = [] {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string tmpl = std::string(tmp != nullptr && *tmp ? tmp : "/tmp") +
-                       "/weightd-adapter-fuzz-XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) {
-      std::perror("mkdtemp");
-      std::abort();
-    }
     auto* p = new Paths;
-    MakeDir(tmpl + "/single");
-    MakeDir(tmpl + "/sibling");
-    MakeDir(tmpl + "/peft");
-    p->single = tmpl + "/single/adapter.safetensors";
-    p->sibling = tmpl + "/sibling/w.safetensors";
-    p->sibling_config = tmpl + "/sibling/adapter_config.json";
-    p->peft_dir = tmpl + "/peft";
-    p->peft_config = tmpl + "/peft/adapter_config.json";
-    p->peft_weights = tmpl + "/peft/adapter_model.safetensors";
+    p->root = MakeTempRoot();
+    MakeDir(p->root + "/single");
+    MakeDir(p->root + "/sibling");
+    MakeDir(p->root + "/peft");
+    p->single = p->root + "/single/adapter.safetensors";
+    p->sibling = p->root + "/sibling/w.safetensors";
+    p->sibling_config = p->root + "/sibling/adapter_config.json";
+    p->peft_dir = p->root + "/peft";
+    p->peft_config = p->root + "/peft/adapter_config.json";
+    p->peft_weights = p->root + "/peft/adapter_model.safetensors";
+    // libFuzzer ends through exit() when its time is up; after a crash the
+    // directory stays (a few small files).
+    std::atexit([] {
+      const Paths& q = *kPaths;
+      for (const std::string& f :
+           {q.single, q.sibling, q.sibling_config, q.peft_config, q.peft_weights}) {
+        ::unlink(f.c_str());
+      }
+      for (const char* d : {"/single", "/sibling", "/peft", ""}) {
+        ::rmdir((q.root + d).c_str());
+      }
+    });
     return p;
   }();
   return *kPaths;
@@ -122,8 +143,7 @@ int64_t BoundedNumel(const std::vector<int64_t>& shape, int64_t limit) {
   return n;
 }
 
-void ApplyOnBox(const TensorPatch& patch, const std::vector<int64_t>& shape,
-                const ShardBox& box) {
+void ApplyOnBox(const TensorPatch& patch, const std::vector<int64_t>& shape, const ShardBox& box) {
   const int64_t box_numel = box.NumElements();
   FUZZ_CHECK(box_numel >= 0 && box_numel <= kMaxApplyElements);
   std::vector<float> acc(static_cast<size_t>(box_numel) + 1, 1.0f);

@@ -25,13 +25,12 @@
 namespace weightd {
 namespace {
 
-#define FUZZ_CHECK(cond)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__,     \
-                   __LINE__, #cond);                                       \
-      std::abort();                                                        \
-    }                                                                      \
+#define FUZZ_CHECK(cond)                                                                 \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                      \
+    }                                                                                    \
   } while (0)
 
 struct Decoded {
@@ -81,7 +80,14 @@ absl::StatusOr<Decoded> Decode(const v1::FetchRequest& req) {
 // empty, and high-rank.
 const std::vector<std::vector<int64_t>>& Shapes() {
   static const auto* const kShapes = new std::vector<std::vector<int64_t>>{
-      {}, {7}, {64, 32}, {5, 3}, {0, 8}, {1}, {3, 1, 4, 1, 5}, {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
+      {},
+      {7},
+      {64, 32},
+      {5, 3},
+      {0, 8},
+      {1},
+      {3, 1, 4, 1, 5},
+      {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
       {int64_t{1} << 40, 3},
   };
   return *kShapes;

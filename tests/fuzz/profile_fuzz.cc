@@ -22,13 +22,12 @@
 namespace weightd {
 namespace {
 
-#define FUZZ_CHECK(cond)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__,     \
-                   __LINE__, #cond);                                       \
-      std::abort();                                                        \
-    }                                                                      \
+#define FUZZ_CHECK(cond)                                                                 \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                      \
+    }                                                                                    \
   } while (0)
 
 std::vector<SourceTensorInfo> MakeCheckpoint() {
@@ -60,13 +59,11 @@ std::vector<SourceTensorInfo> MakeCheckpoint() {
 }
 
 const std::vector<SourceTensorInfo>& Checkpoint() {
-  static const auto* const kCheckpoint =
-      new std::vector<SourceTensorInfo>(MakeCheckpoint());
+  static const auto* const kCheckpoint = new std::vector<SourceTensorInfo>(MakeCheckpoint());
   return *kCheckpoint;
 }
 
-void CheckLayout(const ServedLayout& layout,
-                 const std::vector<SourceTensorInfo>& ckpt) {
+void CheckLayout(const ServedLayout& layout, const std::vector<SourceTensorInfo>& ckpt) {
   std::map<std::string, const SourceTensorInfo*> by_name;
   for (const SourceTensorInfo& t : ckpt) by_name[t.name] = &t;
 
@@ -114,8 +111,7 @@ void CheckLayout(const ServedLayout& layout,
     }
   }
   const ProfileReport& r = layout.report;
-  FUZZ_CHECK(std::is_sorted(r.skipped_extra_state.begin(),
-                            r.skipped_extra_state.end()));
+  FUZZ_CHECK(std::is_sorted(r.skipped_extra_state.begin(), r.skipped_extra_state.end()));
   FUZZ_CHECK(std::is_sorted(r.unexpected.begin(), r.unexpected.end()));
   FUZZ_CHECK(std::is_sorted(r.zero_filled.begin(), r.zero_filled.end()));
   for (const std::string& name : r.zero_filled) {

@@ -26,18 +26,16 @@
 namespace weightd {
 namespace {
 
-#define FUZZ_CHECK(cond)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__,     \
-                   __LINE__, #cond);                                       \
-      std::abort();                                                        \
-    }                                                                      \
+#define FUZZ_CHECK(cond)                                                                 \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                      \
+    }                                                                                    \
   } while (0)
 
 // The contract of ParseSafetensorsHeader, checked on its output.
-void CheckHeader(const SafetensorsHeader& h, uint64_t json_size,
-                 uint64_t file_size) {
+void CheckHeader(const SafetensorsHeader& h, uint64_t json_size, uint64_t file_size) {
   FUZZ_CHECK(h.header_bytes == json_size);
   FUZZ_CHECK(h.data_offset == 8 + json_size);
   const uint64_t data_size = file_size - h.data_offset;
@@ -68,8 +66,8 @@ void CheckRoundTrip(const SafetensorsHeader& h, uint64_t data_size) {
   const std::string prefix = BuildSafetensorsHeader(entries, h.metadata);
   FUZZ_CHECK(prefix.size() >= 8 && prefix.size() % 8 == 0);
   const uint64_t file_size = prefix.size() + data_size;
-  absl::StatusOr<uint64_t> n = ParseSafetensorsPrefix(
-      absl::string_view(prefix).substr(0, 8), file_size);
+  absl::StatusOr<uint64_t> n =
+      ParseSafetensorsPrefix(absl::string_view(prefix).substr(0, 8), file_size);
   FUZZ_CHECK(n.ok());
   FUZZ_CHECK(*n == prefix.size() - 8);
   absl::StatusOr<SafetensorsHeader> again =
@@ -107,8 +105,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::string_view in(reinterpret_cast<const char*>(data), size);
 
   // 1. As a whole file.
-  absl::StatusOr<uint64_t> n =
-      ParseSafetensorsPrefix(in.substr(0, 8), static_cast<uint64_t>(size));
+  absl::StatusOr<uint64_t> n = ParseSafetensorsPrefix(in.substr(0, 8), static_cast<uint64_t>(size));
   if (n.ok()) {
     FUZZ_CHECK(*n <= size - 8);
     ParseAndCheck(in.substr(8, *n), size);

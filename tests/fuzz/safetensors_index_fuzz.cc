@@ -17,18 +17,16 @@
 namespace weightd {
 namespace {
 
-#define FUZZ_CHECK(cond)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__,     \
-                   __LINE__, #cond);                                       \
-      std::abort();                                                        \
-    }                                                                      \
+#define FUZZ_CHECK(cond)                                                                 \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                      \
+    }                                                                                    \
   } while (0)
 
 bool IsPlainFileName(const std::string& f) {
-  return !f.empty() && f != "." && f != ".." &&
-         f.find('/') == std::string::npos &&
+  return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
          f.find('\\') == std::string::npos && f.find('\0') == std::string::npos;
 }
 

@@ -29,13 +29,12 @@
 namespace weightd {
 namespace {
 
-#define FUZZ_CHECK(cond)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__,     \
-                   __LINE__, #cond);                                       \
-      std::abort();                                                        \
-    }                                                                      \
+#define FUZZ_CHECK(cond)                                                                 \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      std::fprintf(stderr, "%s:%d: FUZZ_CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                      \
+    }                                                                                    \
   } while (0)
 
 constexpr int64_t kMaxWorld = 64;

@@ -545,3 +545,30 @@ def test_sigkill_releases_lease(daemon, client):
             child.kill()
         child.communicate()
     assert client.health() is True
+
+
+NO_TORCH = r"""
+import sys
+class _Block:
+    def find_spec(self, name, path, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is hidden for this test")
+sys.meta_path.insert(0, _Block())
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import weightd
+c = weightd.Client(socket=sys.argv[2])
+with c.fetch("small", world=2, rank=1) as h:
+    sd = h.state_dict()
+    assert all(isinstance(v, np.ndarray) for v in sd.values()), {k: type(v) for k, v in sd.items()}
+    print(sorted((k, list(v.shape)) for k, v in sd.items()))
+"""
+
+
+def test_numpy_only_when_torch_is_absent(daemon, client):
+    r = subprocess.run(["/usr/bin/python3", "-c", NO_TORCH, os.path.join(BUILD, "python"),
+                        daemon.socket], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    with client.fetch("small", world=2, rank=1) as h:
+        want = sorted((k, list(v.shape)) for k, v in h.numpy_dict().items())
+    assert r.stdout.strip() == str(want)

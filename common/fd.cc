@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -145,6 +146,26 @@ absl::Status PreadFull(int fd, void* buf, size_t size, uint64_t offset) {
     done += static_cast<size_t>(n);
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t cap) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+  }
+  if (static_cast<uint64_t>(st.st_size) > cap) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is ", st.st_size, " bytes, more than the limit of ", cap));
+  }
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  absl::Status read = PreadFull(fd.get(), out.data(), out.size(), 0);
+  if (!read.ok()) {
+    return absl::Status(read.code(), absl::StrCat("reading ", path, ": ", read.message()));
+  }
+  return out;
 }
 
 absl::Status WriteFull(int fd, const void* buf, size_t size) {

@@ -120,6 +120,10 @@ class MemfdSegment {
 // pread()s exactly `size` bytes at `offset`, retrying short reads and EINTR.
 // A file shorter than offset+size is DATA_LOSS ("file shrank").
 absl::Status PreadFull(int fd, void* buf, size_t size, uint64_t offset);
+// Reads a whole regular file of at most `cap` bytes (configs, indexes,
+// profiles): INVALID_ARGUMENT for a non-regular or larger file.
+absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t cap);
+
 // write()s all of `size` bytes.
 absl::Status WriteFull(int fd, const void* buf, size_t size);
 

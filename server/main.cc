@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "common/fd.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "server/grpc/grpc_server.h"
@@ -38,6 +39,9 @@ constexpr char kUsage[] =
     "               [--socket-mode OCTAL] [--config FILE]\n"
     "Every flag may also be set as WEIGHTD_<FLAG> (e.g. WEIGHTD_MODEL_ROOT=/a,/b)\n"
     "or in a config file of \"flag = value\" lines (--config or WEIGHTD_CONFIG).\n";
+
+// Profiles are small JSON documents; anything larger is a mistake.
+constexpr uint64_t kMaxProfileBytes = 64ull << 20;
 
 struct Preload {
   std::string name, path, profile;
@@ -287,17 +291,6 @@ absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) return absl::NotFoundError(absl::StrCat("cannot open profile ", path));
-  std::string out;
-  char buf[65536];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
-  std::fclose(f);
-  return out;
-}
-
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "error: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
                std::string(status.message()).c_str());
@@ -326,7 +319,7 @@ int Main(int argc, char** argv) {
   for (const Preload& p : flags.preloads) {
     std::string profile;
     if (!p.profile.empty()) {
-      auto text = ReadFileToString(p.profile);
+      auto text = ReadFileToString(p.profile, kMaxProfileBytes);
       if (!text.ok()) return Fail(text.status());
       profile = std::move(*text);
     }

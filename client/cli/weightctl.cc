@@ -124,12 +124,7 @@ absl::Status CmdLoad(Client& c, const Args& a) {
   WD_RETURN_IF_ERROR(NeedPositional(a, 2, "load NAME PATH [--profile FILE]"));
   std::string profile;
   if (a.Has("--profile")) {
-    std::string path = a.Get("--profile");
-    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening profile ", path));
-    char buf[65536];
-    ssize_t n;
-    while ((n = ::read(fd.get(), buf, sizeof(buf))) > 0) profile.append(buf, n);
+    WD_ASSIGN_OR_RETURN(profile, ReadFileToString(a.Get("--profile"), 64ull << 20));
   }
   const bool tty = ::isatty(STDERR_FILENO);
   int last_decile = -1;

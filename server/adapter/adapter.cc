@@ -72,23 +72,6 @@ absl::Status KeyError(absl::string_view file, absl::string_view key, absl::strin
 
 // ------------------------------------------------------------------ files
 
-absl::StatusOr<std::string> ReadSmallFile(const std::string& path, uint64_t cap) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening ", path));
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
-  if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
-  }
-  if (static_cast<uint64_t>(st.st_size) > cap) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, " is ", st.st_size, " bytes, more than the limit of ", cap));
-  }
-  std::string out(static_cast<size_t>(st.st_size), '\0');
-  WD_RETURN_IF_ERROR_CTX(PreadFull(fd.get(), out.data(), out.size(), 0), "reading ", path);
-  return out;
-}
-
 struct TensorFile {
   std::string path;
   UniqueFd fd;
@@ -902,7 +885,7 @@ absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& pa
       if (FileExists(sibling)) config_path = sibling;
     }
     if (!config_path.empty()) {
-      WD_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(config_path, kMaxConfigBytes));
+      WD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config_path, kMaxConfigBytes));
       WD_ASSIGN_OR_RETURN(cfg, ParsePeftConfig(text, config_path));
       digest.Update(text.data(), text.size());
     }

@@ -344,8 +344,7 @@ absl::StatusOr<ModelDetail> WeightService::GetModel(const std::string& name) con
   return detail;
 }
 
-absl::StatusOr<float> WeightService::Fp8Scale(const Served& served, const Generation& gen,
-                                              const std::vector<Placement>& whole) {
+absl::StatusOr<float> WeightService::Fp8Scale(const Served& served, const Generation& gen) {
   {
     absl::MutexLock lock(&gen.scale_mu);
     auto it = gen.fp8_scales.find(served.plan.name);
@@ -540,7 +539,7 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     DType out = stored;
     if (plan.quantize_fp8) {
       out = DType::kF8E4M3;
-      WD_ASSIGN_OR_RETURN(float scale, Fp8Scale(*s, *gen, defaults));
+      WD_ASSIGN_OR_RETURN(float scale, Fp8Scale(*s, *gen));
       item.fp8_scale = scale;
     } else if (plan.dtype_override.has_value()) {
       out = *plan.dtype_override;

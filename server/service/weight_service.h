@@ -251,8 +251,7 @@ class WeightService {
   static absl::StatusOr<std::shared_ptr<Generation>> BuildGeneration(
       const Model& model, uint64_t number, const std::vector<AdapterRef>& stack,
       std::vector<std::shared_ptr<const Adapter>> adapters);
-  absl::StatusOr<float> Fp8Scale(const Served& served, const Generation& gen,
-                                 const std::vector<Placement>& whole);
+  absl::StatusOr<float> Fp8Scale(const Served& served, const Generation& gen);
   void ReapLoop();
   // Drops generations that are neither current nor leased, and their cache.
   void PruneGenerations() ABSL_LOCKS_EXCLUDED(mu_);

@@ -43,23 +43,6 @@ struct OpenFile {
   uint64_t segment_offset = 0;
 };
 
-absl::StatusOr<std::string> ReadSmallFile(const std::string& path, uint64_t cap) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening ", path));
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
-  if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
-  }
-  if (static_cast<uint64_t>(st.st_size) > cap) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, " is ", st.st_size, " bytes, more than the limit of ", cap));
-  }
-  std::string out(static_cast<size_t>(st.st_size), '\0');
-  WD_RETURN_IF_ERROR_CTX(PreadFull(fd.get(), out.data(), out.size(), 0), "reading ", path);
-  return out;
-}
-
 absl::StatusOr<OpenFile> OpenSafetensors(const std::string& path) {
   OpenFile f;
   f.path = path;
@@ -110,7 +93,7 @@ absl::StatusOr<std::vector<std::string>> ListCheckpointFiles(const std::string& 
   }
   std::string index_path = absl::StrCat(path, "/", kIndexName);
   if (::access(index_path.c_str(), F_OK) == 0) {
-    WD_ASSIGN_OR_RETURN(std::string json, ReadSmallFile(index_path, kMaxIndexBytes));
+    WD_ASSIGN_OR_RETURN(std::string json, ReadFileToString(index_path, kMaxIndexBytes));
     auto parsed = ParseSafetensorsIndex(json);
     if (!parsed.ok()) return Annotate(parsed.status(), index_path);
     *index = std::move(*parsed);

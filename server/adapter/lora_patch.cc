@@ -1,6 +1,7 @@
 #include "server/adapter/lora_patch.h"
 
 #include <cblas.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -78,6 +79,57 @@ void Gemm(bool trans_x, bool trans_y, int64_t m, int64_t n, int64_t k, const flo
               static_cast<blasint>(ldy), 0.0f, c, static_cast<blasint>(n));
 }
 
+// dst[j] += src[j] * s for j < n: the product rounded, then the sum
+// rounded (PEFT's order: (B @ A) * scaling, then the add; never an FMA).
+void AddScaledScalar(float* __restrict dst, const float* __restrict src, float s, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float delta = src[j] * s;
+    dst[j] += delta;
+  }
+}
+
+__attribute__((target("avx512f"))) void AddScaledAvx512(float* __restrict dst,
+                                                        const float* __restrict src, float s,
+                                                        int64_t n) {
+  const __m512 vs = _mm512_set1_ps(s);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 delta = _mm512_mul_ps(_mm512_loadu_ps(src + j), vs);
+    _mm512_storeu_ps(dst + j, _mm512_add_ps(_mm512_loadu_ps(dst + j), delta));
+  }
+  AddScaledScalar(dst + j, src + j, s, n - j);
+}
+
+__attribute__((target("avx2"))) void AddScaledAvx2(float* __restrict dst,
+                                                   const float* __restrict src, float s,
+                                                   int64_t n) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 delta = _mm256_mul_ps(_mm256_loadu_ps(src + j), vs);
+    _mm256_storeu_ps(dst + j, _mm256_add_ps(_mm256_loadu_ps(dst + j), delta));
+  }
+  AddScaledScalar(dst + j, src + j, s, n - j);
+}
+
+void AddScaled(float* dst, const float* src, float s, int64_t n) {
+  static const auto kernel = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return &AddScaledAvx512;
+    if (__builtin_cpu_supports("avx2")) return &AddScaledAvx2;
+    return &AddScaledScalar;
+  }();
+  kernel(dst, src, s, n);
+}
+
+// Per-thread GEMM output scratch, reused across calls: a fresh 1 MiB
+// vector per call costs an mmap, page faults and a memset each time.
+float* GemmScratch(size_t floats) {
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < floats) scratch.resize(floats);
+  return scratch.data();
+}
+
 }  // namespace
 
 float EffectiveScale(float strength, double scale) {
@@ -121,24 +173,19 @@ absl::Status LoraPatch::Apply(const ShardBox& box, absl::Span<const int64_t> glo
   const float s = EffectiveScale(strength, scale_);
   const int64_t k = f_.rank;
   const int64_t block = std::max<int64_t>(1, std::min<int64_t>(nr, kScratchFloats / nc));
-  std::vector<float> tmp(static_cast<size_t>(block * nc));
+  float* tmp = GemmScratch(static_cast<size_t>(block * nc));
   for (int64_t i = 0; i < nr; i += block) {
     const int64_t m = std::min(block, nr - i);
     if (!transposed_) {
       // ΔW[r][c] = Σ_k B[r][k] A[k][c]: rows of B, columns of A, no copies.
       Gemm(false, false, m, nc, k, f_.b.data() + (r0 + i) * k, k, f_.a.data() + c0, f_.in,
-           tmp.data());
+           tmp);
     } else {
       // ΔW[r][c] = Σ_k A[k][r] B[c][k]: columns of A (rows of ΔW), rows of B.
       Gemm(true, true, m, nc, k, f_.a.data() + (r0 + i), f_.in, f_.b.data() + c0 * k, k,
-           tmp.data());
+           tmp);
     }
-    float* dst = acc + i * nc;
-    const int64_t n = m * nc;
-    for (int64_t j = 0; j < n; ++j) {
-      const float delta = tmp[j] * s;  // (B @ A) * scaling, then the add
-      dst[j] += delta;
-    }
+    AddScaled(acc + i * nc, tmp, s, m * nc);
   }
   return absl::OkStatus();
 }

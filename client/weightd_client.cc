@@ -239,7 +239,8 @@ absl::StatusOr<DaemonStats> Client::Stats() {
   WD_RETURN_IF_ERROR(FromGrpc(channel_->models->Stats(&ctx, req, &r)));
   return DaemonStats{r.models(),     r.segments(),    r.bytes_resident(), r.materializations(),
                      r.materialization_bytes(), r.cache_hits(), r.cache_misses(),
-                     r.leases_open(), r.bytes_served(), r.fetches(), r.applies(), r.adapters()};
+                     r.leases_open(), r.bytes_served(), r.fetches(), r.applies(), r.adapters(),
+                     r.reserve_ready_bytes(), r.reserve_target_bytes()};
 }
 
 absl::StatusOr<std::unique_ptr<ShardSet>> Client::Fetch(const FetchOptions& options) {

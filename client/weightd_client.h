@@ -79,6 +79,7 @@ struct DaemonStats {
   uint64_t models = 0, segments = 0, bytes_resident = 0, materializations = 0,
            materialization_bytes = 0, cache_hits = 0, cache_misses = 0, leases_open = 0,
            bytes_served = 0, fetches = 0, applies = 0, adapters = 0;
+  uint64_t reserve_ready_bytes = 0, reserve_target_bytes = 0;
 };
 
 enum class Transport { kShm, kGrpc };

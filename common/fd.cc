@@ -111,7 +111,7 @@ absl::StatusOr<MemfdSegment> MemfdSegment::Create(absl::string_view name,
   return seg;
 }
 
-absl::Status MemfdSegment::Seal() {
+absl::Status MemfdSegment::Seal(bool populate) {
   if (sealed_) return absl::OkStatus();
   // F_SEAL_WRITE fails while a writable shared mapping exists: drop ours
   // first and map the sealed file read-only.
@@ -121,11 +121,25 @@ absl::Status MemfdSegment::Seal() {
     return ErrnoStatus(errno, "sealing memfd");
   }
   if (size_ > 0) {
-    auto map = MappedRegion::Map(fd_.get(), size_, MappedRegion::Mode::kReadOnly);
+    auto map = MappedRegion::Map(fd_.get(), size_, MappedRegion::Mode::kReadOnly, populate);
     if (!map.ok()) return map.status();
     map_ = std::move(*map);
   }
   sealed_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status MemfdSegment::Truncate(size_t new_size) {
+  if (sealed_) return absl::FailedPreconditionError("truncating a sealed memfd");
+  if (new_size > size_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("truncating a memfd of ", size_, " bytes to ", new_size));
+  }
+  if (new_size == size_) return absl::OkStatus();
+  if (::ftruncate(fd_.get(), static_cast<off_t>(new_size)) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("ftruncate memfd to ", new_size, " bytes"));
+  }
+  size_ = new_size;
   return absl::OkStatus();
 }
 

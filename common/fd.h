@@ -100,8 +100,15 @@ class MemfdSegment {
   MemfdSegment(MemfdSegment&&) = default;
   MemfdSegment& operator=(MemfdSegment&&) = default;
 
-  // Drops write access: remaps read-only and applies the seals.
-  absl::Status Seal();
+  // Drops write access: remaps read-only and applies the seals. `populate`
+  // fills the new mapping's page tables now: the owner will read all of it
+  // (a checkpoint), and one call is far cheaper than a fault per page.
+  absl::Status Seal(bool populate = true);
+
+  // Shrinks an unsealed segment to `new_size` bytes (<= size()), returning
+  // the pages past it to the kernel. The mapping keeps its length; bytes
+  // past new_size must not be touched again.
+  absl::Status Truncate(size_t new_size);
 
   bool sealed() const { return sealed_; }
   int fd() const { return fd_.get(); }

@@ -34,6 +34,7 @@ constexpr char kUsage[] =
     "usage: weightd --socket PATH [--data-socket PATH] [--listen HOST:PORT]\n"
     "               [--metrics-listen HOST:PORT] --model-root DIR ...\n"
     "               [--host-memory-bytes N] [--preload NAME=PATH[@PROFILE]] ...\n"
+    "               [--warm-reserve-bytes N] [--reserve-chunk-bytes N]\n"
     "               [--lease-ttl-seconds N] [--threads N] [--log-format text|json]\n"
     "               [--log-level debug|info|warning|error]\n"
     "               [--socket-mode OCTAL] [--config FILE]\n"
@@ -64,7 +65,8 @@ struct DaemonFlags {
 // strongest source that names the flag gives the whole list.
 constexpr const char* kFlagNames[] = {
     "socket", "data-socket", "listen", "metrics-listen", "model-root", "host-memory-bytes",
-    "preload", "lease-ttl-seconds", "threads", "log-format", "log-level", "socket-mode"};
+    "preload", "lease-ttl-seconds", "threads", "log-format", "log-level", "socket-mode",
+    "warm-reserve-bytes", "reserve-chunk-bytes"};
 
 struct FlagSource {
   std::string origin;                               // "file", "env", "argv"
@@ -219,6 +221,13 @@ absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags
     } else if (flag == "--host-memory-bytes") {
       WD_RETURN_IF_ERROR(number(&n));
       flags->service.host_memory_bytes = n;
+    } else if (flag == "--warm-reserve-bytes") {
+      WD_RETURN_IF_ERROR(number(&n));
+      flags->service.warm_reserve_bytes = n;
+    } else if (flag == "--reserve-chunk-bytes") {
+      WD_RETURN_IF_ERROR(number(&n));
+      if (n < 4096) return absl::InvalidArgumentError("--reserve-chunk-bytes must be >= 4096");
+      flags->service.reserve_chunk_bytes = n;
     } else if (flag == "--lease-ttl-seconds") {
       WD_RETURN_IF_ERROR(number(&n));
       flags->service.lease_idle_ttl = absl::Seconds(static_cast<int64_t>(n));

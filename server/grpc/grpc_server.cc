@@ -294,6 +294,8 @@ class ModelsImpl final : public v1::Models::CallbackService {
     resp->set_fetches(s.fetches);
     resp->set_applies(s.applies);
     resp->set_adapters(s.adapters);
+    resp->set_reserve_ready_bytes(s.reserve.ready_bytes);
+    resp->set_reserve_target_bytes(s.reserve.target_bytes);
     auto* reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;

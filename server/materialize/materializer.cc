@@ -278,14 +278,35 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
     }
   }
   if (misses.empty()) return out;
+  // The reserve's background work waits while we compute.
+  struct WorkScope {
+    SegmentPool* pool;
+    explicit WorkScope(SegmentPool* p) : pool(p) {
+      if (pool != nullptr) pool->BeginWork();
+    }
+    ~WorkScope() {
+      if (pool != nullptr) pool->EndWork();
+    }
+  } work_scope(options_.pool);
 
-  // Views need only a digest; the rest is packed into one new segment.
-  std::vector<size_t> packed;
-  uint64_t packed_bytes = 0;
-  bool tagged = false;
-  const StoredTensor* first_base = nullptr;
+  // Views need only a digest; the rest is packed into new segments: one,
+  // or with a pool, as many chunk-sized ones as the misses fill.
+  struct Group {
+    uint64_t bytes = 0;
+    bool tagged = false;
+    const StoredTensor* first_base = nullptr;
+    std::vector<size_t> items;
+    std::unique_ptr<Segment> segment;
+    SegmentPtr sealed;
+  };
+  const uint64_t chunk = options_.pool != nullptr ? options_.pool->chunk_bytes() : 0;
+  std::vector<Group> groups;
+  std::vector<size_t> group_of(items.size(), 0);
+  size_t open_group = SIZE_MAX;  // the group still taking items
   for (size_t i : misses) {
     const MaterializeItem& item = items[i];
+    const StoredTensor* base = nullptr;
+    bool tagged = item.fp8_scale.has_value() || item.scalar.has_value();
     for (const PartSlice& s : item.slices) {
       if (s.stored != nullptr && !CanCast(s.stored->dtype, item.out_dtype) &&
           !item.fp8_scale.has_value()) {
@@ -293,7 +314,8 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
             "tensor \"", item.name, "\": cannot convert ", DTypeName(s.stored->dtype), " to ",
             DTypeName(item.out_dtype)));
       }
-      if (first_base == nullptr && s.stored != nullptr) first_base = s.stored;
+      if (base == nullptr && s.stored != nullptr) base = s.stored;
+      tagged = tagged || !s.patches.empty();
     }
     uint64_t length = static_cast<uint64_t>(OutputElements(item)) * DTypeSize(item.out_dtype);
     if (IsPlainView(item)) {
@@ -302,18 +324,31 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
                        DTypeSize(s.stored->dtype);
       out[i] = MaterializedTensor{s.stored->segment, s.stored->offset + start, length, Digest(),
                                   true};
-    } else {
-      out[i].offset = packed_bytes;
-      out[i].length = length;
-      for (const PartSlice& s : item.slices) tagged = tagged || !s.patches.empty();
-      tagged = tagged || item.fp8_scale.has_value() || item.scalar.has_value();
-      packed_bytes = AlignUp(packed_bytes + length, kPackAlign);
-      packed.push_back(i);
+      continue;
     }
+    size_t g;
+    if (chunk != 0 && length > chunk) {
+      g = groups.size();  // too big for a chunk: a segment of its own
+      groups.emplace_back();
+    } else {
+      if (open_group == SIZE_MAX ||
+          (chunk != 0 && groups[open_group].bytes + length > chunk)) {
+        open_group = groups.size();
+        groups.emplace_back();
+      }
+      g = open_group;
+    }
+    Group& group = groups[g];
+    out[i].offset = group.bytes;
+    out[i].length = length;
+    group.bytes = AlignUp(group.bytes + length, kPackAlign);
+    group.tagged = group.tagged || tagged;
+    if (group.first_base == nullptr) group.first_base = base;
+    group.items.push_back(i);
+    group_of[i] = g;
   }
-  std::unique_ptr<Segment> segment;
-  if (!packed.empty()) {
-    WD_ASSIGN_OR_RETURN(segment, CreateSegment(std::max<uint64_t>(packed_bytes, 1)));
+  for (Group& group : groups) {
+    WD_ASSIGN_OR_RETURN(group.segment, CreateSegment(std::max<uint64_t>(group.bytes, 1)));
   }
   // Fill and digest in parallel, one item at a time.
   std::atomic<size_t> next{0};
@@ -328,7 +363,7 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
         out[i].digest = DigestBytes(out[i].segment->data() + out[i].offset, out[i].length);
         continue;
       }
-      uint8_t* dst = segment->mutable_data() + out[i].offset;
+      uint8_t* dst = groups[group_of[i]].segment->mutable_data() + out[i].offset;
       absl::Status s = FillItem(items[i], dst);
       if (!s.ok()) {
         absl::MutexLock lock(&err_mu);
@@ -345,21 +380,21 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
   for (auto& t : pool) t.join();
   WD_RETURN_IF_ERROR(first_error);
 
-  SegmentPtr sealed;
-  if (segment != nullptr) {
-    WD_RETURN_IF_ERROR(segment->Seal());
-    sealed = SegmentPtr(std::move(segment));
-    for (size_t i : packed) out[i].segment = sealed;
+  for (Group& group : groups) {
+    // Clients read these, the daemon rarely (grpc transport, verify).
+    WD_RETURN_IF_ERROR(group.segment->Seal(/*populate=*/false));
+    group.sealed = SegmentPtr(std::move(group.segment));
+    for (size_t i : group.items) out[i].segment = group.sealed;
   }
 
   absl::MutexLock lock(&mu_);
-  if (sealed != nullptr) {
-    PackedSegment& ps = packed_[sealed->id()];
-    ps.segment = sealed;
-    if (first_base != nullptr) ps.base = first_base->segment;
-    if (tagged) ps.tag = tag;
+  for (const Group& group : groups) {
+    PackedSegment& ps = packed_[group.sealed->id()];
+    ps.segment = group.sealed;
+    if (group.first_base != nullptr) ps.base = group.first_base->segment;
+    if (group.tagged) ps.tag = tag;
     stats_.packed_segments++;
-    stats_.packed_bytes += sealed->size();
+    stats_.packed_bytes += group.sealed->size();
   }
   for (size_t i : misses) {
     Entry e;
@@ -369,22 +404,30 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
     if (out[i].view) {
       e.view_segment = out[i].segment;
     } else {
-      e.packed_segment_id = sealed->id();
+      e.packed_segment_id = out[i].segment->id();
     }
     auto [it, inserted] = cache_.try_emplace(keys[i], e);
     // A concurrent call may have computed the same thing first: keep its
     // entry (identical bytes); ours lives on only as long as this fetch.
-    if (inserted && !out[i].view) packed_[sealed->id()].entries++;
+    if (inserted && !out[i].view) packed_[e.packed_segment_id].entries++;
   }
-  if (sealed != nullptr && packed_[sealed->id()].entries == 0) {
-    stats_.packed_segments--;
-    stats_.packed_bytes -= sealed->size();
-    packed_.erase(sealed->id());
+  for (const Group& group : groups) {
+    if (packed_[group.sealed->id()].entries == 0) {
+      stats_.packed_segments--;
+      stats_.packed_bytes -= group.sealed->size();
+      packed_.erase(group.sealed->id());
+    }
   }
   return out;
 }
 
 absl::StatusOr<std::unique_ptr<Segment>> Materializer::CreateSegment(uint64_t size) {
+  if (options_.pool != nullptr && size <= options_.pool->chunk_bytes()) {
+    if (std::unique_ptr<Segment> seg = options_.pool->Take()) {
+      WD_RETURN_IF_ERROR(seg->Truncate(size));
+      return seg;
+    }
+  }
   auto seg = Segment::Create(options_.account, "shard", size, /*prefault=*/true);
   if (seg.ok() || seg.status().code() != absl::StatusCode::kResourceExhausted) return seg;
   {
@@ -423,6 +466,9 @@ uint64_t Materializer::EvictLocked(bool orphans_only) {
       freed += cur->second.segment->size();
       stats_.packed_segments--;
       stats_.packed_bytes -= cur->second.segment->size();
+      // Freeing is slow (the kernel drops every page): with a pool, its
+      // background thread does it when the daemon is idle.
+      if (options_.pool != nullptr) options_.pool->Dispose(std::move(cur->second.segment));
       packed_.erase(cur);
     }
   }

@@ -13,7 +13,8 @@
 // (DESIGN §2). Results are cached by their inputs (part digests, boxes,
 // patches and strengths, output dtype, scale) so identical requests — HSDP
 // replicas, repeated fetches — share one copy. One Materialize() call packs
-// all its misses into one segment, so a fetch hands out a handful of fds.
+// all its misses into one segment (or into chunks of the warm reserve, see
+// SegmentPool), so a fetch hands out a handful of fds.
 //
 // Thread-safe.
 #ifndef WEIGHTD_SERVER_MATERIALIZE_MATERIALIZER_H_
@@ -36,6 +37,7 @@
 #include "server/adapter/patch.h"
 #include "server/store/checkpoint.h"
 #include "server/store/segment.h"
+#include "server/store/segment_pool.h"
 
 namespace weightd {
 
@@ -85,6 +87,11 @@ class Materializer {
   struct Options {
     std::shared_ptr<MemoryAccount> account;
     int threads = 2;  // workers that slice, merge and cast one call's misses
+    // Pre-faulted output chunks (borrowed; may be null). With a pool, a
+    // call's misses are packed into chunk-sized segments taken from it; an
+    // item larger than a chunk, or a call that finds the reserve empty,
+    // gets a fresh segment.
+    SegmentPool* pool = nullptr;
   };
   explicit Materializer(Options options);
 
@@ -134,6 +141,9 @@ class Materializer {
   // Looks `key` up; fills `out` on a hit.
   bool Lookup(const std::string& key, MaterializedTensor* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A writable segment of exactly `size` bytes: from the pool when it fits
+  // a chunk and the reserve has one, else fresh (evicting unused cache
+  // entries when the budget is short).
   absl::StatusOr<std::unique_ptr<Segment>> CreateSegment(uint64_t size);
   // Drops packed segments only the cache holds; with `orphans_only`, just
   // those whose base is gone. Then drops the entries left dangling.

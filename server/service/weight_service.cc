@@ -50,7 +50,11 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
     : options_(std::move(options)),
       roots_(std::move(roots)),
       account_(std::make_shared<MemoryAccount>(options_.host_memory_bytes)),
-      materializer_(Materializer::Options{account_, options_.worker_threads}),
+      pool_(options_.warm_reserve_bytes == 0
+                ? nullptr
+                : std::make_unique<SegmentPool>(SegmentPool::Options{
+                      account_, options_.warm_reserve_bytes, options_.reserve_chunk_bytes})),
+      materializer_(Materializer::Options{account_, options_.worker_threads, pool_.get()}),
       leases_(options_.lease_idle_ttl) {
   reaper_ = std::thread([this] { ReapLoop(); });
 }
@@ -832,6 +836,7 @@ ServiceStats WeightService::Stats() const {
   s.segments = account_->segments();
   s.bytes_resident = account_->used();
   s.memory_limit = account_->limit();
+  if (pool_ != nullptr) s.reserve = pool_->stats();
   s.materializer = materializer_.stats();
   s.leases_open = leases_.size();
   s.bytes_served = bytes_served_.load();

@@ -31,6 +31,7 @@
 #include "server/store/model_roots.h"
 #include "server/service/latency_histogram.h"
 #include "server/store/segment.h"
+#include "server/store/segment_pool.h"
 
 namespace weightd {
 
@@ -40,6 +41,9 @@ struct WeightServiceOptions {
   std::string data_socket_path;    // reported to shm clients
   absl::Duration lease_idle_ttl = absl::Seconds(60);
   int worker_threads = 2;
+  // Warm reserve of pre-faulted output segments (SegmentPool); 0 = none.
+  uint64_t warm_reserve_bytes = 0;
+  uint64_t reserve_chunk_bytes = uint64_t{256} << 20;
 };
 
 struct ModelSummary {
@@ -132,6 +136,7 @@ struct ServiceStats {
   uint64_t segments = 0;
   uint64_t bytes_resident = 0;
   uint64_t memory_limit = 0;
+  SegmentPoolStats reserve;  // zeros without a reserve
   MaterializerStats materializer;
   uint64_t leases_open = 0;
   uint64_t bytes_served = 0;
@@ -259,6 +264,7 @@ class WeightService {
   const WeightServiceOptions options_;
   const ModelRoots roots_;
   std::shared_ptr<MemoryAccount> account_;
+  std::unique_ptr<SegmentPool> pool_;  // before materializer_, which borrows it
   Materializer materializer_;
   LeaseTable leases_;
 

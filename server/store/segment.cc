@@ -9,6 +9,15 @@ std::atomic<uint64_t> next_segment_id{1};
 }  // namespace
 
 absl::Status MemoryAccount::Reserve(uint64_t bytes, absl::string_view what) {
+  absl::Status s = ReserveNoReclaim(bytes, what);
+  if (s.ok() || reclaimer_ == nullptr) return s;
+  const uint64_t cur = used_.load(std::memory_order_relaxed);
+  const uint64_t short_by = cur + bytes > limit_ ? cur + bytes - limit_ : 0;
+  if (reclaimer_(short_by) == 0) return s;
+  return ReserveNoReclaim(bytes, what);
+}
+
+absl::Status MemoryAccount::ReserveNoReclaim(uint64_t bytes, absl::string_view what) {
   uint64_t cur = used_.load(std::memory_order_relaxed);
   while (true) {
     if (limit_ != 0 && (bytes > limit_ || cur > limit_ - bytes)) {
@@ -30,8 +39,10 @@ void MemoryAccount::Return(uint64_t bytes) {
 
 absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(
     std::shared_ptr<MemoryAccount> account, absl::string_view kind,
-    uint64_t size, bool prefault) {
-  WD_RETURN_IF_ERROR(account->Reserve(size, absl::StrCat("segment for ", kind)));
+    uint64_t size, bool prefault, bool reclaim) {
+  const std::string what = absl::StrCat("segment for ", kind);
+  WD_RETURN_IF_ERROR(reclaim ? account->Reserve(size, what)
+                             : account->ReserveNoReclaim(size, what));
   auto memfd = MemfdSegment::Create(absl::StrCat("weightd:", kind), size, prefault);
   if (!memfd.ok()) {
     account->Return(size);
@@ -45,6 +56,13 @@ Segment::Segment(std::shared_ptr<MemoryAccount> account, MemfdSegment memfd)
       memfd_(std::move(memfd)),
       id_(next_segment_id.fetch_add(1)) {
   account_->segments_.fetch_add(1, std::memory_order_relaxed);
+}
+
+absl::Status Segment::Truncate(uint64_t new_size) {
+  const uint64_t old_size = memfd_.size();
+  WD_RETURN_IF_ERROR(memfd_.Truncate(new_size));
+  account_->Return(old_size - new_size);
+  return absl::OkStatus();
 }
 
 Segment::~Segment() {

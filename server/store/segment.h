@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -25,9 +26,18 @@ class MemoryAccount {
   // limit 0 = unlimited.
   explicit MemoryAccount(uint64_t limit) : limit_(limit) {}
 
-  // Reserves `bytes` or fails with RESOURCE_EXHAUSTED naming `what`.
+  // Reserves `bytes` or fails with RESOURCE_EXHAUSTED naming `what`. When
+  // the budget is short, the reclaimer (if set) is asked to free memory
+  // first (e.g. the warm segment reserve), then the reservation is retried.
   absl::Status Reserve(uint64_t bytes, absl::string_view what);
+  // As Reserve, without asking the reclaimer: for the reclaimable memory
+  // itself.
+  absl::Status ReserveNoReclaim(uint64_t bytes, absl::string_view what);
   void Return(uint64_t bytes);
+
+  // fn(bytes_needed) frees what it can and returns the bytes freed. Set it
+  // once, before concurrent use; it must not call Reserve().
+  void SetReclaimer(std::function<uint64_t(uint64_t)> fn) { reclaimer_ = std::move(fn); }
 
   uint64_t used() const { return used_.load(std::memory_order_relaxed); }
   uint64_t limit() const { return limit_; }
@@ -36,6 +46,7 @@ class MemoryAccount {
  private:
   friend class Segment;
   const uint64_t limit_;
+  std::function<uint64_t(uint64_t)> reclaimer_;
   std::atomic<uint64_t> used_{0};
   std::atomic<uint64_t> segments_{0};
 };
@@ -44,17 +55,21 @@ class Segment {
  public:
   // Creates a writable segment of `size` bytes charged to `account` (which
   // must outlive the segment). `kind` names it in /proc ("weightd:<kind>").
+  // `reclaim` = false charges the account without asking its reclaimer.
   static absl::StatusOr<std::unique_ptr<Segment>> Create(
       std::shared_ptr<MemoryAccount> account, absl::string_view kind,
-      uint64_t size, bool prefault);
+      uint64_t size, bool prefault, bool reclaim = true);
 
   ~Segment();
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
 
   // Seals the memfd (no writes, grow or shrink by anyone) and remaps it
-  // read-only.
-  absl::Status Seal() { return memfd_.Seal(); }
+  // read-only; `populate`: see MemfdSegment::Seal.
+  absl::Status Seal(bool populate = true) { return memfd_.Seal(populate); }
+
+  // Shrinks an unsealed segment, returning the tail's bytes to the account.
+  absl::Status Truncate(uint64_t new_size);
 
   uint64_t id() const { return id_; }
   uint64_t size() const { return memfd_.size(); }

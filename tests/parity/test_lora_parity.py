@@ -357,7 +357,11 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env():
-    d = Daemon()
+    d = Daemon(extra_args=[
+        # Merges write into the warm reserve: small chunks, so a fetch's
+        # outputs span several chunks, fresh segments (tensors larger than a
+        # chunk) and, once the reserve runs dry, the fallback path.
+        "--warm-reserve-bytes", str(4 << 20), "--reserve-chunk-bytes", str(64 << 10)])
     d.start()
     try:
         e = Env(d)

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -358,6 +359,41 @@ TEST(LoraPatchTest, RoundsLikePeftMergeBitForBit) {
     }
   }
   EXPECT_EQ(diffs, 0);
+}
+
+TEST(LoraPatchTest, FusedKernelMatchesTheGemmPathBitForBit) {
+  // The row-major layout runs a fused AVX-512 kernel where the CPU has it;
+  // the transposed layout always goes through cblas_sgemm. The same ΔW in
+  // both layouts (A' = Bᵀ, B' = Aᵀ) must merge to identical bits: both sum
+  // k ascending with one FMA per term, then scale, then add.
+  for (auto [r, in, out] : {std::tuple<int64_t, int64_t, int64_t>{16, 2048, 259},
+                            {16, 77, 1001}, {8, 33, 6}, {1, 31, 5}, {64, 130, 67}}) {
+    std::vector<float> a = Random(r * in, 21), b = Random(out * r, 22);
+    std::vector<float> at(in * r), bt(r * out);  // B' = Aᵀ [in, r], A' = Bᵀ [r, out]
+    for (int64_t k = 0; k < r; ++k) {
+      for (int64_t i = 0; i < in; ++i) at[i * r + k] = a[k * in + i];
+      for (int64_t o = 0; o < out; ++o) bt[k * out + o] = b[o * r + k];
+    }
+    auto plain = LoraPatch::Create({Digest{}, "w"}, LowRankFactors{r, in, out, a, b}, 0.7, false);
+    auto trans = LoraPatch::Create({Digest{}, "w"}, LowRankFactors{r, out, in, bt, at}, 0.7, true);
+    ASSERT_TRUE(plain.ok() && trans.ok());
+    ASSERT_EQ((*plain)->shape(), (*trans)->shape());
+    std::vector<float> w = Random(out * in, 23, 1.0f);
+    for (const ShardBox& box : {ShardBox{{0, 0}, {out, in}}, ShardBox{{3, 5}, {out - 4, in - 7}}}) {
+      if (box.shape[0] <= 0 || box.shape[1] <= 0) continue;
+      std::vector<float> x, y;
+      for (int64_t i = 0; i < box.shape[0]; ++i) {
+        for (int64_t j = 0; j < box.shape[1]; ++j) {
+          x.push_back(w[(box.offset[0] + i) * in + box.offset[1] + j]);
+        }
+      }
+      y = x;
+      ASSERT_TRUE((*plain)->Apply(box, {out, in}, 1.25f, nullptr, x.data()).ok());
+      ASSERT_TRUE((*trans)->Apply(box, {out, in}, 1.25f, nullptr, y.data()).ok());
+      EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * 4), 0)
+          << "r=" << r << " in=" << in << " out=" << out;
+    }
+  }
 }
 
 TEST(LoraPatchTest, RejectsWrongShapeAndBadBoxes) {

@@ -144,10 +144,12 @@ absl::Status CopyBox(const uint8_t* src, DType src_dtype,
   return absl::OkStatus();
 }
 
-absl::Status FillItem(const MaterializeItem& item, uint8_t* dst) {
+absl::Status FillItem(const MaterializeItem& item, uint8_t* dst, DigestBuilder* digest) {
   const size_t out_size = DTypeSize(item.out_dtype);
   if (item.scalar.has_value()) {
-    return CastBuffer(DType::kF32, &*item.scalar, item.out_dtype, dst, 1);
+    WD_RETURN_IF_ERROR(CastBuffer(DType::kF32, &*item.scalar, item.out_dtype, dst, 1));
+    if (digest != nullptr) digest->Update(dst, out_size);
+    return absl::OkStatus();
   }
   if (item.fp8_scale.has_value() && item.out_dtype != DType::kF8E4M3) {
     return absl::InternalError("fp8 quantization needs F8_E4M3 output");
@@ -166,10 +168,12 @@ absl::Status FillItem(const MaterializeItem& item, uint8_t* dst) {
       }
       WD_RETURN_IF_ERROR(CopyBox(s.stored->data(), s.stored->dtype, s.shape, s.box, out,
                                  item.out_dtype));
+      if (digest != nullptr) digest->Update(out, static_cast<size_t>(n) * out_size);
       continue;
     }
     if (s.stored == nullptr && s.patches.empty() && !item.fp8_scale.has_value()) {
       std::memset(out, 0, static_cast<size_t>(n) * out_size);  // zero in every dtype
+      if (digest != nullptr) digest->Update(out, static_cast<size_t>(n) * out_size);
       continue;
     }
     if (!IsFloating(item.out_dtype) || !IsFloating(s.dtype)) {
@@ -188,6 +192,7 @@ absl::Status FillItem(const MaterializeItem& item, uint8_t* dst) {
       }
       WD_RETURN_IF_ERROR(CastBuffer(DType::kF32, v, item.out_dtype, cursor,
                                     static_cast<size_t>(count)));
+      if (digest != nullptr) digest->Update(cursor, static_cast<size_t>(count) * out_size);
       cursor += static_cast<size_t>(count) * out_size;
       return absl::OkStatus();
     }));
@@ -364,13 +369,14 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
         continue;
       }
       uint8_t* dst = groups[group_of[i]].segment->mutable_data() + out[i].offset;
-      absl::Status s = FillItem(items[i], dst);
+      DigestBuilder digest;
+      absl::Status s = FillItem(items[i], dst, &digest);
       if (!s.ok()) {
         absl::MutexLock lock(&err_mu);
         if (first_error.ok()) first_error = Annotate(s, absl::StrCat("tensor \"", items[i].name, "\""));
         continue;
       }
-      out[i].digest = DigestBytes(dst, out[i].length);
+      out[i].digest = digest.Finish();
     }
   };
   int threads = std::max(1, std::min<int>(options_.threads, static_cast<int>(misses.size())));

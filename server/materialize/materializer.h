@@ -167,7 +167,10 @@ absl::Status CopyBox(const uint8_t* src, DType src_dtype,
                      uint8_t* dst, DType dst_dtype);
 
 // Writes the item's output into `dst` (OutputElements * out size bytes).
-absl::Status FillItem(const MaterializeItem& item, uint8_t* dst);
+// With `digest`, feeds it every byte written, in order, while the bytes are
+// still in cache (the same digest as DigestBytes over the output after).
+absl::Status FillItem(const MaterializeItem& item, uint8_t* dst,
+                      DigestBuilder* digest = nullptr);
 
 // max |x| over the fp32 values of `slices` (patches applied), NaN ignored.
 absl::StatusOr<float> AbsMax(absl::Span<const PartSlice> slices);

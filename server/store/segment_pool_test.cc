@@ -152,6 +152,8 @@ TEST(SegmentPoolTest, MaterializerPacksMissesIntoReserveChunks) {
     const MaterializedTensor& y = (*b)[i];
     ASSERT_EQ(x.length, y.length);
     EXPECT_EQ(x.digest, y.digest) << items[i].name;
+    // Digests are computed while filling; they must be those of the bytes.
+    EXPECT_EQ(x.digest, DigestBytes(x.segment->data() + x.offset, x.length)) << items[i].name;
     EXPECT_EQ(std::memcmp(x.segment->data() + x.offset, y.segment->data() + y.offset, x.length),
               0);
     EXPECT_TRUE(x.segment->sealed());

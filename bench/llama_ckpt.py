@@ -9,6 +9,30 @@ import torch
 
 TINYLLAMA = dict(vocab=32000, hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4)
 
+# The benchmark suite's sizes (bench/suite.py). Llama-shaped, bf16; bytes in
+# the comments. "table201" has TinyLlama's 201-tensor table at tiny sizes
+# (the control-plane benchmark).
+CONFIGS = {
+    "table201": dict(vocab=1024, hidden=64, intermediate=176, layers=22, heads=4, kv_heads=2),
+    "10m": dict(vocab=4096, hidden=256, intermediate=704, layers=4, heads=4, kv_heads=2),
+    "37m": dict(vocab=8000, hidden=512, intermediate=1408, layers=4, heads=8, kv_heads=2),
+    "167m": dict(vocab=16000, hidden=768, intermediate=2048, layers=10, heads=12,
+                      kv_heads=4),
+    "0.3g": dict(vocab=32000, hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=4),
+    "1g": dict(vocab=32000, hidden=2048, intermediate=5632, layers=9, heads=32, kv_heads=4),
+    "4g": dict(vocab=32000, hidden=2560, intermediate=6912, layers=28, heads=20, kv_heads=4),
+}
+
+
+def config_bytes(config, esize=2):
+    total = 0
+    for _, shape in llama_shapes(**config):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * esize
+    return total
+
 
 def llama_shapes(vocab, hidden, intermediate, layers, heads, kv_heads):
     head_dim = hidden // heads

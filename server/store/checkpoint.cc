@@ -3,11 +3,13 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <thread>
 
 #include "absl/container/flat_hash_set.h"
@@ -141,6 +143,37 @@ class ProgressTracker {
   LoadProgressInfo info_ ABSL_GUARDED_BY(mu_);
 };
 
+// Allocates and maps the shared-memory pages under [dest, dest + length)
+// (rounded out to pages) in one call instead of a fault per page while
+// pread() copies; RESOURCE_EXHAUSTED when the memory is not there.
+absl::Status PopulateForWrite(uint8_t* dest, uint64_t length) {
+#ifdef MADV_POPULATE_WRITE
+  uintptr_t begin = reinterpret_cast<uintptr_t>(dest) / kSegmentAlign * kSegmentAlign;
+  uintptr_t end = AlignUp(reinterpret_cast<uintptr_t>(dest) + length, kSegmentAlign);
+  if (length > 0 &&
+      ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) != 0) {
+    if (errno == ENOMEM || errno == ENOSPC || errno == EFAULT) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "allocating ", end - begin, " bytes of shared memory: ", std::strerror(errno)));
+    }
+    // EINVAL (older kernel): pread() faults the pages in instead.
+  }
+#endif
+  return absl::OkStatus();
+}
+
+// Best effort: fills the page tables of a read-only mapped range, so
+// fetches and casts reading it take no page faults.
+void PopulateForRead(const uint8_t* data, uint64_t length) {
+#ifdef MADV_POPULATE_READ
+  uintptr_t begin = reinterpret_cast<uintptr_t>(data) / kSegmentAlign * kSegmentAlign;
+  uintptr_t end = AlignUp(reinterpret_cast<uintptr_t>(data) + length, kSegmentAlign);
+  if (length > 0) {
+    (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ);
+  }
+#endif
+}
+
 // Runs fn(i) for i in [0, n) on `threads` threads; returns the first error.
 absl::Status ParallelFor(size_t n, int threads,
                          const std::function<absl::Status(size_t)>& fn) {
@@ -256,8 +289,10 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   }
   std::vector<std::unique_ptr<Segment>> segments;
   for (uint64_t size : segment_sizes) {
+    // Not prefaulted here: one thread allocating and mapping every page up
+    // front took over half the load; each reader populates its own chunk.
     WD_ASSIGN_OR_RETURN(auto seg, Segment::Create(options.account, "checkpoint",
-                                                  size, /*prefault=*/true));
+                                                  size, /*prefault=*/false));
     segments.push_back(std::move(seg));
   }
 
@@ -282,6 +317,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   WD_RETURN_IF_ERROR(ParallelFor(chunks.size(), options.read_threads, [&](size_t i) {
     const Chunk& c = chunks[i];
     const OpenFile& f = files[c.file];
+    WD_RETURN_IF_ERROR_CTX(PopulateForWrite(c.dest, c.length), "reading ", f.path);
     WD_RETURN_IF_ERROR_CTX(PreadFull(f.fd.get(), c.dest, c.length, c.file_offset),
                            "reading ", f.path);
     progress.Add(c.length, 0, f.path);
@@ -323,11 +359,22 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     return absl::OkStatus();
   }));
 
-  std::vector<SegmentPtr> sealed;
+  // Sealing remaps each segment read-only; its page tables are then filled
+  // on all reader threads instead of by one MAP_POPULATE.
+  std::vector<std::pair<const uint8_t*, uint64_t>> ranges;
   for (auto& seg : segments) {
-    WD_RETURN_IF_ERROR(seg->Seal());
-    sealed.push_back(SegmentPtr(std::move(seg)));
+    WD_RETURN_IF_ERROR(seg->Seal(/*populate=*/false));
+    for (uint64_t off = 0; off < seg->size(); off += options.read_chunk_bytes) {
+      ranges.emplace_back(seg->data() + off, std::min(options.read_chunk_bytes,
+                                                      seg->size() - off));
+    }
   }
+  WD_RETURN_IF_ERROR(ParallelFor(ranges.size(), options.read_threads, [&](size_t i) {
+    PopulateForRead(ranges[i].first, ranges[i].second);
+    return absl::OkStatus();
+  }));
+  std::vector<SegmentPtr> sealed;
+  for (auto& seg : segments) sealed.push_back(SegmentPtr(std::move(seg)));
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].segment = sealed[tensor_segment[i]];
   if (options.progress) {
     LoadProgressInfo done;

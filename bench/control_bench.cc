@@ -1,0 +1,225 @@
+// Control-plane benchmark: N concurrent clients, each with its own gRPC
+// channel (its own connection) to the daemon's Unix socket, calling
+//   --rpc fetch   Fetch (shm transport, the shard table of a loaded model)
+//                 followed by Release of the lease it got, in a loop;
+//   --rpc stats   Models.Stats in a loop: the cheapest unary call on the same
+//                 server, the gRPC floor Fetch is compared against.
+// Only the control plane is measured: no data-socket attach, no mapping.
+// After a warm-up, every call's latency is recorded; one JSON line is
+// printed with throughput and p50/p99/max per RPC.
+//
+//   control_bench --socket PATH [--model NAME] [--rpc fetch|stats]
+//                 [--clients N] [--seconds S] [--warmup-seconds S]
+//                 [--world W] [--dtype keep|bf16|f16|f32]
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/numbers.h"
+#include "weightd/v1/weightd.grpc.pb.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Flags {
+  std::string socket;
+  std::string model = "llama";
+  std::string rpc = "fetch";
+  int clients = 4;
+  double seconds = 3.0;
+  double warmup_seconds = 0.5;
+  int64_t world = 8;
+  std::string dtype = "keep";
+};
+
+bool ParseFlags(int argc, char** argv, Flags* f) {
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    bool ok = true;
+    if (k == "--socket") f->socket = v;
+    else if (k == "--model") f->model = v;
+    else if (k == "--rpc") f->rpc = v;
+    else if (k == "--clients") ok = absl::SimpleAtoi(v, &f->clients);
+    else if (k == "--seconds") ok = absl::SimpleAtod(v, &f->seconds);
+    else if (k == "--warmup-seconds") ok = absl::SimpleAtod(v, &f->warmup_seconds);
+    else if (k == "--world") ok = absl::SimpleAtoi(v, &f->world);
+    else if (k == "--dtype") f->dtype = v;
+    else {
+      std::fprintf(stderr, "error: INVALID_ARGUMENT: unknown flag %s\n", k.c_str());
+      return false;
+    }
+    if (!ok) {
+      std::fprintf(stderr, "error: INVALID_ARGUMENT: bad value for %s: %s\n", k.c_str(),
+                   v.c_str());
+      return false;
+    }
+  }
+  if (f->socket.empty() || f->clients < 1 || f->world < 1 ||
+      (f->rpc != "fetch" && f->rpc != "stats")) {
+    std::fprintf(stderr, "error: INVALID_ARGUMENT: need --socket, --clients >= 1, "
+                         "--world >= 1, --rpc fetch|stats\n");
+    return false;
+  }
+  return true;
+}
+
+weightd::v1::DType ProtoDType(const std::string& d) {
+  if (d == "bf16") return weightd::v1::BF16;
+  if (d == "f16") return weightd::v1::F16;
+  if (d == "f32") return weightd::v1::F32;
+  return weightd::v1::DTYPE_UNSPECIFIED;
+}
+
+// Per-client results; each thread writes only its own.
+struct ClientStats {
+  std::vector<float> first_us;   // Fetch or Stats
+  std::vector<float> second_us;  // Release
+  uint64_t errors = 0;
+  uint64_t tensors = 0;          // of the last Fetch
+  std::string last_error;
+};
+
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& socket) {
+  grpc::ChannelArguments args;
+  // A channel of its own per client: separate connections, as separate
+  // worker processes would have.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetMaxReceiveMessageSize(256 << 20);
+  return grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args);
+}
+
+float Micros(Clock::duration d) {
+  return std::chrono::duration<float, std::micro>(d).count();
+}
+
+void RunClient(const Flags& f, int index, std::atomic<int>* phase, ClientStats* out) {
+  auto channel = NewChannel(f.socket);
+  auto shards = weightd::v1::Shards::NewStub(channel);
+  auto models = weightd::v1::Models::NewStub(channel);
+  weightd::v1::FetchRequest req;
+  req.set_model(f.model);
+  req.add_mesh_shape(f.world);
+  req.add_coord(index % f.world);
+  req.set_dtype(ProtoDType(f.dtype));
+  req.set_transport(weightd::v1::SHM);
+  out->first_us.reserve(1 << 16);
+  out->second_us.reserve(1 << 16);
+  // phase: 0 warm-up, 1 measure, 2 stop.
+  for (;;) {
+    int p = phase->load(std::memory_order_acquire);
+    if (p == 2) break;
+    bool record = p == 1;
+    if (f.rpc == "stats") {
+      grpc::ClientContext ctx;
+      weightd::v1::StatsRequest sreq;
+      weightd::v1::StatsResponse sresp;
+      Clock::time_point t0 = Clock::now();
+      grpc::Status s = models->Stats(&ctx, sreq, &sresp);
+      Clock::time_point t1 = Clock::now();
+      if (!s.ok()) {
+        ++out->errors;
+        out->last_error = s.error_message();
+        continue;
+      }
+      if (record) out->first_us.push_back(Micros(t1 - t0));
+      continue;
+    }
+    grpc::ClientContext fctx;
+    weightd::v1::FetchResponse resp;
+    Clock::time_point t0 = Clock::now();
+    grpc::Status s = shards->Fetch(&fctx, req, &resp);
+    Clock::time_point t1 = Clock::now();
+    if (!s.ok()) {
+      ++out->errors;
+      out->last_error = s.error_message();
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      continue;
+    }
+    out->tensors = static_cast<uint64_t>(resp.tensors_size());
+    grpc::ClientContext rctx;
+    weightd::v1::ReleaseRequest rreq;
+    weightd::v1::ReleaseResponse rresp;
+    rreq.set_lease_id(resp.lease_id());
+    rreq.set_token(resp.token());
+    grpc::Status r = shards->Release(&rctx, rreq, &rresp);
+    Clock::time_point t2 = Clock::now();
+    if (!r.ok()) {
+      ++out->errors;
+      out->last_error = r.error_message();
+      continue;
+    }
+    if (record) {
+      out->first_us.push_back(Micros(t1 - t0));
+      out->second_us.push_back(Micros(t2 - t1));
+    }
+  }
+}
+
+double Percentile(std::vector<float>& v, double q) {
+  if (v.empty()) return 0.0;
+  size_t k = static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+  return v[k];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  if (!ParseFlags(argc, argv, &f)) return 2;
+  std::atomic<int> phase{0};
+  std::vector<ClientStats> stats(static_cast<size_t>(f.clients));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < f.clients; ++i) {
+    threads.emplace_back(RunClient, std::cref(f), i, &phase, &stats[static_cast<size_t>(i)]);
+  }
+  std::this_thread::sleep_for(std::chrono::duration<double>(f.warmup_seconds));
+  Clock::time_point start = Clock::now();
+  phase.store(1, std::memory_order_release);
+  std::this_thread::sleep_for(std::chrono::duration<double>(f.seconds));
+  phase.store(2, std::memory_order_release);
+  double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  for (auto& t : threads) t.join();
+
+  std::vector<float> first, second;
+  uint64_t errors = 0, tensors = 0;
+  std::string last_error;
+  for (ClientStats& s : stats) {
+    first.insert(first.end(), s.first_us.begin(), s.first_us.end());
+    second.insert(second.end(), s.second_us.begin(), s.second_us.end());
+    errors += s.errors;
+    tensors = std::max(tensors, s.tensors);
+    if (!s.last_error.empty()) last_error = s.last_error;
+  }
+  const double n = static_cast<double>(first.size());
+  const double max_first = first.empty() ? 0.0 : *std::max_element(first.begin(), first.end());
+  const double p50 = Percentile(first, 0.50), p99 = Percentile(first, 0.99);
+  const double rp50 = Percentile(second, 0.50), rp99 = Percentile(second, 0.99);
+  std::printf(
+      "{\"rpc\": \"%s\", \"clients\": %d, \"seconds\": %.3f, \"calls\": %.0f, "
+      "\"calls_per_s\": %.1f, \"p50_ms\": %.4f, \"p99_ms\": %.4f, \"max_ms\": %.4f, "
+      "\"release_p50_ms\": %.4f, \"release_p99_ms\": %.4f, \"tensors\": %llu, "
+      "\"errors\": %llu",
+      f.rpc.c_str(), f.clients, elapsed, n, n / elapsed, p50 / 1e3, p99 / 1e3, max_first / 1e3,
+      rp50 / 1e3, rp99 / 1e3, static_cast<unsigned long long>(tensors),
+      static_cast<unsigned long long>(errors));
+  if (!last_error.empty()) {
+    std::string e;
+    for (char c : last_error) {
+      if (c == '"' || c == '\\') e += '\\';
+      if (static_cast<unsigned char>(c) >= 0x20) e += c;
+    }
+    std::printf(", \"last_error\": \"%s\"", e.c_str());
+  }
+  std::printf("}\n");
+  return n > 0 ? 0 : 1;
+}

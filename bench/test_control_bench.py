@@ -1,0 +1,50 @@
+"""Smoke test of the control-plane benchmark (CTest bench_control_smoke):
+control_bench against a real daemon serving a tiny 201-tensor model, 4
+clients for 2 s, prints one sane JSON line. Asserts nothing about timing."""
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, HERE)
+
+import harness  # noqa: E402
+import llama_ckpt  # noqa: E402
+
+TOOL = os.path.join(harness.BUILD, "bench", "control_bench")
+
+
+def run(d, *args):
+    out = subprocess.run([TOOL, "--socket", d.socket, "--model", "m"] + list(args),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, out.stdout
+    return json.loads(lines[0])
+
+
+def test_control_bench_prints_sane_json(tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    path = str(models / "model.safetensors")
+    llama_ckpt.write_checkpoint(path, llama_ckpt.llama_shapes(**llama_ckpt.CONFIGS["table201"]))
+    with harness.Daemon(model_root=str(models), workdir=str(tmp_path / "d")) as d:
+        d.ctl_ok("load", "m", path)
+        res = run(d, "--clients", "4", "--seconds", "2", "--warmup-seconds", "0.2",
+                  "--world", "8")
+        assert res["rpc"] == "fetch" and res["clients"] == 4
+        assert res["errors"] == 0
+        assert res["tensors"] == 201
+        assert res["calls"] > 0 and res["calls_per_s"] > 0
+        assert 0 < res["p50_ms"] <= res["p99_ms"] <= res["max_ms"]
+        assert 0 < res["release_p50_ms"] <= res["release_p99_ms"]
+        floor = run(d, "--rpc", "stats", "--clients", "4", "--seconds", "1",
+                    "--warmup-seconds", "0.2")
+        assert floor["errors"] == 0 and floor["calls"] > 0
+        # Every lease the benchmark took was released.
+        assert "leases_open: 0" in d.ctl_ok("stats").stdout
+        bad = subprocess.run([TOOL, "--socket", d.socket, "--clients", "0"],
+                             capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr

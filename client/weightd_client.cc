@@ -3,9 +3,12 @@
 #include <cstring>
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/client_interceptor.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/data_protocol.h"
+#include "common/fd.h"
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -33,6 +36,60 @@ class ClientChannel {
 
 namespace {
 
+// Adds "authorization: Bearer <token>" to every call of the channel.
+class BearerTokenInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit BearerTokenInterceptor(std::string header) : header_(std::move(header)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->insert({"authorization", header_});
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string header_;  // gRPC keeps a reference until the call ends
+};
+
+class BearerTokenInterceptorFactory
+    : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit BearerTokenInterceptorFactory(std::string token)
+      : header_(absl::StrCat("Bearer ", token)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo*) override {
+    return new BearerTokenInterceptor(header_);  // gRPC owns interceptors
+  }
+
+ private:
+  const std::string header_;
+};
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(
+    const ClientOptions& o, grpc::ChannelArguments* args) {
+  bool tls = o.tls || !o.tls_ca_file.empty() || !o.tls_cert_file.empty() ||
+             !o.tls_key_file.empty();
+  if (!tls) return grpc::InsecureChannelCredentials();
+  if (!o.socket.empty()) {
+    return absl::InvalidArgumentError("TLS is for --target HOST:PORT, not a Unix socket");
+  }
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("a client certificate needs both --tls-cert and --tls-key");
+  }
+  constexpr uint64_t kMaxPem = 1 << 20;
+  grpc::SslCredentialsOptions ssl;
+  if (!o.tls_ca_file.empty()) {
+    WD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFileToString(o.tls_ca_file, kMaxPem));
+  }
+  if (!o.tls_cert_file.empty()) {
+    WD_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadFileToString(o.tls_cert_file, kMaxPem));
+    WD_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadFileToString(o.tls_key_file, kMaxPem));
+  }
+  if (!o.tls_server_name.empty()) args->SetSslTargetNameOverride(o.tls_server_name);
+  return grpc::SslCredentials(ssl);
+}
+
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
@@ -58,6 +115,7 @@ ModelInfo ToModelInfo(const v1::ModelInfo& m) {
   out.files.assign(m.files().begin(), m.files().end());
   out.adapters.assign(m.adapters().begin(), m.adapters().end());
   out.report.assign(m.report().begin(), m.report().end());
+  out.readers.assign(m.readers().begin(), m.readers().end());
   for (const v1::TensorInfo& t : m.tensors()) {
     ModelTensor mt;
     mt.name = t.name();
@@ -152,7 +210,16 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);
-  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds,
+                      MakeCredentials(options, &args));
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
+  if (!options.token.empty()) {
+    interceptors.push_back(std::make_unique<BearerTokenInterceptorFactory>(options.token));
+  }
+  auto channel = interceptors.empty()
+                     ? grpc::CreateCustomChannel(target, creds, args)
+                     : grpc::experimental::CreateCustomChannelWithInterceptors(
+                           target, creds, args, std::move(interceptors));
   return std::unique_ptr<Client>(new Client(std::make_shared<ClientChannel>(channel)));
 }
 
@@ -174,12 +241,14 @@ absl::Status Client::Health() {
 
 absl::StatusOr<ModelInfo> Client::Load(
     const std::string& name, const std::string& path, const std::string& profile_json,
-    const std::function<void(const LoadProgressUpdate&)>& progress) {
+    const std::function<void(const LoadProgressUpdate&)>& progress,
+    const std::vector<std::string>& readers) {
   grpc::ClientContext ctx;
   v1::LoadRequest req;
   req.set_name(name);
   req.set_path(path);
   req.set_profile_json(profile_json);
+  for (const std::string& r : readers) req.add_readers(r);
   auto reader = channel_->models->Load(&ctx, req);
   v1::LoadProgress msg;
   std::optional<ModelInfo> info;
@@ -324,18 +393,21 @@ AdapterInfo ToAdapterInfo(const v1::AdapterInfo& a) {
   out.tensor_count = a.tensor_count();
   out.bytes = a.bytes();
   out.ignored.assign(a.ignored().begin(), a.ignored().end());
+  out.readers.assign(a.readers().begin(), a.readers().end());
   return out;
 }
 }  // namespace
 
 absl::StatusOr<AdapterInfo> Client::LoadAdapter(const std::string& name, const std::string& path,
-                                                const std::string& format, bool strict) {
+                                                const std::string& format, bool strict,
+                                                const std::vector<std::string>& readers) {
   grpc::ClientContext ctx;
   v1::LoadAdapterRequest req;
   req.set_name(name);
   req.set_path(path);
   req.set_format(format);
   req.set_strict(strict);
+  for (const std::string& r : readers) req.add_readers(r);
   v1::AdapterInfo resp;
   WD_RETURN_IF_ERROR(FromGrpc(channel_->adapters->Load(&ctx, req, &resp)));
   return ToAdapterInfo(resp);

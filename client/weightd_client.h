@@ -30,6 +30,18 @@ namespace weightd {
 struct ClientOptions {
   std::string socket;  // unix socket path, or
   std::string target;  // HOST:PORT
+  // TCP only. TLS is used when `tls` is set or any tls_* file is given:
+  // tls_ca_file (PEM roots that verify the daemon; empty = system roots),
+  // tls_cert_file + tls_key_file (client certificate for --tls-client-ca),
+  // tls_server_name (name to verify instead of the target's host).
+  bool tls = false;
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_server_name;
+  // Bearer token sent on every call as "authorization: Bearer <token>"
+  // (the daemon's --auth-token-file).
+  std::string token;
 };
 
 struct ModelTensor {
@@ -51,12 +63,14 @@ struct ModelInfo {
   std::vector<std::string> adapters;  // current stack, "name:strength"
   std::vector<std::string> report;    // profile report lines
   std::vector<ModelTensor> tensors;   // filled by GetModel only
+  std::vector<std::string> readers;   // empty = public
 };
 
 struct AdapterInfo {
   std::string name, path, format;
   uint64_t tensor_count = 0, bytes = 0;
   std::vector<std::string> ignored;
+  std::vector<std::string> readers;  // empty = public
 };
 
 struct AdapterStrength {
@@ -150,7 +164,8 @@ class Client {
   absl::Status Health();
   absl::StatusOr<ModelInfo> Load(const std::string& name, const std::string& path,
                                  const std::string& profile_json,
-                                 const std::function<void(const LoadProgressUpdate&)>& progress);
+                                 const std::function<void(const LoadProgressUpdate&)>& progress,
+                                 const std::vector<std::string>& readers = {});
   absl::Status Unload(const std::string& name);
   absl::StatusOr<std::vector<ModelInfo>> List();
   absl::StatusOr<ModelInfo> GetModel(const std::string& name);
@@ -161,7 +176,8 @@ class Client {
   absl::StatusOr<std::unique_ptr<ShardSet>> Fetch(const FetchOptions& options);
 
   absl::StatusOr<AdapterInfo> LoadAdapter(const std::string& name, const std::string& path,
-                                          const std::string& format, bool strict);
+                                          const std::string& format, bool strict,
+                                          const std::vector<std::string>& readers = {});
   absl::Status UnloadAdapter(const std::string& name);
   absl::StatusOr<std::vector<AdapterInfo>> ListAdapters();
   // Sets the model's whole stack; returns the new generation.

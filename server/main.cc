@@ -22,6 +22,7 @@
 #include "common/fd.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "server/grpc/call_auth.h"
 #include "server/grpc/grpc_server.h"
 #include "server/metrics/prometheus_exporter.h"
 #include "server/service/weight_service.h"
@@ -38,6 +39,10 @@ constexpr char kUsage[] =
     "               [--lease-ttl-seconds N] [--threads N] [--log-format text|json]\n"
     "               [--log-level debug|info|warning|error]\n"
     "               [--socket-mode OCTAL] [--config FILE]\n"
+    "               [--allow-uid LIST] [--allow-gid LIST] [--admin-uid LIST]\n"
+    "               [--admin-gid LIST] [--admin-token-names LIST]\n"
+    "               [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]\n"
+    "               [--auth-token-file FILE] [--allow-insecure-token]\n"
     "Every flag may also be set as WEIGHTD_<FLAG> (e.g. WEIGHTD_MODEL_ROOT=/a,/b)\n"
     "or in a config file of \"flag = value\" lines (--config or WEIGHTD_CONFIG).\n";
 
@@ -66,7 +71,13 @@ struct DaemonFlags {
 constexpr const char* kFlagNames[] = {
     "socket", "data-socket", "listen", "metrics-listen", "model-root", "host-memory-bytes",
     "preload", "lease-ttl-seconds", "threads", "log-format", "log-level", "socket-mode",
-    "warm-reserve-bytes", "reserve-chunk-bytes"};
+    "warm-reserve-bytes", "reserve-chunk-bytes", "allow-uid", "allow-gid", "admin-uid",
+    "admin-gid", "admin-token-names", "tls-cert", "tls-key", "tls-client-ca", "auth-token-file",
+    "allow-insecure-token"};
+
+// Flags that take no value on the command line; from the environment or a
+// config file they take true/false.
+bool IsSwitchFlag(const std::string& name) { return name == "allow-insecure-token"; }
 
 struct FlagSource {
   std::string origin;                               // "file", "env", "argv"
@@ -162,6 +173,10 @@ absl::StatusOr<std::vector<std::string>> CollectArgs(int argc, char** argv) {
   for (const std::string& k : order) {
     if (on_cli.count(k)) continue;
     for (const std::string& v : chosen[k]) {
+      if (IsSwitchFlag(k)) {
+        merged.push_back(absl::StrCat("--", k, "=", v));
+        continue;
+      }
       merged.push_back("--" + k);
       merged.push_back(v);
     }
@@ -172,6 +187,7 @@ absl::StatusOr<std::vector<std::string>> CollectArgs(int argc, char** argv) {
 
 absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags) {
   mode_t mode = 0660;
+  bool allow_insecure_token = false;
   for (size_t i = 0; i < args.size(); ++i) {
     std::string flag = args[i];
     std::string value;
@@ -194,6 +210,15 @@ absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags
       }
       return absl::OkStatus();
     };
+    // Comma-separated numeric ids; a repeated flag adds to the list.
+    auto ids = [&](std::vector<uint32_t>* out) -> absl::Status {
+      auto text = next();
+      if (!text.ok()) return text.status();
+      WD_ASSIGN_OR_RETURN(std::vector<uint32_t> parsed, ParseIdList(flag, *text));
+      out->insert(out->end(), parsed.begin(), parsed.end());
+      return absl::OkStatus();
+    };
+    AccessPolicyOptions& access = flags->service.access;
     absl::StatusOr<std::string> v;
     uint64_t n = 0;
     if (flag == "--help" || flag == "-h") {
@@ -243,6 +268,41 @@ absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags
         return absl::InvalidArgumentError(absl::StrCat("--socket-mode: bad octal mode \"", *v, "\""));
       }
       mode = static_cast<mode_t>(m);
+    } else if (flag == "--allow-uid") {
+      WD_RETURN_IF_ERROR(ids(&access.allow_uids));
+    } else if (flag == "--allow-gid") {
+      WD_RETURN_IF_ERROR(ids(&access.allow_gids));
+    } else if (flag == "--admin-uid") {
+      WD_RETURN_IF_ERROR(ids(&access.admin_uids));
+    } else if (flag == "--admin-gid") {
+      WD_RETURN_IF_ERROR(ids(&access.admin_gids));
+    } else if (flag == "--admin-token-names") {
+      if (!(v = next()).ok()) return v.status();
+      for (absl::string_view name : absl::StrSplit(*v, ',', absl::SkipWhitespace())) {
+        access.admin_token_names.emplace_back(absl::StripAsciiWhitespace(name));
+      }
+    } else if (flag == "--tls-cert") {
+      if (!(v = next()).ok()) return v.status();
+      flags->grpc.tls_cert_file = *v;
+    } else if (flag == "--tls-key") {
+      if (!(v = next()).ok()) return v.status();
+      flags->grpc.tls_key_file = *v;
+    } else if (flag == "--tls-client-ca") {
+      if (!(v = next()).ok()) return v.status();
+      flags->grpc.tls_client_ca_file = *v;
+    } else if (flag == "--auth-token-file") {
+      if (!(v = next()).ok()) return v.status();
+      flags->grpc.auth_token_file = *v;
+    } else if (flag == "--allow-insecure-token") {
+      std::string b = inline_value ? absl::AsciiStrToLower(value) : "true";
+      if (b == "true" || b == "1" || b == "yes") {
+        allow_insecure_token = true;
+      } else if (b == "false" || b == "0" || b == "no") {
+        allow_insecure_token = false;
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--allow-insecure-token: expected true or false, got \"", value, "\""));
+      }
     } else if (flag == "--log-format") {
       if (!(v = next()).ok()) return v.status();
       if (*v == "json") {
@@ -294,6 +354,31 @@ absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags
     return absl::InvalidArgumentError(absl::StrCat("--model-root is required\n", kUsage));
   }
   if (flags->data.path.empty()) flags->data.path = flags->grpc.unix_socket + ".data";
+  // The TCP listener's security; mistakes here must stop the daemon, not
+  // leave it open.
+  const GrpcServerOptions& g = flags->grpc;
+  const bool tls = !g.tls_cert_file.empty() || !g.tls_key_file.empty();
+  if (tls && (g.tls_cert_file.empty() || g.tls_key_file.empty())) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+  }
+  if (!g.tls_client_ca_file.empty() && !tls) {
+    return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+  }
+  if ((tls || !g.auth_token_file.empty()) && g.tcp_listen.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls-cert/--tls-key/--auth-token-file secure the TCP listener and need --listen "
+        "HOST:PORT (the Unix sockets use peer credentials: --allow-uid/--allow-gid)");
+  }
+  if (!flags->service.access.admin_token_names.empty() && g.auth_token_file.empty()) {
+    return absl::InvalidArgumentError("--admin-token-names needs --auth-token-file");
+  }
+  if (!g.auth_token_file.empty() && !tls && !IsLoopbackListenAddress(g.tcp_listen) &&
+      !allow_insecure_token) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--auth-token-file without TLS on the non-loopback address ", g.tcp_listen,
+        " would send bearer tokens in clear text; add --tls-cert/--tls-key, listen on a "
+        "loopback address, or pass --allow-insecure-token"));
+  }
   flags->grpc.unix_socket_mode = mode;
   flags->data.mode = mode;
   flags->service.data_socket_path = flags->data.path;
@@ -308,6 +393,8 @@ int Fail(const absl::Status& status) {
 
 int Main(int argc, char** argv) {
   DaemonFlags flags;
+  // SO_PEERCRED reports effective ids; the daemon's own is always allowed.
+  flags.service.access.daemon_uid = ::geteuid();
   auto args = CollectArgs(argc, argv);
   if (!args.ok()) return Fail(args.status());
   if (absl::Status s = ParseFlags(*args, &flags); !s.ok()) return Fail(s);
@@ -335,6 +422,13 @@ int Main(int argc, char** argv) {
     auto loaded = (*service)->LoadModel(p.name, p.path, profile, nullptr);
     if (!loaded.ok()) return Fail(loaded.status());
   }
+  WeightService* svc = service->get();
+  flags.data.authorize = [svc](const PeerIdentity& peer) {
+    return svc->access().AdmitPeer(Principal::UnixPeer(peer));
+  };
+  flags.data.authorize_attach = [svc](const PeerIdentity& peer, uint64_t lease_id) {
+    return svc->CheckLeaseUse(lease_id, Principal::UnixPeer(peer));
+  };
   auto data = ShmDataServer::Start(flags.data, (*service)->leases());
   if (!data.ok()) return Fail(data.status());
   auto grpc = GrpcServer::Start(flags.grpc, service->get());

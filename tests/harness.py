@@ -18,6 +18,21 @@ sys.path.insert(0, os.path.join(REPO, "tests", "parity"))
 sys.path.insert(0, os.path.join(BUILD, "python"))
 
 
+def user_prefix(user):
+    """A command prefix that runs the command as another user (tests run as
+    root). `user`: a uid (gid = uid, no supplementary groups) or a tuple
+    (uid, gid[, [supplementary gids]])."""
+    if user is None:
+        return []
+    if isinstance(user, int):
+        user = (user, user)
+    uid, gid = user[0], user[1]
+    groups = list(user[2]) if len(user) > 2 else []
+    cmd = ["setpriv", "--reuid=%d" % uid, "--regid=%d" % gid]
+    cmd += ["--groups=" + ",".join(str(g) for g in groups)] if groups else ["--clear-groups"]
+    return cmd + ["--"]
+
+
 class CtlResult:
     def __init__(self, proc):
         self.returncode = proc.returncode
@@ -58,11 +73,13 @@ class Daemon:
         self.extra_args = list(extra_args)
         self.proc = None
 
-    def start(self, timeout=20.0):
+    def start(self, timeout=20.0, umask=None):
+        """umask: the daemon's umask (default: inherited)."""
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [WEIGHTD, "--socket", self.socket, "--model-root", self.model_root] + self.extra_args,
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=self._log, stderr=subprocess.STDOUT,
+            preexec_fn=None if umask is None else (lambda: os.umask(umask)))
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -98,13 +115,22 @@ class Daemon:
         except OSError:
             return ""
 
-    def ctl(self, *args, timeout=120):
-        proc = subprocess.run([WEIGHTCTL, "--socket", self.socket] + [str(a) for a in args],
-                              capture_output=True, text=True, timeout=timeout)
+    def ctl(self, *args, timeout=120, user=None, target=None, global_args=(), env=None):
+        """Runs weightctl on this daemon's socket (or on `target` HOST:PORT),
+        as `user` (see user_prefix) when given; global_args go before the verb
+        (e.g. --tls-ca FILE); env: extra environment variables."""
+        where = ["--target", target] if target is not None else ["--socket", self.socket]
+        full_env = None
+        if env:
+            full_env = dict(os.environ)
+            full_env.update(env)
+        proc = subprocess.run(user_prefix(user) + [WEIGHTCTL] + where + list(global_args) +
+                              [str(a) for a in args],
+                              capture_output=True, text=True, timeout=timeout, env=full_env)
         return CtlResult(proc)
 
-    def ctl_ok(self, *args, timeout=120):
-        r = self.ctl(*args, timeout=timeout)
+    def ctl_ok(self, *args, timeout=120, **kwargs):
+        r = self.ctl(*args, timeout=timeout, **kwargs)
         if r.returncode != 0:
             raise AssertionError("weightctl %s failed (%d): %s" % (" ".join(map(str, args)),
                                                                      r.returncode, r.stderr))

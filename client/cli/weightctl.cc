@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -27,14 +28,16 @@ namespace weightd {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: weightctl [--socket PATH | --target HOST:PORT] VERB ...\n"
+    "usage: weightctl [--socket PATH | --target HOST:PORT] [--tls-ca FILE]\n"
+    "                 [--tls-cert FILE --tls-key FILE] [--tls-server-name NAME]\n"
+    "                 [--token-file FILE] VERB ...\n"
     "  health\n"
-    "  load NAME PATH [--profile FILE]\n"
+    "  load NAME PATH [--profile FILE] [--readers uid:N,gid:N,token:NAME,cn:NAME]\n"
     "  unload NAME | list | info NAME | stats | verify NAME\n"
     "  fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
     "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc]\n"
     "        [--generation G] [--changed-since G] [--names a,b] [--verify] --out FILE\n"
-    "  adapter load NAME PATH [--format auto|peft|kohya|dense] [--strict]\n"
+    "  adapter load NAME PATH [--format auto|peft|kohya|dense] [--strict] [--readers LIST]\n"
     "  adapter list | adapter unload NAME\n"
     "  apply MODEL [ADAPTER[:STRENGTH] ...] [--expect-generation G]   (none = back to base)\n"
     "  watch MODEL [--count N]\n";
@@ -143,7 +146,9 @@ absl::Status CmdLoad(Client& c, const Args& a) {
                    HumanBytes(p.bytes_done).c_str(), HumanBytes(p.bytes_total).c_str());
     }
   };
-  auto info = c.Load(a.positional[0], a.positional[1], profile, progress);
+  std::vector<std::string> readers;
+  if (a.Has("--readers")) readers.push_back(a.Get("--readers"));
+  auto info = c.Load(a.positional[0], a.positional[1], profile, progress, readers);
   if (tty) std::fprintf(stderr, "\n");
   if (!info.ok()) return info.status();
   double secs = absl::ToDoubleSeconds(absl::Now() - start);
@@ -185,6 +190,7 @@ absl::Status CmdInfo(Client& c, const Args& a) {
   for (const std::string& f : m.files) std::printf("file: %s\n", f.c_str());
   std::printf("adapters: %s\n", m.adapters.empty() ? "(none)" : absl::StrJoin(m.adapters, " ").c_str());
   for (const std::string& line : m.report) std::printf("report: %s\n", line.c_str());
+  if (!m.readers.empty()) std::printf("readers: %s\n", absl::StrJoin(m.readers, ",").c_str());
   for (const ModelTensor& t : m.tensors) {
     std::string from;
     if (!(t.sources.size() == 1 && t.sources[0] == t.name)) {
@@ -320,9 +326,11 @@ absl::Status CmdAdapter(Client& c, const Args& a) {
     if (a.positional.size() != 3) {
       return absl::InvalidArgumentError("usage: weightctl adapter load NAME PATH [--format F] [--strict]");
     }
+    std::vector<std::string> readers;
+    if (a.Has("--readers")) readers.push_back(a.Get("--readers"));
     WD_ASSIGN_OR_RETURN(AdapterInfo info,
                         c.LoadAdapter(a.positional[1], a.positional[2], a.Get("--format", "auto"),
-                                      a.switches.count("--strict") > 0));
+                                      a.switches.count("--strict") > 0, readers));
     std::printf("loaded adapter %s (%s): patches %llu parameters, %s\n", info.name.c_str(),
                 info.format.c_str(), static_cast<unsigned long long>(info.tensor_count),
                 HumanBytes(info.bytes).c_str());
@@ -403,6 +411,12 @@ absl::Status Run(int argc, char** argv) {
   std::vector<std::string> words(argv + 1, argv + argc);
   ClientOptions copt;
   if (const char* env = std::getenv("WEIGHTD_SOCKET")) copt.socket = env;
+  if (const char* env = std::getenv("WEIGHTD_TOKEN")) copt.token = env;
+  std::string token_file;
+  if (const char* env = std::getenv("WEIGHTD_TOKEN_FILE")) token_file = env;
+  const std::vector<std::string> value_flags = {"--socket",   "--target",   "--tls-ca",
+                                                "--tls-cert", "--tls-key",  "--tls-server-name",
+                                                "--token-file"};
   // Global flags come before the verb.
   size_t i = 0;
   for (; i < words.size() && absl::StartsWith(words[i], "--"); ++i) {
@@ -412,7 +426,7 @@ absl::Status Run(int argc, char** argv) {
     if (size_t eq = w.find('='); eq != std::string::npos) {
       name = w.substr(0, eq);
       value = w.substr(eq + 1);
-    } else if (name == "--socket" || name == "--target") {
+    } else if (std::find(value_flags.begin(), value_flags.end(), name) != value_flags.end()) {
       if (i + 1 >= words.size()) return absl::InvalidArgumentError(absl::StrCat(name, " needs a value"));
       value = words[++i];
     }
@@ -422,6 +436,16 @@ absl::Status Run(int argc, char** argv) {
     } else if (name == "--target") {
       copt.target = value;
       copt.socket.clear();
+    } else if (name == "--tls-ca") {
+      copt.tls_ca_file = value;
+    } else if (name == "--tls-cert") {
+      copt.tls_cert_file = value;
+    } else if (name == "--tls-key") {
+      copt.tls_key_file = value;
+    } else if (name == "--tls-server-name") {
+      copt.tls_server_name = value;
+    } else if (name == "--token-file") {
+      token_file = value;
     } else if (name == "--help" || name == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -431,6 +455,22 @@ absl::Status Run(int argc, char** argv) {
   }
   if (i >= words.size()) return absl::InvalidArgumentError(absl::StrCat("no verb given\n", kUsage));
   if (copt.socket.empty() && copt.target.empty()) copt.socket = "/run/weightd/weightd.sock";
+  if (!token_file.empty()) {
+    // The file's first non-blank line is the token (a "NAME TOKEN" line of
+    // the daemon's token file works too: the last word is the token).
+    WD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(token_file, 1 << 20));
+    copt.token.clear();
+    for (absl::string_view line : absl::StrSplit(text, '\n')) {
+      line = absl::StripAsciiWhitespace(line);
+      if (line.empty() || line[0] == '#') continue;
+      std::vector<absl::string_view> w = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+      copt.token = std::string(w.back());
+      break;
+    }
+    if (copt.token.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--token-file ", token_file, ": no token"));
+    }
+  }
   std::string verb = words[i];
   std::vector<std::string> rest(words.begin() + i + 1, words.end());
   WD_ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(copt));
@@ -440,7 +480,7 @@ absl::Status Run(int argc, char** argv) {
     return CmdHealth(*client);
   }
   if (verb == "load") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--profile"}, {}));
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--profile", "--readers"}, {}));
     return CmdLoad(*client, a);
   }
   if (verb == "unload") {
@@ -468,7 +508,7 @@ absl::Status Run(int argc, char** argv) {
     return CmdStats(*client, a);
   }
   if (verb == "adapter") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--format"}, {"--strict"}));
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--format", "--readers"}, {"--strict"}));
     return CmdAdapter(*client, a);
   }
   if (verb == "apply") {

@@ -811,7 +811,13 @@ absl::string_view AdapterFormatName(AdapterFormat format) {
 }
 
 absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& path,
-                                                           AdapterFormat format) {
+                                                           AdapterFormat format,
+                                                           const ResolveFileFn& resolve_file) {
+  // Each file is checked where it really lies before it is opened.
+  auto resolved = [&](const std::string& p) -> absl::StatusOr<std::string> {
+    if (!resolve_file) return p;
+    return resolve_file(p);
+  };
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("adapter ", path));
   std::string weights_path = path;
@@ -839,7 +845,8 @@ absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& pa
         absl::StrCat("adapter ", path, " is neither a file nor a directory"));
   }
 
-  WD_ASSIGN_OR_RETURN(TensorFile file, OpenTensorFile(weights_path));
+  WD_ASSIGN_OR_RETURN(std::string weights_real, resolved(weights_path));
+  WD_ASSIGN_OR_RETURN(TensorFile file, OpenTensorFile(weights_real));
   std::vector<KeyInfo> keys;
   keys.reserve(file.header.tensors.size());
   for (const SafetensorsEntry& e : file.header.tensors) keys.push_back(Classify(e.name));
@@ -885,7 +892,8 @@ absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& pa
       if (FileExists(sibling)) config_path = sibling;
     }
     if (!config_path.empty()) {
-      WD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config_path, kMaxConfigBytes));
+      WD_ASSIGN_OR_RETURN(std::string config_real, resolved(config_path));
+      WD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config_real, kMaxConfigBytes));
       WD_ASSIGN_OR_RETURN(cfg, ParsePeftConfig(text, config_path));
       digest.Update(text.data(), text.size());
     }

@@ -45,6 +45,7 @@
 #define WEIGHTD_SERVER_ADAPTER_ADAPTER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,8 +97,14 @@ struct Adapter {
 // config, non-2-D factors, non-floating tensors, bad config JSON or values,
 // unsupported variants, two payloads for one parameter, files with no
 // adapter tensors (in auto mode: unknown format).
+// `resolve_file`, when set, maps every file the adapter reads (the weights
+// and the PEFT config, found inside `path`) to the path actually opened, or
+// fails (the daemon passes ModelRoots::Resolve: a file symlinked out of the
+// model roots is PERMISSION_DENIED even when its directory lies inside).
+using ResolveFileFn = std::function<absl::StatusOr<std::string>(const std::string&)>;
 absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& path,
-                                                           AdapterFormat format);
+                                                           AdapterFormat format,
+                                                           const ResolveFileFn& resolve_file = {});
 
 // Resolves a kohya name against the base checkpoint's names. `flat` is
 // "<prefix><module with . → _>[.<param>]" with prefix one of lora_unet_,

@@ -549,6 +549,27 @@ TEST_F(AdapterTest, PeftPlainDirectory) {
   EXPECT_NE(lq->CacheKey(), Find(**changed, absl::StrCat(kQ, ".weight"))->patch->CacheKey());
 }
 
+TEST_F(AdapterTest, EveryFileGoesThroughResolveFile) {
+  std::string d = Peft("resolved", R"({"r": 4, "lora_alpha": 8})", PeftPair(kQ, 4, 16, 12, 1));
+  std::vector<std::string> asked;
+  auto a = LoadAdapter(d, AdapterFormat::kAuto, [&](const std::string& p) {
+    asked.push_back(p);
+    return absl::StatusOr<std::string>(p);
+  });
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(asked, (std::vector<std::string>{d + "/adapter_model.safetensors",
+                                             d + "/adapter_config.json"}));
+  // A refusal of either file fails the load with that status.
+  for (const std::string& refused : asked) {
+    auto r = LoadAdapter(d, AdapterFormat::kAuto, [&](const std::string& p) {
+      if (p == refused) return absl::StatusOr<std::string>(absl::PermissionDeniedError(p));
+      return absl::StatusOr<std::string>(p);
+    });
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << refused;
+    EXPECT_NE(std::string(r.status().message()).find(refused), std::string::npos) << r.status();
+  }
+}
+
 TEST_F(AdapterTest, PeftRsLoraScalesBySqrtRank) {
   std::string d =
       Peft("rs", R"({"r": 16, "lora_alpha": 8, "use_rslora": true})", PeftPair(kQ, 16, 8, 8, 1));

@@ -8,12 +8,16 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/fd.h"
 #include "common/log.h"
+#include "common/status_macros.h"
 #include "common/thread_pool.h"
+#include "server/grpc/call_auth.h"
 #include "server/grpc/status_convert.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
@@ -31,6 +35,7 @@ void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out) {
   for (const std::string& f : s.files) out->add_files(f);
   for (const std::string& a : s.adapters) out->add_adapters(a);
   for (const std::string& r : s.report) out->add_report(r);
+  for (const std::string& r : s.readers) out->add_readers(r);
 }
 
 void FillAdapterInfo(const AdapterSummary& a, v1::AdapterInfo* out) {
@@ -40,6 +45,7 @@ void FillAdapterInfo(const AdapterSummary& a, v1::AdapterInfo* out) {
   out->set_tensor_count(a.tensor_count);
   out->set_bytes(a.bytes);
   for (const std::string& i : a.ignored) out->add_ignored(i);
+  for (const std::string& r : a.readers) out->add_readers(r);
 }
 
 // A server stream fed by a producer thread. Push() queues a message (the
@@ -155,6 +161,21 @@ class ReadReactor : public grpc::ServerWriteReactor<v1::ReadChunk> {
   v1::ReadChunk chunk_;
 };
 
+// Finishes a unary call refused by access control.
+grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* ctx, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+// The same for a server stream.
+template <typename T>
+grpc::ServerWriteReactor<T>* RefuseStream(const absl::Status& status) {
+  auto* writer = new QueuedWriter<T>();  // deletes itself in OnDone
+  writer->Close(ToGrpcStatus(status));
+  return writer;
+}
+
 // Runs `fn` on the worker pool and finishes the unary call with its status.
 grpc::ServerUnaryReactor* RunOnPool(grpc::CallbackServerContext* ctx, ThreadPool* pool,
                                     std::function<absl::Status()> fn) {
@@ -203,13 +224,17 @@ absl::StatusOr<FetchParams> DecodeFetch(const v1::FetchRequest& req) {
 
 class ModelsImpl final : public v1::Models::CallbackService {
  public:
-  ModelsImpl(WeightService* service, ThreadPool* pool) : service_(service), pool_(pool) {}
+  ModelsImpl(WeightService* service, ThreadPool* pool, const CallAuthenticator* auth)
+      : service_(service), pool_(pool), auth_(auth) {}
 
   grpc::ServerWriteReactor<v1::LoadProgress>* Load(grpc::CallbackServerContext* ctx,
                                                    const v1::LoadRequest* req) override {
+    auto who = auth_->AuthenticateAdmin(ctx, "load models");
+    if (!who.ok()) return RefuseStream<v1::LoadProgress>(who.status());
     auto* writer = new QueuedWriter<v1::LoadProgress>();  // deletes itself in OnDone
     v1::LoadRequest copy = *req;
     std::thread([this, writer, copy = std::move(copy)] {
+      std::vector<std::string> readers(copy.readers().begin(), copy.readers().end());
       auto result = service_->LoadModel(
           copy.name(), copy.path(), copy.profile_json(), [writer](const LoadProgressInfo& p) {
             v1::LoadProgress msg;
@@ -219,7 +244,8 @@ class ModelsImpl final : public v1::Models::CallbackService {
             msg.set_tensors_total(p.tensors_total);
             msg.set_current_file(p.current_file);
             writer->Push(std::move(msg), /*replaceable=*/true);
-          });
+          },
+          readers);
       if (result.ok()) {
         v1::LoadProgress done;
         done.set_done(true);
@@ -238,12 +264,19 @@ class ModelsImpl final : public v1::Models::CallbackService {
   grpc::ServerUnaryReactor* Unload(grpc::CallbackServerContext* ctx,
                                    const v1::UnloadRequest* req,
                                    v1::UnloadResponse*) override {
+    auto who = auth_->AuthenticateAdmin(ctx, "unload models");
+    if (!who.ok()) return Refuse(ctx, who.status());
     return RunOnPool(ctx, pool_, [this, req] { return service_->UnloadModel(req->name()); });
   }
 
   grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx, const v1::ListModelsRequest*,
                                  v1::ListModelsResponse* resp) override {
-    for (const ModelSummary& s : service_->ListModels()) FillModelInfo(s, resp->add_models());
+    auto who = auth_->Authenticate(ctx);
+    if (!who.ok()) return Refuse(ctx, who.status());
+    // Only the models the caller may read.
+    for (const ModelSummary& s : service_->ListModels()) {
+      if (auth_->policy().CheckRead(*who, s.guards).ok()) FillModelInfo(s, resp->add_models());
+    }
     auto* reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
@@ -251,9 +284,12 @@ class ModelsImpl final : public v1::Models::CallbackService {
 
   grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* ctx, const v1::GetModelRequest* req,
                                 v1::ModelInfo* resp) override {
-    return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
+    auto who = auth_->Authenticate(ctx);
+    if (!who.ok()) return Refuse(ctx, who.status());
+    return RunOnPool(ctx, pool_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
       auto detail = service_->GetModel(req->name());
       if (!detail.ok()) return detail.status();
+      WD_RETURN_IF_ERROR(auth_->policy().CheckRead(who, detail->summary.guards));
       FillModelInfo(detail->summary, resp);
       for (const TensorSummary& t : detail->tensors) {
         v1::TensorInfo* ti = resp->add_tensors();
@@ -270,7 +306,10 @@ class ModelsImpl final : public v1::Models::CallbackService {
 
   grpc::ServerUnaryReactor* Verify(grpc::CallbackServerContext* ctx, const v1::VerifyRequest* req,
                                    v1::VerifyResponse* resp) override {
-    return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
+    auto who = auth_->Authenticate(ctx);
+    if (!who.ok()) return Refuse(ctx, who.status());
+    return RunOnPool(ctx, pool_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
+      WD_RETURN_IF_ERROR(service_->CheckCanRead(req->name(), who));
       auto r = service_->Verify(req->name());
       if (!r.ok()) return r.status();
       resp->set_tensors(r->tensors);
@@ -281,6 +320,8 @@ class ModelsImpl final : public v1::Models::CallbackService {
 
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest*,
                                   v1::StatsResponse* resp) override {
+    auto who = auth_->Authenticate(ctx);
+    if (!who.ok()) return Refuse(ctx, who.status());
     ServiceStats s = service_->Stats();
     resp->set_models(s.models);
     resp->set_segments(s.segments);
@@ -304,17 +345,22 @@ class ModelsImpl final : public v1::Models::CallbackService {
  private:
   WeightService* service_;
   ThreadPool* pool_;
+  const CallAuthenticator* auth_;
 };
 
 class ShardsImpl final : public v1::Shards::CallbackService {
  public:
-  ShardsImpl(WeightService* service, ThreadPool* pool) : service_(service), pool_(pool) {}
+  ShardsImpl(WeightService* service, ThreadPool* pool, const CallAuthenticator* auth)
+      : service_(service), pool_(pool), auth_(auth) {}
 
   grpc::ServerUnaryReactor* Fetch(grpc::CallbackServerContext* ctx, const v1::FetchRequest* req,
                                   v1::FetchResponse* resp) override {
-    return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
+    auto who = auth_->Authenticate(ctx);
+    if (!who.ok()) return Refuse(ctx, who.status());
+    return RunOnPool(ctx, pool_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
       auto params = DecodeFetch(*req);
       if (!params.ok()) return params.status();
+      params->caller = who;
       auto result = service_->Fetch(*params);
       if (!result.ok()) return result.status();
       resp->set_lease_id(result->lease.id);
@@ -341,8 +387,10 @@ class ShardsImpl final : public v1::Shards::CallbackService {
 
   grpc::ServerWriteReactor<v1::ReadChunk>* Read(grpc::CallbackServerContext* ctx,
                                                 const v1::ReadRequest* req) override {
+    auto who = auth_->Authenticate(ctx);
+    if (!who.ok()) return RefuseStream<v1::ReadChunk>(who.status());
     auto range = service_->Read(req->lease_id(), req->token(), req->segment(), req->offset(),
-                                req->length());
+                                req->length(), &*who);
     if (!range.ok()) {
       auto* writer = new QueuedWriter<v1::ReadChunk>();  // deletes itself in OnDone
       writer->Close(ToGrpcStatus(range.status()));
@@ -354,16 +402,27 @@ class ShardsImpl final : public v1::Shards::CallbackService {
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx,
                                     const v1::ReleaseRequest* req,
                                     v1::ReleaseResponse*) override {
-    return RunOnPool(ctx, pool_,
-                     [this, req] { return service_->Release(req->lease_id(), req->token()); });
+    auto who = auth_->Authenticate(ctx);
+    if (!who.ok()) return Refuse(ctx, who.status());
+    return RunOnPool(ctx, pool_, [this, req, who = std::move(*who)] {
+      return service_->Release(req->lease_id(), req->token(), &who);
+    });
   }
 
   grpc::ServerWriteReactor<v1::GenerationEvent>* Watch(grpc::CallbackServerContext* ctx,
                                                        const v1::WatchRequest* req) override {
+    auto who = auth_->Authenticate(ctx);
+    if (!who.ok()) return RefuseStream<v1::GenerationEvent>(who.status());
     auto* writer = new QueuedWriter<v1::GenerationEvent>();  // deletes itself in OnDone
     v1::WatchRequest copy = *req;
     // One thread per watcher: watchers are few (operators, a worker each).
-    std::thread([this, writer, ctx, copy = std::move(copy)] {
+    std::thread([this, writer, ctx, copy = std::move(copy), who = std::move(*who)] {
+      // Not a reader of the current generation: refused now, not on the
+      // next event.
+      if (absl::Status s = service_->CheckCanRead(copy.model(), who); !s.ok()) {
+        writer->Close(ToGrpcStatus(s));
+        return;
+      }
       uint64_t after = copy.after();
       if (after == 0) {
         auto current = service_->WaitForGeneration(copy.model(), 0, absl::ZeroDuration());
@@ -381,6 +440,12 @@ class ShardsImpl final : public v1::Shards::CallbackService {
           return;
         }
         if (!event->has_value()) continue;
+        // A generation the caller may not read (a private adapter applied)
+        // ends the stream.
+        if (absl::Status s = auth_->policy().CheckRead(who, (*event)->guards); !s.ok()) {
+          writer->Close(ToGrpcStatus(s));
+          return;
+        }
         v1::GenerationEvent msg;
         msg.set_model((*event)->model);
         msg.set_generation((*event)->generation);
@@ -396,17 +461,23 @@ class ShardsImpl final : public v1::Shards::CallbackService {
  private:
   WeightService* service_;
   ThreadPool* pool_;
+  const CallAuthenticator* auth_;
 };
 
 class AdaptersImpl final : public v1::Adapters::CallbackService {
  public:
-  AdaptersImpl(WeightService* service, ThreadPool* pool) : service_(service), pool_(pool) {}
+  AdaptersImpl(WeightService* service, ThreadPool* pool, const CallAuthenticator* auth)
+      : service_(service), pool_(pool), auth_(auth) {}
 
   grpc::ServerUnaryReactor* Load(grpc::CallbackServerContext* ctx,
                                  const v1::LoadAdapterRequest* req,
                                  v1::AdapterInfo* resp) override {
+    auto who = auth_->AuthenticateAdmin(ctx, "load adapters");
+    if (!who.ok()) return Refuse(ctx, who.status());
     return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
-      auto info = service_->LoadAdapter(req->name(), req->path(), req->format(), req->strict());
+      std::vector<std::string> readers(req->readers().begin(), req->readers().end());
+      auto info = service_->LoadAdapter(req->name(), req->path(), req->format(), req->strict(),
+                                        readers);
       if (!info.ok()) return info.status();
       FillAdapterInfo(*info, resp);
       return absl::OkStatus();
@@ -416,13 +487,25 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
   grpc::ServerUnaryReactor* Unload(grpc::CallbackServerContext* ctx,
                                    const v1::UnloadAdapterRequest* req,
                                    v1::UnloadAdapterResponse*) override {
+    auto who = auth_->AuthenticateAdmin(ctx, "unload adapters");
+    if (!who.ok()) return Refuse(ctx, who.status());
     return RunOnPool(ctx, pool_, [this, req] { return service_->UnloadAdapter(req->name()); });
   }
 
   grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx,
                                  const v1::ListAdaptersRequest*,
                                  v1::ListAdaptersResponse* resp) override {
-    for (const AdapterSummary& a : service_->ListAdapters()) FillAdapterInfo(a, resp->add_adapters());
+    auto who = auth_->Authenticate(ctx);
+    if (!who.ok()) return Refuse(ctx, who.status());
+    // Only the adapters the caller may read.
+    for (const AdapterSummary& a : service_->ListAdapters()) {
+      auto readers = ReaderList::Parse(a.readers);
+      std::vector<ReadGuard> guard;
+      if (readers.ok()) guard.push_back(ReadGuard{a.name, std::move(*readers)});
+      if (readers.ok() && auth_->policy().CheckRead(*who, guard).ok()) {
+        FillAdapterInfo(a, resp->add_adapters());
+      }
+    }
     auto* reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
@@ -430,6 +513,8 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
 
   grpc::ServerUnaryReactor* Apply(grpc::CallbackServerContext* ctx, const v1::ApplyRequest* req,
                                   v1::ApplyResponse* resp) override {
+    auto who = auth_->AuthenticateAdmin(ctx, "apply adapters");
+    if (!who.ok()) return Refuse(ctx, who.status());
     return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
       std::vector<AdapterRef> stack;
       for (const v1::AdapterRef& r : req->adapters()) stack.push_back(AdapterRef{r.name(), r.strength()});
@@ -444,44 +529,78 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
  private:
   WeightService* service_;
   ThreadPool* pool_;
+  const CallAuthenticator* auth_;
 };
 
 }  // namespace
 
 class GrpcServer::Impl {
  public:
-  Impl(GrpcServerOptions options, WeightService* service)
+  Impl(GrpcServerOptions options, WeightService* service,
+       std::shared_ptr<const BearerTokens> tokens)
       : options_(std::move(options)),
         pool_(options_.worker_threads),
-        models_(service, &pool_),
-        shards_(service, &pool_),
-        adapters_(service, &pool_) {}
+        auth_(&service->access(), &peers_, std::move(tokens)),
+        models_(service, &pool_, &auth_),
+        shards_(service, &pool_, &auth_),
+        adapters_(service, &pool_, &auth_) {}
+
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials() {
+    if (options_.tls_cert_file.empty()) return grpc::InsecureServerCredentials();
+    constexpr uint64_t kMaxPem = 1 << 20;
+    auto read = [&](const std::string& path, const char* what) -> absl::StatusOr<std::string> {
+      auto text = ReadFileToString(path, kMaxPem);
+      if (!text.ok()) {
+        return absl::Status(text.status().code(),
+                            absl::StrCat(what, " ", path, ": ", text.status().message()));
+      }
+      return text;
+    };
+    WD_ASSIGN_OR_RETURN(std::string cert, read(options_.tls_cert_file, "--tls-cert"));
+    WD_ASSIGN_OR_RETURN(std::string key, read(options_.tls_key_file, "--tls-key"));
+    grpc::SslServerCredentialsOptions ssl(
+        options_.tls_client_ca_file.empty()
+            ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+            : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    ssl.pem_key_cert_pairs.push_back({key, cert});
+    if (!options_.tls_client_ca_file.empty()) {
+      WD_ASSIGN_OR_RETURN(ssl.pem_root_certs, read(options_.tls_client_ca_file, "--tls-client-ca"));
+    }
+    return grpc::SslServerCredentials(ssl);
+  }
 
   absl::Status Start() {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
-    builder.AddListeningPort("unix:" + options_.unix_socket, grpc::InsecureServerCredentials());
+    // The Unix socket is accepted by UnixGrpcAcceptor (peer credentials).
     int tcp_port = 0;
     if (!options_.tcp_listen.empty()) {
-      builder.AddListeningPort(options_.tcp_listen, grpc::InsecureServerCredentials(), &tcp_port);
+      WD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> creds, TcpCredentials());
+      builder.AddListeningPort(options_.tcp_listen, creds, &tcp_port);
     }
     builder.SetMaxSendMessageSize(256 << 20);
     builder.SetMaxReceiveMessageSize(64 << 20);
     builder.RegisterService(&models_);
     builder.RegisterService(&shards_);
     builder.RegisterService(&adapters_);
-    ::unlink(options_.unix_socket.c_str());
     server_ = builder.BuildAndStart();
     if (server_ == nullptr) {
-      return absl::UnavailableError(absl::StrCat("cannot listen on unix:", options_.unix_socket,
-                                                 options_.tcp_listen.empty() ? "" : " or ",
+      return absl::UnavailableError(absl::StrCat("cannot start the gRPC server",
+                                                 options_.tcp_listen.empty() ? "" : " on ",
                                                  options_.tcp_listen));
     }
     if (!options_.tcp_listen.empty() && tcp_port == 0) {
       return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.tcp_listen));
     }
-    ::chmod(options_.unix_socket.c_str(), options_.unix_socket_mode);
+    auto acceptor = UnixGrpcAcceptor::Start(options_.unix_socket, options_.unix_socket_mode,
+                                            server_.get(), &peers_);
+    if (!acceptor.ok()) {
+      return absl::Status(acceptor.status().code(),
+                          absl::StrCat("cannot listen on unix:", options_.unix_socket, ": ",
+                                       acceptor.status().message()));
+    }
+    acceptor_ = std::move(*acceptor);
     server_->GetHealthCheckService()->SetServingStatus(true);
     return absl::OkStatus();
   }
@@ -492,10 +611,11 @@ class GrpcServer::Impl {
       if (shut_down_) return;
       shut_down_ = true;
     }
+    if (acceptor_ != nullptr) acceptor_->Stop();  // unlinks the socket
+    if (server_ == nullptr) return;
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->Shutdown(std::chrono::system_clock::now() +
                       absl::ToChronoMilliseconds(grace));
-    ::unlink(options_.unix_socket.c_str());
   }
 
   void Wait() { server_->Wait(); }
@@ -503,17 +623,25 @@ class GrpcServer::Impl {
  private:
   GrpcServerOptions options_;
   ThreadPool pool_;
+  UnixPeerRegistry peers_;
+  CallAuthenticator auth_;
   ModelsImpl models_;
   ShardsImpl shards_;
   AdaptersImpl adapters_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<UnixGrpcAcceptor> acceptor_;
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(GrpcServerOptions options,
                                                               WeightService* service) {
-  auto impl = std::make_unique<Impl>(std::move(options), service);
+  std::shared_ptr<const BearerTokens> tokens;
+  if (!options.auth_token_file.empty()) {
+    WD_ASSIGN_OR_RETURN(BearerTokens loaded, BearerTokens::Load(options.auth_token_file));
+    tokens = std::make_shared<const BearerTokens>(std::move(loaded));
+  }
+  auto impl = std::make_unique<Impl>(std::move(options), service, std::move(tokens));
   absl::Status s = impl->Start();
   if (!s.ok()) return s;
   return std::unique_ptr<GrpcServer>(new GrpcServer(std::move(impl)));

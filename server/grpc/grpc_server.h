@@ -1,8 +1,10 @@
 // The gRPC face of the daemon: weightd.v1 Models/Shards/Adapters on the
 // callback API, the standard grpc.health.v1 service and server reflection,
-// over a Unix socket and optionally TCP. Thin: every call is translated and
-// handed to WeightService; blocking work runs on a small worker pool, never
-// on gRPC's own threads.
+// over a Unix socket and optionally TCP. Thin: every call is authenticated
+// (call_auth.h), translated and handed to WeightService; blocking work runs
+// on a small worker pool, never on gRPC's own threads. grpc.health.v1 and
+// reflection answer anyone who reaches a listener (kubelet probes carry no
+// token); everything else is checked.
 #ifndef WEIGHTD_SERVER_GRPC_GRPC_SERVER_H_
 #define WEIGHTD_SERVER_GRPC_GRPC_SERVER_H_
 
@@ -20,6 +22,14 @@ struct GrpcServerOptions {
   mode_t unix_socket_mode = 0660;
   std::string tcp_listen;   // optional HOST:PORT
   int worker_threads = 4;
+  // TCP listener security (README "Access control"). With a cert and key
+  // the listener speaks TLS; with a client CA it also requires and verifies
+  // client certificates. With a token file every call but Health needs
+  // "authorization: Bearer <token>".
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
+  std::string auth_token_file;
 };
 
 class GrpcServer {

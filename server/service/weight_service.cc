@@ -55,7 +55,8 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
                 : std::make_unique<SegmentPool>(SegmentPool::Options{
                       account_, options_.warm_reserve_bytes, options_.reserve_chunk_bytes})),
       materializer_(Materializer::Options{account_, options_.worker_threads, pool_.get()}),
-      leases_(options_.lease_idle_ttl) {
+      leases_(options_.lease_idle_ttl),
+      access_(options_.access) {
   reaper_ = std::thread([this] { ReapLoop(); });
 }
 
@@ -71,8 +72,52 @@ void WeightService::ReapLoop() {
       LogEvent(LogLevel::kInfo, "lease_expired", {{"count", absl::StrCat(expired)}});
     }
     PruneGenerations();
+    PruneLeaseOwners();
     materializer_.Sweep();
   }
+}
+
+void WeightService::PruneLeaseOwners() {
+  std::vector<uint64_t> ids;
+  {
+    absl::MutexLock lock(&owners_mu_);
+    for (const auto& [id, owner] : lease_owners_) ids.push_back(id);
+  }
+  std::vector<uint64_t> ended;
+  for (uint64_t id : ids) {
+    // An empty token never matches, so this only asks whether the lease is
+    // still there (NOT_FOUND) without touching its TTL.
+    if (absl::IsNotFound(leases_.Use(id, "").status())) ended.push_back(id);
+  }
+  if (ended.empty()) return;
+  absl::MutexLock lock(&owners_mu_);
+  for (uint64_t id : ended) lease_owners_.erase(id);
+}
+
+std::vector<ReadGuard> WeightService::GuardsOf(const Model& model, const Generation& gen) {
+  std::vector<ReadGuard> guards;
+  if (!model.readers.empty()) {
+    guards.push_back(ReadGuard{absl::StrCat("model \"", model.name, "\""), model.readers});
+  }
+  for (const ReadGuard& g : gen.adapter_guards) {
+    guards.push_back(ReadGuard{absl::StrCat(g.what, " (applied to model \"", model.name,
+                                            "\" at generation ", gen.number, ")"),
+                               g.readers});
+  }
+  return guards;
+}
+
+absl::Status WeightService::CheckCanRead(const std::string& model_name,
+                                         const Principal& caller) const {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(model_name));
+  return access_.CheckRead(caller, GuardsOf(*model, *model->current));
+}
+
+absl::Status WeightService::CheckLeaseUse(uint64_t lease_id, const Principal& caller) const {
+  absl::MutexLock lock(&owners_mu_);
+  auto it = lease_owners_.find(lease_id);
+  if (it == lease_owners_.end()) return absl::OkStatus();
+  return access_.CheckLeaseUse(caller, lease_id, it->second);
 }
 
 ModelSummary WeightService::Summarize(const Model& model) {
@@ -85,6 +130,8 @@ ModelSummary WeightService::Summarize(const Model& model) {
   s.files = model.checkpoint->files();
   for (const AdapterRef& r : model.current->stack) s.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
   s.report = model.layout->report.Summary();
+  s.readers = model.readers.ToStrings();
+  s.guards = GuardsOf(model, *model.current);
   return s;
 }
 
@@ -213,8 +260,10 @@ absl::StatusOr<std::shared_ptr<WeightService::Generation>> WeightService::BuildG
 absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
                                                       const std::string& path,
                                                       const std::string& profile_json,
-                                                      const LoadProgressFn& progress) {
+                                                      const LoadProgressFn& progress,
+                                                      const std::vector<std::string>& readers) {
   WD_RETURN_IF_ERROR(ValidateModelName(name));
+  WD_ASSIGN_OR_RETURN(ReaderList reader_list, ReaderList::Parse(readers));
   std::shared_ptr<const Profile> profile;
   if (!profile_json.empty()) {
     auto parsed = Profile::Parse(profile_json);
@@ -240,6 +289,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
     model->name = name;
     model->path = resolved;
     model->profile = profile;
+    model->readers = reader_list;
     WD_ASSIGN_OR_RETURN(model->checkpoint, LoadCheckpoint(resolved, opts));
     std::vector<SourceTensorInfo> sources;
     for (const StoredTensor& t : model->checkpoint->tensors()) {
@@ -404,6 +454,12 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
                                             model->current->number, ")"));
   };
   WD_ASSIGN_OR_RETURN(std::shared_ptr<const Generation> gen, find_gen(params.generation));
+  // Checked on the generation actually served, so an apply racing with the
+  // fetch cannot hand out a private generation.
+  std::vector<ReadGuard> guards = GuardsOf(*model, *gen);
+  if (params.caller.has_value()) {
+    WD_RETURN_IF_ERROR(access_.CheckRead(*params.caller, guards));
+  }
   std::shared_ptr<const ContentMap> since;
   if (params.changed_since != 0) {
     for (const auto& [number, content] : model->digests) {
@@ -600,6 +656,10 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   fetches_.fetch_add(1);
   uint64_t lease_bytes = lease.bytes;
   result.lease = leases_.Grant(std::move(lease));
+  if (params.caller.has_value()) {
+    absl::MutexLock lock(&owners_mu_);
+    lease_owners_[result.lease.id] = LeaseOwner{*params.caller, std::move(guards)};
+  }
   if (LogEnabled(LogLevel::kDebug)) {
     LogEvent(LogLevel::kDebug, "lease_grant",
              {{"lease", absl::StrCat(result.lease.id)}, {"model", params.model},
@@ -630,8 +690,10 @@ absl::StatusOr<WeightService::VerifyResult> WeightService::Verify(const std::str
 absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& name,
                                                           const std::string& path,
                                                           const std::string& format,
-                                                          bool strict) {
+                                                          bool strict,
+                                                          const std::vector<std::string>& readers) {
   WD_RETURN_IF_ERROR(ValidateModelName(name));
+  WD_ASSIGN_OR_RETURN(ReaderList reader_list, ReaderList::Parse(readers));
   WD_ASSIGN_OR_RETURN(AdapterFormat fmt, ParseAdapterFormat(format.empty() ? "auto" : format));
   WD_ASSIGN_OR_RETURN(std::string resolved, roots_.Resolve(path));
   {
@@ -640,7 +702,8 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
       return absl::AlreadyExistsError(absl::StrCat("adapter \"", name, "\" is already loaded"));
     }
   }
-  auto adapter = ::weightd::LoadAdapter(resolved, fmt);
+  auto adapter = ::weightd::LoadAdapter(
+      resolved, fmt, [this](const std::string& p) { return roots_.Resolve(p); });
   if (!adapter.ok()) return Annotate(adapter.status(), absl::StrCat("loading adapter \"", name, "\""));
   AdapterSummary info;
   info.name = name;
@@ -649,6 +712,7 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
   info.tensor_count = (*adapter)->entries.size();
   info.bytes = (*adapter)->bytes;
   info.ignored = SummarizeNames((*adapter)->ignored_keys);
+  info.readers = reader_list.ToStrings();
   if (strict && !(*adapter)->ignored_keys.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "adapter \"", name, "\": ", (*adapter)->ignored_keys.size(), " keys not understood: ",
@@ -659,6 +723,7 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
     return absl::AlreadyExistsError(absl::StrCat("adapter \"", name, "\" is already loaded"));
   }
   adapter_info_[name] = info;
+  adapter_readers_[name] = std::move(reader_list);
   LogEvent(LogLevel::kInfo, "adapter_load",
            {{"adapter", name}, {"path", resolved}, {"format", info.format},
             {"targets", absl::StrCat(info.tensor_count)},
@@ -672,6 +737,7 @@ absl::Status WeightService::UnloadAdapter(const std::string& name) {
     return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
   }
   adapter_info_.erase(name);
+  adapter_readers_.erase(name);
   LogEvent(LogLevel::kInfo, "adapter_unload", {{"adapter", name}});
   return absl::OkStatus();
 }
@@ -690,6 +756,7 @@ absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_nam
                                                     uint64_t expect_generation) {
   std::shared_ptr<const Model> model;
   std::vector<std::shared_ptr<const Adapter>> adapters;
+  std::vector<ReadGuard> adapter_guards;
   {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(model_name);
@@ -703,7 +770,14 @@ absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_nam
         return absl::NotFoundError(absl::StrCat("adapter \"", ref.name, "\" is not loaded"));
       }
       adapters.push_back(a->second);
+      auto r = adapter_readers_.find(ref.name);
+      bool listed = std::any_of(adapter_guards.begin(), adapter_guards.end(),
+                                [&](const ReadGuard& g) { return g.what == ref.name; });
+      if (r != adapter_readers_.end() && !r->second.empty() && !listed) {
+        adapter_guards.push_back(ReadGuard{ref.name, r->second});
+      }
     }
+    for (ReadGuard& g : adapter_guards) g.what = absl::StrCat("adapter \"", g.what, "\"");
   }
   if (expect_generation != 0 && expect_generation != model->current->number) {
     return absl::AbortedError(absl::StrCat("model \"", model_name, "\" is at generation ",
@@ -713,6 +787,7 @@ absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_nam
   uint64_t number = model->current->number + 1;
   WD_ASSIGN_OR_RETURN(std::shared_ptr<Generation> gen,
                       BuildGeneration(*model, number, stack, std::move(adapters)));
+  gen->adapter_guards = std::move(adapter_guards);
   std::vector<uint64_t> retired;
   GenerationInfo info;
   {
@@ -742,6 +817,7 @@ absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_nam
     info.model = model_name;
     info.generation = number;
     for (const AdapterRef& r : stack) info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
+    info.guards = GuardsOf(*next, *gen);
     generation_changed_.SignalAll();
   }
   applies_.fetch_add(1);
@@ -792,6 +868,7 @@ absl::StatusOr<std::optional<GenerationInfo>> WeightService::WaitForGeneration(
       info.model = model_name;
       info.generation = gen.number;
       for (const AdapterRef& r : gen.stack) info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
+      info.guards = GuardsOf(*it->second, gen);
       return std::optional<GenerationInfo>(std::move(info));
     }
     if (generation_changed_.WaitWithDeadline(&mu_, deadline)) {
@@ -802,7 +879,8 @@ absl::StatusOr<std::optional<GenerationInfo>> WeightService::WaitForGeneration(
 
 absl::StatusOr<ReadRange> WeightService::Read(uint64_t lease_id, absl::string_view token,
                                               uint32_t segment, uint64_t offset,
-                                              uint64_t length) {
+                                              uint64_t length, const Principal* caller) {
+  if (caller != nullptr) WD_RETURN_IF_ERROR(CheckLeaseUse(lease_id, *caller));
   WD_ASSIGN_OR_RETURN(auto contents, leases_.Use(lease_id, token));
   if (segment >= contents->segments.size()) {
     return absl::OutOfRangeError(absl::StrCat("lease ", lease_id, " has ",
@@ -819,8 +897,14 @@ absl::StatusOr<ReadRange> WeightService::Read(uint64_t lease_id, absl::string_vi
   return ReadRange{seg, offset, length};
 }
 
-absl::Status WeightService::Release(uint64_t lease_id, absl::string_view token) {
+absl::Status WeightService::Release(uint64_t lease_id, absl::string_view token,
+                                    const Principal* caller) {
+  if (caller != nullptr) WD_RETURN_IF_ERROR(CheckLeaseUse(lease_id, *caller));
   WD_RETURN_IF_ERROR(leases_.Release(lease_id, token));
+  {
+    absl::MutexLock lock(&owners_mu_);
+    lease_owners_.erase(lease_id);
+  }
   LogEvent(LogLevel::kDebug, "lease_release", {{"lease", absl::StrCat(lease_id)}});
   PruneGenerations();
   materializer_.Sweep();

@@ -24,6 +24,7 @@
 #include "common/dtype.h"
 #include "common/shard.h"
 #include "server/adapter/adapter.h"
+#include "server/service/access_control.h"
 #include "server/lease/lease_table.h"
 #include "server/materialize/materializer.h"
 #include "server/profile/profile.h"
@@ -44,6 +45,8 @@ struct WeightServiceOptions {
   // Warm reserve of pre-faulted output segments (SegmentPool); 0 = none.
   uint64_t warm_reserve_bytes = 0;
   uint64_t reserve_chunk_bytes = uint64_t{256} << 20;
+  // Socket allow-list, admins, implicit daemon uid (access_control.h).
+  AccessPolicyOptions access;
 };
 
 struct ModelSummary {
@@ -55,6 +58,10 @@ struct ModelSummary {
   std::vector<std::string> files;
   std::vector<std::string> adapters;  // current stack, "name:strength"
   std::vector<std::string> report;    // profile report, names summarized
+  std::vector<std::string> readers;   // the model's own; empty = public
+  // What a read of the current generation must pass: the model and every
+  // private adapter in its stack.
+  std::vector<ReadGuard> guards;
 };
 
 struct TensorSummary {
@@ -78,6 +85,7 @@ struct AdapterSummary {
   uint64_t tensor_count = 0;  // parameters it patches
   uint64_t bytes = 0;
   std::vector<std::string> ignored;  // keys not understood, summarized
+  std::vector<std::string> readers;  // empty = public
 };
 
 struct AdapterRef {
@@ -89,6 +97,7 @@ struct GenerationInfo {
   std::string model;
   uint64_t generation = 0;
   std::vector<std::string> adapters;  // "name:strength"
+  std::vector<ReadGuard> guards;      // what reading this generation must pass
 };
 
 enum class TransportKind { kShm, kGrpc, kCuda };
@@ -102,6 +111,10 @@ struct FetchParams {
   std::vector<std::string> names;                    // empty = all
   TransportKind transport = TransportKind::kShm;
   uint64_t changed_since = 0;
+  // Who asks: checked against the readers of the model and of the adapters
+  // of the generation served, and recorded as the lease's owner. nullopt =
+  // the daemon itself (no check).
+  std::optional<Principal> caller;
 };
 
 struct FetchedTensor {
@@ -159,9 +172,12 @@ class WeightService {
   // Loads `path` (inside a model root) as model `name`. ALREADY_EXISTS when
   // the name is taken or being loaded; errors from the store otherwise,
   // with nothing left allocated.
+  // `readers` (ReaderList syntax) makes the model private; INVALID_ARGUMENT
+  // when malformed.
   absl::StatusOr<ModelSummary> LoadModel(const std::string& name, const std::string& path,
                                          const std::string& profile_json,
-                                         const LoadProgressFn& progress)
+                                         const LoadProgressFn& progress,
+                                         const std::vector<std::string>& readers = {})
       ABSL_LOCKS_EXCLUDED(mu_);
   // Leased bytes stay readable until their leases end.
   absl::Status UnloadModel(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
@@ -177,13 +193,28 @@ class WeightService {
   };
   // Recomputes every stored tensor's digest: DATA_LOSS naming mismatches.
   absl::StatusOr<VerifyResult> Verify(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
+  // `caller` (null = the daemon) must be allowed to use the lease
+  // (AccessPolicy::CheckLeaseUse): PERMISSION_DENIED otherwise.
   absl::StatusOr<ReadRange> Read(uint64_t lease_id, absl::string_view token,
-                                 uint32_t segment, uint64_t offset, uint64_t length);
-  absl::Status Release(uint64_t lease_id, absl::string_view token);
+                                 uint32_t segment, uint64_t offset, uint64_t length,
+                                 const Principal* caller = nullptr);
+  absl::Status Release(uint64_t lease_id, absl::string_view token,
+                       const Principal* caller = nullptr);
+  // For the data socket: may `caller` attach lease `lease_id`? OK for leases
+  // fetched without a caller and for unknown ids (the token check decides).
+  absl::Status CheckLeaseUse(uint64_t lease_id, const Principal& caller) const
+      ABSL_LOCKS_EXCLUDED(owners_mu_);
+  // May `caller` read `model` at its current generation? NOT_FOUND when
+  // it is not loaded.
+  absl::Status CheckCanRead(const std::string& model, const Principal& caller) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  const AccessPolicy& access() const { return access_; }
 
   // Adapters. `strict`: keys the parser does not understand fail the load.
+  // `readers`: a tenant-private adapter (see GenerationInfo::guards).
   absl::StatusOr<AdapterSummary> LoadAdapter(const std::string& name, const std::string& path,
-                                             const std::string& format, bool strict)
+                                             const std::string& format, bool strict,
+                                             const std::vector<std::string>& readers = {})
       ABSL_LOCKS_EXCLUDED(mu_);
   // Models applying it keep their generations; the name becomes free.
   absl::Status UnloadAdapter(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
@@ -225,6 +256,8 @@ class WeightService {
     // Served tensors added by .set_weight (absent from the checkpoint).
     std::vector<Served> added;
     std::shared_ptr<const ContentMap> content;  // served name -> identity
+    // Private adapters of the stack, with their readers as of the apply.
+    std::vector<ReadGuard> adapter_guards;
     // FP8 scales (amax / 448) computed on first use, per served tensor.
     mutable absl::Mutex scale_mu;
     mutable absl::flat_hash_map<std::string, float> fp8_scales ABSL_GUARDED_BY(scale_mu);
@@ -236,6 +269,7 @@ class WeightService {
     std::string path;
     std::shared_ptr<const Checkpoint> checkpoint;
     std::shared_ptr<const Profile> profile;  // null: identity layout
+    ReaderList readers;                      // empty: public
     std::shared_ptr<const std::vector<Served>> served;  // sorted by name
     std::shared_ptr<const ServedLayout> layout;
     std::shared_ptr<const Generation> current;
@@ -249,6 +283,9 @@ class WeightService {
 
   WeightService(WeightServiceOptions options, ModelRoots roots);
   static ModelSummary Summarize(const Model& model);
+  static std::vector<ReadGuard> GuardsOf(const Model& model, const Generation& gen);
+  // Drops owners of leases that have ended.
+  void PruneLeaseOwners() ABSL_LOCKS_EXCLUDED(owners_mu_);
   absl::StatusOr<std::shared_ptr<const Model>> FindModel(const std::string& name) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // The served tensors at `gen`: the model's plus those the generation adds.
@@ -267,12 +304,17 @@ class WeightService {
   std::unique_ptr<SegmentPool> pool_;  // before materializer_, which borrows it
   Materializer materializer_;
   LeaseTable leases_;
+  const AccessPolicy access_;
+  // Who fetched each lease (leases fetched with a caller only).
+  mutable absl::Mutex owners_mu_;
+  absl::flat_hash_map<uint64_t, LeaseOwner> lease_owners_ ABSL_GUARDED_BY(owners_mu_);
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<const Model>> models_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> loading_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<const Adapter>> adapters_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, AdapterSummary> adapter_info_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, ReaderList> adapter_readers_ ABSL_GUARDED_BY(mu_);
   absl::CondVar generation_changed_;
 
   std::atomic<uint64_t> bytes_served_{0};

@@ -24,6 +24,8 @@ struct Connection {
   uint64_t id = 0;
   AttachRequest request{};
   size_t received = 0;
+  PeerIdentity peer;
+  absl::Status admitted;  // not OK: every request gets this answer
 };
 
 absl::Status SendReply(int sock, const absl::Status& status, absl::Span<const int> fds) {
@@ -48,10 +50,7 @@ absl::Status SendReply(int sock, const absl::Status& status, absl::Span<const in
 
 absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options options,
                                                                      LeaseTable* leases) {
-  WD_ASSIGN_OR_RETURN(UniqueFd listen_fd, ListenUnix(options.path, options.mode));
-  if (::fcntl(listen_fd.get(), F_SETFL, O_NONBLOCK) != 0) {
-    return ErrnoStatus(errno, "fcntl O_NONBLOCK");
-  }
+  WD_ASSIGN_OR_RETURN(UniqueFd listen_fd, ListenUnixWithMode(options.path, options.mode));
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return ErrnoStatus(errno, "eventfd");
   auto server = std::unique_ptr<ShmDataServer>(
@@ -112,15 +111,18 @@ void ShmDataServer::Run() {
         int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
         if (fd < 0) break;
         UniqueFd owned(fd);
-        if (options_.authorize) {
-          auto cred = GetPeerCredentials(fd);
-          absl::Status ok = cred.ok() ? options_.authorize(*cred) : cred.status();
-          if (!ok.ok()) {
-            (void)SendReply(fd, ok, {});
-            continue;
-          }
-        }
         Connection c;
+        auto peer = ReadPeerIdentity(fd);
+        if (!peer.ok()) {
+          c.admitted = peer.status();
+        } else {
+          c.peer = std::move(*peer);
+          if (options_.authorize) c.admitted = options_.authorize(c.peer);
+        }
+        if (!c.admitted.ok()) {
+          LogEvent(LogLevel::kWarning, "data_peer_refused",
+                   {{"peer", c.peer.Describe()}, {"error", c.admitted.ToString()}});
+        }
         c.id = next_id++;
         c.fd = std::move(owned);
         conns.emplace(fd, std::move(c));
@@ -148,12 +150,27 @@ void ShmDataServer::Run() {
         close_conn(it);
         continue;
       }
-      absl::string_view token(reinterpret_cast<const char*>(c.request.token), 16);
-      auto contents = leases_->Attach(c.request.lease_id, token, c.id);
+      if (!c.admitted.ok()) {
+        (void)SendReply(c.fd.get(), c.admitted, {});
+        close_conn(it);
+        continue;
+      }
+      absl::Status status;
+      if (options_.authorize_attach) status = options_.authorize_attach(c.peer, c.request.lease_id);
       std::vector<int> fds;
-      absl::Status status = contents.status();
-      if (contents.ok()) {
-        for (const SegmentPtr& seg : (*contents)->segments) fds.push_back(seg->fd());
+      if (status.ok()) {
+        absl::string_view token(reinterpret_cast<const char*>(c.request.token), 16);
+        auto contents = leases_->Attach(c.request.lease_id, token, c.id);
+        status = contents.status();
+        if (contents.ok()) {
+          for (const SegmentPtr& seg : (*contents)->segments) fds.push_back(seg->fd());
+        }
+      }
+      if (!status.ok() && absl::IsPermissionDenied(status)) {
+        LogEvent(LogLevel::kWarning, "attach_refused",
+                 {{"peer", c.peer.Describe()},
+                  {"lease", absl::StrCat(c.request.lease_id)},
+                  {"error", std::string(status.message())}});
       }
       absl::Status sent = SendReply(c.fd.get(), status, fds);
       if (!sent.ok()) {

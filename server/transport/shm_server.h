@@ -20,6 +20,7 @@
 #include "common/fd.h"
 #include "common/unix_socket.h"
 #include "server/lease/lease_table.h"
+#include "server/transport/peer_identity.h"
 
 namespace weightd {
 
@@ -27,9 +28,14 @@ class ShmDataServer {
  public:
   struct Options {
     std::string path;
-    mode_t mode = 0660;
-    // Optional: decides whether a peer may use the socket at all.
-    std::function<absl::Status(const PeerCredentials&)> authorize;
+    mode_t mode = 0660;  // the socket file's exact mode (never wider meanwhile)
+    // Optional: decides whether a peer may use the socket at all. A refused
+    // peer's every attach request is answered with this status (no fds),
+    // then the connection is closed.
+    std::function<absl::Status(const PeerIdentity&)> authorize;
+    // Optional: decides whether this peer may attach this lease (checked
+    // before the token, so a refused peer never ties the lease to itself).
+    std::function<absl::Status(const PeerIdentity&, uint64_t lease_id)> authorize_attach;
   };
 
   // Binds the socket and starts the polling thread. `leases` must outlive

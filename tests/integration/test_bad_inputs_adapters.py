@@ -17,6 +17,7 @@ Run: WEIGHTD_BUILD=build /usr/bin/python3 -m pytest -q tests/integration/test_ba
 """
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -363,9 +364,49 @@ def test_symlink_dir_escape(ctx):
     assert_error(ctx, r, "PERMISSION_DENIED", "adapter dir symlink pointing outside")
 
 
-# Not yet enforced (open, see issue [6/7]): an adapter directory inside a model
-# root whose adapter_model.safetensors or adapter_config.json is a symlink to a
-# file outside every root is still loaded; the per-file root check is missing.
+def test_symlinked_weights_inside_a_root_dir_escape(ctx):
+    """The directory lies inside the root, its adapter_model.safetensors is a
+    symlink to a file outside every root: refused, the file named."""
+    secret = peft_dir(os.path.join(ctx.outside, "secret_w"), lora("layers.0.q", 2, 16, IN), CFG)
+    d = ctx.path("link_weights")
+    os.makedirs(d)
+    os.symlink(os.path.join(secret, "adapter_model.safetensors"),
+               os.path.join(d, "adapter_model.safetensors"))
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        json.dump(CFG, f)
+    r = ctx.d.ctl("adapter", "load", "bad_link_weights", d)
+    assert_error(ctx, r, "PERMISSION_DENIED", "weights symlinked outside the root",
+                 ["adapter_model.safetensors", "outside the model roots"])
+    assert "bad_link_weights" not in ctx.adapters()
+    # The same file copied in (not linked) loads: the refusal was the link.
+    os.unlink(os.path.join(d, "adapter_model.safetensors"))
+    shutil.copy(os.path.join(secret, "adapter_model.safetensors"), d)
+    ctx.d.ctl_ok("adapter", "load", "ok_link_weights", d)
+    ctx.d.ctl_ok("adapter", "unload", "ok_link_weights")
+
+
+def test_symlinked_sibling_config_escape(ctx):
+    """A single adapter file inside the root whose sibling adapter_config.json
+    links outside: the config is not read, the load refused."""
+    secret = peft_dir(os.path.join(ctx.outside, "secret_c"), lora("layers.0.q", 2, 16, IN), CFG)
+    d = ctx.path("link_config")
+    peft_dir(d, lora("layers.0.q", 2, 16, IN), None)
+    os.symlink(os.path.join(secret, "adapter_config.json"), os.path.join(d, "adapter_config.json"))
+    for name, path in (("bad_link_cfg_dir", d),
+                       ("bad_link_cfg_file", os.path.join(d, "adapter_model.safetensors"))):
+        r = ctx.d.ctl("adapter", "load", name, path)
+        assert_error(ctx, r, "PERMISSION_DENIED", "config symlinked outside the root (%s)" % name,
+                     ["adapter_config.json", "outside the model roots"])
+        assert name not in ctx.adapters()
+    # A link that stays inside the root is fine.
+    inside_cfg = ctx.path("inside_cfg.json")
+    with open(inside_cfg, "w") as f:
+        json.dump(CFG, f)
+    os.unlink(os.path.join(d, "adapter_config.json"))
+    os.symlink(inside_cfg, os.path.join(d, "adapter_config.json"))
+    ctx.d.ctl_ok("adapter", "load", "ok_link_cfg", d)
+    ctx.d.ctl_ok("adapter", "unload", "ok_link_cfg")
+
 
 def test_keys_not_understood_strict_and_lenient(ctx):
     t = lora("layers.0.q", 2, 16, IN, seed=4)

@@ -72,6 +72,7 @@ class ModelInfo:
     tensors: Tuple[TensorInfo, ...] = ()  # filled by info(), empty in list()
     adapters: Tuple[str, ...] = ()  # current stack, "name:strength"
     report: Tuple[str, ...] = ()  # profile report lines
+    readers: Tuple[str, ...] = ()  # who may read it ("uid:N", ...); empty = public
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class AdapterInfo:
     tensor_count: int
     bytes: int = 0
     ignored: Tuple[str, ...] = ()
+    readers: Tuple[str, ...] = ()  # empty = public
 
 
 def _opt(msg, name, default=()):
@@ -140,7 +142,7 @@ def _request(cls, **fields):
 
 def _adapter_info(a):
     return AdapterInfo(a.name, a.path, a.format, a.tensor_count, _opt(a, "bytes", 0),
-                       _opt(a, "ignored"))
+                       _opt(a, "ignored"), _opt(a, "readers"))
 
 
 def _model_info(m):
@@ -150,7 +152,66 @@ def _model_info(m):
         tensors=tuple(TensorInfo(t.name, _dtypes.name_of_enum(t.dtype), tuple(t.shape),
                                  bytes(t.digest), _opt(t, "sources"), _opt(t, "patched_by"))
                       for t in m.tensors),
-        adapters=_opt(m, "adapters"), report=_opt(m, "report"))
+        adapters=_opt(m, "adapters"), report=_opt(m, "report"), readers=_opt(m, "readers"))
+
+
+def _readers(readers):
+    """readers= as a list of "uid:N"/"gid:N"/"token:NAME"/"cn:NAME" strings
+    (a comma-separated string works too)."""
+    if readers is None:
+        return []
+    if isinstance(readers, str):
+        readers = [readers]
+    return [str(r) for r in readers]
+
+
+def _read_pem(value):
+    """PEM bytes from bytes, PEM text, or a file path."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value
+    text = os.fspath(value)
+    if "-----BEGIN" in text:
+        return text.encode()
+    with open(text, "rb") as f:
+        return f.read()
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds "authorization: Bearer <token>" to every call."""
+
+    def __init__(self, token):
+        self._md = ("authorization", "Bearer " + token)
+
+    def _details(self, d):
+        md = list(d.metadata or ()) + [self._md]
+        fields = {f: getattr(d, f, None) for f in
+                  ("method", "timeout", "credentials", "wait_for_ready", "compression")}
+        return _CallDetails(metadata=md, **fields)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression
 
 
 # ---------------------------------------------------------------- request parsing
@@ -491,9 +552,16 @@ class Client:
     Client(socket="/path/w.sock")  - the daemon's gRPC Unix socket (default:
                                      $WEIGHTD_SOCKET)
     Client(target="host:port")     - gRPC over TCP (use transport="grpc")
+
+    TCP security (the daemon's --tls-cert / --tls-client-ca /
+    --auth-token-file): tls_ca= (PEM bytes, text or file path; turns TLS on),
+    tls=True (TLS with the system roots), tls_cert= / tls_key= (client
+    certificate), tls_server_name= (name to verify instead of the target's
+    host), token= (bearer token; default $WEIGHTD_TOKEN).
     """
 
-    def __init__(self, socket=None, target=None, *, timeout=None, options=()):
+    def __init__(self, socket=None, target=None, *, timeout=None, options=(), tls=False,
+                 tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None, token=None):
         if socket is not None and target is not None:
             raise Error("INVALID_ARGUMENT", "give socket= or target=, not both")
         if socket is None and target is None:
@@ -507,7 +575,24 @@ class Client:
         self.timeout = timeout  # default deadline for unary calls (None = none)
         opts = [("grpc.max_receive_message_length", _MAX_MESSAGE),
                 ("grpc.max_send_message_length", 64 << 20)] + list(options)
-        self._channel = grpc.insecure_channel(self.target, options=opts)
+        if token is None:
+            token = os.environ.get("WEIGHTD_TOKEN") or None
+        use_tls = tls or tls_ca is not None or tls_cert is not None
+        if use_tls:
+            if socket is not None:
+                raise Error("INVALID_ARGUMENT", "TLS is for target=\"HOST:PORT\", not a socket")
+            if (tls_cert is None) != (tls_key is None):
+                raise Error("INVALID_ARGUMENT", "a client certificate needs tls_cert= and tls_key=")
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read_pem(tls_ca), private_key=_read_pem(tls_key),
+                certificate_chain=_read_pem(tls_cert))
+            if tls_server_name:
+                opts.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(self.target, creds, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=opts)
+        if token:
+            self._channel = grpc.intercept_channel(self._channel, _BearerToken(token))
         self._models = pb_grpc.ModelsStub(self._channel)
         self._shards = pb_grpc.ShardsStub(self._channel)
         self._adapters = pb_grpc.AdaptersStub(self._channel)
@@ -544,11 +629,14 @@ class Client:
             raise Error("UNAVAILABLE", "daemon reports %s" % _SERVING_NAMES.get(status, status))
         return True
 
-    def load(self, name, path, profile=None, progress=None, timeout=None):
+    def load(self, name, path, profile=None, progress=None, timeout=None, readers=None):
         """Loads checkpoint `path` as model `name` and returns its ModelInfo.
         profile: a dict, JSON text, or a path to a JSON file (DESIGN §4).
-        progress: optional callable receiving LoadProgress updates."""
-        req = pb.LoadRequest(name=name, path=os.fspath(path), profile_json=_parse_profile(profile))
+        progress: optional callable receiving LoadProgress updates.
+        readers: makes the model private ("uid:N", "gid:N", "token:NAME",
+        "cn:NAME"); None = public."""
+        req = _request(pb.LoadRequest, name=name, path=os.fspath(path),
+                       profile_json=_parse_profile(profile), readers=_readers(readers))
         info = None
         try:
             for msg in self._models.Load(req, timeout=timeout):
@@ -583,11 +671,12 @@ class Client:
 
     # -- adapters
 
-    def load_adapter(self, name, path, format="auto", strict=False):
-        """Loads a LoRA / dense patch (format auto|peft|kohya|dense)."""
+    def load_adapter(self, name, path, format="auto", strict=False, readers=None):
+        """Loads a LoRA / dense patch (format auto|peft|kohya|dense).
+        readers: a tenant-private adapter (see load())."""
         r = self._call(self._adapters.Load, _request(
             pb.LoadAdapterRequest, name=name, path=os.fspath(path), format=format,
-            strict=strict))
+            strict=strict, readers=_readers(readers)))
         return _adapter_info(r)
 
     def unload_adapter(self, name):

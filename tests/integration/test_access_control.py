@@ -1,0 +1,641 @@
+"""Access control (README "Access control"): every rule is tried once where it
+must refuse and once where it must allow.
+
+* socket files: --socket-mode (default 0660) holds for both sockets whatever
+  the daemon's umask; a uid outside owner/group cannot connect at 0660 and can
+  at 0666.
+* --allow-uid / --allow-gid (SO_PEERCRED, supplementary groups included) on
+  the gRPC socket (PERMISSION_DENIED naming the uid on every call) and on the
+  data socket (no fds); the daemon's own uid is always allowed.
+* --admin-uid / --admin-gid / --admin-token-names for Load/Unload/Adapter
+  Load/Unload/Apply.
+* per-model and per-adapter readers (uid:, gid:, token:, cn:): Fetch, Get,
+  List, Watch, and a tenant-private adapter making a generation private.
+* leases: an id + token used from another uid is refused on the data socket
+  and on Read; the uid that fetched gets its fds.
+* TCP: TLS (server cert), client certificates (--tls-client-ca), bearer
+  tokens (UNAUTHENTICATED), Health reachable without a token, and the refusal
+  to start a token listener in clear text on a non-loopback address.
+* --model-root confinement after resolving symlinks.
+Tests run as root; other users are played with setpriv.
+"""
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import BUILD, WEIGHTD, Daemon, user_prefix  # noqa: E402
+import st_io  # noqa: E402
+
+PYTHON = "/usr/bin/python3"
+NOBODY = 65534
+OTHER = 1234        # a second unprivileged uid
+GROUP = 3000        # a supplementary group
+TOKENS = {"alice": "alice-0123456789abcdef-token", "bob": "bob-fedcba9876543210-token"}
+BASE = {"emb.weight": torch.arange(40, dtype=torch.float32).reshape(10, 4),
+        "head.weight": torch.full((6, 4), 0.5)}
+
+if os.geteuid() != 0:
+    pytest.skip("access-control tests switch users and need root", allow_module_level=True)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def files():
+    """Checkpoints, an adapter, a token file and a small PKI, in a directory
+    every test user can read."""
+    tmp = tempfile.mkdtemp(prefix="weightd-acl-")
+    os.chmod(tmp, 0o755)
+    models = os.path.join(tmp, "models")
+    os.makedirs(models)
+    st_io.save(BASE, os.path.join(models, "base.safetensors"))
+    st_io.save({"emb.diff": torch.ones(10, 4)}, os.path.join(models, "tenant.safetensors"))
+    tokens = os.path.join(tmp, "tokens")
+    with open(tokens, "w") as f:
+        f.write("# name token\n")
+        for name, tok in TOKENS.items():
+            f.write("%s %s\n" % (name, tok))
+    for name, tok in TOKENS.items():
+        with open(os.path.join(tmp, name + ".token"), "w") as f:
+            f.write(tok + "\n")
+    pki = os.path.join(tmp, "pki")
+    os.makedirs(pki)
+    _make_pki(pki)
+    out = os.path.join(tmp, "out")
+    os.makedirs(out)
+    os.chmod(out, 0o777)
+    yield {"dir": tmp, "models": models, "tokens": tokens, "pki": pki, "out": out}
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl"] + list(args), cwd=cwd, check=True, capture_output=True)
+
+
+def _make_pki(d):
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+             "-subj", "/CN=weightd-test-ca", cwd=d)
+    with open(os.path.join(d, "server.ext"), "w") as f:
+        f.write("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    with open(os.path.join(d, "client.ext"), "w") as f:
+        f.write("extendedKeyUsage=clientAuth\n")
+    for name, cn, ext in (("server", "localhost", "server.ext"), ("alice", "alice", "client.ext"),
+                          ("bob", "bob", "client.ext")):
+        _openssl("req", *ec, "-keyout", name + ".key", "-out", name + ".csr",
+                 "-subj", "/CN=" + cn, cwd=d)
+        _openssl("x509", "-req", "-in", name + ".csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", name + ".pem", "-days", "2", "-extfile", ext, cwd=d)
+    # A certificate for "alice" that our CA never signed.
+    _openssl("req", "-x509", *ec, "-keyout", "rogue.key", "-out", "rogue.pem", "-days", "2",
+             "-subj", "/CN=alice", cwd=d)
+    for n in os.listdir(d):
+        os.chmod(os.path.join(d, n), 0o644)
+
+
+def daemon(files, *args, umask=None):
+    d = Daemon(model_root=files["models"], extra_args=list(args))
+    os.chmod(d.workdir, 0o755)   # other users must reach the socket files
+    return d.start(umask=umask)
+
+
+def open_daemon(files, *args):
+    """A daemon whose sockets every user can open (mode 0666): what stands
+    between them and the models is the access control under test."""
+    return daemon(files, "--socket-mode", "0666", *args)
+
+
+def model_path(files, name):
+    return os.path.join(files["models"], name)
+
+
+def out_file(files, name):
+    p = os.path.join(files["out"], name)
+    if os.path.exists(p):
+        os.unlink(p)
+    return p
+
+
+def assert_refused(r, code, *words):
+    assert r.returncode != 0, r.stdout
+    assert r.error_code == code, r.stderr
+    for w in words:
+        assert w in r.error_message, (w, r.stderr)
+
+
+def fetch_as(d, user, model, name, files, **kw):
+    """weightctl fetch as `user`; returns (result, tensors or None)."""
+    out = out_file(files, name)
+    r = d.ctl("fetch", model, "--out", out, user=user, **kw)
+    return r, (st_io.load(out) if r.returncode == 0 else None)
+
+
+def run_py(user, code, *args):
+    """Runs Python `code` as `user` with the weightd package importable."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"))
+    return subprocess.run(user_prefix(user) + [PYTHON, "-c", code] + [str(a) for a in args],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+# Fetches over gRPC only (no data socket) and prints "lease_id token_hex".
+_FETCH_LEASE = r"""
+import sys, grpc
+from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+ch = grpc.insecure_channel("unix:" + sys.argv[1])
+try:
+    r = pbg.ShardsStub(ch).Fetch(pb.FetchRequest(model=sys.argv[2], transport=int(sys.argv[3])))
+except grpc.RpcError as e:
+    print("error", e.code().name, e.details()); sys.exit(3)
+print(r.lease_id, r.token.hex(), r.data_socket)
+"""
+
+# Attaches a lease on the data socket; prints "fds N" or "error CODE message".
+_ATTACH = r"""
+import os, sys
+from weightd import _datasock
+from weightd.errors import Error
+path, lease, token, nseg = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3]), int(sys.argv[4])
+try:
+    conn, fds = _datasock.attach(path, lease, token, nseg, timeout=10)
+except Error as e:
+    print("error", e.code, e.message); sys.exit(3)
+print("fds", len(fds))
+"""
+
+# Reads segment 0 of a grpc-transport lease; prints "bytes N" or "error CODE message".
+_READ = r"""
+import sys, grpc
+from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+ch = grpc.insecure_channel("unix:" + sys.argv[1])
+try:
+    n = sum(len(c.data) for c in pbg.ShardsStub(ch).Read(
+        pb.ReadRequest(lease_id=int(sys.argv[2]), token=bytes.fromhex(sys.argv[3]), segment=0)))
+except grpc.RpcError as e:
+    print("error", e.code().name, e.details()); sys.exit(3)
+print("bytes", n)
+"""
+
+SHM, GRPC = 1, 2   # weightd.v1.Transport
+
+
+def fetch_lease(d, user, model, transport=SHM):
+    r = run_py(user, _FETCH_LEASE, d.socket, model, transport)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lease, token, _ = (r.stdout.split() + [""])[:3]
+    return int(lease), token
+
+
+def parse_result(r):
+    words = r.stdout.split(None, 2)
+    assert words, r.stderr
+    return words
+
+
+# ------------------------------------------------------------ socket files
+
+
+def test_socket_files_get_the_default_mode_0660_whatever_the_umask(files):
+    d = daemon(files, umask=0)   # a umask of 0 would leave them 0777
+    try:
+        for p in (d.socket, d.data_socket):
+            st = os.stat(p)
+            assert stat.S_ISSOCK(st.st_mode)
+            assert stat.S_IMODE(st.st_mode) == 0o660, (p, oct(st.st_mode))
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o666])
+def test_socket_mode_flag_sets_both_sockets(files, mode):
+    d = daemon(files, "--socket-mode", "%04o" % mode, umask=0o077)
+    try:
+        for p in (d.socket, d.data_socket):
+            assert stat.S_IMODE(os.stat(p).st_mode) == mode, (p, oct(os.stat(p).st_mode))
+    finally:
+        d.stop()
+
+
+def test_socket_mode_0660_keeps_other_users_out_and_0666_lets_them_in(files):
+    d = daemon(files)   # 0660, owned by root:root
+    try:
+        r = d.ctl("list", user=NOBODY)
+        assert_refused(r, "UNAVAILABLE", "Permission denied")
+    finally:
+        d.stop()
+    d = open_daemon(files)
+    try:
+        d.ctl_ok("list", user=NOBODY)
+    finally:
+        d.stop()
+
+
+# ------------------------------------------------------------ allow-list
+
+
+def test_allow_uid_refuses_other_uids_on_every_call_naming_them(files):
+    d = open_daemon(files, "--allow-uid", "1000")
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"))   # the daemon's uid
+        for verb in (["list"], ["stats"], ["info", "m"], ["fetch", "m", "--out",
+                                                          out_file(files, "x")]):
+            r = d.ctl(*verb, user=NOBODY)
+            assert_refused(r, "PERMISSION_DENIED", "uid 65534", "--allow-uid")
+    finally:
+        d.stop()
+
+
+def test_allow_uid_lets_listed_uids_fetch_through_both_sockets(files):
+    d = open_daemon(files, "--allow-uid", "1000,%d" % NOBODY)
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"))
+        r, got = fetch_as(d, NOBODY, "m", "allowed.safetensors", files)   # shm: data socket
+        assert r.returncode == 0, r.stderr
+        assert torch.equal(got["emb.weight"], BASE["emb.weight"])
+    finally:
+        d.stop()
+
+
+def test_allow_gid_matches_supplementary_groups(files):
+    d = open_daemon(files, "--allow-gid", str(GROUP))
+    try:
+        assert_refused(d.ctl("list", user=(OTHER, OTHER)), "PERMISSION_DENIED", "uid 1234")
+        d.ctl_ok("list", user=(OTHER, OTHER, [GROUP]))
+        d.ctl_ok("list", user=(OTHER, GROUP))   # primary group
+    finally:
+        d.stop()
+
+
+def test_data_socket_refuses_peers_outside_the_allow_list(files):
+    d = open_daemon(files, "--allow-uid", str(NOBODY))
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"))
+        lease, token = fetch_lease(d, NOBODY, "m")
+        # uid 1234 holds a valid id + token but may not use the daemon at all.
+        r = run_py(OTHER, _ATTACH, d.data_socket, lease, token, 1)
+        words = parse_result(r)
+        assert words[:2] == ["error", "PERMISSION_DENIED"], r.stdout + r.stderr
+        assert "uid 1234" in words[2] and "--allow-uid" in words[2]
+        # The fetcher gets its fds (the refused attach did not take the lease).
+        r = run_py(NOBODY, _ATTACH, d.data_socket, lease, token, 1)
+        assert parse_result(r) == ["fds", "1"], r.stdout + r.stderr
+    finally:
+        d.stop()
+
+
+# ------------------------------------------------------------ admins
+
+
+def test_admin_uid_guards_every_mutating_call(files):
+    d = open_daemon(files, "--admin-uid", "1000")
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"))   # daemon uid: admin
+        d.ctl_ok("adapter", "load", "t", model_path(files, "tenant.safetensors"))
+        calls = [["load", "m2", model_path(files, "base.safetensors")], ["unload", "m"],
+                 ["adapter", "load", "t2", model_path(files, "tenant.safetensors")],
+                 ["adapter", "unload", "t"], ["apply", "m", "t:1"]]
+        for call in calls:
+            assert_refused(d.ctl(*call, user=NOBODY), "PERMISSION_DENIED", "uid 65534",
+                           "--admin-uid")
+        d.ctl_ok("list", user=NOBODY)   # reading is not administering
+        # Nothing the refused calls asked for happened.
+        assert "m2" not in d.ctl_ok("list").stdout
+        assert "adapters: (none)" in d.ctl_ok("info", "m").stdout
+        assert "t\t" in d.ctl_ok("adapter", "list").stdout
+    finally:
+        d.stop()
+    d = open_daemon(files, "--admin-uid", str(NOBODY))
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"), user=NOBODY)
+        d.ctl_ok("adapter", "load", "t", model_path(files, "tenant.safetensors"), user=NOBODY)
+        d.ctl_ok("apply", "m", "t:1", user=NOBODY)
+        d.ctl_ok("unload", "m", user=NOBODY)
+    finally:
+        d.stop()
+
+
+def test_admin_gid(files):
+    d = open_daemon(files, "--admin-gid", str(GROUP))
+    try:
+        assert_refused(d.ctl("load", "m", model_path(files, "base.safetensors"),
+                             user=(OTHER, OTHER)), "PERMISSION_DENIED", "uid 1234")
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"), user=(OTHER, OTHER, [GROUP]))
+    finally:
+        d.stop()
+
+
+# ------------------------------------------------------------ readers
+
+
+def test_private_model_is_served_to_its_readers_only(files):
+    d = open_daemon(files)
+    try:
+        d.ctl_ok("load", "priv", model_path(files, "base.safetensors"),
+                 "--readers", "uid:%d,gid:%d" % (NOBODY, GROUP))
+        d.ctl_ok("load", "pub", model_path(files, "base.safetensors"))
+        r, got = fetch_as(d, NOBODY, "priv", "n.safetensors", files)
+        assert r.returncode == 0, r.stderr
+        assert torch.equal(got["head.weight"], BASE["head.weight"])
+        r, _ = fetch_as(d, (OTHER, OTHER, [GROUP]), "priv", "g.safetensors", files)
+        assert r.returncode == 0, r.stderr
+        r, got = fetch_as(d, OTHER, "priv", "o.safetensors", files)
+        assert_refused(r, "PERMISSION_DENIED", "uid 1234", 'model "priv"')
+        assert got is None
+        r = d.ctl("fetch", "priv", "--transport", "grpc", "--out",
+                  out_file(files, "o2.safetensors"), user=OTHER)
+        assert_refused(r, "PERMISSION_DENIED", 'model "priv"')
+        # Nor does uid 1234 see it or its details.
+        assert_refused(d.ctl("info", "priv", user=OTHER), "PERMISSION_DENIED", 'model "priv"')
+        assert_refused(d.ctl("verify", "priv", user=OTHER), "PERMISSION_DENIED", 'model "priv"')
+        assert_refused(d.ctl("watch", "priv", "--count", "1", user=OTHER, timeout=20),
+                       "PERMISSION_DENIED", 'model "priv"')
+        listed = d.ctl_ok("list", user=OTHER).stdout
+        assert "pub" in listed and "priv" not in listed
+        assert "priv" in d.ctl_ok("list", user=NOBODY).stdout
+        assert "readers: uid:65534,gid:3000" in d.ctl_ok("info", "priv", user=NOBODY).stdout
+        r, _ = fetch_as(d, OTHER, "pub", "p.safetensors", files)
+        assert r.returncode == 0, r.stderr
+    finally:
+        d.stop()
+
+
+def test_bad_reader_specs_are_invalid_argument(files):
+    d = open_daemon(files)
+    try:
+        for spec in ("uid:abc", "user:1", "token:", "1000"):
+            r = d.ctl("load", "m", model_path(files, "base.safetensors"), "--readers", spec)
+            assert_refused(r, "INVALID_ARGUMENT", "reader")
+        assert "m" not in d.ctl_ok("list").stdout
+    finally:
+        d.stop()
+
+
+def test_tenant_private_adapter_makes_the_generation_private(files):
+    d = open_daemon(files)
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"))
+        d.ctl_ok("adapter", "load", "tenant", model_path(files, "tenant.safetensors"),
+                 "--readers", "uid:%d" % NOBODY)
+        r, _ = fetch_as(d, OTHER, "m", "before.safetensors", files)
+        assert r.returncode == 0, r.stderr
+        # uid 1234 does not see the private adapter; nobody does.
+        assert "tenant" not in d.ctl_ok("adapter", "list", user=OTHER).stdout
+        assert "tenant" in d.ctl_ok("adapter", "list", user=NOBODY).stdout
+        # A watcher that may not read the next generation is cut off.
+        def watch(user):
+            return subprocess.Popen(
+                user_prefix(user) + [os.path.join(BUILD, "bin", "weightctl"), "--socket",
+                                     d.socket, "watch", "m", "--count", "1"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outsider, reader = watch(OTHER), watch(NOBODY)
+        time.sleep(0.5)
+        d.ctl_ok("apply", "m", "tenant:1")
+        out, err = outsider.communicate(timeout=20)
+        assert outsider.returncode != 0, out
+        assert "PERMISSION_DENIED" in err and 'adapter "tenant"' in err, err
+        out, err = reader.communicate(timeout=20)
+        assert reader.returncode == 0, err
+        assert out.startswith("m generation 2: tenant:1"), out
+        r, got = fetch_as(d, OTHER, "m", "after.safetensors", files)
+        assert_refused(r, "PERMISSION_DENIED", "uid 1234", 'adapter "tenant"', "generation 2")
+        r, got = fetch_as(d, NOBODY, "m", "tenant.safetensors", files)
+        assert r.returncode == 0, r.stderr
+        assert torch.equal(got["emb.weight"], BASE["emb.weight"] + 1)
+        d.ctl_ok("apply", "m")   # back to the base: public again
+        r, got = fetch_as(d, OTHER, "m", "base_again.safetensors", files)
+        assert r.returncode == 0, r.stderr
+        assert torch.equal(got["emb.weight"], BASE["emb.weight"])
+    finally:
+        d.stop()
+
+
+# ------------------------------------------------------------ leases
+
+
+def test_leaked_lease_token_is_useless_from_another_uid(files):
+    d = open_daemon(files)
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"))
+        lease, token = fetch_lease(d, NOBODY, "m")
+        r = run_py(OTHER, _ATTACH, d.data_socket, lease, token, 1)
+        words = parse_result(r)
+        assert words[:2] == ["error", "PERMISSION_DENIED"], r.stdout + r.stderr
+        assert "fetched by uid 65534" in words[2] and "uid 1234" in words[2]
+        r = run_py(NOBODY, _ATTACH, d.data_socket, lease, token, 1)
+        assert parse_result(r) == ["fds", "1"], r.stdout + r.stderr
+        # The grpc transport's Read: the same rule.
+        lease, token = fetch_lease(d, NOBODY, "m", transport=GRPC)
+        r = run_py(OTHER, _READ, d.socket, lease, token)
+        words = parse_result(r)
+        assert words[:2] == ["error", "PERMISSION_DENIED"], r.stdout + r.stderr
+        r = run_py(NOBODY, _READ, d.socket, lease, token)
+        words = parse_result(r)
+        # The whole segment the tensors live in (at least their 256 bytes).
+        assert words[0] == "bytes" and int(words[1]) >= 10 * 4 * 4 + 6 * 4 * 4, r.stdout + r.stderr
+    finally:
+        d.stop()
+
+
+# ------------------------------------------------------------ TCP: TLS and tokens
+
+
+def tcp_daemon(files, *args):
+    port = free_port()
+    d = open_daemon(files, "--listen", "127.0.0.1:%d" % port, *args)
+    d.target = "127.0.0.1:%d" % port
+    return d
+
+
+def pki(files, name):
+    return os.path.join(files["pki"], name)
+
+
+def test_tls_listener_refuses_plaintext_and_serves_verified_clients(files):
+    d = tcp_daemon(files, "--tls-cert", pki(files, "server.pem"), "--tls-key",
+                   pki(files, "server.key"))
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"))
+        r = d.ctl("list", target=d.target)
+        assert_refused(r, "UNAVAILABLE")
+        ok = d.ctl_ok("list", target=d.target, global_args=["--tls-ca", pki(files, "ca.pem")])
+        assert "m" in ok.stdout
+        # A daemon certificate our CA did not sign is not trusted.
+        r = d.ctl("list", target=d.target, global_args=["--tls-ca", pki(files, "rogue.pem")])
+        assert_refused(r, "UNAVAILABLE")
+    finally:
+        d.stop()
+
+
+def test_client_ca_requires_a_certificate_it_signed(files):
+    d = tcp_daemon(files, "--tls-cert", pki(files, "server.pem"), "--tls-key",
+                   pki(files, "server.key"), "--tls-client-ca", pki(files, "ca.pem"))
+    try:
+        d.ctl_ok("load", "alice_only", model_path(files, "base.safetensors"),
+                 "--readers", "cn:alice")
+        ca = ["--tls-ca", pki(files, "ca.pem")]
+        assert_refused(d.ctl("list", target=d.target, global_args=ca), "UNAVAILABLE")
+        rogue = ca + ["--tls-cert", pki(files, "rogue.pem"), "--tls-key", pki(files, "rogue.key")]
+        assert_refused(d.ctl("list", target=d.target, global_args=rogue), "UNAVAILABLE")
+        alice = ca + ["--tls-cert", pki(files, "alice.pem"), "--tls-key", pki(files, "alice.key")]
+        bob = ca + ["--tls-cert", pki(files, "bob.pem"), "--tls-key", pki(files, "bob.key")]
+        out = out_file(files, "alice.safetensors")
+        d.ctl_ok("fetch", "alice_only", "--transport", "grpc", "--out", out, target=d.target,
+                 global_args=alice)
+        assert torch.equal(st_io.load(out)["emb.weight"], BASE["emb.weight"])
+        r = d.ctl("fetch", "alice_only", "--transport", "grpc", "--out",
+                  out_file(files, "bob.safetensors"), target=d.target, global_args=bob)
+        assert_refused(r, "PERMISSION_DENIED", 'certificate CN "bob"', 'model "alice_only"')
+    finally:
+        d.stop()
+
+
+def test_bearer_token_required_on_tcp_except_for_health(files):
+    d = tcp_daemon(files, "--auth-token-file", files["tokens"])   # loopback: no TLS needed
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"))
+        assert_refused(d.ctl("list", target=d.target), "UNAUTHENTICATED", "missing bearer token")
+        r = d.ctl("list", target=d.target, env={"WEIGHTD_TOKEN": "not-a-valid-token-at-all"})
+        assert_refused(r, "UNAUTHENTICATED", "invalid bearer token")
+        # kubelet's gRPC probe sends no token.
+        assert d.ctl_ok("health", target=d.target).stdout.strip() == "SERVING"
+        d.ctl_ok("list", target=d.target, env={"WEIGHTD_TOKEN": TOKENS["alice"]})
+        d.ctl_ok("list", target=d.target,
+                 global_args=["--token-file", os.path.join(files["dir"], "bob.token")])
+        # The Unix socket needs no token (peer credentials instead).
+        d.ctl_ok("list")
+    finally:
+        d.stop()
+
+
+def test_token_readers_and_token_admins(files):
+    d = tcp_daemon(files, "--auth-token-file", files["tokens"], "--admin-token-names", "alice")
+    try:
+        alice = {"WEIGHTD_TOKEN": TOKENS["alice"]}
+        bob = {"WEIGHTD_TOKEN": TOKENS["bob"]}
+        path = model_path(files, "base.safetensors")
+        assert_refused(d.ctl("load", "m", path, target=d.target, env=bob), "PERMISSION_DENIED",
+                       'token "bob"', "--admin-token-names")
+        d.ctl_ok("load", "m", path, "--readers", "token:alice", target=d.target, env=alice)
+        out = out_file(files, "t.safetensors")
+        d.ctl_ok("fetch", "m", "--transport", "grpc", "--out", out, target=d.target, env=alice)
+        assert torch.equal(st_io.load(out)["head.weight"], BASE["head.weight"])
+        r = d.ctl("fetch", "m", "--transport", "grpc", "--out", out, target=d.target, env=bob)
+        assert_refused(r, "PERMISSION_DENIED", 'token "bob"', 'model "m"')
+        # Unix-socket uids are not token principals: uid 1234 is no reader either.
+        assert_refused(d.ctl("info", "m", user=OTHER), "PERMISSION_DENIED", "uid 1234")
+    finally:
+        d.stop()
+
+
+def test_python_client_tls_and_token(files):
+    import weightd
+    d = tcp_daemon(files, "--tls-cert", pki(files, "server.pem"), "--tls-key",
+                   pki(files, "server.key"), "--auth-token-file", files["tokens"])
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"), "--readers", "token:alice")
+        with weightd.Client(target=d.target, tls_ca=pki(files, "ca.pem"),
+                            token=TOKENS["alice"]) as c:
+            assert [m.name for m in c.list()] == ["m"]
+            assert c.list()[0].readers == ("token:alice",)
+            with c.fetch("m", transport="grpc") as h:
+                assert torch.equal(h.state_dict()["emb.weight"], BASE["emb.weight"])
+        with weightd.Client(target=d.target, tls_ca=pki(files, "ca.pem"),
+                            token=TOKENS["bob"]) as c:
+            assert c.list() == []
+            with pytest.raises(weightd.Error) as e:
+                c.fetch("m", transport="grpc")
+            assert e.value.code == "PERMISSION_DENIED"
+        with weightd.Client(target=d.target, tls_ca=pki(files, "ca.pem"),
+                            token="wrong-token-wrong-token") as c:
+            with pytest.raises(weightd.Error) as e:
+                c.list()
+            assert e.value.code == "UNAUTHENTICATED"
+            assert c.health()   # no token needed
+    finally:
+        d.stop()
+
+
+def test_token_in_clear_text_on_a_non_loopback_address_is_refused_at_start(files):
+    port = free_port()
+    args = [WEIGHTD, "--socket", os.path.join(files["dir"], "never.sock"), "--model-root",
+            files["models"], "--listen", "0.0.0.0:%d" % port, "--auth-token-file",
+            files["tokens"]]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=20)
+    assert r.returncode == 2, r.stderr
+    assert "error: INVALID_ARGUMENT:" in r.stderr and "--allow-insecure-token" in r.stderr
+    assert not os.path.exists(os.path.join(files["dir"], "never.sock"))
+    # Explicitly allowed: it starts and still checks the token.
+    d = daemon(files, "--listen", "0.0.0.0:%d" % port, "--auth-token-file", files["tokens"],
+               "--allow-insecure-token")
+    try:
+        target = "127.0.0.1:%d" % port
+        assert_refused(d.ctl("list", target=target), "UNAUTHENTICATED")
+        d.ctl_ok("list", target=target, env={"WEIGHTD_TOKEN": TOKENS["bob"]})
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--tls-cert", "x.pem"], ["--tls-key"]),
+    (["--listen", "127.0.0.1:1", "--tls-client-ca", "ca.pem"], ["--tls-client-ca"]),
+    (["--auth-token-file", "t"], ["--listen"]),
+    (["--allow-uid", "12x"], ["--allow-uid", "12x"]),
+])
+def test_inconsistent_security_flags_stop_the_daemon(files, args, words):
+    r = subprocess.run([WEIGHTD, "--socket", os.path.join(files["dir"], "never.sock"),
+                        "--model-root", files["models"]] + args,
+                       capture_output=True, text=True, timeout=20)
+    assert r.returncode == 2, r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr
+
+
+def test_short_or_missing_token_file_stops_the_daemon(files):
+    short = os.path.join(files["dir"], "short.tokens")
+    with open(short, "w") as f:
+        f.write("alice short\n")
+    for path, word in ((short, "shorter than 16"), (os.path.join(files["dir"], "nope"), "nope")):
+        r = subprocess.run([WEIGHTD, "--socket", os.path.join(files["dir"], "never.sock"),
+                            "--model-root", files["models"], "--listen",
+                            "127.0.0.1:%d" % free_port(), "--auth-token-file", path],
+                           capture_output=True, text=True, timeout=20)
+        assert r.returncode != 0 and word in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------ model roots
+
+
+def test_load_paths_are_confined_to_the_model_root_after_symlinks(files):
+    outside = tempfile.mkdtemp(prefix="weightd-outside-")
+    try:
+        st_io.save(BASE, os.path.join(outside, "secret.safetensors"))
+        link = os.path.join(files["models"], "escape.safetensors")
+        os.symlink(os.path.join(outside, "secret.safetensors"), link)
+        inside = os.path.join(files["models"], "inside.safetensors")
+        os.symlink(os.path.join(files["models"], "base.safetensors"), inside)
+        d = open_daemon(files)
+        try:
+            for p in (link, os.path.join(outside, "secret.safetensors"),
+                      os.path.join(files["models"], "..", os.path.basename(outside),
+                                   "secret.safetensors")):
+                assert_refused(d.ctl("load", "x", p), "PERMISSION_DENIED")
+                assert_refused(d.ctl("adapter", "load", "x", p), "PERMISSION_DENIED")
+            d.ctl_ok("load", "x", inside)
+        finally:
+            d.stop()
+            os.unlink(link)
+            os.unlink(inside)
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)

@@ -1,12 +1,16 @@
 #include "client/weightd_client.h"
 
+#include <algorithm>
 #include <cstring>
+#include <random>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/client_interceptor.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/data_protocol.h"
 #include "common/fd.h"
 #include "common/status_macros.h"
@@ -88,6 +92,65 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(
   }
   if (!o.tls_server_name.empty()) args->SetSslTargetNameOverride(o.tls_server_name);
   return grpc::SslCredentials(ssl);
+}
+
+// Retry policy (ClientOptions::retry_deadline).
+constexpr double kRetryInitialBackoffS = 0.05;
+constexpr double kRetryMultiplier = 2.0;
+constexpr double kRetryMaxBackoffS = 2.0;
+constexpr double kRetryJitter = 0.2;
+
+// gRPC's own retries for the read-only methods; the loop in Retrying()
+// stretches them over the whole retry deadline.
+constexpr char kServiceConfig[] = R"({"methodConfig": [{"name": [
+  {"service": "grpc.health.v1.Health", "method": "Check"},
+  {"service": "weightd.v1.Models", "method": "List"},
+  {"service": "weightd.v1.Models", "method": "Get"},
+  {"service": "weightd.v1.Models", "method": "Stats"},
+  {"service": "weightd.v1.Models", "method": "Verify"},
+  {"service": "weightd.v1.Shards", "method": "Fetch"},
+  {"service": "weightd.v1.Adapters", "method": "List"}],
+ "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.05s", "maxBackoff": "2s",
+   "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})";
+
+absl::Status StatusOf(const absl::Status& s) { return s; }
+template <typename T>
+absl::Status StatusOf(const absl::StatusOr<T>& s) {
+  return s.status();
+}
+
+// attempt(), again while it fails UNAVAILABLE and `deadline` has not passed.
+// CANCELLED too: a draining daemon (SIGTERM) cancels calls that arrive on an
+// open connection before any handler runs; the client cancels none of the
+// calls it retries itself.
+bool Retryable(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kCancelled;
+}
+
+template <typename F>
+auto Retrying(absl::Duration deadline, F attempt) -> decltype(attempt()) {
+  auto result = attempt();
+  if (deadline <= absl::ZeroDuration()) return result;
+  const absl::Time start = absl::Now();
+  const absl::Time end = start + deadline;
+  thread_local std::minstd_rand rng(std::random_device{}());
+  std::uniform_real_distribution<double> jitter(1 - kRetryJitter, 1 + kRetryJitter);
+  double backoff = kRetryInitialBackoffS;
+  int tries = 1;
+  while (Retryable(StatusOf(result))) {
+    absl::Duration left = end - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      absl::Status s = StatusOf(result);
+      return absl::UnavailableError(absl::StrCat(s.message(), " (gave up after ", tries,
+                                                 " attempts in ",
+                                                 absl::FormatDuration(absl::Now() - start), ")"));
+    }
+    absl::SleepFor(std::min(left, absl::Seconds(backoff * jitter(rng))));
+    backoff = std::min(backoff * kRetryMultiplier, kRetryMaxBackoffS);
+    result = attempt();
+    ++tries;
+  }
+  return result;
 }
 
 absl::Status FromGrpc(const grpc::Status& s) {
@@ -210,6 +273,16 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);
+  if (options.retry_deadline > absl::ZeroDuration()) {
+    args.SetInt(GRPC_ARG_ENABLE_RETRIES, 1);
+    args.SetServiceConfigJSON(kServiceConfig);
+    // Reconnect to a restarted daemon within the backoff cap instead of
+    // gRPC's default (1 s growing to 120 s).
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  } else {
+    args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+  }
   WD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds,
                       MakeCredentials(options, &args));
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
@@ -220,23 +293,27 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
                      ? grpc::CreateCustomChannel(target, creds, args)
                      : grpc::experimental::CreateCustomChannelWithInterceptors(
                            target, creds, args, std::move(interceptors));
-  return std::unique_ptr<Client>(new Client(std::make_shared<ClientChannel>(channel)));
+  return std::unique_ptr<Client>(
+      new Client(std::make_shared<ClientChannel>(channel), options.retry_deadline));
 }
 
-Client::Client(std::shared_ptr<ClientChannel> channel) : channel_(std::move(channel)) {}
+Client::Client(std::shared_ptr<ClientChannel> channel, absl::Duration retry_deadline)
+    : channel_(std::move(channel)), retry_deadline_(retry_deadline) {}
 Client::~Client() = default;
 
 absl::Status Client::Health() {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  grpc::health::v1::HealthCheckRequest req;
-  grpc::health::v1::HealthCheckResponse resp;
-  WD_RETURN_IF_ERROR(FromGrpc(channel_->health->Check(&ctx, req, &resp)));
-  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
-    return absl::UnavailableError(absl::StrCat(
-        "daemon reports ", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status())));
-  }
-  return absl::OkStatus();
+  return Retrying(retry_deadline_, [&]() -> absl::Status {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckRequest req;
+    grpc::health::v1::HealthCheckResponse resp;
+    WD_RETURN_IF_ERROR(FromGrpc(channel_->health->Check(&ctx, req, &resp)));
+    if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+      return absl::UnavailableError(absl::StrCat(
+          "daemon reports ", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status())));
+    }
+    return absl::OkStatus();
+  });
 }
 
 absl::StatusOr<ModelInfo> Client::Load(
@@ -274,45 +351,61 @@ absl::Status Client::Unload(const std::string& name) {
 }
 
 absl::StatusOr<std::vector<ModelInfo>> Client::List() {
-  grpc::ClientContext ctx;
   v1::ListModelsRequest req;
   v1::ListModelsResponse resp;
-  WD_RETURN_IF_ERROR(FromGrpc(channel_->models->List(&ctx, req, &resp)));
+  WD_RETURN_IF_ERROR(Retrying(retry_deadline_, [&] {
+    grpc::ClientContext ctx;
+    return FromGrpc(channel_->models->List(&ctx, req, &resp));
+  }));
   std::vector<ModelInfo> out;
   for (const v1::ModelInfo& m : resp.models()) out.push_back(ToModelInfo(m));
   return out;
 }
 
 absl::StatusOr<ModelInfo> Client::GetModel(const std::string& name) {
-  grpc::ClientContext ctx;
   v1::GetModelRequest req;
   req.set_name(name);
   v1::ModelInfo resp;
-  WD_RETURN_IF_ERROR(FromGrpc(channel_->models->Get(&ctx, req, &resp)));
+  WD_RETURN_IF_ERROR(Retrying(retry_deadline_, [&] {
+    grpc::ClientContext ctx;
+    return FromGrpc(channel_->models->Get(&ctx, req, &resp));
+  }));
   return ToModelInfo(resp);
 }
 
 absl::StatusOr<std::pair<uint64_t, uint64_t>> Client::Verify(const std::string& name) {
-  grpc::ClientContext ctx;
   v1::VerifyRequest req;
   req.set_name(name);
   v1::VerifyResponse resp;
-  WD_RETURN_IF_ERROR(FromGrpc(channel_->models->Verify(&ctx, req, &resp)));
+  WD_RETURN_IF_ERROR(Retrying(retry_deadline_, [&] {
+    grpc::ClientContext ctx;
+    return FromGrpc(channel_->models->Verify(&ctx, req, &resp));
+  }));
   return std::make_pair(resp.tensors(), resp.bytes());
 }
 
 absl::StatusOr<DaemonStats> Client::Stats() {
-  grpc::ClientContext ctx;
   v1::StatsRequest req;
   v1::StatsResponse r;
-  WD_RETURN_IF_ERROR(FromGrpc(channel_->models->Stats(&ctx, req, &r)));
+  WD_RETURN_IF_ERROR(Retrying(retry_deadline_, [&] {
+    grpc::ClientContext ctx;
+    return FromGrpc(channel_->models->Stats(&ctx, req, &r));
+  }));
   return DaemonStats{r.models(),     r.segments(),    r.bytes_resident(), r.materializations(),
                      r.materialization_bytes(), r.cache_hits(), r.cache_misses(),
                      r.leases_open(), r.bytes_served(), r.fetches(), r.applies(), r.adapters(),
                      r.reserve_ready_bytes(), r.reserve_target_bytes()};
 }
 
+// Retried whole on UNAVAILABLE: a Fetch the daemon never handled granted no
+// lease, and one granted by a daemon that then went away (data socket
+// refused or closed, Read stream cut) died with it. Each attempt connects to
+// the data socket afresh (there is no persistent data connection).
 absl::StatusOr<std::unique_ptr<ShardSet>> Client::Fetch(const FetchOptions& options) {
+  return Retrying(retry_deadline_, [&] { return FetchOnce(options); });
+}
+
+absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& options) {
   v1::FetchRequest req;
   req.set_model(options.model);
   req.set_generation(options.generation);
@@ -422,10 +515,12 @@ absl::Status Client::UnloadAdapter(const std::string& name) {
 }
 
 absl::StatusOr<std::vector<AdapterInfo>> Client::ListAdapters() {
-  grpc::ClientContext ctx;
   v1::ListAdaptersRequest req;
   v1::ListAdaptersResponse resp;
-  WD_RETURN_IF_ERROR(FromGrpc(channel_->adapters->List(&ctx, req, &resp)));
+  WD_RETURN_IF_ERROR(Retrying(retry_deadline_, [&] {
+    grpc::ClientContext ctx;
+    return FromGrpc(channel_->adapters->List(&ctx, req, &resp));
+  }));
   std::vector<AdapterInfo> out;
   for (const v1::AdapterInfo& a : resp.adapters()) out.push_back(ToAdapterInfo(a));
   return out;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/digest.h"
 #include "common/dtype.h"
@@ -42,6 +43,14 @@ struct ClientOptions {
   // Bearer token sent on every call as "authorization: Bearer <token>"
   // (the daemon's --auth-token-file).
   std::string token;
+  // Read-only calls (Health, List, GetModel, Stats, Verify, ListAdapters)
+  // and Fetch retry on UNAVAILABLE (daemon down, draining, restarting on the
+  // same sockets; also the CANCELLED a draining daemon answers) with exponential backoff (50 ms, x2, at most 2 s, +-20%
+  // jitter) until this much time has passed; zero = fail at once. A Fetch is
+  // retried whole, with a fresh data-socket connection. Mutating calls
+  // (Load, Unload, LoadAdapter, UnloadAdapter, Apply, Release) and Watch are
+  // never retried.
+  absl::Duration retry_deadline = absl::Seconds(30);
 };
 
 struct ModelTensor {
@@ -190,8 +199,10 @@ class Client {
                      const std::function<bool(const GenerationEvent&)>& on_event);
 
  private:
-  explicit Client(std::shared_ptr<ClientChannel> channel);
+  Client(std::shared_ptr<ClientChannel> channel, absl::Duration retry_deadline);
+  absl::StatusOr<std::unique_ptr<ShardSet>> FetchOnce(const FetchOptions& options);
   std::shared_ptr<ClientChannel> channel_;
+  absl::Duration retry_deadline_;
 };
 
 }  // namespace weightd

@@ -30,7 +30,9 @@ namespace {
 constexpr char kUsage[] =
     "usage: weightctl [--socket PATH | --target HOST:PORT] [--tls-ca FILE]\n"
     "                 [--tls-cert FILE --tls-key FILE] [--tls-server-name NAME]\n"
-    "                 [--token-file FILE] VERB ...\n"
+    "                 [--token-file FILE] [--retry-deadline SECONDS] VERB ...\n"
+    "  (--retry-deadline: retry read-only verbs and fetch on UNAVAILABLE, e.g. while\n"
+    "   the daemon restarts, for up to SECONDS; default 0 = fail at once)\n"
     "  health\n"
     "  load NAME PATH [--profile FILE] [--readers uid:N,gid:N,token:NAME,cn:NAME]\n"
     "  unload NAME | list | info NAME | stats | verify NAME\n"
@@ -410,13 +412,14 @@ absl::Status CmdWatch(Client& c, const Args& a) {
 absl::Status Run(int argc, char** argv) {
   std::vector<std::string> words(argv + 1, argv + argc);
   ClientOptions copt;
+  copt.retry_deadline = absl::ZeroDuration();  // scripts and probes want an answer now
   if (const char* env = std::getenv("WEIGHTD_SOCKET")) copt.socket = env;
   if (const char* env = std::getenv("WEIGHTD_TOKEN")) copt.token = env;
   std::string token_file;
   if (const char* env = std::getenv("WEIGHTD_TOKEN_FILE")) token_file = env;
   const std::vector<std::string> value_flags = {"--socket",   "--target",   "--tls-ca",
                                                 "--tls-cert", "--tls-key",  "--tls-server-name",
-                                                "--token-file"};
+                                                "--token-file", "--retry-deadline"};
   // Global flags come before the verb.
   size_t i = 0;
   for (; i < words.size() && absl::StartsWith(words[i], "--"); ++i) {
@@ -446,6 +449,13 @@ absl::Status Run(int argc, char** argv) {
       copt.tls_server_name = value;
     } else if (name == "--token-file") {
       token_file = value;
+    } else if (name == "--retry-deadline") {
+      double seconds = 0;
+      if (!absl::SimpleAtod(value, &seconds) || !(seconds >= 0) || seconds > 86400) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--retry-deadline: expected seconds (0-86400), got \"", value, "\""));
+      }
+      copt.retry_deadline = absl::Seconds(seconds);
     } else if (name == "--help" || name == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);

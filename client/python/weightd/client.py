@@ -22,8 +22,10 @@ mapping still holds the memory), but the daemon no longer accounts for them.
 import json
 import mmap
 import os
+import random
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Tuple
 
@@ -37,6 +39,31 @@ from .v1 import weightd_pb2_grpc as pb_grpc
 
 _MAX_MESSAGE = 256 << 20
 _READ_MERGE_GAP = 1 << 16  # grpc transport: coalesce tensor ranges closer than this
+
+# Retry on UNAVAILABLE (daemon down, restarting or draining): exponential
+# backoff with +-20% jitter, bounded by the client's retry_deadline.
+# CANCELLED too: a draining daemon (SIGTERM) cancels calls that arrive on an
+# open connection before any handler runs, and this client cancels none of
+# the calls it retries itself.
+_RETRY_CODES = ("UNAVAILABLE", "CANCELLED")
+RETRY_INITIAL_BACKOFF = 0.05
+RETRY_MULTIPLIER = 2.0
+RETRY_MAX_BACKOFF = 2.0
+RETRY_JITTER = 0.2
+# Read-only RPCs: also retried inside gRPC (service-config retryPolicy).
+# Mutating ones (Models.Load/Unload, Adapters.Load/Unload/Apply,
+# Shards.Release) are never retried: one that reached a daemon which then
+# went away may or may not have taken effect.
+_READ_METHODS = [("grpc.health.v1.Health", "Check"), ("weightd.v1.Models", "List"),
+                 ("weightd.v1.Models", "Get"), ("weightd.v1.Models", "Stats"),
+                 ("weightd.v1.Models", "Verify"), ("weightd.v1.Shards", "Fetch"),
+                 ("weightd.v1.Adapters", "List")]
+_SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": s, "method": m} for s, m in _READ_METHODS],
+    "retryPolicy": {"maxAttempts": 4, "initialBackoff": "%gs" % RETRY_INITIAL_BACKOFF,
+                    "maxBackoff": "%gs" % RETRY_MAX_BACKOFF,
+                    "backoffMultiplier": RETRY_MULTIPLIER,
+                    "retryableStatusCodes": ["UNAVAILABLE"]}}]})
 
 
 def _torch_or_none():
@@ -558,10 +585,21 @@ class Client:
     tls=True (TLS with the system roots), tls_cert= / tls_key= (client
     certificate), tls_server_name= (name to verify instead of the target's
     host), token= (bearer token; default $WEIGHTD_TOKEN).
+
+    Restarts: read-only calls (health, list, info, stats,
+    list_adapters) and fetch retry on UNAVAILABLE (daemon down, draining or
+    restarting on the same sockets; also the CANCELLED a draining daemon
+    answers) with exponential backoff (50 ms, x2, at
+    most 2 s, +-20% jitter) until retry_deadline seconds have passed
+    (default 30; 0 = fail at once). A fetch is retried whole: Fetch, then a
+    fresh data-socket connection (or Read streams), so it reconnects to a
+    restarted daemon. load/unload/adapters/apply/release and watch are not
+    retried. timeout= bounds each attempt, retry_deadline all of them.
     """
 
     def __init__(self, socket=None, target=None, *, timeout=None, options=(), tls=False,
-                 tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None, token=None):
+                 tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None, token=None,
+                 retry_deadline=30.0):
         if socket is not None and target is not None:
             raise Error("INVALID_ARGUMENT", "give socket= or target=, not both")
         if socket is None and target is None:
@@ -573,8 +611,18 @@ class Client:
         else:
             raise Error("INVALID_ARGUMENT", "give a socket=PATH or a target=\"HOST:PORT\"")
         self.timeout = timeout  # default deadline for unary calls (None = none)
+        self.retry_deadline = float(retry_deadline or 0)  # seconds; 0 = no retries
         opts = [("grpc.max_receive_message_length", _MAX_MESSAGE),
-                ("grpc.max_send_message_length", 64 << 20)] + list(options)
+                ("grpc.max_send_message_length", 64 << 20)]
+        if self.retry_deadline > 0:
+            # Reconnect to a restarted daemon within the backoff cap instead
+            # of gRPC's default (1 s growing to 120 s).
+            opts += [("grpc.enable_retries", 1), ("grpc.service_config", _SERVICE_CONFIG),
+                     ("grpc.initial_reconnect_backoff_ms", int(RETRY_INITIAL_BACKOFF * 1000)),
+                     ("grpc.max_reconnect_backoff_ms", int(RETRY_MAX_BACKOFF * 1000))]
+        else:
+            opts += [("grpc.enable_retries", 0)]
+        opts += list(options)
         if token is None:
             token = os.environ.get("WEIGHTD_TOKEN") or None
         use_tls = tls or tls_ca is not None or tls_cert is not None
@@ -608,6 +656,33 @@ class Client:
         except grpc.RpcError as e:
             raise from_grpc(e) from None
 
+    def _retrying(self, attempt):
+        """attempt(), again on Error UNAVAILABLE (or CANCELLED) with backoff
+        until retry_deadline has passed; then UNAVAILABLE with the last
+        error's message."""
+        if self.retry_deadline <= 0:
+            return attempt()
+        start = time.monotonic()
+        deadline = start + self.retry_deadline
+        backoff = RETRY_INITIAL_BACKOFF
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                return attempt()
+            except Error as e:
+                if e.code not in _RETRY_CODES:
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Error("UNAVAILABLE", "%s (gave up after %d attempts in %.1f s)"
+                                % (e.message or e.code, tries, time.monotonic() - start)) from None
+            time.sleep(min(left, backoff * random.uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER)))
+            backoff = min(backoff * RETRY_MULTIPLIER, RETRY_MAX_BACKOFF)
+
+    def _read_call(self, method, request, timeout=None):
+        return self._retrying(lambda: self._call(method, request, timeout))
+
     def close(self):
         """Closes the channel. Leases of live handles end with their data
         connections (shm) or their TTL (grpc)."""
@@ -624,10 +699,13 @@ class Client:
     def health(self, timeout=5.0):
         """True when the daemon reports SERVING; raises Error otherwise
         (UNAVAILABLE with the reported status, or the RPC's error)."""
-        status = self._call(self._health, None, timeout=timeout)
-        if status != 1:
-            raise Error("UNAVAILABLE", "daemon reports %s" % _SERVING_NAMES.get(status, status))
-        return True
+        def attempt():
+            status = self._call(self._health, None, timeout=timeout)
+            if status != 1:
+                raise Error("UNAVAILABLE", "daemon reports %s"
+                            % _SERVING_NAMES.get(status, status))
+            return True
+        return self._retrying(attempt)
 
     def load(self, name, path, profile=None, progress=None, timeout=None, readers=None):
         """Loads checkpoint `path` as model `name` and returns its ModelInfo.
@@ -656,17 +734,17 @@ class Client:
 
     def list(self):
         """[ModelInfo] of the loaded models (without per-tensor entries)."""
-        resp = self._call(self._models.List, pb.ListModelsRequest())
+        resp = self._read_call(self._models.List, pb.ListModelsRequest())
         return [_model_info(m) for m in resp.models]
 
     def info(self, name):
         """ModelInfo of `name`, with its tensors."""
-        return _model_info(self._call(self._models.Get, pb.GetModelRequest(name=name)))
+        return _model_info(self._read_call(self._models.Get, pb.GetModelRequest(name=name)))
 
     def stats(self):
         """The daemon's counters as a dict (models, segments, bytes_resident,
         materializations, ..., leases_open, bytes_served, fetches)."""
-        resp = self._call(self._models.Stats, pb.StatsRequest())
+        resp = self._read_call(self._models.Stats, pb.StatsRequest())
         return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
 
     # -- adapters
@@ -683,7 +761,7 @@ class Client:
         self._call(self._adapters.Unload, pb.UnloadAdapterRequest(name=name))
 
     def list_adapters(self):
-        r = self._call(self._adapters.List, pb.ListAdaptersRequest())
+        r = self._read_call(self._adapters.List, pb.ListAdaptersRequest())
         return [_adapter_info(a) for a in r.adapters]
 
     def apply(self, model, adapters=(), expect_generation=0):
@@ -753,16 +831,23 @@ class Client:
             changed_since=int(changed_since))
         if pl is not None:
             req.placements.extend(pb.Placement(shard_dim=d) for d in pl)
-        resp = self._call(self._shards.Fetch, req, timeout=timeout)
-        lease = _Lease(self._shards, resp.lease_id, bytes(resp.token))
-        try:
-            return self._collect(resp, lease, transport, timeout, populate)
-        except BaseException:
+
+        # Retried whole on UNAVAILABLE: a Fetch the daemon never handled
+        # granted no lease, and one granted by a daemon that then went away
+        # (data socket refused or closed, Read stream cut) died with it.
+        # Each attempt connects to the data socket afresh.
+        def attempt():
+            resp = self._call(self._shards.Fetch, req, timeout=timeout)
+            lease = _Lease(self._shards, resp.lease_id, bytes(resp.token))
             try:
-                lease.release()
-            except Exception:
-                pass
-            raise
+                return self._collect(resp, lease, transport, timeout, populate)
+            except BaseException:
+                try:
+                    lease.release(timeout=1.0)
+                except Exception:
+                    pass
+                raise
+        return self._retrying(attempt)
 
     def _collect(self, resp, lease, transport, timeout, populate=False):
         sizes = list(resp.segment_sizes)

@@ -42,6 +42,18 @@ def _check_rank1(handle, tensors):
         assert torch.equal(got[name], _rank1_of_2(t)), name
 
 
+def _first_daemon(tmp_path):
+    """A checkpoint under tmp_path/models and a started daemon on
+    tmp_path/d that preloads it as "m" (the way _Restarter's daemon does)."""
+    root = str(tmp_path / "models")
+    os.makedirs(root)
+    path, tensors = _checkpoint(root)
+    workdir = str(tmp_path / "d")
+    d = harness.Daemon(model_root=root, workdir=workdir, extra_args=["--preload", "m=" + path])
+    d.start()
+    return root, workdir, path, tensors, d
+
+
 class _Restarter:
     """Starts a new daemon on `workdir`'s sockets (with the model preloaded,
     so it is there before the socket answers) after `delay` seconds, in a
@@ -71,12 +83,7 @@ class _Restarter:
 
 
 def test_fetch_retries_across_a_daemon_restart(tmp_path):
-    root = str(tmp_path / "models")
-    os.makedirs(root)
-    path, tensors = _checkpoint(root)
-    workdir = str(tmp_path / "d")
-    d = harness.Daemon(model_root=root, workdir=workdir, extra_args=["--preload", "m=" + path])
-    d.start()
+    root, workdir, path, tensors, d = _first_daemon(tmp_path)
     client = weightd.Client(socket=d.socket)  # retry_deadline=30 by default
     no_retry = weightd.Client(socket=d.socket, retry_deadline=0)
     try:
@@ -146,12 +153,7 @@ def test_fetch_retries_across_a_daemon_restart(tmp_path):
 def test_fetch_during_drain_reaches_the_restarted_daemon(tmp_path):
     """SIGTERM without waiting: calls arriving while the old daemon drains
     (it cancels them) or after it exited are retried until the new one is up."""
-    root = str(tmp_path / "models")
-    os.makedirs(root)
-    path, tensors = _checkpoint(root)
-    workdir = str(tmp_path / "d")
-    d = harness.Daemon(model_root=root, workdir=workdir, extra_args=["--preload", "m=" + path])
-    d.start()
+    root, workdir, path, tensors, d = _first_daemon(tmp_path)
     client = weightd.Client(socket=d.socket)
     try:
         with client.fetch("m", world=2, rank=1) as h:

@@ -36,7 +36,8 @@ constexpr char kUsage[] =
     "               [--metrics-listen HOST:PORT] --model-root DIR ...\n"
     "               [--host-memory-bytes N] [--preload NAME=PATH[@PROFILE]] ...\n"
     "               [--warm-reserve-bytes N] [--reserve-chunk-bytes N]\n"
-    "               [--lease-ttl-seconds N] [--threads N] [--log-format text|json]\n"
+    "               [--lease-ttl-seconds N] [--shutdown-grace-seconds N]\n"
+    "               [--threads N] [--log-format text|json]\n"
     "               [--log-level debug|info|warning|error]\n"
     "               [--socket-mode OCTAL] [--config FILE]\n"
     "               [--allow-uid LIST] [--allow-gid LIST] [--admin-uid LIST]\n"
@@ -70,8 +71,8 @@ struct DaemonFlags {
 // strongest source that names the flag gives the whole list.
 constexpr const char* kFlagNames[] = {
     "socket", "data-socket", "listen", "metrics-listen", "model-root", "host-memory-bytes",
-    "preload", "lease-ttl-seconds", "threads", "log-format", "log-level", "socket-mode",
-    "warm-reserve-bytes", "reserve-chunk-bytes", "allow-uid", "allow-gid", "admin-uid",
+    "preload", "lease-ttl-seconds", "shutdown-grace-seconds", "threads", "log-format",
+    "log-level", "socket-mode", "warm-reserve-bytes", "reserve-chunk-bytes", "allow-uid", "allow-gid", "admin-uid",
     "admin-gid", "admin-token-names", "tls-cert", "tls-key", "tls-client-ca", "auth-token-file",
     "allow-insecure-token"};
 
@@ -256,6 +257,10 @@ absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags
     } else if (flag == "--lease-ttl-seconds") {
       WD_RETURN_IF_ERROR(number(&n));
       flags->service.lease_idle_ttl = absl::Seconds(static_cast<int64_t>(n));
+    } else if (flag == "--shutdown-grace-seconds") {
+      WD_RETURN_IF_ERROR(number(&n));
+      if (n > 3600) return absl::InvalidArgumentError("--shutdown-grace-seconds must be 0..3600");
+      flags->shutdown_grace = absl::Seconds(static_cast<int64_t>(n));
     } else if (flag == "--threads") {
       WD_RETURN_IF_ERROR(number(&n));
       if (n < 1 || n > 256) return absl::InvalidArgumentError("--threads must be 1..256");

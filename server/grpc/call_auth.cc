@@ -34,6 +34,7 @@ std::optional<PeerIdentity> UnixPeerRegistry::Find(int fd) const {
 
 absl::StatusOr<Principal> CallAuthenticator::Authenticate(
     grpc::CallbackServerContext* ctx) const {
+  if (drain_ != nullptr) WD_RETURN_IF_ERROR(drain_->CheckOpen());
   const std::string peer = ctx->peer();
   if (absl::StartsWith(peer, "fd:")) {
     int fd = -1;

@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/fd.h"
+#include "server/grpc/call_drain.h"
 #include "server/service/access_control.h"
 
 namespace weightd {
@@ -47,12 +48,14 @@ class UnixPeerRegistry {
 
 class CallAuthenticator {
  public:
-  // `policy`, `peers` borrowed; `tokens` null = TCP callers need no token.
+  // `policy`, `peers`, `drain` borrowed; `tokens` null = TCP callers need
+  // no token; `drain` null = never draining.
   CallAuthenticator(const AccessPolicy* policy, const UnixPeerRegistry* peers,
-                    std::shared_ptr<const BearerTokens> tokens)
-      : policy_(policy), peers_(peers), tokens_(std::move(tokens)) {}
+                    std::shared_ptr<const BearerTokens> tokens, const CallDrain* drain = nullptr)
+      : policy_(policy), peers_(peers), tokens_(std::move(tokens)), drain_(drain) {}
 
-  // Who is calling, if they may use the daemon at all: PERMISSION_DENIED
+  // Who is calling, if they may use the daemon at all: UNAVAILABLE once the
+  // daemon drains for shutdown (CallDrain), PERMISSION_DENIED
   // for a Unix peer outside --allow-uid/--allow-gid, UNAUTHENTICATED for a
   // TCP caller without a valid bearer token (when tokens are configured).
   absl::StatusOr<Principal> Authenticate(grpc::CallbackServerContext* ctx) const;
@@ -66,6 +69,7 @@ class CallAuthenticator {
   const AccessPolicy* const policy_;
   const UnixPeerRegistry* const peers_;
   const std::shared_ptr<const BearerTokens> tokens_;
+  const CallDrain* const drain_;
 };
 
 // Accepts connections on the gRPC Unix socket for `server` (already

@@ -18,6 +18,7 @@
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 #include "server/grpc/call_auth.h"
+#include "server/grpc/call_drain.h"
 #include "server/grpc/status_convert.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
@@ -55,6 +56,10 @@ void FillAdapterInfo(const AdapterSummary& a, v1::AdapterInfo* out) {
 template <typename T>
 class QueuedWriter : public grpc::ServerWriteReactor<T> {
  public:
+  QueuedWriter() = default;
+  // Counts as a call in flight (CallDrain) until the stream is done.
+  explicit QueuedWriter(CallDrain::Hold hold) : hold_(std::move(hold)) {}
+
   void Push(T msg, bool replaceable) {
     {
       absl::MutexLock lock(&mu_);
@@ -120,6 +125,7 @@ class QueuedWriter : public grpc::ServerWriteReactor<T> {
   }
   void OnDone() override { delete this; }  // gRPC reactor idiom
 
+  CallDrain::Hold hold_;
   absl::Mutex mu_;
   std::deque<std::pair<T, bool>> queue_;
   T current_;
@@ -132,7 +138,10 @@ class QueuedWriter : public grpc::ServerWriteReactor<T> {
 // Streams one ReadRange in <= 4 MiB chunks, producing each on demand.
 class ReadReactor : public grpc::ServerWriteReactor<v1::ReadChunk> {
  public:
-  explicit ReadReactor(ReadRange range) : range_(std::move(range)) { Next(); }
+  ReadReactor(ReadRange range, CallDrain::Hold hold)
+      : range_(std::move(range)), hold_(std::move(hold)) {
+    Next();
+  }
 
  private:
   void Next() {
@@ -157,6 +166,7 @@ class ReadReactor : public grpc::ServerWriteReactor<v1::ReadChunk> {
   void OnDone() override { delete this; }  // gRPC reactor idiom
 
   ReadRange range_;
+  CallDrain::Hold hold_;
   uint64_t pos_ = 0;
   v1::ReadChunk chunk_;
 };
@@ -176,10 +186,23 @@ grpc::ServerWriteReactor<T>* RefuseStream(const absl::Status& status) {
   return writer;
 }
 
-// Runs `fn` on the worker pool and finishes the unary call with its status.
+// A unary call counted in flight (CallDrain) until gRPC is done with it.
+class HeldUnaryReactor : public grpc::ServerUnaryReactor {
+ public:
+  explicit HeldUnaryReactor(CallDrain::Hold hold) : hold_(std::move(hold)) {}
+
+ private:
+  void OnDone() override { delete this; }  // gRPC reactor idiom
+  CallDrain::Hold hold_;
+};
+
+// Runs `fn` on the worker pool and finishes the unary call with its status;
+// UNAVAILABLE once the daemon drains.
 grpc::ServerUnaryReactor* RunOnPool(grpc::CallbackServerContext* ctx, ThreadPool* pool,
-                                    std::function<absl::Status()> fn) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+                                    CallDrain* drain, std::function<absl::Status()> fn) {
+  auto hold = drain->Enter();
+  if (!hold.ok()) return Refuse(ctx, hold.status());
+  auto* reactor = new HeldUnaryReactor(std::move(*hold));  // deletes itself in OnDone
   pool->Schedule([reactor, fn = std::move(fn)] { reactor->Finish(ToGrpcStatus(fn())); });
   return reactor;
 }
@@ -224,14 +247,18 @@ absl::StatusOr<FetchParams> DecodeFetch(const v1::FetchRequest& req) {
 
 class ModelsImpl final : public v1::Models::CallbackService {
  public:
-  ModelsImpl(WeightService* service, ThreadPool* pool, const CallAuthenticator* auth)
-      : service_(service), pool_(pool), auth_(auth) {}
+  ModelsImpl(WeightService* service, ThreadPool* pool, CallDrain* drain,
+             const CallAuthenticator* auth)
+      : service_(service), pool_(pool), drain_(drain), auth_(auth) {}
 
   grpc::ServerWriteReactor<v1::LoadProgress>* Load(grpc::CallbackServerContext* ctx,
                                                    const v1::LoadRequest* req) override {
     auto who = auth_->AuthenticateAdmin(ctx, "load models");
     if (!who.ok()) return RefuseStream<v1::LoadProgress>(who.status());
-    auto* writer = new QueuedWriter<v1::LoadProgress>();  // deletes itself in OnDone
+    auto hold = drain_->Enter();
+    if (!hold.ok()) return RefuseStream<v1::LoadProgress>(hold.status());
+    // Deletes itself in OnDone, which is after the thread's Close().
+    auto* writer = new QueuedWriter<v1::LoadProgress>(std::move(*hold));
     v1::LoadRequest copy = *req;
     std::thread([this, writer, copy = std::move(copy)] {
       std::vector<std::string> readers(copy.readers().begin(), copy.readers().end());
@@ -266,7 +293,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
                                    v1::UnloadResponse*) override {
     auto who = auth_->AuthenticateAdmin(ctx, "unload models");
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, [this, req] { return service_->UnloadModel(req->name()); });
+    return RunOnPool(ctx, pool_, drain_, [this, req] { return service_->UnloadModel(req->name()); });
   }
 
   grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx, const v1::ListModelsRequest*,
@@ -286,7 +313,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
                                 v1::ModelInfo* resp) override {
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
+    return RunOnPool(ctx, pool_, drain_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
       auto detail = service_->GetModel(req->name());
       if (!detail.ok()) return detail.status();
       WD_RETURN_IF_ERROR(auth_->policy().CheckRead(who, detail->summary.guards));
@@ -308,7 +335,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
                                    v1::VerifyResponse* resp) override {
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
+    return RunOnPool(ctx, pool_, drain_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
       WD_RETURN_IF_ERROR(service_->CheckCanRead(req->name(), who));
       auto r = service_->Verify(req->name());
       if (!r.ok()) return r.status();
@@ -345,19 +372,21 @@ class ModelsImpl final : public v1::Models::CallbackService {
  private:
   WeightService* service_;
   ThreadPool* pool_;
+  CallDrain* drain_;
   const CallAuthenticator* auth_;
 };
 
 class ShardsImpl final : public v1::Shards::CallbackService {
  public:
-  ShardsImpl(WeightService* service, ThreadPool* pool, const CallAuthenticator* auth)
-      : service_(service), pool_(pool), auth_(auth) {}
+  ShardsImpl(WeightService* service, ThreadPool* pool, CallDrain* drain,
+             const CallAuthenticator* auth)
+      : service_(service), pool_(pool), drain_(drain), auth_(auth) {}
 
   grpc::ServerUnaryReactor* Fetch(grpc::CallbackServerContext* ctx, const v1::FetchRequest* req,
                                   v1::FetchResponse* resp) override {
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
+    return RunOnPool(ctx, pool_, drain_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
       auto params = DecodeFetch(*req);
       if (!params.ok()) return params.status();
       params->caller = who;
@@ -396,7 +425,9 @@ class ShardsImpl final : public v1::Shards::CallbackService {
       writer->Close(ToGrpcStatus(range.status()));
       return writer;
     }
-    return new ReadReactor(std::move(*range));  // deletes itself in OnDone
+    auto hold = drain_->Enter();
+    if (!hold.ok()) return RefuseStream<v1::ReadChunk>(hold.status());
+    return new ReadReactor(std::move(*range), std::move(*hold));  // deletes itself in OnDone
   }
 
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx,
@@ -404,7 +435,7 @@ class ShardsImpl final : public v1::Shards::CallbackService {
                                     v1::ReleaseResponse*) override {
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, [this, req, who = std::move(*who)] {
+    return RunOnPool(ctx, pool_, drain_, [this, req, who = std::move(*who)] {
       return service_->Release(req->lease_id(), req->token(), &who);
     });
   }
@@ -413,7 +444,10 @@ class ShardsImpl final : public v1::Shards::CallbackService {
                                                        const v1::WatchRequest* req) override {
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return RefuseStream<v1::GenerationEvent>(who.status());
-    auto* writer = new QueuedWriter<v1::GenerationEvent>();  // deletes itself in OnDone
+    auto hold = drain_->Enter();
+    if (!hold.ok()) return RefuseStream<v1::GenerationEvent>(hold.status());
+    // Deletes itself in OnDone, which is after the thread's Close().
+    auto* writer = new QueuedWriter<v1::GenerationEvent>(std::move(*hold));
     v1::WatchRequest copy = *req;
     // One thread per watcher: watchers are few (operators, a worker each).
     std::thread([this, writer, ctx, copy = std::move(copy), who = std::move(*who)] {
@@ -434,6 +468,12 @@ class ShardsImpl final : public v1::Shards::CallbackService {
         if (copy.include_current()) after -= 1;
       }
       while (!ctx->IsCancelled() && !writer->cancelled()) {
+        // A draining daemon ends its watches (within 500 ms) with
+        // UNAVAILABLE: watch again once it is back.
+        if (drain_->draining()) {
+          writer->Close(ToGrpcStatus(CallDrain::DrainingError()));
+          return;
+        }
         auto event = service_->WaitForGeneration(copy.model(), after, absl::Milliseconds(500));
         if (!event.ok()) {
           writer->Close(ToGrpcStatus(event.status()));
@@ -461,20 +501,22 @@ class ShardsImpl final : public v1::Shards::CallbackService {
  private:
   WeightService* service_;
   ThreadPool* pool_;
+  CallDrain* drain_;
   const CallAuthenticator* auth_;
 };
 
 class AdaptersImpl final : public v1::Adapters::CallbackService {
  public:
-  AdaptersImpl(WeightService* service, ThreadPool* pool, const CallAuthenticator* auth)
-      : service_(service), pool_(pool), auth_(auth) {}
+  AdaptersImpl(WeightService* service, ThreadPool* pool, CallDrain* drain,
+               const CallAuthenticator* auth)
+      : service_(service), pool_(pool), drain_(drain), auth_(auth) {}
 
   grpc::ServerUnaryReactor* Load(grpc::CallbackServerContext* ctx,
                                  const v1::LoadAdapterRequest* req,
                                  v1::AdapterInfo* resp) override {
     auto who = auth_->AuthenticateAdmin(ctx, "load adapters");
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
+    return RunOnPool(ctx, pool_, drain_, [this, req, resp]() -> absl::Status {
       std::vector<std::string> readers(req->readers().begin(), req->readers().end());
       auto info = service_->LoadAdapter(req->name(), req->path(), req->format(), req->strict(),
                                         readers);
@@ -489,7 +531,7 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
                                    v1::UnloadAdapterResponse*) override {
     auto who = auth_->AuthenticateAdmin(ctx, "unload adapters");
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, [this, req] { return service_->UnloadAdapter(req->name()); });
+    return RunOnPool(ctx, pool_, drain_, [this, req] { return service_->UnloadAdapter(req->name()); });
   }
 
   grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx,
@@ -515,7 +557,7 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
                                   v1::ApplyResponse* resp) override {
     auto who = auth_->AuthenticateAdmin(ctx, "apply adapters");
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, [this, req, resp]() -> absl::Status {
+    return RunOnPool(ctx, pool_, drain_, [this, req, resp]() -> absl::Status {
       std::vector<AdapterRef> stack;
       for (const v1::AdapterRef& r : req->adapters()) stack.push_back(AdapterRef{r.name(), r.strength()});
       auto info = service_->Apply(req->model(), stack, req->expect_generation());
@@ -529,6 +571,7 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
  private:
   WeightService* service_;
   ThreadPool* pool_;
+  CallDrain* drain_;
   const CallAuthenticator* auth_;
 };
 
@@ -540,10 +583,10 @@ class GrpcServer::Impl {
        std::shared_ptr<const BearerTokens> tokens)
       : options_(std::move(options)),
         pool_(options_.worker_threads),
-        auth_(&service->access(), &peers_, std::move(tokens)),
-        models_(service, &pool_, &auth_),
-        shards_(service, &pool_, &auth_),
-        adapters_(service, &pool_, &auth_) {}
+        auth_(&service->access(), &peers_, std::move(tokens), &drain_),
+        models_(service, &pool_, &drain_, &auth_),
+        shards_(service, &pool_, &drain_, &auth_),
+        adapters_(service, &pool_, &drain_, &auth_) {}
 
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials() {
     if (options_.tls_cert_file.empty()) return grpc::InsecureServerCredentials();
@@ -611,11 +654,25 @@ class GrpcServer::Impl {
       if (shut_down_) return;
       shut_down_ = true;
     }
+    // New calls, also on connections already open, get UNAVAILABLE; health
+    // says NOT_SERVING; no new connections.
+    drain_.BeginDrain();
+    if (server_ != nullptr) server_->GetHealthCheckService()->SetServingStatus(false);
     if (acceptor_ != nullptr) acceptor_->Stop();  // unlinks the socket
     if (server_ == nullptr) return;
-    server_->GetHealthCheckService()->SetServingStatus(false);
-    server_->Shutdown(std::chrono::system_clock::now() +
-                      absl::ToChronoMilliseconds(grace));
+    // In-flight calls get `grace` (watches end within 500 ms).
+    const absl::Time deadline = absl::Now() + grace;
+    int64_t left = drain_.WaitIdle(deadline);
+    if (left > 0) {
+      LogEvent(LogLevel::kWarning, "shutdown_grace_expired",
+               {{"calls_in_flight", absl::StrCat(left)}, {"cancelled", "true"}});
+    }
+    // An expired deadline: gRPC cancels what is left and closes the idle
+    // connections instead of waiting for their clients to close them.
+    server_->Shutdown(std::chrono::system_clock::now());
+    // A cancelled load or watch thread still runs until it notices; the
+    // service must outlive it.
+    drain_.WaitIdle(absl::InfiniteFuture());
   }
 
   void Wait() { server_->Wait(); }
@@ -623,6 +680,7 @@ class GrpcServer::Impl {
  private:
   GrpcServerOptions options_;
   ThreadPool pool_;
+  CallDrain drain_;
   UnixPeerRegistry peers_;
   CallAuthenticator auth_;
   ModelsImpl models_;

@@ -2,9 +2,11 @@
 unlinked), flag errors in the `error: CODE: message` form."""
 import json
 import os
+import signal
 import subprocess
 import time
 
+import pytest
 import torch
 
 import harness
@@ -195,3 +197,84 @@ def test_verify_recomputes_digests(tmp_path):
         out = d.ctl_ok("verify", "m").stdout
         assert out.startswith("verified m: 1 tensors, 48.0 B, every digest matches"), out
         assert d.ctl("verify", "nope").error_code == "NOT_FOUND"
+
+
+def _exit_seconds(d):
+    t = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    rc = d.proc.wait(timeout=30)
+    return rc, time.monotonic() - t
+
+
+def test_sigterm_with_idle_clients_exits_at_once(tmp_path):
+    """Idle client connections (a Python channel that made one call, an open
+    watch) do not hold the exit: the watch ends UNAVAILABLE, the daemon exits
+    0 well inside the grace (gRPC alone waits ~5 s for idle Python channels)."""
+    import grpc
+    import weightd
+    from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                       extra_args=["--preload", "m=" + path])
+    d.start()
+    idle = weightd.Client(d.socket, retry_deadline=0)
+    assert [m.name for m in idle.list()] == ["m"]
+    watch_channel = grpc.insecure_channel("unix:" + d.socket)
+    watch = pbg.ShardsStub(watch_channel).Watch(pb.WatchRequest(model="m", include_current=True))
+    assert next(watch).model == "m"
+    rc, took = _exit_seconds(d)
+    assert rc == 0, d.log()
+    assert took < 2.0, (took, d.log())
+    with pytest.raises(grpc.RpcError) as e:
+        next(watch)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+    assert "shutting down" in e.value.details()
+    d.stop()
+
+
+def test_draining_daemon_answers_new_calls_unavailable(tmp_path):
+    """While a call is in flight (a grpc Read its client does not consume),
+    a SIGTERMed daemon says NOT_SERVING and answers new calls on the open
+    connection UNAVAILABLE; when --shutdown-grace-seconds runs out it cancels
+    the call, logs it and exits 0."""
+    import grpc
+    from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+    root = tmp_path / "models"
+    root.mkdir()
+    path = os.path.join(str(root), "big.safetensors")
+    st_io.save({"w": torch.zeros(16 << 20, dtype=torch.float32)}, path)  # 64 MiB
+    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                       extra_args=["--preload", "big=" + path, "--shutdown-grace-seconds", "3"])
+    d.start()
+    channel = grpc.insecure_channel("unix:" + d.socket,
+                                    options=[("grpc.max_receive_message_length", 64 << 20)])
+    shards = pbg.ShardsStub(channel)
+    models = pbg.ModelsStub(channel)
+    f = shards.Fetch(pb.FetchRequest(model="big", transport=pb.GRPC))
+    read = shards.Read(pb.ReadRequest(lease_id=f.lease_id, token=f.token, segment=0,
+                                      offset=0, length=f.segment_sizes[0]))
+    assert len(next(read).data) > 0  # the rest waits on flow control
+    t = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    health = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                 request_serializer=lambda _: b"",
+                                 response_deserializer=lambda b: b)
+    deadline = time.monotonic() + 2
+    while health(None, timeout=2) != b"\x08\x02":  # status: NOT_SERVING
+        assert time.monotonic() < deadline, "health still SERVING after SIGTERM"
+        time.sleep(0.02)
+    for call in (lambda: models.List(pb.ListModelsRequest(), timeout=2),
+                 lambda: shards.Fetch(pb.FetchRequest(model="big"), timeout=2)):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+        assert "shutting down" in e.value.details(), e.value.details()
+    assert d.alive(), "exited before the grace ran out"
+    rc = d.proc.wait(timeout=30)
+    took = time.monotonic() - t
+    assert rc == 0, d.log()
+    assert 2.5 < took < 6, took
+    assert "shutdown_grace_expired" in d.log() and "calls_in_flight=1" in d.log(), d.log()
+    d.stop()

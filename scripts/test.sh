@@ -22,5 +22,21 @@ else
   export BUILD_DIR=${BUILD_DIR:-build}
   bash scripts/build.sh
 fi
+tsan_reports=""
+if [[ "$sanitize" == *thread* ]]; then
+  # Every process (daemon, weightctl, unit tests) writes its reports here;
+  # any report fails the run, also from a daemon whose test passed.
+  tsan_reports="$PWD/$BUILD_DIR/tsan-reports"
+  rm -rf "$tsan_reports" && mkdir -p "$tsan_reports"
+  export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp log_path=$tsan_reports/report ${TSAN_OPTIONS:-}"
+fi
 # Our tests must run; ctest fails when it finds none.
-ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -j2 "${ctest_args[@]}"
+rc=0
+ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -j2 "${ctest_args[@]}" || rc=$?
+if [ -n "$tsan_reports" ] && compgen -G "$tsan_reports/report.*" > /dev/null; then
+  echo "ThreadSanitizer reports in $tsan_reports:" >&2
+  set +o pipefail  # head closes the pipe early
+  grep -h -A12 "WARNING: ThreadSanitizer" "$tsan_reports"/report.* | head -200 >&2
+  rc=1
+fi
+exit "$rc"

@@ -14,6 +14,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.environ.get("WEIGHTD_BUILD", os.path.join(REPO, "build"))
 WEIGHTD = os.path.join(BUILD, "bin", "weightd")
 WEIGHTCTL = os.path.join(BUILD, "bin", "weightctl")
+
+
+def _sanitizer():
+    """The WEIGHTD_SANITIZE the build was configured with ("" = none)."""
+    try:
+        with open(os.path.join(BUILD, "CMakeCache.txt")) as f:
+            for line in f:
+                if line.startswith("WEIGHTD_SANITIZE:"):
+                    return line.split("=", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# Sanitizer builds run several times slower and TSan keeps shadow memory and
+# history that grow with the run: timing bounds widen, RSS bounds do not apply.
+SANITIZE = _sanitizer()
 sys.path.insert(0, os.path.join(REPO, "tests", "parity"))
 sys.path.insert(0, os.path.join(BUILD, "python"))
 

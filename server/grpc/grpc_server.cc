@@ -4,6 +4,9 @@
 #include <unistd.h>
 
 #include <deque>
+#include <mutex>
+
+#include <grpcpp/support/byte_buffer.h>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -196,14 +199,19 @@ class HeldUnaryReactor : public grpc::ServerUnaryReactor {
   CallDrain::Hold hold_;
 };
 
-// Runs `fn` on the worker pool and finishes the unary call with its status;
-// UNAVAILABLE once the daemon drains.
+// Runs `fn` on the worker pool (or, with a null pool, at once on gRPC's
+// callback thread: for work of microseconds) and finishes the unary call
+// with its status; UNAVAILABLE once the daemon drains.
 grpc::ServerUnaryReactor* RunOnPool(grpc::CallbackServerContext* ctx, ThreadPool* pool,
                                     CallDrain* drain, std::function<absl::Status()> fn) {
   auto hold = drain->Enter();
   if (!hold.ok()) return Refuse(ctx, hold.status());
   auto* reactor = new HeldUnaryReactor(std::move(*hold));  // deletes itself in OnDone
-  pool->Schedule([reactor, fn = std::move(fn)] { reactor->Finish(ToGrpcStatus(fn())); });
+  if (pool == nullptr) {
+    reactor->Finish(ToGrpcStatus(fn()));
+  } else {
+    pool->Schedule([reactor, fn = std::move(fn)] { reactor->Finish(ToGrpcStatus(fn())); });
+  }
   return reactor;
 }
 
@@ -376,40 +384,98 @@ class ModelsImpl final : public v1::Models::CallbackService {
   const CallAuthenticator* auth_;
 };
 
-class ShardsImpl final : public v1::Shards::CallbackService {
+// The FetchResponse of `table` without lease_id and token (fields 1 and 2),
+// serialized once per table: protobuf merges concatenated messages, so a
+// response is the per-lease head followed by these bytes.
+const std::string& EncodedTable(const FetchTable& table) {
+  std::call_once(table.wire_once, [&table] {
+    v1::FetchResponse body;
+    body.set_generation(table.generation);
+    body.set_data_socket(table.data_socket);
+    for (uint64_t s : table.segment_sizes) body.add_segment_sizes(s);
+    for (const FetchedTensor& t : table.tensors) {
+      v1::ShardTensor* st = body.add_tensors();
+      st->set_name(t.name);
+      st->set_dtype(ToProtoDType(t.dtype));
+      for (int64_t d : t.shape) st->add_shape(d);
+      for (int64_t d : t.global_shape) st->add_global_shape(d);
+      for (int64_t d : t.global_offset) st->add_global_offset(d);
+      st->set_segment(t.segment);
+      st->set_offset(t.offset);
+      st->set_length(t.length);
+      st->set_digest(std::string(t.digest.View()));
+    }
+    body.SerializeToString(&table.wire);
+  });
+  return table.wire;
+}
+
+void ReleaseTable(void* table) { delete static_cast<std::shared_ptr<const FetchTable>*>(table); }
+
+// The response bytes: a fresh head (lease id, token) and the table's shared
+// encoding, sent without a copy (the slice keeps the table alive).
+grpc::ByteBuffer EncodeFetchResponse(const FetchResult& result) {
+  v1::FetchResponse head;
+  head.set_lease_id(result.lease.id);
+  head.set_token(std::string(reinterpret_cast<const char*>(result.lease.token.data()),
+                             result.lease.token.size()));
+  std::string head_bytes = head.SerializeAsString();
+  const std::string& body = EncodedTable(*result.table);
+  grpc::Slice slices[2] = {
+      grpc::Slice(head_bytes),
+      grpc::Slice(const_cast<char*>(body.data()), body.size(), &ReleaseTable,
+                  new std::shared_ptr<const FetchTable>(result.table))};
+  return grpc::ByteBuffer(slices, 2);
+}
+
+absl::StatusOr<v1::FetchRequest> ParseFetchRequest(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  v1::FetchRequest req;
+  std::string bytes;
+  if (buffer.Dump(&slices).ok()) {
+    for (const grpc::Slice& sl : slices) {
+      bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    }
+    if (req.ParseFromString(bytes)) return req;
+  }
+  return absl::InvalidArgumentError("malformed FetchRequest");
+}
+
+// Fetch is a raw method: its response is assembled from a cached encoding.
+using ShardsBase = v1::Shards::WithRawCallbackMethod_Fetch<v1::Shards::WithCallbackMethod_Read<
+    v1::Shards::WithCallbackMethod_Release<v1::Shards::WithCallbackMethod_Watch<
+        v1::Shards::Service>>>>;
+
+class ShardsImpl final : public ShardsBase {
  public:
   ShardsImpl(WeightService* service, ThreadPool* pool, CallDrain* drain,
              const CallAuthenticator* auth)
       : service_(service), pool_(pool), drain_(drain), auth_(auth) {}
 
-  grpc::ServerUnaryReactor* Fetch(grpc::CallbackServerContext* ctx, const v1::FetchRequest* req,
-                                  v1::FetchResponse* resp) override {
+  grpc::ServerUnaryReactor* Fetch(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                  grpc::ByteBuffer* resp) override {
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, drain_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
-      auto params = DecodeFetch(*req);
-      if (!params.ok()) return params.status();
-      params->caller = who;
-      auto result = service_->Fetch(*params);
+    auto request = ParseFetchRequest(*req);
+    if (!request.ok()) return Refuse(ctx, request.status());
+    auto params = DecodeFetch(*request);
+    if (!params.ok()) return Refuse(ctx, params.status());
+    params->caller = std::move(*who);
+    // A table served before: answered on this thread. Anything else (a
+    // materialization, a cast, a merge) goes to the worker pool.
+    // (Draining is checked first so that no lease is granted for a refusal.)
+    if (absl::Status open = drain_->CheckOpen(); !open.ok()) return Refuse(ctx, open);
+    if (auto cached = service_->TryFetchCached(*params); cached.has_value()) {
+      return RunOnPool(ctx, nullptr, drain_, [resp, result = *std::move(cached)]() {
+        if (!result.ok()) return result.status();
+        *resp = EncodeFetchResponse(*result);
+        return absl::OkStatus();
+      });
+    }
+    return RunOnPool(ctx, pool_, drain_, [this, resp, params = std::move(*params)]() -> absl::Status {
+      auto result = service_->Fetch(params);
       if (!result.ok()) return result.status();
-      resp->set_lease_id(result->lease.id);
-      resp->set_token(std::string(reinterpret_cast<const char*>(result->lease.token.data()),
-                                  result->lease.token.size()));
-      resp->set_generation(result->generation);
-      resp->set_data_socket(result->data_socket);
-      for (uint64_t s : result->segment_sizes) resp->add_segment_sizes(s);
-      for (const FetchedTensor& t : result->tensors) {
-        v1::ShardTensor* st = resp->add_tensors();
-        st->set_name(t.name);
-        st->set_dtype(ToProtoDType(t.dtype));
-        for (int64_t d : t.shape) st->add_shape(d);
-        for (int64_t d : t.global_shape) st->add_global_shape(d);
-        for (int64_t d : t.global_offset) st->add_global_offset(d);
-        st->set_segment(t.segment);
-        st->set_offset(t.offset);
-        st->set_length(t.length);
-        st->set_digest(std::string(t.digest.View()));
-      }
+      *resp = EncodeFetchResponse(*result);
       return absl::OkStatus();
     });
   }
@@ -435,7 +501,8 @@ class ShardsImpl final : public v1::Shards::CallbackService {
                                     v1::ReleaseResponse*) override {
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, drain_, [this, req, who = std::move(*who)] {
+    // Microseconds: on this thread.
+    return RunOnPool(ctx, nullptr, drain_, [this, req, who = std::move(*who)] {
       return service_->Release(req->lease_id(), req->token(), &who);
     });
   }

@@ -478,12 +478,16 @@ uint64_t Materializer::EvictLocked(bool orphans_only) {
       packed_.erase(cur);
     }
   }
-  for (auto it = cache_.begin(); it != cache_.end();) {
-    auto cur = it++;
-    const Entry& e = cur->second;
-    bool dead = e.packed_segment_id == 0 ? e.view_segment.expired()
-                                         : !packed_.contains(e.packed_segment_id);
-    if (dead) cache_.erase(cur);
+  // Entries of freed packed segments go at once. Views die only when their
+  // checkpoint is gone, which a sweep after every release would look for in
+  // vain: walking every entry then costs more than the release itself, so a
+  // sweep that freed nothing prunes only every 64th time (stats() counts
+  // live entries only, so nothing observable waits on it).
+  if (freed > 0 || !orphans_only || ++sweeps_since_prune_ >= 64) {
+    sweeps_since_prune_ = 0;
+    absl::erase_if(cache_, [this](const auto& kv) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return !EntryLive(kv.second);
+    });
   }
   // A retired tag is forgotten once none of its segments is left.
   for (auto it = retired_tags_.begin(); it != retired_tags_.end();) {
@@ -493,10 +497,16 @@ uint64_t Materializer::EvictLocked(bool orphans_only) {
   return freed;
 }
 
+bool Materializer::EntryLive(const Entry& e) const {
+  return e.packed_segment_id == 0 ? !e.view_segment.expired()
+                                  : packed_.contains(e.packed_segment_id);
+}
+
 MaterializerStats Materializer::stats() const {
   absl::MutexLock lock(&mu_);
   MaterializerStats s = stats_;
-  s.entries = cache_.size();
+  s.entries = 0;
+  for (const auto& [key, e] : cache_) s.entries += EntryLive(e) ? 1 : 0;
   return s;
 }
 

@@ -154,6 +154,8 @@ class Materializer {
   absl::flat_hash_map<std::string, Entry> cache_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, PackedSegment> packed_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> retired_tags_ ABSL_GUARDED_BY(mu_);
+  int sweeps_since_prune_ ABSL_GUARDED_BY(mu_) = 0;
+  bool EntryLive(const Entry& e) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   MaterializerStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -290,7 +290,14 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
     model->path = resolved;
     model->profile = profile;
     model->readers = reader_list;
-    WD_ASSIGN_OR_RETURN(model->checkpoint, LoadCheckpoint(resolved, opts));
+    auto checkpoint = LoadCheckpoint(resolved, opts);
+    // Over the memory budget: the unleased materializations (casts, shards,
+    // merges; rebuilt on demand) make room first, then the load is retried.
+    if (absl::IsResourceExhausted(checkpoint.status()) && materializer_.EvictUnused() > 0) {
+      checkpoint = LoadCheckpoint(resolved, opts);
+    }
+    if (!checkpoint.ok()) return checkpoint.status();
+    model->checkpoint = std::move(*checkpoint);
     std::vector<SourceTensorInfo> sources;
     for (const StoredTensor& t : model->checkpoint->tensors()) {
       sources.push_back(SourceTensorInfo{t.name, t.dtype, t.shape});
@@ -454,8 +461,13 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
                                             model->current->number, ")"));
   };
   WD_ASSIGN_OR_RETURN(std::shared_ptr<const Generation> gen, find_gen(params.generation));
-  // Checked on the generation actually served, so an apply racing with the
-  // fetch cannot hand out a private generation.
+  // A request served before on this generation: its table, if its segments
+  // still live. The readers are checked on the generation actually served,
+  // so an apply racing with the fetch cannot hand out a private generation.
+  std::string cache_key = FetchCacheKey(params, gen->number);
+  if (auto cached = FetchFromCache(params, cache_key, gen); cached.has_value()) {
+    return *std::move(cached);
+  }
   std::vector<ReadGuard> guards = GuardsOf(*model, *gen);
   if (params.caller.has_value()) {
     WD_RETURN_IF_ERROR(access_.CheckRead(*params.caller, guards));
@@ -630,31 +642,156 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   WD_ASSIGN_OR_RETURN(std::vector<MaterializedTensor> served,
                       materializer_.Materialize(items, absl::StrCat(params.model, "#", gen->number)));
 
-  FetchResult result;
-  result.generation = gen->number;
-  result.data_socket = options_.data_socket_path;
-  LeaseContents lease;
-  lease.model = params.model;
-  lease.generation = gen->number;
+  auto table = std::make_shared<FetchTable>();
+  table->generation = gen->number;
+  table->data_socket = options_.data_socket_path;
+  std::vector<SegmentPtr> segments;
   absl::flat_hash_map<uint64_t, uint32_t> segment_index;
   for (size_t i = 0; i < items.size(); ++i) {
     const MaterializedTensor& m = served[i];
-    auto [it, inserted] = segment_index.try_emplace(m.segment->id(), lease.segments.size());
+    auto [it, inserted] = segment_index.try_emplace(m.segment->id(), segments.size());
     if (inserted) {
-      lease.segments.push_back(m.segment);
-      result.segment_sizes.push_back(m.segment->size());
+      segments.push_back(m.segment);
+      table->segment_sizes.push_back(m.segment->size());
     }
     FetchedTensor& ft = tables[i];
     ft.segment = it->second;
     ft.offset = m.offset;
     ft.length = m.length;
     ft.digest = m.digest;
-    lease.bytes += m.length;
-    result.tensors.push_back(std::move(ft));
+    table->bytes += m.length;
+    table->tensors.push_back(std::move(ft));
   }
-  bytes_served_.fetch_add(lease.bytes);
+  FetchCacheEntry entry;
+  entry.gen = gen;
+  entry.table = table;
+  entry.segments.assign(segments.begin(), segments.end());
+  entry.guards = guards;
+  StoreFetchCache(std::move(cache_key), std::move(entry));
+  return GrantFetch(params, std::move(table), std::move(segments), std::move(guards));
+}
+
+std::optional<absl::StatusOr<FetchResult>> WeightService::FetchFromCache(
+    const FetchParams& params, const std::string& key,
+    const std::shared_ptr<const Generation>& gen) {
+  std::shared_ptr<const FetchTable> table;
+  std::vector<SegmentPtr> segments;
+  std::vector<ReadGuard> guards;
+  if (!LookupFetchCache(key, gen, &table, &segments, &guards)) return std::nullopt;
+  if (params.caller.has_value()) {
+    if (absl::Status s = access_.CheckRead(*params.caller, guards); !s.ok()) return s;
+  }
+  return GrantFetch(params, std::move(table), std::move(segments), std::move(guards));
+}
+
+std::optional<absl::StatusOr<FetchResult>> WeightService::TryFetchCached(
+    const FetchParams& params) {
+  if (params.transport == TransportKind::kCuda) return std::nullopt;
+  absl::Time start = absl::Now();
+  auto model = FindModel(params.model);
+  if (!model.ok()) return std::nullopt;  // Fetch gives the error
+  std::shared_ptr<const Generation> gen = (*model)->current;
+  if (params.generation != 0) {
+    gen = nullptr;
+    for (const auto& g : (*model)->history) {
+      if (g->number == params.generation) gen = g;
+    }
+    if (gen == nullptr) return std::nullopt;
+  }
+  auto result = FetchFromCache(params, FetchCacheKey(params, gen->number), gen);
+  if (!result.has_value()) return std::nullopt;
+  double secs = absl::ToDoubleSeconds(absl::Now() - start);
+  if (!result->ok()) {
+    fetch_errors_.fetch_add(1);
+  } else if (params.transport == TransportKind::kGrpc) {
+    fetch_latency_grpc_.Record(secs);
+  } else {
+    fetch_latency_shm_.Record(secs);
+  }
+  return result;
+}
+
+std::string WeightService::FetchCacheKey(const FetchParams& params, uint64_t generation) {
+  // Length-prefixed, so no two requests share a key.
+  std::string key;
+  auto put = [&key](uint64_t v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  auto put_str = [&](absl::string_view v) {
+    put(v.size());
+    key.append(v.data(), v.size());
+  };
+  put_str(params.model);
+  put(generation);
+  put(params.mesh.shape.size());
+  for (int64_t d : params.mesh.shape) put(static_cast<uint64_t>(d));
+  put(params.mesh.coord.size());
+  for (int64_t c : params.mesh.coord) put(static_cast<uint64_t>(c));
+  if (params.placements.has_value()) {
+    put(params.placements->size());
+    for (const Placement& p : *params.placements) put(static_cast<uint64_t>(p.shard_dim));
+  } else {
+    put(~uint64_t{0});
+  }
+  put(params.dtype.has_value() ? static_cast<uint64_t>(*params.dtype) : ~uint64_t{0});
+  put(params.changed_since);
+  put(params.names.size());
+  for (const std::string& n : params.names) put_str(n);
+  return key;
+}
+
+bool WeightService::LookupFetchCache(const std::string& key,
+                                     const std::shared_ptr<const Generation>& gen,
+                                     std::shared_ptr<const FetchTable>* table,
+                                     std::vector<SegmentPtr>* segments,
+                                     std::vector<ReadGuard>* guards) {
+  absl::MutexLock lock(&fetch_cache_mu_);
+  auto it = fetch_cache_.find(key);
+  if (it == fetch_cache_.end()) return false;
+  const FetchCacheEntry& e = it->second;
+  bool live = e.gen.lock() == gen;
+  segments->clear();
+  for (size_t i = 0; live && i < e.segments.size(); ++i) {
+    SegmentPtr seg = e.segments[i].lock();
+    live = seg != nullptr;
+    segments->push_back(std::move(seg));
+  }
+  if (!live) {  // an older generation under the same number, or evicted
+    fetch_cache_.erase(it);
+    segments->clear();
+    return false;
+  }
+  *table = e.table;
+  *guards = e.guards;
+  return true;
+}
+
+void WeightService::StoreFetchCache(std::string key, FetchCacheEntry entry) {
+  absl::MutexLock lock(&fetch_cache_mu_);
+  // Stores follow misses (a materialization at least), so a full pass is
+  // cheap next to them: entries of retired generations or evicted segments
+  // go at once, which keeps the cache as small as what is live.
+  absl::erase_if(fetch_cache_, [](const auto& kv) {
+    if (kv.second.gen.expired()) return true;
+    for (const auto& s : kv.second.segments) {
+      if (s.expired()) return true;
+    }
+    return false;
+  });
+  if (fetch_cache_.size() >= kFetchCacheEntries) fetch_cache_.clear();
+  fetch_cache_.insert_or_assign(std::move(key), std::move(entry));
+}
+
+FetchResult WeightService::GrantFetch(const FetchParams& params,
+                                      std::shared_ptr<const FetchTable> table,
+                                      std::vector<SegmentPtr> segments,
+                                      std::vector<ReadGuard> guards) {
+  FetchResult result;
+  LeaseContents lease;
+  lease.model = params.model;
+  lease.generation = table->generation;
+  lease.segments = std::move(segments);
+  lease.bytes = table->bytes;
+  bytes_served_.fetch_add(table->bytes);
   fetches_.fetch_add(1);
-  uint64_t lease_bytes = lease.bytes;
   result.lease = leases_.Grant(std::move(lease));
   if (params.caller.has_value()) {
     absl::MutexLock lock(&owners_mu_);
@@ -663,10 +800,11 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   if (LogEnabled(LogLevel::kDebug)) {
     LogEvent(LogLevel::kDebug, "lease_grant",
              {{"lease", absl::StrCat(result.lease.id)}, {"model", params.model},
-              {"generation", absl::StrCat(gen->number)},
-              {"tensors", absl::StrCat(result.tensors.size())},
-              {"bytes", absl::StrCat(lease_bytes)}});
+              {"generation", absl::StrCat(table->generation)},
+              {"tensors", absl::StrCat(table->tensors.size())},
+              {"bytes", absl::StrCat(table->bytes)}});
   }
+  result.table = std::move(table);
   return result;
 }
 

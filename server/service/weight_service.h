@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -129,12 +130,24 @@ struct FetchedTensor {
   Digest digest;
 };
 
-struct FetchResult {
-  LeaseGrant lease;
+// What a fetch serves, the same for every fetch of the same request on the
+// same generation: built once and shared (WeightService caches it while its
+// segments live), so a repeated fetch costs a lookup and a lease.
+struct FetchTable {
   uint64_t generation = 0;
   std::vector<uint64_t> segment_sizes;
   std::vector<FetchedTensor> tensors;
   std::string data_socket;
+  uint64_t bytes = 0;  // sum of the tensors' lengths
+  // The control plane's encoding of this table, made once by whoever sends
+  // it (the gRPC layer: a serialized FetchResponse without lease and token).
+  mutable std::once_flag wire_once;
+  mutable std::string wire;
+};
+
+struct FetchResult {
+  LeaseGrant lease;
+  std::shared_ptr<const FetchTable> table;
 };
 
 // The bytes a grpc-transport Read streams.
@@ -186,6 +199,11 @@ class WeightService {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::StatusOr<FetchResult> Fetch(const FetchParams& params) ABSL_LOCKS_EXCLUDED(mu_);
+  // Fetch, if the request's table is cached (a lookup and a lease, no
+  // materialization: cheap enough for a gRPC callback thread); nullopt when
+  // it is not, or when only Fetch can tell what is wrong with the request.
+  std::optional<absl::StatusOr<FetchResult>> TryFetchCached(const FetchParams& params)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   struct VerifyResult {
     uint64_t tensors = 0;
@@ -327,6 +345,33 @@ class WeightService {
   LatencyHistogram fetch_latency_shm_;
   LatencyHistogram fetch_latency_grpc_;
   absl::StatusOr<FetchResult> FetchImpl(const FetchParams& params);
+
+  // Fetch tables by request and generation (FetchCacheKey). An entry holds
+  // its segments weakly: once the materializer evicts one, the entry misses
+  // and is rebuilt; it never keeps memory alive nor outlives its generation.
+  struct FetchCacheEntry {
+    std::weak_ptr<const Generation> gen;
+    std::shared_ptr<const FetchTable> table;
+    std::vector<std::weak_ptr<const Segment>> segments;
+    std::vector<ReadGuard> guards;
+  };
+  static constexpr size_t kFetchCacheEntries = 1024;
+  static std::string FetchCacheKey(const FetchParams& params, uint64_t generation);
+  // The fetch from the cached table for `key` on `gen`, or nullopt.
+  std::optional<absl::StatusOr<FetchResult>> FetchFromCache(
+      const FetchParams& params, const std::string& key,
+      const std::shared_ptr<const Generation>& gen);
+  // The table, segments and guards cached for `key` on `gen`, if all live.
+  bool LookupFetchCache(const std::string& key, const std::shared_ptr<const Generation>& gen,
+                        std::shared_ptr<const FetchTable>* table,
+                        std::vector<SegmentPtr>* segments, std::vector<ReadGuard>* guards)
+      ABSL_LOCKS_EXCLUDED(fetch_cache_mu_);
+  void StoreFetchCache(std::string key, FetchCacheEntry entry) ABSL_LOCKS_EXCLUDED(fetch_cache_mu_);
+  // Grants the lease on `table` and records its owner.
+  FetchResult GrantFetch(const FetchParams& params, std::shared_ptr<const FetchTable> table,
+                         std::vector<SegmentPtr> segments, std::vector<ReadGuard> guards);
+  absl::Mutex fetch_cache_mu_;
+  absl::flat_hash_map<std::string, FetchCacheEntry> fetch_cache_ ABSL_GUARDED_BY(fetch_cache_mu_);
 
   absl::Notification stop_;
   std::thread reaper_;

@@ -5,12 +5,19 @@
 //   --rpc stats   Models.Stats in a loop: the cheapest unary call on the same
 //                 server, the gRPC floor Fetch is compared against.
 // Only the control plane is measured: no data-socket attach, no mapping.
+//   --decode full   (default) every FetchResponse is parsed into a message,
+//                   as a worker does with the one table it fetches;
+//   --decode lease  only lease_id and token are read from the response bytes
+//                   (the table's fields are skipped, tensors counted): the
+//                   clients share the 2 cores with the daemon, and building
+//                   201 sub-messages per call costs them more CPU than the
+//                   daemon spends answering it.
 // After a warm-up, every call's latency is recorded; one JSON line is
 // printed with throughput and p50/p99/max per RPC.
 //
 //   control_bench --socket PATH [--model NAME] [--rpc fetch|stats]
 //                 [--clients N] [--seconds S] [--warmup-seconds S]
-//                 [--world W] [--dtype keep|bf16|f16|f32]
+//                 [--world W] [--dtype keep|bf16|f16|f32] [--decode full|lease]
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -21,7 +28,10 @@
 #include <thread>
 #include <vector>
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/client_unary_call.h>
 
 #include "absl/strings/numbers.h"
 #include "weightd/v1/weightd.grpc.pb.h"
@@ -39,6 +49,7 @@ struct Flags {
   double warmup_seconds = 0.5;
   int64_t world = 8;
   std::string dtype = "keep";
+  std::string decode = "full";
 };
 
 bool ParseFlags(int argc, char** argv, Flags* f) {
@@ -53,6 +64,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     else if (k == "--warmup-seconds") ok = absl::SimpleAtod(v, &f->warmup_seconds);
     else if (k == "--world") ok = absl::SimpleAtoi(v, &f->world);
     else if (k == "--dtype") f->dtype = v;
+    else if (k == "--decode") f->decode = v;
     else {
       std::fprintf(stderr, "error: INVALID_ARGUMENT: unknown flag %s\n", k.c_str());
       return false;
@@ -64,9 +76,9 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     }
   }
   if (f->socket.empty() || f->clients < 1 || f->world < 1 ||
-      (f->rpc != "fetch" && f->rpc != "stats")) {
+      (f->rpc != "fetch" && f->rpc != "stats") || (f->decode != "full" && f->decode != "lease")) {
     std::fprintf(stderr, "error: INVALID_ARGUMENT: need --socket, --clients >= 1, "
-                         "--world >= 1, --rpc fetch|stats\n");
+                         "--world >= 1, --rpc fetch|stats, --decode full|lease\n");
     return false;
   }
   return true;
@@ -97,6 +109,34 @@ std::shared_ptr<grpc::Channel> NewChannel(const std::string& socket) {
   return grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args);
 }
 
+// lease_id (1), token (2) and the number of tensors (5) of a serialized
+// FetchResponse, skipping everything else, in whatever order it comes.
+bool DecodeLease(const grpc::ByteBuffer& buffer, uint64_t* lease_id, std::string* token,
+                 uint64_t* tensors) {
+  std::vector<grpc::Slice> slices;
+  if (!buffer.Dump(&slices).ok()) return false;
+  std::string bytes;
+  for (const grpc::Slice& sl : slices) {
+    bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
+  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
+                                            static_cast<int>(bytes.size()));
+  *tensors = 0;
+  while (uint32_t tag = in.ReadTag()) {
+    int field = static_cast<int>(google::protobuf::internal::WireFormatLite::GetTagFieldNumber(tag));
+    if (field == 1) {
+      if (!in.ReadVarint64(lease_id)) return false;
+    } else if (field == 2) {
+      uint32_t n = 0;
+      if (!in.ReadVarint32(&n) || !in.ReadString(token, static_cast<int>(n))) return false;
+    } else {
+      if (field == 5) ++*tensors;
+      if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) return false;
+    }
+  }
+  return in.ConsumedEntireMessage();
+}
+
 float Micros(Clock::duration d) {
   return std::chrono::duration<float, std::micro>(d).count();
 }
@@ -105,6 +145,8 @@ void RunClient(const Flags& f, int index, std::atomic<int>* phase, ClientStats* 
   auto channel = NewChannel(f.socket);
   auto shards = weightd::v1::Shards::NewStub(channel);
   auto models = weightd::v1::Models::NewStub(channel);
+  const grpc::internal::RpcMethod fetch_method("/weightd.v1.Shards/Fetch",
+                                               grpc::internal::RpcMethod::NORMAL_RPC, channel);
   weightd::v1::FetchRequest req;
   req.set_model(f.model);
   req.add_mesh_shape(f.world);
@@ -134,9 +176,24 @@ void RunClient(const Flags& f, int index, std::atomic<int>* phase, ClientStats* 
       continue;
     }
     grpc::ClientContext fctx;
-    weightd::v1::FetchResponse resp;
+    weightd::v1::ReleaseRequest rreq;
     Clock::time_point t0 = Clock::now();
-    grpc::Status s = shards->Fetch(&fctx, req, &resp);
+    grpc::Status s;
+    if (f.decode == "full") {
+      weightd::v1::FetchResponse resp;
+      s = shards->Fetch(&fctx, req, &resp);
+      out->tensors = static_cast<uint64_t>(resp.tensors_size());
+      rreq.set_lease_id(resp.lease_id());
+      rreq.set_token(resp.token());
+    } else {
+      grpc::ByteBuffer raw;
+      s = grpc::internal::BlockingUnaryCall(channel.get(), fetch_method, &fctx, req, &raw);
+      uint64_t id = 0;
+      if (s.ok() && !DecodeLease(raw, &id, rreq.mutable_token(), &out->tensors)) {
+        s = grpc::Status(grpc::StatusCode::INTERNAL, "undecodable FetchResponse");
+      }
+      rreq.set_lease_id(id);
+    }
     Clock::time_point t1 = Clock::now();
     if (!s.ok()) {
       ++out->errors;
@@ -144,12 +201,8 @@ void RunClient(const Flags& f, int index, std::atomic<int>* phase, ClientStats* 
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
       continue;
     }
-    out->tensors = static_cast<uint64_t>(resp.tensors_size());
     grpc::ClientContext rctx;
-    weightd::v1::ReleaseRequest rreq;
     weightd::v1::ReleaseResponse rresp;
-    rreq.set_lease_id(resp.lease_id());
-    rreq.set_token(resp.token());
     grpc::Status r = shards->Release(&rctx, rreq, &rresp);
     Clock::time_point t2 = Clock::now();
     if (!r.ok()) {
@@ -205,11 +258,11 @@ int main(int argc, char** argv) {
   const double p50 = Percentile(first, 0.50), p99 = Percentile(first, 0.99);
   const double rp50 = Percentile(second, 0.50), rp99 = Percentile(second, 0.99);
   std::printf(
-      "{\"rpc\": \"%s\", \"clients\": %d, \"seconds\": %.3f, \"calls\": %.0f, "
+      "{\"rpc\": \"%s\", \"decode\": \"%s\", \"clients\": %d, \"seconds\": %.3f, \"calls\": %.0f, "
       "\"calls_per_s\": %.1f, \"p50_ms\": %.4f, \"p99_ms\": %.4f, \"max_ms\": %.4f, "
       "\"release_p50_ms\": %.4f, \"release_p99_ms\": %.4f, \"tensors\": %llu, "
       "\"errors\": %llu",
-      f.rpc.c_str(), f.clients, elapsed, n, n / elapsed, p50 / 1e3, p99 / 1e3, max_first / 1e3,
+      f.rpc.c_str(), f.decode.c_str(), f.clients, elapsed, n, n / elapsed, p50 / 1e3, p99 / 1e3, max_first / 1e3,
       rp50 / 1e3, rp99 / 1e3, static_cast<unsigned long long>(tensors),
       static_cast<unsigned long long>(errors));
   if (!last_error.empty()) {

@@ -365,19 +365,29 @@ def figure_control(ctx):
             d.ctl_ok("load", "m", path)
             for r in range(ctx.repeats):
                 for n in ctx.cfg["control_clients"]:
-                    for rpc in ("fetch", "stats"):
+                    # fetch: every response parsed into a message (as a
+                    # worker does); fetch-lease: the clients read only lease
+                    # and token, leaving the shared cores to the daemon.
+                    for rpc, decode in (("fetch", "full"), ("fetch", "lease"),
+                                        ("stats", "full")):
                         res = json_line(sh([tool, "--socket", d.socket, "--model", "m",
-                                            "--rpc", rpc, "--clients", str(n), "--seconds",
+                                            "--rpc", rpc, "--decode", decode,
+                                            "--clients", str(n), "--seconds",
                                             str(ctx.cfg["control_seconds"]), "--world", "8"]))
                         if res["errors"]:
                             raise RuntimeError("control_bench errors: %s" % res)
-                        series.setdefault((n, rpc), []).append(res)
+                        key = rpc if decode == "full" else rpc + "-lease"
+                        series.setdefault((n, key), []).append(res)
         finally:
             d.stop()
     rows = []
     for n in ctx.cfg["control_clients"]:
         f, s = series[(n, "fetch")], series[(n, "stats")]
+        fl = series[(n, "fetch-lease")]
         rows.append({"clients": n, "tensors": f[0]["tensors"],
+                     "fetch_lease_per_s": summary([x["calls_per_s"] for x in fl]),
+                     "fetch_lease_p50_ms": summary([x["p50_ms"] for x in fl]),
+                     "fetch_lease_p99_ms": summary([x["p99_ms"] for x in fl]),
                      "fetch_per_s": summary([x["calls_per_s"] for x in f]),
                      "fetch_p50_ms": summary([x["p50_ms"] for x in f]),
                      "fetch_p99_ms": summary([x["p99_ms"] for x in f]),
@@ -535,6 +545,13 @@ def table(figs, cfg):
             "Stats %.0f/s, p99 %.2f ms" % (r["stats_per_s"]["median"],
                                              r["stats_p99_ms"]["median"]),
             "%.2f of floor" % (r["fetch_per_s"]["median"] / r["stats_per_s"]["median"])))
+        rows.append(("5 control", "same, clients read lease+token only, %d client%s" % (
+            r["clients"], "s" if r["clients"] > 1 else ""),
+            "%s/s, p50 %s, p99 %s" % (fmt_v(r["fetch_lease_per_s"], "", "%.0f").strip(),
+                                       fmt_v(r["fetch_lease_p50_ms"], "ms", "%.2f"),
+                                       fmt_v(r["fetch_lease_p99_ms"], "ms", "%.2f")),
+            "Stats %.0f/s" % r["stats_per_s"]["median"],
+            "%.2f of floor" % (r["fetch_lease_per_s"]["median"] / r["stats_per_s"]["median"])))
     for s in figs.get("scaling") or []:
         if "gb_per_s" in s:
             rows.append(("6 scaling", s["series"], "fixed %.3g s + bytes at %s GB/s" % (

@@ -40,6 +40,12 @@ def test_control_bench_prints_sane_json(tmp_path):
         assert res["calls"] > 0 and res["calls_per_s"] > 0
         assert 0 < res["p50_ms"] <= res["p99_ms"] <= res["max_ms"]
         assert 0 < res["release_p50_ms"] <= res["release_p99_ms"]
+        # Reading only lease and token still sees the whole table (its
+        # tensors counted while skipped) and releases every lease.
+        lean = run(d, "--clients", "4", "--seconds", "1", "--warmup-seconds", "0.2",
+                   "--world", "8", "--decode", "lease")
+        assert lean["decode"] == "lease" and lean["errors"] == 0
+        assert lean["tensors"] == 201 and lean["calls"] > 0
         floor = run(d, "--rpc", "stats", "--clients", "4", "--seconds", "1",
                     "--warmup-seconds", "0.2")
         assert floor["errors"] == 0 and floor["calls"] > 0

@@ -23,46 +23,28 @@ sys.path.insert(0, HERE)
 import harness  # noqa: E402
 import llama_ckpt  # noqa: E402
 
-BASELINE = r"""
-import json, mmap, os, struct, sys, time, warnings
-warnings.filterwarnings("ignore")
-import torch
-path, world, rank, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-DT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-want = {"keep": None, "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[dtype]
-sys.stdin.readline()  # start signal: both ranks begin together
-t0 = time.perf_counter()
-with open(path, "rb") as f:
-    n = struct.unpack("<Q", f.read(8))[0]
-    header = json.loads(f.read(n))
-    mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)
-base = 8 + n
-shard, nbytes = {}, 0
-for name, e in header.items():
-    if name == "__metadata__":
-        continue
-    b, end = e["data_offsets"]
-    t = torch.frombuffer(mm, dtype=DT[e["dtype"]], count=(end - b) // torch.tensor([], dtype=DT[e["dtype"]]).element_size(), offset=base + b).reshape(e["shape"])
-    if want is not None:
-        t = t.to(want)
-    pieces = torch.chunk(t, world, 0) if t.dim() > 0 else [t] * world
-    mine = pieces[rank] if rank < len(pieces) else t[0:0]
-    shard[name] = mine.clone()
-    nbytes += shard[name].numel() * shard[name].element_size()
-t1 = time.perf_counter()
-print(json.dumps({"rank": rank, "ready_s": t1 - t0, "bytes": nbytes}))
-"""
-
-
 def run_baseline(path, world, dtype):
-    procs = [subprocess.Popen(["/usr/bin/python3", "-c", BASELINE, path, str(world), str(r), dtype],
+    """The in-process PyTorch baseline, one rank_worker.py (bench/suite.py's
+    rank process) per rank; all ranks start the round together once each has
+    imported torch."""
+    worker = os.path.join(HERE, "rank_worker.py")
+    procs = [subprocess.Popen(["/usr/bin/python3", worker, os.path.join(harness.BUILD, "python")],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for r in range(world)]
-    time.sleep(3.0)  # let every rank import torch before the start signal
+             for _ in range(world)]
     for p in procs:
-        p.stdin.write("go\n")
+        assert json.loads(p.stdout.readline()).get("ready"), "rank_worker did not start"
+    for r, p in enumerate(procs):
+        p.stdin.write(json.dumps({"op": "torch", "path": path, "world": world, "rank": r,
+                                  "dtype": dtype}) + "\n")
         p.stdin.flush()
-    results = [json.loads(p.communicate()[0]) for p in procs]
+    results = [json.loads(p.stdout.readline()) for p in procs]
+    for p in procs:
+        p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+        p.stdin.flush()
+        p.wait()
+    for r in results:
+        if "error" in r:
+            raise RuntimeError("baseline rank failed: " + r["error"])
     return max(r["ready_s"] for r in results), sum(r["bytes"] for r in results)
 
 

@@ -73,8 +73,8 @@ struct DaemonFlags {
 constexpr const char* kFlagNames[] = {
     "socket", "data-socket", "listen", "metrics-listen", "model-root", "host-memory-bytes",
     "preload", "lease-ttl-seconds", "shutdown-grace-seconds", "threads", "log-format",
-    "log-level", "socket-mode", "warm-reserve-bytes", "reserve-chunk-bytes", "allow-uid", "allow-gid", "admin-uid",
-    "admin-gid", "admin-token-names", "tls-cert", "tls-key", "tls-client-ca", "auth-token-file",
+    "log-level", "socket-mode", "warm-reserve-bytes", "reserve-chunk-bytes", "allow-uid",
+    "allow-gid", "admin-uid", "admin-gid", "admin-token-names", "tls-cert", "tls-key", "tls-client-ca", "auth-token-file",
     "allow-insecure-token"};
 
 // Flags that take no value on the command line; from the environment or a

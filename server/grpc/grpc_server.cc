@@ -428,6 +428,14 @@ grpc::ByteBuffer EncodeFetchResponse(const FetchResult& result) {
   return grpc::ByteBuffer(slices, 2);
 }
 
+// A fetch's outcome as the call's response (or its error).
+absl::Status EncodeFetchResponse(const absl::StatusOr<FetchResult>& result,
+                                 grpc::ByteBuffer* resp) {
+  if (!result.ok()) return result.status();
+  *resp = EncodeFetchResponse(*result);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::FetchRequest> ParseFetchRequest(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
   v1::FetchRequest req;
@@ -467,16 +475,11 @@ class ShardsImpl final : public ShardsBase {
     if (absl::Status open = drain_->CheckOpen(); !open.ok()) return Refuse(ctx, open);
     if (auto cached = service_->TryFetchCached(*params); cached.has_value()) {
       return RunOnPool(ctx, nullptr, drain_, [resp, result = *std::move(cached)]() {
-        if (!result.ok()) return result.status();
-        *resp = EncodeFetchResponse(*result);
-        return absl::OkStatus();
+        return EncodeFetchResponse(result, resp);
       });
     }
-    return RunOnPool(ctx, pool_, drain_, [this, resp, params = std::move(*params)]() -> absl::Status {
-      auto result = service_->Fetch(params);
-      if (!result.ok()) return result.status();
-      *resp = EncodeFetchResponse(*result);
-      return absl::OkStatus();
+    return RunOnPool(ctx, pool_, drain_, [this, resp, params = std::move(*params)]() {
+      return EncodeFetchResponse(service_->Fetch(params), resp);
     });
   }
 

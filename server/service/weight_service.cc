@@ -432,17 +432,30 @@ absl::StatusOr<float> WeightService::Fp8Scale(const Served& served, const Genera
   return scale;
 }
 
-absl::StatusOr<FetchResult> WeightService::Fetch(const FetchParams& params) {
-  absl::Time start = absl::Now();
-  auto result = FetchImpl(params);
+void WeightService::RecordFetch(const FetchParams& params, bool ok, absl::Time start) {
   double secs = absl::ToDoubleSeconds(absl::Now() - start);
-  if (!result.ok()) {
+  if (!ok) {
     fetch_errors_.fetch_add(1);
   } else if (params.transport == TransportKind::kGrpc) {
     fetch_latency_grpc_.Record(secs);
   } else {
     fetch_latency_shm_.Record(secs);
   }
+}
+
+std::shared_ptr<const WeightService::Generation> WeightService::GenerationOf(const Model& model,
+                                                                             uint64_t number) {
+  if (number == 0) return model.current;
+  for (const auto& g : model.history) {
+    if (g->number == number) return g;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<FetchResult> WeightService::Fetch(const FetchParams& params) {
+  absl::Time start = absl::Now();
+  auto result = FetchImpl(params);
+  RecordFetch(params, result.ok(), start);
   return result;
 }
 
@@ -451,16 +464,12 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     return absl::UnimplementedError("the cuda transport is not built into this daemon");
   }
   WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(params.model));
-  auto find_gen = [&](uint64_t number) -> absl::StatusOr<std::shared_ptr<const Generation>> {
-    if (number == 0) return model->current;
-    for (const auto& g : model->history) {
-      if (g->number == number) return g;
-    }
-    return absl::NotFoundError(absl::StrCat("generation ", number, " of model \"", params.model,
-                                            "\" is not available (current is ",
+  std::shared_ptr<const Generation> gen = GenerationOf(*model, params.generation);
+  if (gen == nullptr) {
+    return absl::NotFoundError(absl::StrCat("generation ", params.generation, " of model \"",
+                                            params.model, "\" is not available (current is ",
                                             model->current->number, ")"));
-  };
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Generation> gen, find_gen(params.generation));
+  }
   // A request served before on this generation: its table, if its segments
   // still live. The readers are checked on the generation actually served,
   // so an apply racing with the fetch cannot hand out a private generation.
@@ -690,24 +699,11 @@ std::optional<absl::StatusOr<FetchResult>> WeightService::TryFetchCached(
   absl::Time start = absl::Now();
   auto model = FindModel(params.model);
   if (!model.ok()) return std::nullopt;  // Fetch gives the error
-  std::shared_ptr<const Generation> gen = (*model)->current;
-  if (params.generation != 0) {
-    gen = nullptr;
-    for (const auto& g : (*model)->history) {
-      if (g->number == params.generation) gen = g;
-    }
-    if (gen == nullptr) return std::nullopt;
-  }
+  std::shared_ptr<const Generation> gen = GenerationOf(**model, params.generation);
+  if (gen == nullptr) return std::nullopt;
   auto result = FetchFromCache(params, FetchCacheKey(params, gen->number), gen);
   if (!result.has_value()) return std::nullopt;
-  double secs = absl::ToDoubleSeconds(absl::Now() - start);
-  if (!result->ok()) {
-    fetch_errors_.fetch_add(1);
-  } else if (params.transport == TransportKind::kGrpc) {
-    fetch_latency_grpc_.Record(secs);
-  } else {
-    fetch_latency_shm_.Record(secs);
-  }
+  RecordFetch(params, result->ok(), start);
   return result;
 }
 

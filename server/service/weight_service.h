@@ -345,6 +345,10 @@ class WeightService {
   LatencyHistogram fetch_latency_shm_;
   LatencyHistogram fetch_latency_grpc_;
   absl::StatusOr<FetchResult> FetchImpl(const FetchParams& params);
+  // Counts one fetch (an error, or its latency by transport) since `start`.
+  void RecordFetch(const FetchParams& params, bool ok, absl::Time start);
+  // Generation `number` of `model` (0 = current), null if it is not kept.
+  static std::shared_ptr<const Generation> GenerationOf(const Model& model, uint64_t number);
 
   // Fetch tables by request and generation (FetchCacheKey). An entry holds
   // its segments weakly: once the materializer evicts one, the entry misses

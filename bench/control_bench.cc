@@ -12,26 +12,46 @@
 //                   clients share the 2 cores with the daemon, and building
 //                   201 sub-messages per call costs them more CPU than the
 //                   daemon spends answering it.
+//   --rate 0   (default) closed loop: each client calls again as soon as its
+//              last call returns, so the clients saturate the 2 cores and
+//              latency is set by Little's law (clients / throughput);
+//   --rate R   open loop at R calls/s in total: client i calls at
+//              start + i/R + k*clients/R (constant throughput, staggered), and
+//              a call's latency counts from its scheduled time, so a daemon
+//              that falls behind shows it as latency (no coordinated
+//              omission). This is latency at a given load, the SLO reading.
+//   --api sync      (default) a thread per client making blocking calls;
+//   --api callback  gRPC's callback API: no thread per client, each client's
+//                   next call is started from the last one's completion (or,
+//                   open loop, by one scheduler thread when it is due). The
+//                   load generator's CPU, which shares the 2 cores with the
+//                   daemon, drops; the daemon's work per call is the same.
 // After a warm-up, every call's latency is recorded; one JSON line is
 // printed with throughput and p50/p99/max per RPC.
 //
 //   control_bench --socket PATH [--model NAME] [--rpc fetch|stats]
 //                 [--clients N] [--seconds S] [--warmup-seconds S]
 //                 [--world W] [--dtype keep|bf16|f16|f32] [--decode full|lease]
+//                 [--rate R] [--api sync|callback]
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
+#include <queue>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/client_unary_call.h>
+#include <grpcpp/support/client_callback.h>
 
 #include "absl/strings/numbers.h"
 #include "weightd/v1/weightd.grpc.pb.h"
@@ -50,6 +70,8 @@ struct Flags {
   int64_t world = 8;
   std::string dtype = "keep";
   std::string decode = "full";
+  double rate = 0.0;  // calls/s over all clients; 0 = closed loop
+  std::string api = "sync";
 };
 
 bool ParseFlags(int argc, char** argv, Flags* f) {
@@ -65,6 +87,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     else if (k == "--world") ok = absl::SimpleAtoi(v, &f->world);
     else if (k == "--dtype") f->dtype = v;
     else if (k == "--decode") f->decode = v;
+    else if (k == "--api") f->api = v;
+    else if (k == "--rate") ok = absl::SimpleAtod(v, &f->rate) && f->rate >= 0.0;
     else {
       std::fprintf(stderr, "error: INVALID_ARGUMENT: unknown flag %s\n", k.c_str());
       return false;
@@ -76,9 +100,9 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     }
   }
   if (f->socket.empty() || f->clients < 1 || f->world < 1 ||
-      (f->rpc != "fetch" && f->rpc != "stats") || (f->decode != "full" && f->decode != "lease")) {
-    std::fprintf(stderr, "error: INVALID_ARGUMENT: need --socket, --clients >= 1, "
-                         "--world >= 1, --rpc fetch|stats, --decode full|lease\n");
+      (f->rpc != "fetch" && f->rpc != "stats") || (f->decode != "full" && f->decode != "lease") || (f->api != "sync" && f->api != "callback")) {
+    std::fprintf(stderr, "error: INVALID_ARGUMENT: need --socket, --clients >= 1, --world >= 1, "
+                         "--rpc fetch|stats, --decode full|lease, --api sync|callback\n");
     return false;
   }
   return true;
@@ -155,8 +179,22 @@ void RunClient(const Flags& f, int index, std::atomic<int>* phase, ClientStats* 
   req.set_transport(weightd::v1::SHM);
   out->first_us.reserve(1 << 16);
   out->second_us.reserve(1 << 16);
+  // Open loop: this client's k-th call is due at first_due + k * period.
+  const bool open_loop = f.rate > 0.0;
+  const auto period = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(open_loop ? f.clients / f.rate : 0.0));
+  const Clock::time_point first_due =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(open_loop ? index / f.rate : 0.0));
+  int64_t k = 0;
   // phase: 0 warm-up, 1 measure, 2 stop.
   for (;;) {
+    // The time the call counts from: when it was due (open loop), or now.
+    Clock::time_point due = Clock::now();
+    if (open_loop) {
+      due = first_due + k++ * period;
+      std::this_thread::sleep_until(due);
+    }
     int p = phase->load(std::memory_order_acquire);
     if (p == 2) break;
     bool record = p == 1;
@@ -164,7 +202,7 @@ void RunClient(const Flags& f, int index, std::atomic<int>* phase, ClientStats* 
       grpc::ClientContext ctx;
       weightd::v1::StatsRequest sreq;
       weightd::v1::StatsResponse sresp;
-      Clock::time_point t0 = Clock::now();
+      Clock::time_point t0 = open_loop ? due : Clock::now();
       grpc::Status s = models->Stats(&ctx, sreq, &sresp);
       Clock::time_point t1 = Clock::now();
       if (!s.ok()) {
@@ -177,7 +215,7 @@ void RunClient(const Flags& f, int index, std::atomic<int>* phase, ClientStats* 
     }
     grpc::ClientContext fctx;
     weightd::v1::ReleaseRequest rreq;
-    Clock::time_point t0 = Clock::now();
+    Clock::time_point t0 = open_loop ? due : Clock::now();
     grpc::Status s;
     if (f.decode == "full") {
       weightd::v1::FetchResponse resp;
@@ -217,6 +255,195 @@ void RunClient(const Flags& f, int index, std::atomic<int>* phase, ClientStats* 
   }
 }
 
+// Open loop, callback API: one thread starts every client's call when it is
+// due; calls whose completion comes after their next due time start at once.
+class Scheduler {
+ public:
+  using Task = std::pair<Clock::time_point, std::function<void()>>;
+
+  Scheduler() : thread_([this] { Loop(); }) {}
+  ~Scheduler() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+
+  void At(Clock::time_point when, std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push(Task{when, std::move(fn)});
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  struct Later {
+    bool operator()(const Task& a, const Task& b) const { return a.first > b.first; }
+  };
+
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      if (queue_.empty()) {
+        cv_.wait(lock);
+        continue;
+      }
+      Clock::time_point when = queue_.top().first;
+      if (Clock::now() < when) {
+        cv_.wait_until(lock, when);
+        continue;
+      }
+      std::function<void()> fn = queue_.top().second;
+      queue_.pop();
+      lock.unlock();
+      fn();
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::priority_queue<Task, std::vector<Task>, Later> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: started once the rest is built
+};
+
+// One client of --api callback. Exactly one call of this client is in flight
+// at a time, and each is started from the previous one's completion (or by
+// the scheduler), so its fields need no lock.
+class CallbackClient {
+ public:
+  CallbackClient(const Flags& f, int index, std::atomic<int>* phase, ClientStats* out,
+                 Scheduler* scheduler, std::atomic<int>* running)
+      : f_(f), phase_(phase), out_(out), scheduler_(scheduler), running_(running),
+        channel_(NewChannel(f.socket)),
+        shards_(weightd::v1::Shards::NewStub(channel_)),
+        models_(weightd::v1::Models::NewStub(channel_)),
+        fetch_method_("/weightd.v1.Shards/Fetch", grpc::internal::RpcMethod::NORMAL_RPC,
+                      channel_) {
+    req_.set_model(f.model);
+    req_.add_mesh_shape(f.world);
+    req_.add_coord(index % f.world);
+    req_.set_dtype(ProtoDType(f.dtype));
+    req_.set_transport(weightd::v1::SHM);
+    out_->first_us.reserve(1 << 16);
+    out_->second_us.reserve(1 << 16);
+    if (f.rate > 0.0) {
+      period_ = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(f.clients / f.rate));
+      next_due_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(index / f.rate));
+    }
+  }
+
+  void Start() {
+    running_->fetch_add(1);
+    Next();
+  }
+
+ private:
+  // Starts the next call: now (closed loop, or late), or when it is due.
+  void Next() {
+    if (f_.rate <= 0.0) {
+      Begin(Clock::now());
+      return;
+    }
+    Clock::time_point due = next_due_;
+    next_due_ += period_;
+    if (Clock::now() >= due) {
+      Begin(due);
+    } else {
+      scheduler_->At(due, [this, due] { Begin(due); });
+    }
+  }
+
+  void Begin(Clock::time_point due) {
+    int p = phase_->load(std::memory_order_acquire);
+    if (p == 2) {
+      running_->fetch_sub(1);
+      return;
+    }
+    record_ = p == 1;
+    due_ = due;
+    ctx_ = std::make_unique<grpc::ClientContext>();
+    if (f_.rpc == "stats") {
+      models_->async()->Stats(ctx_.get(), &sreq_, &sresp_, [this](grpc::Status s) {
+        if (!Failed(s) && record_) out_->first_us.push_back(Micros(Clock::now() - due_));
+        Next();
+      });
+      return;
+    }
+    if (f_.decode == "full") {
+      shards_->async()->Fetch(ctx_.get(), &req_, &resp_, [this](grpc::Status s) {
+        out_->tensors = static_cast<uint64_t>(resp_.tensors_size());
+        rreq_.set_lease_id(resp_.lease_id());
+        rreq_.set_token(resp_.token());
+        OnFetch(std::move(s));
+      });
+    } else {
+      grpc::internal::CallbackUnaryCall<weightd::v1::FetchRequest, grpc::ByteBuffer>(
+          channel_.get(), fetch_method_, ctx_.get(), &req_, &raw_, [this](grpc::Status s) {
+            uint64_t id = 0;
+            if (s.ok() && !DecodeLease(raw_, &id, rreq_.mutable_token(), &out_->tensors)) {
+              s = grpc::Status(grpc::StatusCode::INTERNAL, "undecodable FetchResponse");
+            }
+            rreq_.set_lease_id(id);
+            OnFetch(std::move(s));
+          });
+    }
+  }
+
+  void OnFetch(grpc::Status s) {
+    fetched_ = Clock::now();
+    if (Failed(s)) {
+      scheduler_->At(fetched_ + std::chrono::milliseconds(10), [this] { Next(); });
+      return;
+    }
+    ctx_ = std::make_unique<grpc::ClientContext>();
+    shards_->async()->Release(ctx_.get(), &rreq_, &rresp_, [this](grpc::Status r) {
+      Clock::time_point t2 = Clock::now();
+      if (!Failed(r) && record_) {
+        out_->first_us.push_back(Micros(fetched_ - due_));
+        out_->second_us.push_back(Micros(t2 - fetched_));
+      }
+      Next();
+    });
+  }
+
+  bool Failed(const grpc::Status& s) {
+    if (s.ok()) return false;
+    ++out_->errors;
+    out_->last_error = s.error_message();
+    return true;
+  }
+
+  const Flags& f_;
+  std::atomic<int>* phase_;
+  ClientStats* out_;
+  Scheduler* scheduler_;
+  std::atomic<int>* running_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<weightd::v1::Shards::Stub> shards_;
+  std::unique_ptr<weightd::v1::Models::Stub> models_;
+  const grpc::internal::RpcMethod fetch_method_;
+  Clock::duration period_{};
+  Clock::time_point next_due_;
+  // The call in flight.
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  bool record_ = false;
+  Clock::time_point due_, fetched_;
+  weightd::v1::FetchRequest req_;
+  weightd::v1::FetchResponse resp_;
+  grpc::ByteBuffer raw_;
+  weightd::v1::ReleaseRequest rreq_;
+  weightd::v1::ReleaseResponse rresp_;
+  weightd::v1::StatsRequest sreq_;
+  weightd::v1::StatsResponse sresp_;
+};
+
 double Percentile(std::vector<float>& v, double q) {
   if (v.empty()) return 0.0;
   size_t k = static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
@@ -232,8 +459,20 @@ int main(int argc, char** argv) {
   std::atomic<int> phase{0};
   std::vector<ClientStats> stats(static_cast<size_t>(f.clients));
   std::vector<std::thread> threads;
-  for (int i = 0; i < f.clients; ++i) {
-    threads.emplace_back(RunClient, std::cref(f), i, &phase, &stats[static_cast<size_t>(i)]);
+  std::atomic<int> running{0};
+  std::unique_ptr<Scheduler> scheduler;
+  std::vector<std::unique_ptr<CallbackClient>> callback_clients;
+  if (f.api == "sync") {
+    for (int i = 0; i < f.clients; ++i) {
+      threads.emplace_back(RunClient, std::cref(f), i, &phase, &stats[static_cast<size_t>(i)]);
+    }
+  } else {
+    scheduler = std::make_unique<Scheduler>();
+    for (int i = 0; i < f.clients; ++i) {
+      callback_clients.push_back(std::make_unique<CallbackClient>(
+          f, i, &phase, &stats[static_cast<size_t>(i)], scheduler.get(), &running));
+    }
+    for (auto& c : callback_clients) c->Start();
   }
   std::this_thread::sleep_for(std::chrono::duration<double>(f.warmup_seconds));
   Clock::time_point start = Clock::now();
@@ -242,6 +481,11 @@ int main(int argc, char** argv) {
   phase.store(2, std::memory_order_release);
   double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   for (auto& t : threads) t.join();
+  // Callback clients stop at their next call; wait until none is in flight
+  // before their channels and the scheduler go.
+  while (running.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  scheduler.reset();
+  callback_clients.clear();
 
   std::vector<float> first, second;
   uint64_t errors = 0, tensors = 0;
@@ -258,11 +502,11 @@ int main(int argc, char** argv) {
   const double p50 = Percentile(first, 0.50), p99 = Percentile(first, 0.99);
   const double rp50 = Percentile(second, 0.50), rp99 = Percentile(second, 0.99);
   std::printf(
-      "{\"rpc\": \"%s\", \"decode\": \"%s\", \"clients\": %d, \"seconds\": %.3f, \"calls\": %.0f, "
-      "\"calls_per_s\": %.1f, \"p50_ms\": %.4f, \"p99_ms\": %.4f, \"max_ms\": %.4f, "
+      "{\"rpc\": \"%s\", \"api\": \"%s\", \"decode\": \"%s\", \"clients\": %d, \"rate\": %.1f, "
+      "\"seconds\": %.3f, \"calls\": %.0f, \"calls_per_s\": %.1f, \"p50_ms\": %.4f, \"p99_ms\": %.4f, \"max_ms\": %.4f, "
       "\"release_p50_ms\": %.4f, \"release_p99_ms\": %.4f, \"tensors\": %llu, "
       "\"errors\": %llu",
-      f.rpc.c_str(), f.decode.c_str(), f.clients, elapsed, n, n / elapsed, p50 / 1e3, p99 / 1e3, max_first / 1e3,
+      f.rpc.c_str(), f.api.c_str(), f.decode.c_str(), f.clients, f.rate, elapsed, n, n / elapsed, p50 / 1e3, p99 / 1e3, max_first / 1e3,
       rp50 / 1e3, rp99 / 1e3, static_cast<unsigned long long>(tensors),
       static_cast<unsigned long long>(errors));
   if (!last_error.empty()) {

@@ -16,7 +16,9 @@ machine spreads over all of them; medians and min/max are reported.
   3. cast kernels vs memcpy (bench/cast_bench, bytes read + written);
   4. LoRA apply-to-ready vs PyTorch merges of the same shapes (lora_bench.py);
   5. control plane: Fetch+Release of a cached 201-tensor shard table with
-     1/4/16/64 clients vs the cheapest unary RPC (Stats) on the same socket;
+     1/4/16/64 clients vs the cheapest unary RPC (Stats) on the same socket,
+     closed loop with blocking and with callback-API clients, and at 64
+     clients open loop at the target's 5,000 Fetch/s (latency at that load);
   6. scaling: figures 1 and 2 at three model sizes, fitted to
      t = fixed + bytes / rate.
 
@@ -353,6 +355,10 @@ def figure_lora(ctx):
 
 # ----------------------------------------------------------------- figure 5
 
+# Figure 5's target: Fetch at >= 5,000/s with p99 < 5 ms, 64 clients.
+CONTROL_TARGET_RATE = 5000
+
+
 def figure_control(ctx):
     import harness
     tool = os.path.join(ctx.build, "bench", "control_bench")
@@ -367,16 +373,26 @@ def figure_control(ctx):
                 for n in ctx.cfg["control_clients"]:
                     # fetch: every response parsed into a message (as a
                     # worker does); fetch-lease: the clients read only lease
-                    # and token, leaving the shared cores to the daemon.
-                    for rpc, decode in (("fetch", "full"), ("fetch", "lease"),
-                                        ("stats", "full")):
+                    # and token, leaving the shared cores to the daemon;
+                    # *-cb: the same through gRPC's callback API, no thread
+                    # per client (a lighter load generator; the daemon's
+                    # work per call is the same).
+                    runs = [("fetch", "full", "sync", 0), ("fetch", "lease", "sync", 0),
+                            ("stats", "full", "sync", 0), ("fetch", "lease", "callback", 0),
+                            ("stats", "full", "callback", 0)]
+                    if n == max(ctx.cfg["control_clients"]):
+                        # Open loop at the target rate: latency at that load.
+                        runs.append(("fetch", "lease", "callback", CONTROL_TARGET_RATE))
+                    for rpc, decode, api, rate in runs:
                         res = json_line(sh([tool, "--socket", d.socket, "--model", "m",
-                                            "--rpc", rpc, "--decode", decode,
+                                            "--rpc", rpc, "--decode", decode, "--api", api,
+                                            "--rate", str(rate),
                                             "--clients", str(n), "--seconds",
                                             str(ctx.cfg["control_seconds"]), "--world", "8"]))
                         if res["errors"]:
                             raise RuntimeError("control_bench errors: %s" % res)
-                        key = rpc if decode == "full" else rpc + "-lease"
+                        key = rpc + ("-lease" if decode == "lease" else "") + \
+                            ("-cb" if api == "callback" else "") + ("-rate" if rate else "")
                         series.setdefault((n, key), []).append(res)
         finally:
             d.stop()
@@ -395,6 +411,18 @@ def figure_control(ctx):
                      "release_p99_ms": summary([x["release_p99_ms"] for x in f]),
                      "stats_per_s": summary([x["calls_per_s"] for x in s]),
                      "stats_p99_ms": summary([x["p99_ms"] for x in s])})
+        cb, scb = series[(n, "fetch-lease-cb")], series[(n, "stats-cb")]
+        rows[-1].update({"callback_fetch_per_s": summary([x["calls_per_s"] for x in cb]),
+                         "callback_fetch_p50_ms": summary([x["p50_ms"] for x in cb]),
+                         "callback_fetch_p99_ms": summary([x["p99_ms"] for x in cb]),
+                         "callback_stats_per_s": summary([x["calls_per_s"] for x in scb]),
+                         "callback_stats_p99_ms": summary([x["p99_ms"] for x in scb])})
+        op = series.get((n, "fetch-lease-cb-rate"))
+        if op:
+            rows[-1].update({"open_loop_rate": CONTROL_TARGET_RATE,
+                             "open_loop_per_s": summary([x["calls_per_s"] for x in op]),
+                             "open_loop_p50_ms": summary([x["p50_ms"] for x in op]),
+                             "open_loop_p99_ms": summary([x["p99_ms"] for x in op])})
     return rows
 
 
@@ -552,6 +580,24 @@ def table(figs, cfg):
                                        fmt_v(r["fetch_lease_p99_ms"], "ms", "%.2f")),
             "Stats %.0f/s" % r["stats_per_s"]["median"],
             "%.2f of floor" % (r["fetch_lease_per_s"]["median"] / r["stats_per_s"]["median"])))
+        if "callback_fetch_per_s" in r:
+            rows.append(("5 control", "same, callback-API clients, %d client%s" % (
+                r["clients"], "s" if r["clients"] > 1 else ""),
+                "%s/s, p50 %s, p99 %s" % (fmt_v(r["callback_fetch_per_s"], "", "%.0f").strip(),
+                                           fmt_v(r["callback_fetch_p50_ms"], "ms", "%.2f"),
+                                           fmt_v(r["callback_fetch_p99_ms"], "ms", "%.2f")),
+                "Stats %.0f/s, p99 %.2f ms" % (r["callback_stats_per_s"]["median"],
+                                                 r["callback_stats_p99_ms"]["median"]),
+                "%.2f of floor" % (r["callback_fetch_per_s"]["median"] /
+                                   r["callback_stats_per_s"]["median"])))
+        if "open_loop_per_s" in r:
+            rows.append(("5 control", "open loop at %d Fetch/s, callback clients, %d clients" % (
+                r["open_loop_rate"], r["clients"]),
+                "%s/s, p50 %s, p99 %s" % (fmt_v(r["open_loop_per_s"], "", "%.0f").strip(),
+                                           fmt_v(r["open_loop_p50_ms"], "ms", "%.2f"),
+                                           fmt_v(r["open_loop_p99_ms"], "ms", "%.2f")),
+                "target p99 < 5 ms", "p99 %s" % (
+                    "met" if r["open_loop_p99_ms"]["median"] < 5.0 else "missed")))
     for s in figs.get("scaling") or []:
         if "gb_per_s" in s:
             rows.append(("6 scaling", s["series"], "fixed %.3g s + bytes at %s GB/s" % (

@@ -1,6 +1,8 @@
 """Smoke test of the control-plane benchmark (CTest bench_control_smoke):
 control_bench against a real daemon serving a tiny 201-tensor model, 4
-clients for 2 s, prints one sane JSON line. Asserts nothing about timing."""
+clients for 2 s, prints one sane JSON line, with blocking and callback-API
+clients, closed and open loop. Asserts nothing about latency; open loop must
+keep to its offered rate."""
 import json
 import os
 import subprocess
@@ -49,8 +51,28 @@ def test_control_bench_prints_sane_json(tmp_path):
         floor = run(d, "--rpc", "stats", "--clients", "4", "--seconds", "1",
                     "--warmup-seconds", "0.2")
         assert floor["errors"] == 0 and floor["calls"] > 0
+        # The callback-API clients: same answers, every lease released.
+        cb = run(d, "--clients", "4", "--seconds", "1", "--warmup-seconds", "0.2",
+                 "--world", "8", "--decode", "lease", "--api", "callback")
+        assert cb["api"] == "callback" and cb["errors"] == 0
+        assert cb["tensors"] == 201 and cb["calls"] > 0
+        assert 0 < cb["p50_ms"] <= cb["p99_ms"] <= cb["max_ms"]
+        cbs = run(d, "--rpc", "stats", "--clients", "4", "--seconds", "1",
+                  "--warmup-seconds", "0.2", "--api", "callback")
+        assert cbs["errors"] == 0 and cbs["calls"] > 0
+        # Open loop: the clients call at the offered rate, not as fast as
+        # they can (closed loop makes thousands per second here).
+        for api in ("sync", "callback"):
+            paced = run(d, "--clients", "4", "--seconds", "2", "--warmup-seconds", "0.2",
+                        "--world", "8", "--decode", "lease", "--api", api, "--rate", "100")
+            assert paced["rate"] == 100 and paced["errors"] == 0
+            assert 50 <= paced["calls_per_s"] <= 105, paced
         # Every lease the benchmark took was released.
         assert "leases_open: 0" in d.ctl_ok("stats").stdout
         bad = subprocess.run([TOOL, "--socket", d.socket, "--clients", "0"],
                              capture_output=True, text=True, timeout=30)
         assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr
+        for flag, value in (("--api", "async"), ("--rate", "-1")):
+            bad = subprocess.run([TOOL, "--socket", d.socket, flag, value],
+                                 capture_output=True, text=True, timeout=30)
+            assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr, (flag, bad.stderr)

@@ -74,39 +74,67 @@ absl::StatusOr<std::shared_ptr<const LeaseContents>> LeaseTable::Attach(
 }
 
 absl::Status LeaseTable::Release(uint64_t id, absl::string_view token) {
-  std::shared_ptr<const LeaseContents> dropped;  // freed outside the lock
-  absl::MutexLock lock(&mu_);
-  auto lease = FindLocked(id, token);
-  if (!lease.ok()) return lease.status();
-  dropped = std::move((*lease)->contents);
-  leases_.erase(id);
+  std::vector<std::shared_ptr<const LeaseContents>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    auto lease = FindLocked(id, token);
+    if (!lease.ok()) return lease.status();
+    dropped.push_back(std::move((*lease)->contents));
+    leases_.erase(id);
+  }
+  Drop(std::move(dropped));
   return absl::OkStatus();
 }
 
 size_t LeaseTable::ReleaseConnection(uint64_t connection) {
   std::vector<std::shared_ptr<const LeaseContents>> dropped;
-  absl::MutexLock lock(&mu_);
-  for (auto it = leases_.begin(); it != leases_.end();) {
-    auto cur = it++;
-    if (cur->second.connection == connection) {
-      dropped.push_back(std::move(cur->second.contents));
-      leases_.erase(cur);
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = leases_.begin(); it != leases_.end();) {
+      auto cur = it++;
+      if (cur->second.connection == connection) {
+        dropped.push_back(std::move(cur->second.contents));
+        leases_.erase(cur);
+      }
     }
   }
-  return dropped.size();
+  const size_t n = dropped.size();
+  Drop(std::move(dropped));
+  return n;
 }
 
 size_t LeaseTable::Expire(absl::Time now) {
   std::vector<std::shared_ptr<const LeaseContents>> dropped;
-  absl::MutexLock lock(&mu_);
-  for (auto it = leases_.begin(); it != leases_.end();) {
-    auto cur = it++;
-    if (cur->second.deadline <= now) {
-      dropped.push_back(std::move(cur->second.contents));
-      leases_.erase(cur);
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = leases_.begin(); it != leases_.end();) {
+      auto cur = it++;
+      if (cur->second.deadline <= now) {
+        dropped.push_back(std::move(cur->second.contents));
+        leases_.erase(cur);
+      }
     }
   }
-  return dropped.size();
+  const size_t n = dropped.size();
+  Drop(std::move(dropped));
+  return n;
+}
+
+void LeaseTable::Drop(std::vector<std::shared_ptr<const LeaseContents>> dropped) {
+  if (disposer_ == nullptr) return;  // freed here, as `dropped` goes
+  for (std::shared_ptr<const LeaseContents>& contents : dropped) {
+    if (contents == nullptr) continue;
+    // What letting go would free: the segments only this lease still holds.
+    // (A racing weak_ptr lock can only make the estimate high; the drop is
+    // safe on either thread.)
+    uint64_t bytes = 0;
+    if (contents.use_count() == 1) {
+      for (const SegmentPtr& seg : contents->segments) {
+        if (seg != nullptr && seg.use_count() == 1) bytes += seg->size();
+      }
+    }
+    disposer_->Dispose(std::move(contents), bytes);
+  }
 }
 
 size_t LeaseTable::CountFor(absl::string_view model, uint64_t generation) const {

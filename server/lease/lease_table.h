@@ -5,6 +5,9 @@
 // when the data connection it is attached to closes (the client died or
 // let go), or when its TTL runs out: a lease nobody attached or read within
 // `idle_ttl` is reclaimed, covering clients that hang or never collect.
+// An ended lease that held the last reference to large segments (a model
+// unloaded while leased) is handed to the Disposer, if one is given, so the
+// caller's thread does not wait for the kernel to free them.
 //
 // Thread-safe.
 #ifndef WEIGHTD_SERVER_LEASE_LEASE_TABLE_H_
@@ -21,6 +24,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/store/disposer.h"
 #include "server/store/segment.h"
 
 namespace weightd {
@@ -41,7 +45,9 @@ struct LeaseGrant {
 
 class LeaseTable {
  public:
-  explicit LeaseTable(absl::Duration idle_ttl) : idle_ttl_(idle_ttl) {}
+  // `disposer` (may be null) must outlive the table.
+  explicit LeaseTable(absl::Duration idle_ttl, Disposer* disposer = nullptr)
+      : idle_ttl_(idle_ttl), disposer_(disposer) {}
 
   LeaseGrant Grant(LeaseContents contents) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -78,8 +84,12 @@ class LeaseTable {
   };
   absl::StatusOr<Lease*> FindLocked(uint64_t id, absl::string_view token)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Lets go of ended leases' contents (outside mu_), through the disposer
+  // when that frees large segments.
+  void Drop(std::vector<std::shared_ptr<const LeaseContents>> dropped) ABSL_LOCKS_EXCLUDED(mu_);
 
   const absl::Duration idle_ttl_;
+  Disposer* const disposer_;
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(mu_);

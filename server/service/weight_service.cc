@@ -55,14 +55,22 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
                 : std::make_unique<SegmentPool>(SegmentPool::Options{
                       account_, options_.warm_reserve_bytes, options_.reserve_chunk_bytes})),
       materializer_(Materializer::Options{account_, options_.worker_threads, pool_.get()}),
-      leases_(options_.lease_idle_ttl),
+      leases_(options_.lease_idle_ttl, &disposer_),
       access_(options_.access) {
+  // A reservation short of budget first waits for the drops the disposer
+  // still holds, then takes the warm reserve back.
+  account_->SetReclaimer([this](uint64_t bytes) {
+    uint64_t freed = disposer_.Drain();
+    if (freed < bytes && pool_ != nullptr) freed += pool_->Reclaim(bytes - freed);
+    return freed;
+  });
   reaper_ = std::thread([this] { ReapLoop(); });
 }
 
 WeightService::~WeightService() {
   stop_.Notify();
   if (reaper_.joinable()) reaper_.join();
+  account_->SetReclaimer(nullptr);
 }
 
 void WeightService::ReapLoop() {

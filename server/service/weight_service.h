@@ -33,6 +33,7 @@
 #include "server/store/model_roots.h"
 #include "server/service/latency_histogram.h"
 #include "server/store/segment.h"
+#include "server/store/disposer.h"
 #include "server/store/segment_pool.h"
 
 namespace weightd {
@@ -319,6 +320,7 @@ class WeightService {
   const WeightServiceOptions options_;
   const ModelRoots roots_;
   std::shared_ptr<MemoryAccount> account_;
+  Disposer disposer_;                  // before leases_, which hand it their drops
   std::unique_ptr<SegmentPool> pool_;  // before materializer_, which borrows it
   Materializer materializer_;
   LeaseTable leases_;

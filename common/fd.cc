@@ -11,6 +11,10 @@
 
 #include "absl/strings/str_cat.h"
 
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010  // Linux 5.1
+#endif
+
 namespace weightd {
 
 absl::Status ErrnoStatus(int err, absl::string_view what) {
@@ -113,11 +117,25 @@ absl::StatusOr<MemfdSegment> MemfdSegment::Create(absl::string_view name,
 
 absl::Status MemfdSegment::Seal(bool populate) {
   if (sealed_) return absl::OkStatus();
-  // F_SEAL_WRITE fails while a writable shared mapping exists: drop ours
-  // first and map the sealed file read-only.
+  constexpr int kShape = F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL;
+  // F_SEAL_FUTURE_WRITE (Linux 5.1) forbids write(), new writable shared
+  // mappings and hole punching to everyone, and keeps our mapping: it is
+  // made read-only in place, its page tables stay filled, and the seal does
+  // not pay for tearing them down and mapping again (~0.1 s per GiB here).
+  if (::fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE | kShape) == 0) {
+    if (map_.size() > 0 && ::mprotect(map_.data(), map_.size(), PROT_READ) != 0) {
+      return ErrnoStatus(errno, "making the sealed memfd's mapping read-only");
+    }
+    if (populate && size_ > 0) (void)map_.PopulateRead(0, size_);  // best effort
+    sealed_ = true;
+    kept_mapping_ = true;
+    return absl::OkStatus();
+  }
+  if (errno != EINVAL) return ErrnoStatus(errno, "sealing memfd");
+  // Older kernels: F_SEAL_WRITE fails while a writable shared mapping
+  // exists, so drop ours first and map the sealed file read-only.
   map_.Reset();
-  if (::fcntl(fd_.get(), F_ADD_SEALS,
-              F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
+  if (::fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_WRITE | kShape) != 0) {
     return ErrnoStatus(errno, "sealing memfd");
   }
   if (size_ > 0) {

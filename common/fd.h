@@ -85,8 +85,10 @@ class MappedRegion {
 
 // An anonymous shared-memory file (memfd_create with MFD_ALLOW_SEALING),
 // writable through its mapping until Seal(); after sealing, nobody can write,
-// grow or shrink it (F_SEAL_WRITE|F_SEAL_GROW|F_SEAL_SHRINK|F_SEAL_SEAL) and
-// the daemon's own mapping is read-only. Move-only; not thread-safe until
+// grow or shrink it (F_SEAL_FUTURE_WRITE|F_SEAL_GROW|F_SEAL_SHRINK|F_SEAL_SEAL:
+// write(), hole punching and writable shared mappings fail for every holder
+// of the fd) and the daemon's own mapping is read-only (mprotect). Kernels
+// before 5.1 get F_SEAL_WRITE instead, with the mapping remade read-only. Move-only; not thread-safe until
 // sealed, then read-only and safe to share.
 class MemfdSegment {
  public:
@@ -100,9 +102,9 @@ class MemfdSegment {
   MemfdSegment(MemfdSegment&&) = default;
   MemfdSegment& operator=(MemfdSegment&&) = default;
 
-  // Drops write access: remaps read-only and applies the seals. `populate`
-  // fills the new mapping's page tables now: the owner will read all of it
-  // (a checkpoint), and one call is far cheaper than a fault per page.
+  // Drops write access: applies the seals and makes the mapping read-only.
+  // `populate` fills the mapping's page tables now: the owner will read all
+  // of it (a checkpoint), and one call is far cheaper than a fault per page.
   absl::Status Seal(bool populate = true);
 
   // Shrinks an unsealed segment to `new_size` bytes (<= size()), returning
@@ -111,6 +113,9 @@ class MemfdSegment {
   absl::Status Truncate(size_t new_size);
 
   bool sealed() const { return sealed_; }
+  // Whether Seal() kept the mapping (Linux 5.1+): the pages written through
+  // it before sealing are still mapped, and reading them takes no faults.
+  bool kept_mapping() const { return kept_mapping_; }
   int fd() const { return fd_.get(); }
   size_t size() const { return size_; }
   // Writable only before Seal().
@@ -122,6 +127,7 @@ class MemfdSegment {
   MappedRegion map_;
   size_t size_ = 0;
   bool sealed_ = false;
+  bool kept_mapping_ = false;
 };
 
 // pread()s exactly `size` bytes at `offset`, retrying short reads and EINTR.

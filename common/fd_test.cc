@@ -1,10 +1,14 @@
 #include "common/fd.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #include <gtest/gtest.h>
 
@@ -29,6 +33,56 @@ TEST(MemfdSegmentTest, SealForbidsWritesGrowAndShrink) {
   ASSERT_TRUE(cow.ok()) << cow.status();
   cow->data()[0] = 1;
   EXPECT_EQ(seg->data()[0], 0xAB);
+}
+
+// The permissions /proc/self/maps shows for the mapping holding `addr`.
+std::string MapPerms(const void* addr) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  const auto a = reinterpret_cast<uintptr_t>(addr);
+  while (std::getline(maps, line)) {
+    unsigned long lo = 0, hi = 0;
+    char perms[5] = {};
+    if (std::sscanf(line.c_str(), "%lx-%lx %4s", &lo, &hi, perms) == 3 && a >= lo && a < hi) {
+      return perms;
+    }
+  }
+  return "";
+}
+
+TEST(MemfdSegmentTest, SealedSegmentCannotBeChangedThroughAnyHolderOfTheFd) {
+  auto seg = MemfdSegment::Create("test", 3 * 4096, /*prefault=*/false);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  std::memset(seg->mutable_data(), 0x5A, 3 * 4096);
+  ASSERT_TRUE(seg->Truncate(2 * 4096).ok());
+  EXPECT_EQ(MapPerms(seg->data()), "rw-s");
+  const uint8_t* before = seg->data();
+  ASSERT_TRUE(seg->Seal(/*populate=*/true).ok());
+  // Linux 5.1+: sealed in place (F_SEAL_FUTURE_WRITE), nothing remapped.
+  if (seg->kept_mapping()) {
+    EXPECT_EQ(seg->data(), before);
+  }
+  // The daemon's own mapping is read-only now, with the same bytes.
+  EXPECT_EQ(MapPerms(seg->data()), "r--s");
+  EXPECT_EQ(seg->data()[2 * 4096 - 1], 0x5A);
+  const int seals = ::fcntl(seg->fd(), F_GET_SEALS);
+  EXPECT_TRUE(seals & F_SEAL_GROW) << seals;
+  EXPECT_TRUE(seals & F_SEAL_SHRINK) << seals;
+  EXPECT_TRUE(seals & F_SEAL_SEAL) << seals;
+  EXPECT_TRUE(seals & (F_SEAL_WRITE | 0x0010 /* F_SEAL_FUTURE_WRITE */)) << seals;
+  // No route to write: punching a hole, reopening the fd for writing, or a
+  // read-only shared mapping turned writable.
+  EXPECT_NE(::fallocate(seg->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096), 0);
+  const std::string path = "/proc/self/fd/" + std::to_string(seg->fd());
+  int rw = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(rw, 0);
+  EXPECT_EQ(::pwrite(rw, "x", 1, 0), -1);
+  ::close(rw);
+  auto ro = MappedRegion::Map(seg->fd(), 2 * 4096, MappedRegion::Mode::kReadOnly);
+  ASSERT_TRUE(ro.ok()) << ro.status();
+  EXPECT_NE(::mprotect(ro->data(), 2 * 4096, PROT_READ | PROT_WRITE), 0);
+  EXPECT_EQ(ro->data()[0], 0x5A);
+  EXPECT_EQ(seg->data()[0], 0x5A);
 }
 
 TEST(UnixSocketTest, PassesFdsAndTheyReferToTheSameFile) {

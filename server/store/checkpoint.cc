@@ -359,11 +359,14 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     return absl::OkStatus();
   }));
 
-  // Sealing remaps each segment read-only; its page tables are then filled
-  // on all reader threads instead of by one MAP_POPULATE.
+  // Sealing keeps each segment's mapping (read-only now) with the pages the
+  // readers wrote still mapped. Where it has to remap (kernels before 5.1),
+  // the new mapping's page tables are filled on all reader threads instead
+  // of by one MAP_POPULATE.
   std::vector<std::pair<const uint8_t*, uint64_t>> ranges;
   for (auto& seg : segments) {
     WD_RETURN_IF_ERROR(seg->Seal(/*populate=*/false));
+    if (seg->kept_mapping()) continue;
     for (uint64_t off = 0; off < seg->size(); off += options.read_chunk_bytes) {
       ranges.emplace_back(seg->data() + off, std::min(options.read_chunk_bytes,
                                                       seg->size() - off));

@@ -64,9 +64,11 @@ class Segment {
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
 
-  // Seals the memfd (no writes, grow or shrink by anyone) and remaps it
-  // read-only; `populate`: see MemfdSegment::Seal.
+  // Seals the memfd (no writes, grow or shrink by anyone) and makes its
+  // mapping read-only; `populate`: see MemfdSegment::Seal.
   absl::Status Seal(bool populate = true) { return memfd_.Seal(populate); }
+  // See MemfdSegment::kept_mapping.
+  bool kept_mapping() const { return memfd_.kept_mapping(); }
 
   // Shrinks an unsealed segment, returning the tail's bytes to the account.
   absl::Status Truncate(uint64_t new_size);

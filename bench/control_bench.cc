@@ -368,10 +368,14 @@ class CallbackClient {
     }
     record_ = p == 1;
     due_ = due;
-    ctx_ = std::make_unique<grpc::ClientContext>();
+    ctx_ = NewContext();
     if (f_.rpc == "stats") {
       models_->async()->Stats(ctx_.get(), &sreq_, &sresp_, [this](grpc::Status s) {
-        if (!Failed(s) && record_) out_->first_us.push_back(Micros(Clock::now() - due_));
+        if (Failed(s)) {
+          scheduler_->At(Clock::now() + std::chrono::milliseconds(10), [this] { Next(); });
+          return;
+        }
+        if (record_) out_->first_us.push_back(Micros(Clock::now() - due_));
         Next();
       });
       return;
@@ -402,7 +406,7 @@ class CallbackClient {
       scheduler_->At(fetched_ + std::chrono::milliseconds(10), [this] { Next(); });
       return;
     }
-    ctx_ = std::make_unique<grpc::ClientContext>();
+    ctx_ = NewContext();
     shards_->async()->Release(ctx_.get(), &rreq_, &rresp_, [this](grpc::Status r) {
       Clock::time_point t2 = Clock::now();
       if (!Failed(r) && record_) {
@@ -411,6 +415,14 @@ class CallbackClient {
       }
       Next();
     });
+  }
+
+  // A deadline on every call: one that never completes would otherwise
+  // keep main() waiting for this client forever.
+  static std::unique_ptr<grpc::ClientContext> NewContext() {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    return ctx;
   }
 
   bool Failed(const grpc::Status& s) {

@@ -4,10 +4,13 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -115,23 +118,46 @@ absl::StatusOr<MemfdSegment> MemfdSegment::Create(absl::string_view name,
   return seg;
 }
 
+namespace {
+// Whether the running kernel is at least major.minor (uname).
+bool KernelAtLeast(int major, int minor) {
+  static const std::pair<int, int> version = [] {
+    struct utsname u;
+    int ma = 0, mi = 0;
+    if (::uname(&u) == 0) (void)std::sscanf(u.release, "%d.%d", &ma, &mi);
+    return std::make_pair(ma, mi);
+  }();
+  return version >= std::make_pair(major, minor);
+}
+}  // namespace
+
 absl::Status MemfdSegment::Seal(bool populate) {
   if (sealed_) return absl::OkStatus();
   constexpr int kShape = F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL;
-  // F_SEAL_FUTURE_WRITE (Linux 5.1) forbids write(), new writable shared
-  // mappings and hole punching to everyone, and keeps our mapping: it is
-  // made read-only in place, its page tables stay filled, and the seal does
-  // not pay for tearing them down and mapping again (~0.1 s per GiB here).
-  if (::fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE | kShape) == 0) {
+  // F_SEAL_FUTURE_WRITE forbids write(), new writable shared mappings and
+  // hole punching to everyone, and keeps our mapping: it is made read-only
+  // in place, its page tables stay filled, and the seal does not pay for
+  // tearing them down and mapping again (~0.1 s per GiB here). Used from
+  // Linux 5.10 on: earlier kernels had a copy-on-write bug with private
+  // writable mappings of F_SEAL_FUTURE_WRITE files (the Python client maps
+  // segments that way), fixed in 5.10.
+  if (KernelAtLeast(5, 10)) {
     if (map_.size() > 0 && ::mprotect(map_.data(), map_.size(), PROT_READ) != 0) {
-      return ErrnoStatus(errno, "making the sealed memfd's mapping read-only");
+      return ErrnoStatus(errno, "making the memfd's mapping read-only");
     }
-    if (populate && size_ > 0) (void)map_.PopulateRead(0, size_);  // best effort
-    sealed_ = true;
-    kept_mapping_ = true;
-    return absl::OkStatus();
+    if (::fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE | kShape) == 0) {
+      if (populate && size_ > 0) (void)map_.PopulateRead(0, size_);  // best effort
+      sealed_ = true;
+      kept_mapping_ = true;
+      return absl::OkStatus();
+    }
+    const int err = errno;
+    if (err != EINVAL) {
+      // Not sealed: leave the segment as it was, writable.
+      if (map_.size() > 0) (void)::mprotect(map_.data(), map_.size(), PROT_READ | PROT_WRITE);
+      return ErrnoStatus(err, "sealing memfd");
+    }
   }
-  if (errno != EINVAL) return ErrnoStatus(errno, "sealing memfd");
   // Older kernels: F_SEAL_WRITE fails while a writable shared mapping
   // exists, so drop ours first and map the sealed file read-only.
   map_.Reset();

@@ -59,8 +59,13 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
       access_(options_.access) {
   // A reservation short of budget first waits for the drops the disposer
   // still holds, then takes the warm reserve back.
+  // What counts is what the account got back, not the disposer's estimate
+  // (a segment it was handed may have been picked up again meanwhile).
   account_->SetReclaimer([this](uint64_t bytes) {
-    uint64_t freed = disposer_.Drain();
+    const uint64_t before = account_->used();
+    disposer_.Drain();
+    const uint64_t after = account_->used();
+    uint64_t freed = before > after ? before - after : 0;
     if (freed < bytes && pool_ != nullptr) freed += pool_->Reclaim(bytes - freed);
     return freed;
   });

@@ -1,9 +1,5 @@
 #include "server/store/disposer.h"
 
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 namespace weightd {
 
 Disposer::Disposer(uint64_t min_bytes)
@@ -58,8 +54,9 @@ uint64_t Disposer::disposed() const {
 }
 
 void Disposer::Loop() {
-  // Background work: it must not take the cores from a fetch.
-  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
+  // At normal priority: the work is what the releasing thread used to do
+  // itself, and a reservation short of budget may be waiting for it (Drain);
+  // at nice 19 on busy cores that wait could last seconds.
   while (true) {
     Item item;
     {

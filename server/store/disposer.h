@@ -5,8 +5,7 @@
 // drops the last hold on a checkpoint that was unloaded while leased, that
 // cost would land on the gRPC callback thread that runs the Release, and
 // every call queued behind it on that thread would wait. Instead the holder
-// is handed to this disposer's thread (at the lowest CPU priority), which
-// drops it at once. Small drops are cheaper than the hand-off and happen on
+// is handed to this disposer's thread, which drops it at once. Small drops are cheaper than the hand-off and happen on
 // the caller's thread.
 //
 // The memory stays charged to the budget until the thread frees it; a

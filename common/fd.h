@@ -88,8 +88,8 @@ class MappedRegion {
 // grow or shrink it (F_SEAL_FUTURE_WRITE|F_SEAL_GROW|F_SEAL_SHRINK|F_SEAL_SEAL:
 // write(), hole punching and writable shared mappings fail for every holder
 // of the fd) and the daemon's own mapping is read-only (mprotect). Kernels
-// before 5.1 get F_SEAL_WRITE instead, with the mapping remade read-only. Move-only; not thread-safe until
-// sealed, then read-only and safe to share.
+// before 5.10 get F_SEAL_WRITE instead, with the mapping remade read-only.
+// Move-only; not thread-safe until sealed, then read-only and safe to share.
 class MemfdSegment {
  public:
   // Creates a segment of `size` bytes named `name` (shown in /proc/pid/fd).
@@ -113,7 +113,7 @@ class MemfdSegment {
   absl::Status Truncate(size_t new_size);
 
   bool sealed() const { return sealed_; }
-  // Whether Seal() kept the mapping (Linux 5.1+): the pages written through
+  // Whether Seal() kept the mapping (Linux 5.10+): the pages written through
   // it before sealing are still mapped, and reading them takes no faults.
   bool kept_mapping() const { return kept_mapping_; }
   int fd() const { return fd_.get(); }

@@ -58,7 +58,7 @@ TEST(MemfdSegmentTest, SealedSegmentCannotBeChangedThroughAnyHolderOfTheFd) {
   EXPECT_EQ(MapPerms(seg->data()), "rw-s");
   const uint8_t* before = seg->data();
   ASSERT_TRUE(seg->Seal(/*populate=*/true).ok());
-  // Linux 5.1+: sealed in place (F_SEAL_FUTURE_WRITE), nothing remapped.
+  // Linux 5.10+: sealed in place (F_SEAL_FUTURE_WRITE), nothing remapped.
   if (seg->kept_mapping()) {
     EXPECT_EQ(seg->data(), before);
   }

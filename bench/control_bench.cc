@@ -165,34 +165,52 @@ float Micros(Clock::duration d) {
   return std::chrono::duration<float, std::micro>(d).count();
 }
 
-void RunClient(const Flags& f, int index, std::atomic<int>* phase, ClientStats* out) {
-  auto channel = NewChannel(f.socket);
-  auto shards = weightd::v1::Shards::NewStub(channel);
-  auto models = weightd::v1::Models::NewStub(channel);
-  const grpc::internal::RpcMethod fetch_method("/weightd.v1.Shards/Fetch",
-                                               grpc::internal::RpcMethod::NORMAL_RPC, channel);
+// The Fetch every client sends: its rank's shard table over shm.
+weightd::v1::FetchRequest ClientRequest(const Flags& f, int index) {
   weightd::v1::FetchRequest req;
   req.set_model(f.model);
   req.add_mesh_shape(f.world);
   req.add_coord(index % f.world);
   req.set_dtype(ProtoDType(f.dtype));
   req.set_transport(weightd::v1::SHM);
+  return req;
+}
+
+// Open loop (--rate > 0): client `index` makes its k-th call at
+// first_due + k * period, the clients staggered by 1/rate.
+struct OpenLoopSchedule {
+  Clock::duration period{};
+  Clock::time_point first_due;
+};
+
+OpenLoopSchedule ScheduleFor(const Flags& f, int index) {
+  OpenLoopSchedule s;
+  if (f.rate <= 0.0) return s;
+  s.period = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(f.clients / f.rate));
+  s.first_due = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(index / f.rate));
+  return s;
+}
+
+void RunClient(const Flags& f, int index, std::atomic<int>* phase, ClientStats* out) {
+  auto channel = NewChannel(f.socket);
+  auto shards = weightd::v1::Shards::NewStub(channel);
+  auto models = weightd::v1::Models::NewStub(channel);
+  const grpc::internal::RpcMethod fetch_method("/weightd.v1.Shards/Fetch",
+                                               grpc::internal::RpcMethod::NORMAL_RPC, channel);
+  const weightd::v1::FetchRequest req = ClientRequest(f, index);
   out->first_us.reserve(1 << 16);
   out->second_us.reserve(1 << 16);
-  // Open loop: this client's k-th call is due at first_due + k * period.
   const bool open_loop = f.rate > 0.0;
-  const auto period = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(open_loop ? f.clients / f.rate : 0.0));
-  const Clock::time_point first_due =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                         std::chrono::duration<double>(open_loop ? index / f.rate : 0.0));
+  const OpenLoopSchedule schedule = ScheduleFor(f, index);
   int64_t k = 0;
   // phase: 0 warm-up, 1 measure, 2 stop.
   for (;;) {
     // The time the call counts from: when it was due (open loop), or now.
     Clock::time_point due = Clock::now();
     if (open_loop) {
-      due = first_due + k++ * period;
+      due = schedule.first_due + k++ * schedule.period;
       std::this_thread::sleep_until(due);
     }
     int p = phase->load(std::memory_order_acquire);
@@ -323,20 +341,13 @@ class CallbackClient {
         shards_(weightd::v1::Shards::NewStub(channel_)),
         models_(weightd::v1::Models::NewStub(channel_)),
         fetch_method_("/weightd.v1.Shards/Fetch", grpc::internal::RpcMethod::NORMAL_RPC,
-                      channel_) {
-    req_.set_model(f.model);
-    req_.add_mesh_shape(f.world);
-    req_.add_coord(index % f.world);
-    req_.set_dtype(ProtoDType(f.dtype));
-    req_.set_transport(weightd::v1::SHM);
+                      channel_),
+        req_(ClientRequest(f, index)) {
     out_->first_us.reserve(1 << 16);
     out_->second_us.reserve(1 << 16);
-    if (f.rate > 0.0) {
-      period_ = std::chrono::duration_cast<Clock::duration>(
-          std::chrono::duration<double>(f.clients / f.rate));
-      next_due_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                     std::chrono::duration<double>(index / f.rate));
-    }
+    const OpenLoopSchedule schedule = ScheduleFor(f, index);
+    period_ = schedule.period;
+    next_due_ = schedule.first_due;
   }
 
   void Start() {

@@ -87,29 +87,20 @@ absl::Status LeaseTable::Release(uint64_t id, absl::string_view token) {
 }
 
 size_t LeaseTable::ReleaseConnection(uint64_t connection) {
-  std::vector<std::shared_ptr<const LeaseContents>> dropped;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto it = leases_.begin(); it != leases_.end();) {
-      auto cur = it++;
-      if (cur->second.connection == connection) {
-        dropped.push_back(std::move(cur->second.contents));
-        leases_.erase(cur);
-      }
-    }
-  }
-  const size_t n = dropped.size();
-  Drop(std::move(dropped));
-  return n;
+  return EndWhere([connection](const Lease& l) { return l.connection == connection; });
 }
 
 size_t LeaseTable::Expire(absl::Time now) {
+  return EndWhere([now](const Lease& l) { return l.deadline <= now; });
+}
+
+size_t LeaseTable::EndWhere(const std::function<bool(const Lease&)>& ends) {
   std::vector<std::shared_ptr<const LeaseContents>> dropped;
   {
     absl::MutexLock lock(&mu_);
     for (auto it = leases_.begin(); it != leases_.end();) {
       auto cur = it++;
-      if (cur->second.deadline <= now) {
+      if (ends(cur->second)) {
         dropped.push_back(std::move(cur->second.contents));
         leases_.erase(cur);
       }

@@ -15,6 +15,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -84,6 +85,8 @@ class LeaseTable {
   };
   absl::StatusOr<Lease*> FindLocked(uint64_t id, absl::string_view token)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends every lease `ends` is true of; returns how many.
+  size_t EndWhere(const std::function<bool(const Lease&)>& ends) ABSL_LOCKS_EXCLUDED(mu_);
   // Lets go of ended leases' contents (outside mu_), through the disposer
   // when that frees large segments.
   void Drop(std::vector<std::shared_ptr<const LeaseContents>> dropped) ABSL_LOCKS_EXCLUDED(mu_);

@@ -216,8 +216,10 @@ absl::StatusOr<float> AbsMax(absl::Span<const PartSlice> slices) {
 
 Materializer::Materializer(Options options) : options_(std::move(options)) {}
 
-std::string Materializer::MakeKey(const MaterializeItem& item) {
-  std::string key = absl::StrCat(static_cast<int>(item.out_dtype), "|");
+std::string Materializer::MakeKey(const MaterializeItem& item, const std::string& scope) {
+  // The scope first, length-prefixed: entries of different scopes never
+  // meet, whatever the rest of the key holds.
+  std::string key = absl::StrCat(scope.size(), "#", scope, "|", static_cast<int>(item.out_dtype), "|");
   if (item.scalar.has_value()) {
     key += "scalar:";
     AppendFloat(&key, *item.scalar);
@@ -265,12 +267,12 @@ bool Materializer::Lookup(const std::string& key, MaterializedTensor* out) {
 }
 
 absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
-    absl::Span<const MaterializeItem> items, const std::string& tag) {
+    absl::Span<const MaterializeItem> items, const std::string& tag, const std::string& scope) {
   std::vector<MaterializedTensor> out(items.size());
   std::vector<std::string> keys;
   keys.reserve(items.size());
   std::vector<size_t> misses;
-  for (const MaterializeItem& item : items) keys.push_back(MakeKey(item));
+  for (const MaterializeItem& item : items) keys.push_back(MakeKey(item, scope));
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < items.size(); ++i) {

@@ -102,9 +102,16 @@ class Materializer {
   // (e.g. "model#generation" when adapters are merged); packed segments
   // holding patched or quantized items carry it, and RetireTag() lets the
   // cache drop them once nothing holds them.
+  //
+  // `scope` (ReadScope of the request's read guards; "" = public) names who
+  // may read what this call computes. A client maps or Reads whole
+  // segments, so a result is shared only with calls of the same scope: a
+  // hit never hands out a packed segment filled for another scope, nor a
+  // view into another scope's checkpoint. Views of this call's own items
+  // point into the segments its slices name, which the caller vouches for.
   absl::StatusOr<std::vector<MaterializedTensor>> Materialize(
-      absl::Span<const MaterializeItem> items, const std::string& tag = "")
-      ABSL_LOCKS_EXCLUDED(mu_);
+      absl::Span<const MaterializeItem> items, const std::string& tag = "",
+      const std::string& scope = "") ABSL_LOCKS_EXCLUDED(mu_);
 
   // The tag's segments are dropped now if unheld, else by a later Sweep().
   void RetireTag(const std::string& tag) ABSL_LOCKS_EXCLUDED(mu_);
@@ -137,7 +144,7 @@ class Materializer {
     std::string tag;
   };
 
-  static std::string MakeKey(const MaterializeItem& item);
+  static std::string MakeKey(const MaterializeItem& item, const std::string& scope);
   // Looks `key` up; fills `out` on a hit.
   bool Lookup(const std::string& key, MaterializedTensor* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

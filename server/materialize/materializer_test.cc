@@ -94,6 +94,36 @@ TEST(MaterializerTest, ColumnSliceIsPackedAndCached) {
   EXPECT_EQ(m.stats().hits, 1u);
 }
 
+TEST(MaterializerTest, ResultsAreSharedWithinAScopeAndNeverAcrossScopes) {
+  // Issue #16 F1: two checkpoints hold a tensor with identical bytes (same
+  // digest), one read by a private scope, the other public. A client maps
+  // whole segments, so neither a view nor a packed segment may cross.
+  Fixture secret({6, 4});
+  Fixture shared({6, 4});
+  ASSERT_EQ(secret.tensor.digest, shared.tensor.digest);
+  Materializer m({secret.account, 2});
+  const std::string kPrivate = "7{5:uid:7}";
+  ShardBox rows{{2, 0}, {2, 4}};   // contiguous: a view
+  ShardBox cols{{0, 1}, {6, 2}};   // strided: packed
+  auto p = m.Materialize({Item(secret.tensor, rows, DType::kF32),
+                          Item(secret.tensor, cols, DType::kF32)}, "", kPrivate);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ((*p)[0].segment, secret.tensor.segment);
+  auto q = m.Materialize({Item(shared.tensor, rows, DType::kF32),
+                          Item(shared.tensor, cols, DType::kF32)}, "", "");
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ((*q)[0].segment, shared.tensor.segment) << "a view into the other scope's base";
+  EXPECT_NE((*q)[1].segment, (*p)[1].segment) << "a packed segment of the other scope";
+  EXPECT_EQ(Read((*q)[1]), Read((*p)[1]));
+  EXPECT_EQ(m.stats().hits, 0u);
+  // Within one scope, identical requests still share one copy.
+  auto p2 = m.Materialize({Item(shared.tensor, rows, DType::kF32),
+                           Item(shared.tensor, cols, DType::kF32)}, "", kPrivate);
+  ASSERT_TRUE(p2.ok()) << p2.status();
+  EXPECT_EQ((*p2)[1].segment, (*p)[1].segment);
+  EXPECT_EQ(m.stats().hits, 2u);
+}
+
 TEST(MaterializerTest, BatchOfMissesSharesOneSegment) {
   Fixture f({8, 8});
   Materializer m({f.account, 2});

@@ -662,7 +662,8 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     }
   }
   WD_ASSIGN_OR_RETURN(std::vector<MaterializedTensor> served,
-                      materializer_.Materialize(items, absl::StrCat(params.model, "#", gen->number)));
+                      materializer_.Materialize(items, absl::StrCat(params.model, "#", gen->number),
+                                                  ReadScope(guards)));
 
   auto table = std::make_shared<FetchTable>();
   table->generation = gen->number;

@@ -213,14 +213,15 @@ absl::Status CmdStats(Client& c, const Args& a) {
       "models: %llu\nsegments: %llu\nbytes_resident: %llu\nmaterializations: %llu\n"
       "materialization_bytes: %llu\ncache_hits: %llu\ncache_misses: %llu\nleases_open: %llu\n"
       "bytes_served: %llu\nfetches: %llu\napplies: %llu\nadapters: %llu\n"
-      "reserve_ready_bytes: %llu\nreserve_target_bytes: %llu\n",
+      "reserve_ready_bytes: %llu\nreserve_target_bytes: %llu\nbytes_read: %llu\n",
       (unsigned long long)s.models, (unsigned long long)s.segments,
       (unsigned long long)s.bytes_resident, (unsigned long long)s.materializations,
       (unsigned long long)s.materialization_bytes, (unsigned long long)s.cache_hits,
       (unsigned long long)s.cache_misses, (unsigned long long)s.leases_open,
       (unsigned long long)s.bytes_served, (unsigned long long)s.fetches,
       (unsigned long long)s.applies, (unsigned long long)s.adapters,
-      (unsigned long long)s.reserve_ready_bytes, (unsigned long long)s.reserve_target_bytes);
+      (unsigned long long)s.reserve_ready_bytes, (unsigned long long)s.reserve_target_bytes,
+      (unsigned long long)s.bytes_read);
   return absl::OkStatus();
 }
 

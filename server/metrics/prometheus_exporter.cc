@@ -74,6 +74,8 @@ class StatsCollectable : public prometheus::Collectable {
         Scalar("weightd_fetch_errors_total", "Failed fetches.", MetricType::Counter, s.fetch_errors),
         Scalar("weightd_served_bytes_total", "Bytes of shards handed to clients.",
                MetricType::Counter, s.bytes_served),
+        Scalar("weightd_read_bytes_total", "Bytes asked for by grpc-transport Read calls.",
+               MetricType::Counter, s.bytes_read),
         Scalar("weightd_adapter_applies_total", "Adapter stacks applied (generations made).",
                MetricType::Counter, s.applies),
         Scalar("weightd_loads_total", "Checkpoints loaded.", MetricType::Counter, s.loads),

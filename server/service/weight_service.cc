@@ -1042,6 +1042,7 @@ absl::StatusOr<ReadRange> WeightService::Read(uint64_t lease_id, absl::string_vi
                                               seg->size(), " bytes"));
   }
   if (length == 0) length = seg->size() - offset;
+  bytes_read_.fetch_add(length);
   return ReadRange{seg, offset, length};
 }
 
@@ -1072,6 +1073,7 @@ ServiceStats WeightService::Stats() const {
   s.materializer = materializer_.stats();
   s.leases_open = leases_.size();
   s.bytes_served = bytes_served_.load();
+  s.bytes_read = bytes_read_.load();
   s.fetches = fetches_.load();
   s.applies = applies_.load();
   s.loads = loads_.load();

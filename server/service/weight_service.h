@@ -167,6 +167,7 @@ struct ServiceStats {
   MaterializerStats materializer;
   uint64_t leases_open = 0;
   uint64_t bytes_served = 0;
+  uint64_t bytes_read = 0;  // asked for by grpc-transport Reads
   uint64_t fetches = 0;
   uint64_t applies = 0;
   uint64_t adapters = 0;
@@ -338,6 +339,7 @@ class WeightService {
   absl::CondVar generation_changed_;
 
   std::atomic<uint64_t> bytes_served_{0};
+  std::atomic<uint64_t> bytes_read_{0};
   std::atomic<uint64_t> fetches_{0};
   std::atomic<uint64_t> applies_{0};
   std::atomic<uint64_t> loads_{0};

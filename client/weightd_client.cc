@@ -16,6 +16,7 @@
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/convert/dtype_convert.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {
@@ -158,14 +159,14 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-v1::DType ToProto(DType d) { return static_cast<v1::DType>(static_cast<int>(d) + 1); }
+v1::DType ToProto(DType d) { return ToProtoDType(d); }
 
 absl::StatusOr<DType> FromProto(v1::DType d) {
-  int v = static_cast<int>(d);
-  if (v < 1 || v > kNumDTypes) {
-    return absl::InternalError(absl::StrCat("daemon sent unknown dtype ", v));
+  std::optional<DType> dtype = DTypeFromProto(d);
+  if (!dtype.has_value()) {
+    return absl::InternalError(absl::StrCat("daemon sent unknown dtype ", static_cast<int>(d)));
   }
-  return static_cast<DType>(v - 1);
+  return *dtype;
 }
 
 ModelInfo ToModelInfo(const v1::ModelInfo& m) {

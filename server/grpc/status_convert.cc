@@ -12,16 +12,13 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
                       std::string(status.message()));
 }
 
-v1::DType ToProtoDType(DType dtype) {
-  return static_cast<v1::DType>(static_cast<int>(dtype) + 1);
-}
-
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype) {
-  int v = static_cast<int>(dtype);
-  if (v < 1 || v > kNumDTypes) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown dtype enum value ", v));
+  std::optional<DType> d = DTypeFromProto(dtype);
+  if (!d.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown dtype enum value ", static_cast<int>(dtype)));
   }
-  return static_cast<DType>(v - 1);
+  return *d;
 }
 
 }  // namespace weightd

@@ -8,14 +8,15 @@
 #include "absl/status/status.h"
 #include "common/dtype.h"
 #include "common/shard.h"
+#include "proto/convert/dtype_convert.h"
 #include "weightd/v1/weightd.pb.h"
 
 namespace weightd {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
-// proto enum <-> DType (DTYPE_UNSPECIFIED has no DType).
-v1::DType ToProtoDType(DType dtype);
+// proto enum -> DType (DTYPE_UNSPECIFIED has no DType): INVALID_ARGUMENT
+// for values without one. The other way: ToProtoDType (dtype_convert.h).
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
 
 }  // namespace weightd

@@ -21,6 +21,9 @@ if [ -n "$sanitize" ]; then
 else
   export BUILD_DIR=${BUILD_DIR:-build}
   bash scripts/build.sh
+  # Concurrency checked by the compiler: clang's thread-safety analysis
+  # over every translation unit of this build (syntax only).
+  bash scripts/thread_safety.sh "$BUILD_DIR"
 fi
 tsan_reports=""
 if [[ "$sanitize" == *thread* ]]; then

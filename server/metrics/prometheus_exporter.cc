@@ -59,8 +59,6 @@ class StatsCollectable : public prometheus::Collectable {
                MetricType::Counter, s.reserve.missed),
         Scalar("weightd_memory_limit_bytes", "The --host-memory-bytes budget (0 = none).",
                MetricType::Gauge, s.memory_limit),
-        Scalar("weightd_pinned_bytes", "Bytes registered with cudaHostRegister.",
-               MetricType::Gauge, 0),
         Scalar("weightd_materialization_cache_entries", "Cached materializations.",
                MetricType::Gauge, s.materializer.entries),
         Scalar("weightd_materialization_cache_bytes", "Bytes of packed (non-view) materializations.",

@@ -483,6 +483,74 @@ def test_bad_request(ctx, request, args, code, needle):
         assert needle in r.error_message, r.error_message
 
 
+# --------------------------------------------------------------------------- hostile documents
+
+BIG = 2 ** 62
+
+
+def _merge_profile():
+    return {"name_mapping": [
+        {"match": "half.a", "target": "merged", "merge_index": 0, "num_merges": 2},
+        {"match": "half.b", "target": "merged", "merge_index": 1, "num_merges": 2}]}
+
+
+# (slug, profile text or dict, checkpoint builder or None for good.safetensors, needles)
+BAD_PROFILES = [
+    # 100,000 levels of nesting: refused before any parser or walk sees them.
+    ("profile_nested_100k", "[" * 100000 + "]" * 100000, None, ["nests deeper than 64 levels"]),
+    ("profile_nested_100k_in_expected",
+     '{"expected": {"w2d": {"shape": ' + "[" * 100000 + "]" * 100000 + "}}}", None,
+     ["nests deeper than 64 levels"]),
+    # An element count that wraps int64 (the table showed [4611686018427387905]).
+    ("expected_numel_overflows", {"strict": False, "expected": {
+        "w2d": {"shape": [10, 6]}, "huge.new": {"shape": [BIG, 4]}}, "allow_new": ["new"]},
+     None, ['expected["huge.new"].shape', "too large"]),
+    # Fits as elements, not as bytes: the budget was asked for 8 EiB.
+    ("expected_bytes_overflow", {"strict": False, "expected": {
+        "w2d": {"shape": [10, 6]}, "huge.new": {"shape": [BIG // 2, 2], "dtype": "f32"}},
+        "allow_new": ["new"]}, None, ['expected["huge.new"].shape', "too large"]),
+    # Two zero-element parts whose merged dim 0 is 2^63 (it was served negative).
+    ("merged_dim0_overflows", _merge_profile(), lambda: assemble(hdr({
+        "half.a": {"dtype": "F32", "shape": [BIG, 0], "data_offsets": [0, 0]},
+        "half.b": {"dtype": "F32", "shape": [BIG, 0], "data_offsets": [0, 0]}})),
+     ['served tensor "merged"', "merged dim 0 overflows"]),
+    # A target that puts a newline into a served name.
+    ("target_with_newline", {"name_mapping": [{"match": "w2d", "target": "w2d\ntensor: x"}]},
+     None, ["control character"]),
+]
+
+
+@pytest.mark.parametrize("slug,profile,build,needles", BAD_PROFILES,
+                         ids=[c[0] for c in BAD_PROFILES])
+def test_bad_profile_is_invalid_at_load(ctx, slug, profile, build, needles):
+    ppath = os.path.join(ctx.bad_dir, "%s.profile.json" % slug)
+    with open(ppath, "w") as f:
+        f.write(profile if isinstance(profile, str) else json.dumps(profile))
+    path = ctx.good_path
+    if build is not None:
+        path = os.path.join(ctx.bad_dir, "%s.safetensors" % slug)
+        with open(path, "wb") as f:
+            f.write(build())
+    r = ctx.d.ctl("load", "bad_" + slug, path, "--profile", ppath)
+    assert_error(ctx, r, "INVALID_ARGUMENT", "load with profile %s" % slug)
+    for n in needles:
+        assert n in r.error_message, r.error_message[:1000]
+    assert ctx.listed_names() == ["good"]
+
+
+def test_index_nested_100k_is_invalid(ctx):
+    d = os.path.join(ctx.bad_dir, "nested_index")
+    os.makedirs(d)
+    st_io.save({"x": torch.ones(2)}, os.path.join(d, "model-00001-of-00001.safetensors"))
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        f.write('{"metadata": {"x": ' + "[" * 100000 + "]" * 100000 +
+                '}, "weight_map": {"x": "model-00001-of-00001.safetensors"}}')
+    r = ctx.d.ctl("load", "bad_nested_index", d)
+    assert_error(ctx, r, "INVALID_ARGUMENT", "load of a 100,000-deep index")
+    assert "nests deeper than 64 levels" in r.error_message, r.error_message
+    assert ctx.listed_names() == ["good"]
+
+
 # The daemon caps every error message it sends (README "Limits"): a longer
 # one would exceed gRPC's metadata limit and arrive as RESOURCE_EXHAUSTED.
 MAX_MESSAGE = 4096

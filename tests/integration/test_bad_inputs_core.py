@@ -596,6 +596,9 @@ def test_1mib_unknown_name_gets_not_found_with_a_bounded_message(ctx):
     msg = _client_error(ctx, lambda c: c.fetch("good", names=["n" * (1 << 20)]), "NOT_FOUND",
                         "fetch of a 1 MiB tensor name")
     assert "nnnn" in msg, msg[:200]
+    # Bytes outside ASCII travel percent-encoded (3 bytes each): still fits.
+    _client_error(ctx, lambda c: c.fetch("good", names=["\u00e9" * (1 << 19), "w\u00e9" * 9999]),
+                  "NOT_FOUND", "fetch of 1 MiB of non-ASCII tensor names")
 
 
 def test_empty_shards_of_zero_element_tensors_lie_inside_their_segment(ctx):

@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/container/flat_hash_set.h"
 #include "common/log.h"
 #include "common/untrusted_text.h"
 #include "server/adapter/lora_patch.h"
@@ -542,7 +542,7 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     absl::flat_hash_map<std::string, const Served*> by_name;
     for (const Served* s : all) by_name[s->plan.name] = s;
     // A name given twice would be materialized and listed twice: refused, so
-    // the table never holds a name twice (README "Fetching").
+    // the table never holds a name twice (README "Hostile input").
     absl::flat_hash_set<absl::string_view> seen;
     std::vector<std::string> unknown, repeated;
     for (const std::string& n : params.names) {

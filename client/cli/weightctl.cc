@@ -7,11 +7,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -227,7 +229,15 @@ absl::Status CmdStats(Client& c, const Args& a) {
 
 absl::Status WriteSafetensors(const std::string& path, const ShardSet& set) {
   std::vector<SafetensorsWriteEntry> entries;
+  std::set<absl::string_view> names;
   for (const TensorView& t : set.tensors()) {
+    // A safetensors file names each tensor once; a header with a name twice
+    // would not describe the data written (the daemon refuses such requests,
+    // this keeps an older or broken one from making an invalid file).
+    if (!names.insert(t.name).second) {
+      return absl::InternalError(absl::StrCat("the daemon sent tensor \"", absl::CHexEscape(t.name),
+                                              "\" twice; not writing ", path));
+    }
     entries.push_back(SafetensorsWriteEntry{t.name, t.dtype, t.shape, t.length});
   }
   std::string header = BuildSafetensorsHeader(entries);

@@ -3,13 +3,14 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/untrusted_text.h"
 
 namespace weightd {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+                      TruncateMessage(status.message(), kMaxStatusMessageBytes));
 }
 
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype) {

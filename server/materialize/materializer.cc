@@ -327,8 +327,11 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
     uint64_t length = static_cast<uint64_t>(OutputElements(item)) * DTypeSize(item.out_dtype);
     if (IsPlainView(item)) {
       const PartSlice& s = item.slices[0];
-      uint64_t start = static_cast<uint64_t>(LinearStart(s.shape, s.box)) *
-                       DTypeSize(s.stored->dtype);
+      // An empty box's linear start can lie past the tensor (a [0, n] tensor
+      // split on dim 1), even past 2^63 bytes: it points at the start.
+      uint64_t start = length == 0 ? 0
+                                   : static_cast<uint64_t>(LinearStart(s.shape, s.box)) *
+                                         DTypeSize(s.stored->dtype);
       out[i] = MaterializedTensor{s.stored->segment, s.stored->offset + start, length, Digest(),
                                   true};
       continue;

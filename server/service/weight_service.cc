@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "common/untrusted_text.h"
 #include "server/adapter/lora_patch.h"
 #include "server/profile/name_summary.h"
 #include "common/status_macros.h"
@@ -29,6 +31,14 @@ absl::Status ValidateModelName(const std::string& name) {
     }
   }
   return absl::OkStatus();
+}
+
+// Names from a request, for a message: one quoted, or several summarized by
+// pattern (SummarizeNamesInline); bounded and escaped either way.
+std::string SummarizeRequestedNames(absl::Span<const std::string> names) {
+  constexpr size_t kMaxBytes = 1024;
+  if (names.size() == 1) return QuoteForMessage(names[0]);
+  return QuoteForMessage(SummarizeNamesInline(names), kMaxBytes);
 }
 
 std::string ShapeString(absl::Span<const int64_t> shape) {
@@ -153,7 +163,7 @@ absl::StatusOr<std::shared_ptr<const WeightService::Model>> WeightService::FindM
   absl::MutexLock lock(&mu_);
   auto it = models_.find(name);
   if (it == models_.end()) {
-    return absl::NotFoundError(absl::StrCat("model \"", name, "\" is not loaded"));
+    return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(name), " is not loaded"));
   }
   return it->second;
 }
@@ -376,7 +386,7 @@ absl::Status WeightService::UnloadModel(const std::string& name) {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(name);
     if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model \"", name, "\" is not loaded"));
+      return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(name), " is not loaded"));
     }
     dropped = std::move(it->second);
     models_.erase(it);
@@ -531,8 +541,15 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   if (!params.names.empty()) {
     absl::flat_hash_map<std::string, const Served*> by_name;
     for (const Served* s : all) by_name[s->plan.name] = s;
-    std::vector<std::string> unknown;
+    // A name given twice would be materialized and listed twice: refused, so
+    // the table never holds a name twice (README "Hostile input").
+    absl::flat_hash_set<absl::string_view> seen;
+    std::vector<std::string> unknown, repeated;
     for (const std::string& n : params.names) {
+      if (!seen.insert(n).second) {
+        repeated.push_back(n);
+        continue;
+      }
       auto it = by_name.find(n);
       if (it == by_name.end()) {
         unknown.push_back(n);
@@ -540,9 +557,19 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
         selected.push_back(it->second);
       }
     }
+    if (!repeated.empty()) {
+      std::sort(repeated.begin(), repeated.end());
+      repeated.erase(std::unique(repeated.begin(), repeated.end()), repeated.end());
+      return absl::InvalidArgumentError(absl::StrCat(
+          "names: ", SummarizeRequestedNames(repeated),
+          repeated.size() == 1 ? " is" : " are",
+          " given more than once (name each tensor once)"));
+    }
     if (!unknown.empty()) {
-      return absl::NotFoundError(absl::StrCat("model \"", params.model, "\" has no tensor named ",
-                                              absl::StrJoin(unknown, ", ")));
+      return absl::NotFoundError(absl::StrCat(
+          "model \"", params.model, "\" has no tensor named ",
+          unknown.size() == 1 ? "" : absl::StrCat("any of these ", unknown.size(), " names: "),
+          SummarizeRequestedNames(unknown)));
     }
   } else {
     selected = all;
@@ -882,7 +909,7 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
 absl::Status WeightService::UnloadAdapter(const std::string& name) {
   absl::MutexLock lock(&mu_);
   if (adapters_.erase(name) == 0) {
-    return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
+    return absl::NotFoundError(absl::StrCat("adapter ", QuoteForMessage(name), " is not loaded"));
   }
   adapter_info_.erase(name);
   adapter_readers_.erase(name);
@@ -909,13 +936,13 @@ absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_nam
     absl::MutexLock lock(&mu_);
     auto it = models_.find(model_name);
     if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model \"", model_name, "\" is not loaded"));
+      return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
     }
     model = it->second;
     for (const AdapterRef& ref : stack) {
       auto a = adapters_.find(ref.name);
       if (a == adapters_.end()) {
-        return absl::NotFoundError(absl::StrCat("adapter \"", ref.name, "\" is not loaded"));
+        return absl::NotFoundError(absl::StrCat("adapter ", QuoteForMessage(ref.name), " is not loaded"));
       }
       adapters.push_back(a->second);
       auto r = adapter_readers_.find(ref.name);
@@ -1008,7 +1035,7 @@ absl::StatusOr<std::optional<GenerationInfo>> WeightService::WaitForGeneration(
   while (true) {
     auto it = models_.find(model_name);
     if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model \"", model_name, "\" is not loaded"));
+      return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
     }
     const Generation& gen = *it->second->current;
     if (gen.number > after) {

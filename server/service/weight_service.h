@@ -110,7 +110,9 @@ struct FetchParams {
   MeshCoord mesh;
   std::optional<std::vector<Placement>> placements;  // overrides defaults
   std::optional<DType> dtype;                        // nullopt = keep
-  std::vector<std::string> names;                    // empty = all
+  // Empty = all. A name given twice is INVALID_ARGUMENT naming it; an
+  // unknown one NOT_FOUND (names summarized, messages bounded).
+  std::vector<std::string> names;
   TransportKind transport = TransportKind::kShm;
   uint64_t changed_since = 0;
   // Who asks: checked against the readers of the model and of the adapters

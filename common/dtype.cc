@@ -108,4 +108,14 @@ bool CanCast(DType src, DType dst) {
   return IsFloating(src) && IsFloating(dst);
 }
 
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+int64_t NumElements(absl::Span<const int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
 }  // namespace weightd

@@ -44,6 +44,13 @@ inline constexpr size_t kMaxDTypeSize = 8;
 absl::Status CheckShapeFits(absl::Span<const int64_t> shape,
                             size_t bytes_per_element);
 
+// "[a, b, c]", for messages.
+std::string ShapeString(absl::Span<const int64_t> shape);
+
+// The product of the dims (1 for a 0-dim shape). REQUIRES: it fits in
+// int64 (CheckShapeFits, or shapes that already passed it).
+int64_t NumElements(absl::Span<const int64_t> shape);
+
 // The safetensors spelling: "F64", "F32", "F16", "BF16", "I64", ..., "BOOL",
 // "F8_E4M3", "F8_E5M2".
 absl::string_view DTypeName(DType dtype);

@@ -69,10 +69,6 @@ size_t FindInvalidUtf8(absl::string_view s) {
   return absl::string_view::npos;
 }
 
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
 std::string OffsetsString(uint64_t begin, uint64_t end) {
   return absl::StrCat("[", begin, ", ", end, "]");
 }

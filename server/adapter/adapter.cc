@@ -51,16 +51,6 @@ bool HasKohyaPrefix(absl::string_view name) {
   return false;
 }
 
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-int64_t NumElements(absl::Span<const int64_t> shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
 std::string Dirname(const std::string& path) {
   size_t slash = path.rfind('/');
   if (slash == std::string::npos) return ".";

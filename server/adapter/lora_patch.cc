@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/dtype.h"
 #include "common/status_macros.h"
 
 namespace weightd {
@@ -19,16 +20,6 @@ namespace {
 // per-call packing of the narrow factor is amortized, small enough to stay
 // near the cache.
 constexpr int64_t kScratchFloats = int64_t{1} << 18;
-
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-int64_t NumElements(absl::Span<const int64_t> shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
 
 // The served tensor must be the shape the patch expects, and the box must
 // lie inside it.

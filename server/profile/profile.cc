@@ -84,10 +84,6 @@ std::string Index(absl::string_view where, size_t i) {
   return absl::StrCat(where, "[", i, "]");
 }
 
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
 const char* JsonTypeName(const json& j) { return j.type_name(); }
 
 absl::Status WrongType(absl::string_view field, absl::string_view wanted,

@@ -41,10 +41,6 @@ std::string SummarizeRequestedNames(absl::Span<const std::string> names) {
   return QuoteForMessage(SummarizeNamesInline(names), kMaxBytes);
 }
 
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<WeightService>> WeightService::Create(

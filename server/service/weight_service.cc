@@ -33,14 +33,6 @@ absl::Status ValidateModelName(const std::string& name) {
   return absl::OkStatus();
 }
 
-// Names from a request, for a message: one quoted, or several summarized by
-// pattern (SummarizeNamesInline); bounded and escaped either way.
-std::string SummarizeRequestedNames(absl::Span<const std::string> names) {
-  constexpr size_t kMaxBytes = 1024;
-  if (names.size() == 1) return QuoteForMessage(names[0]);
-  return QuoteForMessage(SummarizeNamesInline(names), kMaxBytes);
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<WeightService>> WeightService::Create(
@@ -512,178 +504,46 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     }
   }
   WD_RETURN_IF_ERROR(params.mesh.Validate());
-  const size_t mesh_dims = params.mesh.shape.size();
-  if (params.placements.has_value() && params.placements->size() != mesh_dims) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "placements \"", PlacementsToString(*params.placements), "\" name ",
-        params.placements->size(), " mesh dims but the mesh has ", mesh_dims));
-  }
-  std::vector<Placement> defaults = DefaultPlacements(mesh_dims);
-  if (params.placements.has_value()) {
-    defaults = *params.placements;
-  } else if (model->profile != nullptr && model->profile->default_placements().has_value()) {
-    defaults = *model->profile->default_placements();
-    if (defaults.size() != mesh_dims) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the profile's default_placements \"", PlacementsToString(defaults), "\" name ",
-          defaults.size(), " mesh dims but the mesh has ", mesh_dims,
-          "; pass --placements"));
-    }
-  }
+  FetchPlanOptions plan_options;
+  plan_options.mesh = params.mesh;
+  WD_ASSIGN_OR_RETURN(
+      plan_options.defaults,
+      ResolveDefaultPlacements(params.mesh, params.placements,
+                               model->profile != nullptr ? model->profile->default_placements()
+                                                         : std::nullopt));
+  plan_options.dtype = params.dtype;
 
-  // Select the served tensors.
+  // Select the served tensors: by name, then what changed since.
   std::vector<const Served*> all = ServedAt(*model, *gen);
+  std::vector<std::string> all_names;
+  all_names.reserve(all.size());
+  for (const Served* s : all) all_names.push_back(s->plan.name);
+  WD_ASSIGN_OR_RETURN(std::vector<size_t> picked,
+                      SelectByName(all_names, params.names, params.model));
   std::vector<const Served*> selected;
-  if (!params.names.empty()) {
-    absl::flat_hash_map<std::string, const Served*> by_name;
-    for (const Served* s : all) by_name[s->plan.name] = s;
-    // A name given twice would be materialized and listed twice: refused, so
-    // the table never holds a name twice (README "Hostile input").
-    absl::flat_hash_set<absl::string_view> seen;
-    std::vector<std::string> unknown, repeated;
-    for (const std::string& n : params.names) {
-      if (!seen.insert(n).second) {
-        repeated.push_back(n);
-        continue;
-      }
-      auto it = by_name.find(n);
-      if (it == by_name.end()) {
-        unknown.push_back(n);
-      } else {
-        selected.push_back(it->second);
-      }
-    }
-    if (!repeated.empty()) {
-      std::sort(repeated.begin(), repeated.end());
-      repeated.erase(std::unique(repeated.begin(), repeated.end()), repeated.end());
-      return absl::InvalidArgumentError(absl::StrCat(
-          "names: ", SummarizeRequestedNames(repeated),
-          repeated.size() == 1 ? " is" : " are",
-          " given more than once (name each tensor once)"));
-    }
-    if (!unknown.empty()) {
-      return absl::NotFoundError(absl::StrCat(
-          "model \"", params.model, "\" has no tensor named ",
-          unknown.size() == 1 ? "" : absl::StrCat("any of these ", unknown.size(), " names: "),
-          SummarizeRequestedNames(unknown)));
-    }
-  } else {
-    selected = all;
-  }
-  if (since != nullptr) {
-    std::vector<const Served*> changed;
-    for (const Served* s : selected) {
+  for (size_t i : picked) {
+    const Served* s = all[i];
+    if (since != nullptr) {
       auto now = gen->content->find(s->plan.name);
       auto then = since->find(s->plan.name);
-      if (then == since->end() || now == gen->content->end() || now->second != then->second) {
-        changed.push_back(s);
+      if (then != since->end() && now != gen->content->end() && now->second == then->second) {
+        continue;
       }
     }
-    selected = std::move(changed);
+    selected.push_back(s);
   }
 
-  std::vector<MaterializeItem> items;
-  std::vector<FetchedTensor> tables;
-  items.reserve(selected.size());
-  auto patches_for = [&](const std::string& key) {
+  std::vector<PlannedTensor> planned;
+  planned.reserve(selected.size());
+  for (const Served* s : selected) planned.push_back(PlannedTensor{&s->plan, s->parts});
+  plan_options.patches = [&gen](const std::string& key) {
     auto it = gen->patches.find(key);
     return it == gen->patches.end() ? std::vector<AppliedPatch>() : it->second;
   };
-  for (const Served* s : selected) {
-    const ServedTensorPlan& plan = s->plan;
-    const std::vector<Placement>& placements = plan.placements.has_value() ? *plan.placements : defaults;
-    if (placements.size() != mesh_dims) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor \"", plan.name, "\": its profile placements \"", PlacementsToString(placements),
-          "\" name ", placements.size(), " mesh dims but the mesh has ", mesh_dims));
-    }
-    MaterializeItem item;
-    item.name = plan.name;
-    FetchedTensor ft;
-    ft.name = plan.name;
-    ft.global_shape = plan.shape;
-    auto context = [&](const absl::Status& st) {
-      return Annotate(st, absl::StrCat("tensor \"", plan.name, "\" of shape ", ShapeString(plan.shape)));
-    };
-    if (plan.per_part && s->parts.size() > 1) {
-      int64_t rows = 0;
-      for (const StoredTensor* p : s->parts) {
-        auto box = PlanShard(p->shape, params.mesh, placements);
-        if (!box.ok()) return context(box.status());
-        if (ft.shape.empty()) {
-          ft.shape = box->shape;
-          ft.global_offset = box->offset;
-        }
-        rows += box->shape[0];
-        item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(*box), patches_for(p->name)});
-      }
-      ft.shape[0] = rows;
-    } else {
-      auto box = PlanShard(plan.shape, params.mesh, placements);
-      if (!box.ok()) return context(box.status());
-      ft.shape = box->shape;
-      ft.global_offset = box->offset;
-      if (s->parts.empty()) {
-        item.slices.push_back(PartSlice{nullptr, plan.dtype, plan.shape, *box, patches_for(plan.name)});
-      } else if (s->parts.size() == 1 || plan.shape.empty()) {
-        const StoredTensor* p = s->parts[0];
-        item.slices.push_back(PartSlice{p, p->dtype, p->shape, *box, patches_for(p->name)});
-      } else {
-        // A merged tensor sharded as a whole: each part gives the rows of the
-        // box that fall inside it.
-        int64_t begin = box->offset[0], end = begin + box->shape[0], part_start = 0;
-        for (const StoredTensor* p : s->parts) {
-          int64_t part_end = part_start + p->shape[0];
-          int64_t lo = std::max(begin, part_start), hi = std::min(end, part_end);
-          if (lo < hi) {
-            ShardBox pb = *box;
-            pb.offset[0] = lo - part_start;
-            pb.shape[0] = std::max<int64_t>(0, hi - lo);
-            item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(pb), patches_for(p->name)});
-          }
-          part_start = part_end;
-        }
-        if (item.slices.empty()) {  // an empty shard: zero rows of the first part
-          const StoredTensor* p = s->parts.front();
-          ShardBox pb = *box;
-          pb.offset[0] = 0;
-          pb.shape[0] = 0;
-          item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(pb), {}});
-        }
-      }
-    }
-    DType stored = plan.dtype;
-    DType out = stored;
-    if (plan.quantize_fp8) {
-      out = DType::kF8E4M3;
-      WD_ASSIGN_OR_RETURN(float scale, Fp8Scale(*s, *gen));
-      item.fp8_scale = scale;
-    } else if (plan.dtype_override.has_value()) {
-      out = *plan.dtype_override;
-    } else if (params.dtype.has_value() && IsFloating(stored)) {
-      if (!IsFloating(*params.dtype)) {
-        return absl::InvalidArgumentError(absl::StrCat("cannot serve float tensors as ",
-                                                       DTypeName(*params.dtype)));
-      }
-      out = *params.dtype;
-    }
-    item.out_dtype = out;
-    ft.dtype = out;
-    std::optional<float> scale = item.fp8_scale;
-    items.push_back(std::move(item));
-    tables.push_back(std::move(ft));
-    if (scale.has_value()) {
-      MaterializeItem companion;
-      companion.name = plan.name + "_scale";
-      companion.out_dtype = DType::kF32;
-      companion.scalar = *scale;
-      FetchedTensor cft;
-      cft.name = companion.name;
-      cft.dtype = DType::kF32;
-      items.push_back(std::move(companion));
-      tables.push_back(std::move(cft));
-    }
-  }
+  plan_options.fp8_scale = [&](size_t index) { return Fp8Scale(*selected[index], *gen); };
+  WD_ASSIGN_OR_RETURN(FetchPlan plan, PlanFetch(planned, plan_options));
+  std::vector<MaterializeItem>& items = plan.items;
+  std::vector<FetchedTensor>& tables = plan.tensors;
   WD_ASSIGN_OR_RETURN(std::vector<MaterializedTensor> served,
                       materializer_.Materialize(items, absl::StrCat(params.model, "#", gen->number),
                                                   ReadScope(guards)));

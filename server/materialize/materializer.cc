@@ -441,31 +441,50 @@ absl::StatusOr<std::unique_ptr<Segment>> Materializer::CreateSegment(uint64_t si
   }
   auto seg = Segment::Create(options_.account, "shard", size, /*prefault=*/true);
   if (seg.ok() || seg.status().code() != absl::StatusCode::kResourceExhausted) return seg;
-  {
-    absl::MutexLock lock(&mu_);
-    if (EvictLocked(/*orphans_only=*/false) == 0) return seg.status();
-  }
+  // Freed here, not on the disposer: this call needs the budget back now.
+  if (Evict(/*orphans_only=*/false, /*now=*/true) == 0) return seg.status();
   return Segment::Create(options_.account, "shard", size, /*prefault=*/true);
 }
 
-uint64_t Materializer::EvictUnused() {
-  absl::MutexLock lock(&mu_);
-  return EvictLocked(/*orphans_only=*/false);
-}
+uint64_t Materializer::EvictUnused() { return Evict(/*orphans_only=*/false, /*now=*/true); }
 
-uint64_t Materializer::Sweep() {
-  absl::MutexLock lock(&mu_);
-  return EvictLocked(/*orphans_only=*/true);
-}
+uint64_t Materializer::Sweep() { return Evict(/*orphans_only=*/true, /*now=*/false); }
 
 void Materializer::RetireTag(const std::string& tag) {
   if (tag.empty()) return;
-  absl::MutexLock lock(&mu_);
-  retired_tags_.insert(tag);
-  EvictLocked(/*orphans_only=*/true);
+  {
+    absl::MutexLock lock(&mu_);
+    retired_tags_.insert(tag);
+  }
+  Evict(/*orphans_only=*/true, /*now=*/false);
 }
 
-uint64_t Materializer::EvictLocked(bool orphans_only) {
+uint64_t Materializer::Evict(bool orphans_only, bool now) {
+  std::vector<SegmentPtr> dropped;
+  uint64_t freed;
+  {
+    absl::MutexLock lock(&mu_);
+    freed = EvictLocked(orphans_only, &dropped);
+  }
+  // The last holds are dropped without the lock: giving a large segment
+  // back to the kernel takes a while, and fetches wait for mu_. With a
+  // warm reserve its background thread frees them when the daemon is
+  // idle; else, unless the caller needs the budget back at once, the
+  // disposer's thread does.
+  for (SegmentPtr& seg : dropped) {
+    const uint64_t bytes = seg->size();
+    if (options_.pool != nullptr) {
+      options_.pool->Dispose(std::move(seg));
+    } else if (options_.disposer != nullptr && !now) {
+      options_.disposer->Dispose(std::move(seg), bytes);
+    } else {
+      seg.reset();
+    }
+  }
+  return freed;
+}
+
+uint64_t Materializer::EvictLocked(bool orphans_only, std::vector<SegmentPtr>* dropped) {
   uint64_t freed = 0;
   absl::flat_hash_set<std::string> live_tags;
   for (auto it = packed_.begin(); it != packed_.end();) {
@@ -477,9 +496,7 @@ uint64_t Materializer::EvictLocked(bool orphans_only) {
       freed += cur->second.segment->size();
       stats_.packed_segments--;
       stats_.packed_bytes -= cur->second.segment->size();
-      // Freeing is slow (the kernel drops every page): with a pool, its
-      // background thread does it when the daemon is idle.
-      if (options_.pool != nullptr) options_.pool->Dispose(std::move(cur->second.segment));
+      dropped->push_back(std::move(cur->second.segment));  // freed by Evict, unlocked
       packed_.erase(cur);
     }
   }

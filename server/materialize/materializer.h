@@ -36,6 +36,7 @@
 #include "common/shard.h"
 #include "server/adapter/patch.h"
 #include "server/store/checkpoint.h"
+#include "server/store/disposer.h"
 #include "server/store/segment.h"
 #include "server/store/segment_pool.h"
 
@@ -92,6 +93,10 @@ class Materializer {
     // item larger than a chunk, or a call that finds the reserve empty,
     // gets a fresh segment.
     SegmentPool* pool = nullptr;
+    // Frees evicted segments off the caller's thread when there is no pool
+    // (borrowed; may be null: then they are freed by the evicting call,
+    // without the lock).
+    Disposer* disposer = nullptr;
   };
   explicit Materializer(Options options);
 
@@ -153,8 +158,13 @@ class Materializer {
   // entries when the budget is short).
   absl::StatusOr<std::unique_ptr<Segment>> CreateSegment(uint64_t size);
   // Drops packed segments only the cache holds; with `orphans_only`, just
-  // those whose base is gone. Then drops the entries left dangling.
-  uint64_t EvictLocked(bool orphans_only) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // those whose base is gone. Then drops the entries left dangling. The
+  // segments' last holds are moved to `dropped`, to be freed unlocked.
+  uint64_t EvictLocked(bool orphans_only, std::vector<SegmentPtr>* dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // EvictLocked, then frees what it dropped without the lock: through the
+  // pool or (unless `now`: the caller needs the budget back) the disposer.
+  uint64_t Evict(bool orphans_only, bool now) ABSL_LOCKS_EXCLUDED(mu_);
 
   const Options options_;
   mutable absl::Mutex mu_;

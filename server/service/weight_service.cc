@@ -52,20 +52,20 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
                 ? nullptr
                 : std::make_unique<SegmentPool>(SegmentPool::Options{
                       account_, options_.warm_reserve_bytes, options_.reserve_chunk_bytes})),
-      materializer_(Materializer::Options{account_, options_.worker_threads, pool_.get()}),
+      materializer_(Materializer::Options{account_, options_.worker_threads, pool_.get(),
+                                          &disposer_}),
       leases_(options_.lease_idle_ttl, &disposer_),
       access_(options_.access) {
   // A reservation short of budget first waits for the drops the disposer
-  // still holds, then takes the warm reserve back.
-  // What counts is what the account got back, not the disposer's estimate
-  // (a segment it was handed may have been picked up again meanwhile).
-  account_->SetReclaimer([this](uint64_t bytes) {
+  // still holds (rank 0), then takes the warm reserve back (the pool's own
+  // reclaimer, rank 10). What counts is what the account got back, not the
+  // disposer's estimate (a segment it was handed may have been picked up
+  // again meanwhile).
+  disposer_reclaimer_ = account_->AddReclaimer(MemoryAccount::kRankDisposer, [this](uint64_t) {
     const uint64_t before = account_->used();
     disposer_.Drain();
     const uint64_t after = account_->used();
-    uint64_t freed = before > after ? before - after : 0;
-    if (freed < bytes && pool_ != nullptr) freed += pool_->Reclaim(bytes - freed);
-    return freed;
+    return before > after ? before - after : 0;
   });
   reaper_ = std::thread([this] { ReapLoop(); });
 }
@@ -73,7 +73,7 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
 WeightService::~WeightService() {
   stop_.Notify();
   if (reaper_.joinable()) reaper_.join();
-  account_->SetReclaimer(nullptr);
+  account_->RemoveReclaimer(disposer_reclaimer_);
 }
 
 void WeightService::ReapLoop() {

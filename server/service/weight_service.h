@@ -330,6 +330,7 @@ class WeightService {
   const WeightServiceOptions options_;
   const ModelRoots roots_;
   std::shared_ptr<MemoryAccount> account_;
+  uint64_t disposer_reclaimer_ = 0;  // in account_'s chain
   Disposer disposer_;                  // before leases_, which hand it their drops
   std::unique_ptr<SegmentPool> pool_;  // before materializer_, which borrows it
   Materializer materializer_;

@@ -45,6 +45,7 @@ constexpr char kUsage[] =
     "               [--admin-gid LIST] [--admin-token-names LIST]\n"
     "               [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]\n"
     "               [--auth-token-file FILE] [--allow-insecure-token]\n"
+    "               [--max-data-connections N] [--max-data-connections-per-uid N]\n"
     "Every flag may also be set as WEIGHTD_<FLAG> (e.g. WEIGHTD_MODEL_ROOT=/a,/b)\n"
     "or in a config file of \"flag = value\" lines (--config or WEIGHTD_CONFIG).\n";
 
@@ -75,7 +76,7 @@ constexpr const char* kFlagNames[] = {
     "preload", "lease-ttl-seconds", "shutdown-grace-seconds", "threads", "log-format",
     "log-level", "socket-mode", "warm-reserve-bytes", "reserve-chunk-bytes", "allow-uid",
     "allow-gid", "admin-uid", "admin-gid", "admin-token-names", "tls-cert", "tls-key", "tls-client-ca", "auth-token-file",
-    "allow-insecure-token"};
+    "allow-insecure-token", "max-data-connections", "max-data-connections-per-uid"};
 
 // Flags that take no value on the command line; from the environment or a
 // config file they take true/false.
@@ -266,6 +267,12 @@ absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags
       WD_RETURN_IF_ERROR(number(&n));
       if (n < 1 || n > 256) return absl::InvalidArgumentError("--threads must be 1..256");
       flags->service.worker_threads = static_cast<int>(n);
+    } else if (flag == "--max-data-connections") {
+      WD_RETURN_IF_ERROR(number(&n));
+      flags->data.max_connections = n;  // 0: half the open-file limit
+    } else if (flag == "--max-data-connections-per-uid") {
+      WD_RETURN_IF_ERROR(number(&n));
+      flags->data.max_connections_per_uid = n;  // 0: half the total
     } else if (flag == "--socket-mode") {
       if (!(v = next()).ok()) return v.status();
       char* end = nullptr;
@@ -454,6 +461,8 @@ int Main(int argc, char** argv) {
   LogEvent(LogLevel::kInfo, "serving",
            {{"socket", flags.grpc.unix_socket},
             {"data_socket", flags.data.path},
+            {"max_data_connections", absl::StrCat((*data)->max_connections())},
+            {"max_data_connections_per_uid", absl::StrCat((*data)->max_connections_per_uid())},
             {"listen", flags.grpc.tcp_listen},
             {"metrics_listen", flags.metrics_listen},
             {"pid", absl::StrCat(getpid())}});

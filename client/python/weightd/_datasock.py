@@ -60,7 +60,10 @@ def attach(path, lease_id, token, num_segments, timeout=30.0):
         except OSError as e:
             raise Error("UNAVAILABLE", "cannot connect to the data socket %s: %s "
                         "(a remote daemon? use transport=\"grpc\")" % (path, e.strerror or e))
-        sock.sendall(_ATTACH.pack(ATTACH_MAGIC, 0, lease_id, bytes(token)))
+        try:
+            sock.sendall(_ATTACH.pack(ATTACH_MAGIC, 0, lease_id, bytes(token)))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a daemon past its connection caps answers and closes first: read why
         magic, code, num_fds, message_len = _REPLY.unpack(_recv(sock, _REPLY.size, fds))
         if magic != REPLY_MAGIC:
             raise Error("INTERNAL", "bad reply magic on the data socket")

@@ -46,6 +46,7 @@ constexpr char kUsage[] =
     "               [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]\n"
     "               [--auth-token-file FILE] [--allow-insecure-token]\n"
     "               [--max-data-connections N] [--max-data-connections-per-uid N]\n"
+    "               [--max-watch-streams N]\n"
     "Every flag may also be set as WEIGHTD_<FLAG> (e.g. WEIGHTD_MODEL_ROOT=/a,/b)\n"
     "or in a config file of \"flag = value\" lines (--config or WEIGHTD_CONFIG).\n";
 
@@ -76,7 +77,8 @@ constexpr const char* kFlagNames[] = {
     "preload", "lease-ttl-seconds", "shutdown-grace-seconds", "threads", "log-format",
     "log-level", "socket-mode", "warm-reserve-bytes", "reserve-chunk-bytes", "allow-uid",
     "allow-gid", "admin-uid", "admin-gid", "admin-token-names", "tls-cert", "tls-key", "tls-client-ca", "auth-token-file",
-    "allow-insecure-token", "max-data-connections", "max-data-connections-per-uid"};
+    "allow-insecure-token", "max-data-connections", "max-data-connections-per-uid",
+    "max-watch-streams"};
 
 // Flags that take no value on the command line; from the environment or a
 // config file they take true/false.
@@ -273,6 +275,12 @@ absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags
     } else if (flag == "--max-data-connections-per-uid") {
       WD_RETURN_IF_ERROR(number(&n));
       flags->data.max_connections_per_uid = n;  // 0: half the total
+    } else if (flag == "--max-watch-streams") {
+      WD_RETURN_IF_ERROR(number(&n));
+      if (n < 1 || n > 65536) {
+        return absl::InvalidArgumentError("--max-watch-streams must be 1..65536");
+      }
+      flags->grpc.max_watch_streams = static_cast<int>(n);
     } else if (flag == "--socket-mode") {
       if (!(v = next()).ok()) return v.status();
       char* end = nullptr;

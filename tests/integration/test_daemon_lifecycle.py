@@ -339,6 +339,9 @@ def test_a_data_client_that_never_reads_stalls_nobody(tmp_path):
         d.stop()
 
 
+LIMITED_UID = 4242   # the daemon's uid under RLIMIT_NPROC, which does not bind root
+
+
 def _open_dir(path):
     """A directory that another uid can use."""
     os.makedirs(path, exist_ok=True)
@@ -366,6 +369,97 @@ def _cpu_seconds(pid):
     with open("/proc/%d/stat" % pid) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _watch(stub, model="m"):
+    """A Watch stream and its first event or error: ("ok", stream) or
+    (code name, details)."""
+    import grpc
+    from weightd.v1 import weightd_pb2 as pb
+    stream = stub.Watch(pb.WatchRequest(model=model, include_current=True), timeout=30)
+    try:
+        next(stream)
+        return "ok", stream
+    except grpc.RpcError as e:
+        return e.code().name, e.details()
+
+
+def test_watch_streams_are_capped_and_the_excess_refused(tmp_path):
+    """--max-watch-streams: the stream past the cap gets RESOURCE_EXHAUSTED
+    naming the flag; a stream that ends gives its slot back; SIGTERM exits at
+    once."""
+    import grpc
+    from weightd.v1 import weightd_pb2_grpc as pbg
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                       extra_args=["--preload", "m=" + path, "--max-watch-streams", "4"])
+    d.start()
+    channel = grpc.insecure_channel("unix:" + d.socket)
+    try:
+        stub = pbg.ShardsStub(channel)
+        open_ = [_watch(stub) for _ in range(4)]
+        assert [r[0] for r in open_] == ["ok"] * 4, open_
+        code, details = _watch(stub)
+        assert code == "RESOURCE_EXHAUSTED", (code, details)
+        assert "4 Watch streams are open" in details, details
+        assert "--max-watch-streams" in details, details
+        open_[0][1].cancel()
+        # The cancelled stream's thread notices within its 500 ms wait.
+        deadline = time.monotonic() + 10
+        while True:
+            code, got = _watch(stub)
+            if code == "ok":
+                break
+            assert code == "RESOURCE_EXHAUSTED" and time.monotonic() < deadline, (code, got)
+            time.sleep(0.1)
+        d.ctl_ok("health")
+        rc, took = _exit_seconds(d)
+        assert rc == 0, d.log()
+        assert took < 3, took
+    finally:
+        channel.close()
+        d.stop()
+
+
+def test_at_the_thread_limit_the_daemon_refuses_and_serves_on(open_tmp):
+    """Under RLIMIT_NPROC (a pids cgroup or TasksMax does the same) watches
+    past what the system lets the daemon start get RESOURCE_EXHAUSTED, never
+    an abort; fetches that want several materialization threads still work
+    (on fewer), and SIGTERM exits within the grace."""
+    import grpc
+    from weightd.v1 import weightd_pb2_grpc as pbg
+    base = open_tmp
+    models = _open_dir(os.path.join(base, "models"))
+    path = os.path.join(models, "m.safetensors")
+    st_io.save({"t%d" % i: torch.full((64, 64), float(i)) for i in range(8)}, path)
+    os.chmod(path, 0o644)
+    d = harness.Daemon(model_root=models, workdir=_open_dir(os.path.join(base, "d")),
+                       extra_args=["--preload", "m=" + path, "--threads", "2",
+                                   "--shutdown-grace-seconds", "5"],
+                       prefix=harness.user_prefix(LIMITED_UID) + ["prlimit", "--nproc=40", "--"])
+    d.start()
+    channel = grpc.insecure_channel("unix:" + d.socket)
+    try:
+        stub = pbg.ShardsStub(channel)
+        results = [_watch(stub) for _ in range(48)]
+        codes = [r[0] for r in results]
+        assert d.alive(), d.log()
+        refused = [r for r in results if r[0] == "RESOURCE_EXHAUSTED"]
+        assert refused and "ok" in codes, codes
+        assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}, results
+        assert all("thread limit" in details for _, details in refused), refused
+        out = os.path.join(base, "f.safetensors")
+        r = d.ctl("fetch", "m", "--world", "2", "--rank", "1", "--out", out)
+        assert r.returncode == 0, r.stderr + d.log()
+        assert torch.equal(st_io.load(out)["t3"], torch.full((32, 64), 3.0))
+        rc, took = _exit_seconds(d)
+        assert rc == 0, d.log()
+        assert took < 5, took
+    finally:
+        channel.close()
+        d.stop()
 
 
 OTHER_UID = 1234

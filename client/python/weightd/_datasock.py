@@ -6,7 +6,8 @@ token}. The daemon answers a 16-byte AttachReply {magic "WDR1", i32 code,
 u32 num_fds, u32 message_len}, then message_len bytes of error text; on
 success one fd per segment arrives with SCM_RIGHTS, the first batch (<= 250)
 on the header and every further batch on one byte of its own. The lease
-lives as long as the connection stays open.
+lives as long as the connection stays open. A daemon past its connection caps
+answers RESOURCE_EXHAUSTED before any request and closes the connection.
 """
 import os
 import socket

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <system_error>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -114,7 +115,14 @@ absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options opti
   if (!wake.valid()) return ErrnoStatus(errno, "eventfd");
   auto server = std::unique_ptr<ShmDataServer>(
       new ShmDataServer(std::move(options), leases, std::move(listen_fd), std::move(wake)));
-  server->thread_ = std::thread([s = server.get()] { s->Run(); });
+  try {
+    server->thread_ = std::thread([s = server.get()] { s->Run(); });
+  } catch (const std::system_error& e) {
+    ::unlink(server->options_.path.c_str());
+    server->stopping_ = true;  // nothing to stop
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot start the data socket's thread: ", e.what()));
+  }
   return server;
 }
 

@@ -271,7 +271,7 @@ absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags
       flags->service.worker_threads = static_cast<int>(n);
     } else if (flag == "--max-data-connections") {
       WD_RETURN_IF_ERROR(number(&n));
-      flags->data.max_connections = n;  // 0: half the open-file limit
+      flags->data.max_connections = n;  // 0: from the open-file limit
     } else if (flag == "--max-data-connections-per-uid") {
       WD_RETURN_IF_ERROR(number(&n));
       flags->data.max_connections_per_uid = n;  // 0: half the total

@@ -96,17 +96,24 @@ absl::Status Flush(Connection* c) {
   return absl::OkStatus();
 }
 
-size_t HalfTheFdLimit() {
+// The default total cap: half the open-file limit (the rest is for segments,
+// gRPC and the checkpoints), at most kMaxDefaultConnections (every poll()
+// round walks all connections).
+constexpr size_t kMaxDefaultConnections = 65536;
+
+size_t DefaultMaxConnections() {
   rlimit lim{};
-  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return 1 << 20;
-  return std::max<size_t>(1, static_cast<size_t>(lim.rlim_cur / 2));
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) {
+    return kMaxDefaultConnections;
+  }
+  return std::clamp<size_t>(static_cast<size_t>(lim.rlim_cur / 2), 1, kMaxDefaultConnections);
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options options,
                                                                      LeaseTable* leases) {
-  if (options.max_connections == 0) options.max_connections = HalfTheFdLimit();
+  if (options.max_connections == 0) options.max_connections = DefaultMaxConnections();
   if (options.max_connections_per_uid == 0) {
     options.max_connections_per_uid = std::max<size_t>(1, options.max_connections / 2);
   }

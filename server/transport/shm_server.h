@@ -43,8 +43,9 @@ class ShmDataServer {
     std::function<absl::Status(const PeerIdentity&, uint64_t lease_id)> authorize_attach;
     // Caps on open connections (each an fd of the daemon's), in all and
     // per peer uid. max_connections 0: half the daemon's open-file limit
-    // (RLIMIT_NOFILE, soft) at Start; max_connections_per_uid 0: half of
-    // max_connections. A connection past a cap gets RESOURCE_EXHAUSTED.
+    // (RLIMIT_NOFILE, soft) at Start, at most 65536; max_connections_per_uid
+    // 0: half of max_connections. A connection past a cap gets
+    // RESOURCE_EXHAUSTED.
     size_t max_connections = 0;
     size_t max_connections_per_uid = 0;
   };

@@ -205,10 +205,13 @@ absl::Status CollectFds(const std::string& path, const v1::FetchResponse& resp, 
     return absl::InternalError("daemon sent a lease token of the wrong size");
   }
   std::memcpy(req.token, resp.token().data(), sizeof(req.token));
-  WD_RETURN_IF_ERROR(SendAll(conn->get(), &req, sizeof(req)));
+  // A daemon past its connection caps answers at once and closes, maybe
+  // before the request is sent: its reply says why.
+  absl::Status sent = SendAll(conn->get(), &req, sizeof(req));
   AttachReply reply{};
-  WD_RETURN_IF_ERROR_CTX(RecvWithFds(conn->get(), &reply, sizeof(reply), fds),
-                         "reading the data socket reply");
+  absl::Status got = RecvWithFds(conn->get(), &reply, sizeof(reply), fds);
+  if (!got.ok() && !sent.ok()) return sent;
+  WD_RETURN_IF_ERROR_CTX(got, "reading the data socket reply");
   if (std::memcmp(reply.magic, kReplyMagic, 4) != 0) {
     return absl::InternalError("bad reply magic on the data socket");
   }

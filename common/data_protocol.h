@@ -7,7 +7,11 @@
 // batch (<= kMaxFdsPerMessage) rides on the header, each further batch on one
 // byte of its own. Fds arrive in the segment order of the FetchResponse.
 // The lease then lives as long as the connection stays open; several leases
-// may be attached over one connection, one request after another.
+// may be attached over one connection, one request after another (the
+// daemon reads a connection's next request once its reply is sent). A
+// daemon past its connection caps answers RESOURCE_EXHAUSTED at once, before
+// any request, and closes the connection: a client whose send fails (EPIPE)
+// still reads that reply.
 #ifndef WEIGHTD_COMMON_DATA_PROTOCOL_H_
 #define WEIGHTD_COMMON_DATA_PROTOCOL_H_
 

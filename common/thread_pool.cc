@@ -1,6 +1,35 @@
 #include "common/thread_pool.h"
 
+#include <system_error>
+
+#include "absl/strings/str_cat.h"
+
 namespace weightd {
+
+absl::Status StartDetachedThread(absl::AnyInvocable<void() &&> fn) {
+  try {
+    std::thread([fn = std::move(fn)]() mutable { std::move(fn)(); }).detach();
+  } catch (const std::system_error& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot start a thread (", e.what(),
+                     "): the daemon is at its thread limit (pids cgroup, TasksMax, "
+                     "RLIMIT_NPROC)"));
+  }
+  return absl::OkStatus();
+}
+
+void RunOnThreads(int threads, const std::function<void()>& worker) {
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error&) {
+      break;  // at the thread limit: fewer helpers, same work
+    }
+  }
+  worker();
+  for (auto& t : pool) t.join();
+}
 
 ThreadPool::ThreadPool(int threads) {
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Work(); });

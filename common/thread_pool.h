@@ -1,5 +1,7 @@
-// A fixed pool of threads running queued closures in FIFO order.
-// Thread-safe. The destructor runs what is queued, then joins.
+// Threads: a fixed pool running queued closures in FIFO order, and two ways
+// to start threads that survive the system refusing one (a pids cgroup,
+// systemd TasksMax, RLIMIT_NPROC): std::thread throws std::system_error then,
+// which must never reach the top of a thread and abort the daemon.
 #ifndef WEIGHTD_COMMON_THREAD_POOL_H_
 #define WEIGHTD_COMMON_THREAD_POOL_H_
 
@@ -8,10 +10,23 @@
 #include <thread>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 
 namespace weightd {
 
+// Starts `fn` on a new detached thread. RESOURCE_EXHAUSTED (and `fn`
+// destroyed, not run) when the system refuses a thread.
+absl::Status StartDetachedThread(absl::AnyInvocable<void() &&> fn);
+
+// Runs `worker` on `threads` threads at most, the caller's included, and
+// returns when every one has returned. Threads the system refuses are done
+// without: the caller always runs `worker` too, so `worker` must take work
+// from a shared queue until there is none.
+void RunOnThreads(int threads, const std::function<void()>& worker);
+
+// Thread-safe. The destructor runs what is queued, then joins.
 class ThreadPool {
  public:
   explicit ThreadPool(int threads);

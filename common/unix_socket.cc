@@ -67,12 +67,11 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
   return fd;
 }
 
-absl::Status SendWithFds(int sock, absl::string_view data,
-                         absl::Span<const int> fds) {
-  if (data.empty()) return absl::InvalidArgumentError("SendWithFds: no data");
-  if (fds.size() > kMaxFdsPerMessage) {
-    return absl::InvalidArgumentError("SendWithFds: too many fds");
-  }
+namespace {
+
+// One sendmsg of `data` with `fds` attached; -1 with errno on failure.
+ssize_t SendMsgWithFds(int sock, absl::string_view data, absl::Span<const int> fds,
+                       int flags) {
   iovec iov{const_cast<char*>(data.data()), data.size()};
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -90,14 +89,42 @@ absl::Status SendWithFds(int sock, absl::string_view data,
   }
   ssize_t n;
   do {
-    n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
+    n = ::sendmsg(sock, &msg, MSG_NOSIGNAL | flags);
   } while (n < 0 && errno == EINTR);
+  return n;
+}
+
+absl::Status CheckSendArgs(absl::string_view data, absl::Span<const int> fds) {
+  if (data.empty()) return absl::InvalidArgumentError("SendWithFds: no data");
+  if (fds.size() > kMaxFdsPerMessage) {
+    return absl::InvalidArgumentError("SendWithFds: too many fds");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status SendWithFds(int sock, absl::string_view data,
+                         absl::Span<const int> fds) {
+  if (absl::Status s = CheckSendArgs(data, fds); !s.ok()) return s;
+  ssize_t n = SendMsgWithFds(sock, data, fds, 0);
   if (n < 0) return ErrnoStatus(errno, "sendmsg");
   // The fds went with the first byte; send whatever the kernel did not take.
   if (static_cast<size_t>(n) < data.size()) {
     return SendAll(sock, data.data() + n, data.size() - n);
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> TrySendWithFds(int sock, absl::string_view data,
+                                      absl::Span<const int> fds) {
+  if (absl::Status s = CheckSendArgs(data, fds); !s.ok()) return s;
+  ssize_t n = SendMsgWithFds(sock, data, fds, MSG_DONTWAIT);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return size_t{0};
+    return ErrnoStatus(errno, "sendmsg");
+  }
+  return static_cast<size_t>(n);
 }
 
 absl::Status RecvWithFds(int sock, void* buf, size_t size,

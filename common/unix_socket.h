@@ -28,6 +28,13 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path);
 absl::Status SendWithFds(int sock, absl::string_view data,
                          absl::Span<const int> fds);
 
+// Sends what `sock` takes now of `data` (non-empty) without blocking, with
+// `fds` (<= kMaxFdsPerMessage) riding on its first byte. Returns the bytes
+// sent; 0 when the socket's buffer is full, in which case nothing went out,
+// the fds included. Errors: the connection is unusable (EPIPE, ...).
+absl::StatusOr<size_t> TrySendWithFds(int sock, absl::string_view data,
+                                      absl::Span<const int> fds);
+
 // Receives exactly `size` bytes; fds arriving with them are appended to
 // `fds`. A peer that closes first is UNAVAILABLE ("connection closed").
 absl::Status RecvWithFds(int sock, void* buf, size_t size,

@@ -124,6 +124,29 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
             SecondsInto("lease-ttl-seconds", &f->service.lease_idle_ttl, UINT32_MAX)})
       .Add({"shutdown-grace-seconds", "N", "in-flight calls may finish this long (0..3600)",
             K::kValue, SecondsInto("shutdown-grace-seconds", &f->shutdown_grace, 3600)})
+      .Add({"max-data-connections", "N",
+            "data-socket connections in all (0 = half the open-file limit, at most 65536)",
+            K::kValue, [f](const std::string& v) -> absl::Status {
+              uint64_t n = 0;
+              WD_RETURN_IF_ERROR(Uint64Into("max-data-connections", &n)(v));
+              f->data.max_connections = static_cast<size_t>(n);
+              return absl::OkStatus();
+            }})
+      .Add({"max-data-connections-per-uid", "N",
+            "data-socket connections per peer uid (0 = half the total)", K::kValue,
+            [f](const std::string& v) -> absl::Status {
+              uint64_t n = 0;
+              WD_RETURN_IF_ERROR(Uint64Into("max-data-connections-per-uid", &n)(v));
+              f->data.max_connections_per_uid = static_cast<size_t>(n);
+              return absl::OkStatus();
+            }})
+      .Add({"max-watch-streams", "N", "concurrent Watch streams (1..65536, default 256)",
+            K::kValue, [f](const std::string& v) -> absl::Status {
+              uint64_t n = 0;
+              WD_RETURN_IF_ERROR(Uint64Into("max-watch-streams", &n, 1, 65536)(v));
+              f->grpc.max_watch_streams = static_cast<int>(n);
+              return absl::OkStatus();
+            }})
       .Add({"threads", "N", "materialization workers (1..256)", K::kValue,
             [f](const std::string& v) -> absl::Status {
               uint64_t n = 0;
@@ -298,6 +321,8 @@ int Main(int argc, char** argv) {
   LogEvent(LogLevel::kInfo, "serving",
            {{"socket", flags.grpc.unix_socket},
             {"data_socket", flags.data.path},
+            {"max_data_connections", absl::StrCat((*data)->max_connections())},
+            {"max_data_connections_per_uid", absl::StrCat((*data)->max_connections_per_uid())},
             {"listen", flags.grpc.tcp_listen},
             {"metrics_listen", flags.metrics_listen},
             {"pid", absl::StrCat(getpid())}});

@@ -75,7 +75,8 @@ class CtlResult:
 class Daemon:
     """A weightd process. Use as a context manager or call start()/stop()."""
 
-    def __init__(self, model_root=None, extra_args=(), workdir=None):
+    def __init__(self, model_root=None, extra_args=(), workdir=None, prefix=()):
+        """prefix: a command prefix for weightd itself (another user, limits)."""
         self._tmp = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="weightd-test-")
@@ -88,13 +89,14 @@ class Daemon:
         self.data_socket = self.socket + ".data"
         self.log_path = os.path.join(workdir, "weightd.log")
         self.extra_args = list(extra_args)
+        self.prefix = list(prefix)
         self.proc = None
 
     def start(self, timeout=20.0, umask=None):
         """umask: the daemon's umask (default: inherited)."""
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [WEIGHTD, "--socket", self.socket, "--model-root", self.model_root] + self.extra_args,
+            self.prefix + [WEIGHTD, "--socket", self.socket, "--model-root", self.model_root] + self.extra_args,
             stdout=self._log, stderr=subprocess.STDOUT,
             preexec_fn=None if umask is None else (lambda: os.umask(umask)))
         deadline = time.time() + timeout

@@ -5,7 +5,9 @@
 
 #include <deque>
 #include <mutex>
+#include <utility>
 
+#include <grpc/grpc.h>
 #include <grpcpp/support/byte_buffer.h>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -253,6 +255,54 @@ absl::StatusOr<FetchParams> DecodeFetch(const v1::FetchRequest& req) {
   return p;
 }
 
+// Counts the streams of one kind that hold a thread, up to a cap.
+class StreamSlots {
+ public:
+  // One stream counted until it is destroyed. Move-only.
+  class Slot {
+   public:
+    Slot() = default;
+    Slot(Slot&& other) noexcept : slots_(std::exchange(other.slots_, nullptr)) {}
+    Slot& operator=(Slot&&) = delete;
+    ~Slot() {
+      if (slots_ != nullptr) slots_->Release();
+    }
+
+   private:
+    friend class StreamSlots;
+    explicit Slot(StreamSlots* slots) : slots_(slots) {}
+    StreamSlots* slots_ = nullptr;
+  };
+
+  // `what`: "Watch streams"; `flag`: the flag that sets `max`.
+  StreamSlots(int max, std::string what, std::string flag)
+      : max_(max), what_(std::move(what)), flag_(std::move(flag)) {}
+
+  // A slot, or RESOURCE_EXHAUSTED naming the cap when all are taken.
+  absl::StatusOr<Slot> Acquire() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (open_ >= max_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          open_, " ", what_, " are open, the daemon's limit (", flag_,
+          "); try again once one ends"));
+    }
+    ++open_;
+    return Slot(this);
+  }
+
+ private:
+  void Release() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    --open_;
+  }
+
+  const int max_;
+  const std::string what_;
+  const std::string flag_;
+  absl::Mutex mu_;
+  int open_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 class ModelsImpl final : public v1::Models::CallbackService {
  public:
   ModelsImpl(WeightService* service, ThreadPool* pool, CallDrain* drain,
@@ -268,7 +318,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
     // Deletes itself in OnDone, which is after the thread's Close().
     auto* writer = new QueuedWriter<v1::LoadProgress>(std::move(*hold));
     v1::LoadRequest copy = *req;
-    std::thread([this, writer, copy = std::move(copy)] {
+    absl::Status started = StartDetachedThread([this, writer, copy = std::move(copy)] {
       std::vector<std::string> readers(copy.readers().begin(), copy.readers().end());
       auto result = service_->LoadModel(
           copy.name(), copy.path(), copy.profile_json(), [writer](const LoadProgressInfo& p) {
@@ -292,7 +342,8 @@ class ModelsImpl final : public v1::Models::CallbackService {
         writer->Push(std::move(done), /*replaceable=*/false);
       }
       writer->Close(ToGrpcStatus(result.status()));
-    }).detach();
+    });
+    if (!started.ok()) writer->Close(ToGrpcStatus(started));
     return writer;
   }
 
@@ -458,8 +509,12 @@ using ShardsBase = v1::Shards::WithRawCallbackMethod_Fetch<v1::Shards::WithCallb
 class ShardsImpl final : public ShardsBase {
  public:
   ShardsImpl(WeightService* service, ThreadPool* pool, CallDrain* drain,
-             const CallAuthenticator* auth)
-      : service_(service), pool_(pool), drain_(drain), auth_(auth) {}
+             const CallAuthenticator* auth, int max_watch_streams)
+      : service_(service),
+        pool_(pool),
+        drain_(drain),
+        auth_(auth),
+        watch_slots_(max_watch_streams, "Watch streams", "--max-watch-streams") {}
 
   grpc::ServerUnaryReactor* Fetch(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
                                   grpc::ByteBuffer* resp) override {
@@ -515,13 +570,17 @@ class ShardsImpl final : public ShardsBase {
                                                        const v1::WatchRequest* req) override {
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return RefuseStream<v1::GenerationEvent>(who.status());
+    // One thread per watcher, so watchers are capped.
+    auto slot = watch_slots_.Acquire();
+    if (!slot.ok()) return RefuseStream<v1::GenerationEvent>(slot.status());
     auto hold = drain_->Enter();
     if (!hold.ok()) return RefuseStream<v1::GenerationEvent>(hold.status());
     // Deletes itself in OnDone, which is after the thread's Close().
     auto* writer = new QueuedWriter<v1::GenerationEvent>(std::move(*hold));
     v1::WatchRequest copy = *req;
-    // One thread per watcher: watchers are few (operators, a worker each).
-    std::thread([this, writer, ctx, copy = std::move(copy), who = std::move(*who)] {
+    absl::Status started = StartDetachedThread([this, writer, ctx, copy = std::move(copy),
+                                                who = std::move(*who),
+                                                slot = std::move(*slot)] {
       // Not a reader of the current generation: refused now, not on the
       // next event.
       if (absl::Status s = service_->CheckCanRead(copy.model(), who); !s.ok()) {
@@ -565,7 +624,8 @@ class ShardsImpl final : public ShardsBase {
         writer->Push(std::move(msg), /*replaceable=*/false);
       }
       writer->Close(grpc::Status::CANCELLED);
-    }).detach();
+    });
+    if (!started.ok()) writer->Close(ToGrpcStatus(started));
     return writer;
   }
 
@@ -574,6 +634,7 @@ class ShardsImpl final : public ShardsBase {
   ThreadPool* pool_;
   CallDrain* drain_;
   const CallAuthenticator* auth_;
+  StreamSlots watch_slots_;
 };
 
 class AdaptersImpl final : public v1::Adapters::CallbackService {
@@ -656,7 +717,7 @@ class GrpcServer::Impl {
         pool_(options_.worker_threads),
         auth_(&service->access(), &peers_, std::move(tokens), &drain_),
         models_(service, &pool_, &drain_, &auth_),
-        shards_(service, &pool_, &drain_, &auth_),
+        shards_(service, &pool_, &drain_, &auth_, options_.max_watch_streams),
         adapters_(service, &pool_, &drain_, &auth_) {}
 
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials() {
@@ -765,6 +826,17 @@ class GrpcServer::Impl {
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(GrpcServerOptions options,
                                                               WeightService* service) {
+  // gRPC's library-wide teardown (the last grpc_shutdown(), run by the
+  // server's destructor) waits for its timer threads to be counted out, and
+  // a timer thread it failed to start at the process's thread limit (pids
+  // cgroup, TasksMax, RLIMIT_NPROC) is never counted out: the daemon would
+  // hang at exit. So the library stays initialized for the life of the
+  // process, which hands everything back to the kernel when it exits.
+  static const bool kLibraryHeld = [] {
+    grpc_init();
+    return true;
+  }();
+  (void)kLibraryHeld;
   std::shared_ptr<const BearerTokens> tokens;
   if (!options.auth_token_file.empty()) {
     WD_ASSIGN_OR_RETURN(BearerTokens loaded, BearerTokens::Load(options.auth_token_file));

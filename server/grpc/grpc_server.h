@@ -22,6 +22,9 @@ struct GrpcServerOptions {
   mode_t unix_socket_mode = 0660;
   std::string tcp_listen;   // optional HOST:PORT
   int worker_threads = 4;
+  // Watch streams open at once (each holds a thread while it waits); the
+  // excess is refused RESOURCE_EXHAUSTED.
+  int max_watch_streams = 256;
   // TCP listener security (README "Access control"). With a cert and key
   // the listener speaks TLS; with a client CA it also requires and verifies
   // client certificates. With a token file every call but Health needs

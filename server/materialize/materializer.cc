@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cast.h"
 #include "common/status_macros.h"
+#include "common/thread_pool.h"
 
 namespace weightd {
 namespace {
@@ -385,10 +386,7 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
     }
   };
   int threads = std::max(1, std::min<int>(options_.threads, static_cast<int>(misses.size())));
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
+  RunOnThreads(threads, worker);  // never aborts at the thread limit
   WD_RETURN_IF_ERROR(first_error);
 
   for (Group& group : groups) {

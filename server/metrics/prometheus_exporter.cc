@@ -51,7 +51,10 @@ class StatsCollectable : public prometheus::Collectable {
         Scalar("weightd_models", "Models loaded.", MetricType::Gauge, s.models),
         Scalar("weightd_adapters", "Adapters loaded.", MetricType::Gauge, s.adapters),
         Scalar("weightd_segments", "Sealed memory segments held.", MetricType::Gauge, s.segments),
-        Scalar("weightd_resident_bytes", "Bytes held in segments (checkpoints and shards).",
+        Scalar("weightd_resident_bytes",
+               "Bytes the daemon holds in segments (checkpoints, shards, live leases): what "
+               "--host-memory-bytes bounds. Segments clients still map after their leases "
+               "ended are not counted.",
                MetricType::Gauge, s.bytes_resident),
         Scalar("weightd_reserve_ready_bytes", "Pre-faulted output bytes ready (--warm-reserve-bytes).",
                MetricType::Gauge, s.reserve.ready_bytes),

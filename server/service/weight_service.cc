@@ -105,11 +105,16 @@ void WeightService::PruneLeaseOwners() {
   for (uint64_t id : ended) lease_owners_.erase(id);
 }
 
-std::vector<ReadGuard> WeightService::GuardsOf(const Model& model, const Generation& gen) {
+std::vector<ReadGuard> WeightService::ModelGuards(const Model& model) {
   std::vector<ReadGuard> guards;
   if (!model.readers.empty()) {
     guards.push_back(ReadGuard{absl::StrCat("model \"", model.name, "\""), model.readers});
   }
+  return guards;
+}
+
+std::vector<ReadGuard> WeightService::GuardsOf(const Model& model, const Generation& gen) {
+  std::vector<ReadGuard> guards = ModelGuards(model);
   for (const ReadGuard& g : gen.adapter_guards) {
     guards.push_back(ReadGuard{absl::StrCat(g.what, " (applied to model \"", model.name,
                                             "\" at generation ", gen.number, ")"),
@@ -475,6 +480,11 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     return absl::UnimplementedError("the cuda transport is not built into this daemon");
   }
   WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(params.model));
+  // Nothing about a model, not even its current generation, is said to a
+  // caller who may not read it.
+  if (params.caller.has_value()) {
+    WD_RETURN_IF_ERROR(access_.CheckRead(*params.caller, ModelGuards(*model)));
+  }
   std::shared_ptr<const Generation> gen = GenerationOf(*model, params.generation);
   if (gen == nullptr) {
     return absl::NotFoundError(absl::StrCat("generation ", params.generation, " of model \"",

@@ -313,6 +313,8 @@ class WeightService {
   WeightService(WeightServiceOptions options, ModelRoots roots);
   static ModelSummary Summarize(const Model& model);
   static std::vector<ReadGuard> GuardsOf(const Model& model, const Generation& gen);
+  // The model's own readers (none: public), whatever generation is served.
+  static std::vector<ReadGuard> ModelGuards(const Model& model);
   // Drops owners of leases that have ended.
   void PruneLeaseOwners() ABSL_LOCKS_EXCLUDED(owners_mu_);
   absl::StatusOr<std::shared_ptr<const Model>> FindModel(const std::string& name) const

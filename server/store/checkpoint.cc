@@ -20,6 +20,7 @@
 #include "common/fd.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
+#include "common/thread_pool.h"
 
 namespace weightd {
 namespace {
@@ -194,10 +195,7 @@ absl::Status ParallelFor(size_t n, int threads,
     }
   };
   int count = std::max(1, std::min<int>(threads, static_cast<int>(n)));
-  std::vector<std::thread> pool;
-  for (int t = 1; t < count; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
+  RunOnThreads(count, worker);  // never aborts at the thread limit
   return first;
 }
 

@@ -7,9 +7,18 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <sys/resource.h>
+
+#include <algorithm>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <system_error>
 #include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 #include "common/log.h"
 #include "absl/strings/str_cat.h"
@@ -19,43 +28,108 @@
 namespace weightd {
 namespace {
 
+// Back-off after a failed accept() (EMFILE, ENFILE, ENOBUFS, ...): the listen
+// socket stays readable, so polling it again at once would spin.
+constexpr absl::Duration kAcceptBackoffMin = absl::Milliseconds(10);
+constexpr absl::Duration kAcceptBackoffMax = absl::Seconds(1);
+
+// One message of a reply not yet (fully) sent: its fds ride on its first byte.
+struct Outgoing {
+  std::string bytes;
+  std::vector<int> fds;
+  size_t sent = 0;
+};
+
 struct Connection {
   UniqueFd fd;
   uint64_t id = 0;
   AttachRequest request{};
   size_t received = 0;
   PeerIdentity peer;
+  bool counted = false;   // counted against peer.uid's cap
   absl::Status admitted;  // not OK: every request gets this answer
+  // The reply being sent. Requests are read only while it is empty, so a
+  // client that does not read its replies holds one reply, no more.
+  std::deque<Outgoing> out;
+  std::vector<SegmentPtr> pinned;  // keeps the fds in `out` open
+  bool close_after_reply = false;
 };
 
-absl::Status SendReply(int sock, const absl::Status& status, absl::Span<const int> fds) {
+// Queues the reply to one request: the header and message carry the first
+// batch of fds, each further batch rides on one byte of its own.
+void QueueReply(Connection* c, const absl::Status& status, absl::Span<const int> fds) {
   std::string msg(status.message().substr(0, kMaxReplyMessage));
   AttachReply reply;
   std::memcpy(reply.magic, kReplyMagic, 4);
   reply.code = static_cast<int32_t>(status.code());
   reply.num_fds = static_cast<uint32_t>(fds.size());
   reply.message_len = static_cast<uint32_t>(msg.size());
-  std::string wire(reinterpret_cast<const char*>(&reply), sizeof(reply));
-  wire += msg;
-  size_t first = std::min(fds.size(), kMaxFdsPerMessage);
-  WD_RETURN_IF_ERROR(SendWithFds(sock, wire, fds.subspan(0, first)));
-  for (size_t done = first; done < fds.size(); done += kMaxFdsPerMessage) {
-    size_t n = std::min(kMaxFdsPerMessage, fds.size() - done);
-    WD_RETURN_IF_ERROR(SendWithFds(sock, absl::string_view("F", 1), fds.subspan(done, n)));
+  Outgoing first;
+  first.bytes.assign(reinterpret_cast<const char*>(&reply), sizeof(reply));
+  first.bytes += msg;
+  size_t n = std::min(fds.size(), kMaxFdsPerMessage);
+  first.fds.assign(fds.begin(), fds.begin() + n);
+  c->out.push_back(std::move(first));
+  for (size_t done = n; done < fds.size(); done += kMaxFdsPerMessage) {
+    Outgoing more;
+    more.bytes = "F";
+    size_t k = std::min(kMaxFdsPerMessage, fds.size() - done);
+    more.fds.assign(fds.begin() + done, fds.begin() + done + k);
+    c->out.push_back(std::move(more));
   }
+}
+
+// Sends what the socket takes of the queued reply. OK with `out` empty: all
+// sent; OK with `out` not empty: the socket is full (poll for POLLOUT).
+absl::Status Flush(Connection* c) {
+  while (!c->out.empty()) {
+    Outgoing& o = c->out.front();
+    absl::string_view rest(o.bytes.data() + o.sent, o.bytes.size() - o.sent);
+    absl::Span<const int> fds;
+    if (o.sent == 0) fds = o.fds;
+    WD_ASSIGN_OR_RETURN(size_t n, TrySendWithFds(c->fd.get(), rest, fds));
+    if (n == 0) return absl::OkStatus();
+    o.sent += n;
+    if (o.sent == o.bytes.size()) c->out.pop_front();
+  }
+  c->pinned.clear();
   return absl::OkStatus();
+}
+
+// The default total cap: half the open-file limit (the rest is for segments,
+// gRPC and the checkpoints), at most kMaxDefaultConnections (every poll()
+// round walks all connections).
+constexpr size_t kMaxDefaultConnections = 65536;
+
+size_t DefaultMaxConnections() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) {
+    return kMaxDefaultConnections;
+  }
+  return std::clamp<size_t>(static_cast<size_t>(lim.rlim_cur / 2), 1, kMaxDefaultConnections);
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options options,
                                                                      LeaseTable* leases) {
+  if (options.max_connections == 0) options.max_connections = DefaultMaxConnections();
+  if (options.max_connections_per_uid == 0) {
+    options.max_connections_per_uid = std::max<size_t>(1, options.max_connections / 2);
+  }
   WD_ASSIGN_OR_RETURN(UniqueFd listen_fd, ListenUnixWithMode(options.path, options.mode));
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return ErrnoStatus(errno, "eventfd");
   auto server = std::unique_ptr<ShmDataServer>(
       new ShmDataServer(std::move(options), leases, std::move(listen_fd), std::move(wake)));
-  server->thread_ = std::thread([s = server.get()] { s->Run(); });
+  try {
+    server->thread_ = std::thread([s = server.get()] { s->Run(); });
+  } catch (const std::system_error& e) {
+    ::unlink(server->options_.path.c_str());
+    server->stopping_ = true;  // nothing to stop
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot start the data socket's thread: ", e.what()));
+  }
   return server;
 }
 
@@ -81,7 +155,12 @@ void ShmDataServer::Stop() {
 
 void ShmDataServer::Run() {
   std::map<int, Connection> conns;  // by fd
+  absl::flat_hash_map<uid_t, size_t> per_uid;
   uint64_t next_id = 1;
+  absl::Time accept_resume = absl::InfinitePast();
+  absl::Duration accept_backoff = kAcceptBackoffMin;
+  absl::Time refusal_logged = absl::InfinitePast();
+  uint64_t refused_since_log = 0;
   auto close_conn = [&](std::map<int, Connection>::iterator it) {
     size_t ended = leases_->ReleaseConnection(it->second.id);
     if (ended > 0) {
@@ -90,93 +169,170 @@ void ShmDataServer::Run() {
                 {"leases", absl::StrCat(ended)},
                 {"reason", "data connection closed"}});
     }
+    if (it->second.counted) {
+      auto u = per_uid.find(it->second.peer.uid);
+      if (--u->second == 0) per_uid.erase(u);
+    }
     conns.erase(it);
     open_.fetch_sub(1);
   };
+  // A connection past a cap: answered at once (its socket buffer is empty,
+  // so the reply fits) and closed; a client reads the reply when it reads.
+  auto refuse = [&](UniqueFd fd, const PeerIdentity& peer, const absl::Status& why) {
+    Connection c;
+    c.fd = std::move(fd);
+    QueueReply(&c, why, {});
+    (void)Flush(&c);
+    ++refused_since_log;
+    absl::Time now = absl::Now();
+    if (now - refusal_logged >= absl::Seconds(1)) {
+      LogEvent(LogLevel::kWarning, "data_connection_refused",
+               {{"peer", peer.Describe()},
+                {"error", std::string(why.message())},
+                {"refused", absl::StrCat(refused_since_log)}});
+      refusal_logged = now;
+      refused_since_log = 0;
+    }
+  };
+  auto accept_all = [&] {
+    while (true) {
+      int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        int err = errno;
+        if (err == EINTR || err == ECONNABORTED) continue;
+        if (err == EAGAIN || err == EWOULDBLOCK) return;
+        // Out of fds or memory: leave the listen socket alone for a while
+        // (its backlog waits) instead of polling it again at once.
+        if (accept_backoff == kAcceptBackoffMin) {
+          LogEvent(LogLevel::kWarning, "data_accept_failed",
+                   {{"error", std::strerror(err)},
+                    {"connections", absl::StrCat(conns.size())}});
+        }
+        accept_resume = absl::Now() + accept_backoff;
+        accept_backoff = std::min(accept_backoff * 2, kAcceptBackoffMax);
+        return;
+      }
+      accept_backoff = kAcceptBackoffMin;
+      UniqueFd owned(fd);
+      Connection c;
+      auto peer = ReadPeerIdentity(fd);
+      if (!peer.ok()) {
+        c.admitted = peer.status();
+      } else {
+        c.peer = std::move(*peer);
+        if (conns.size() >= options_.max_connections) {
+          refuse(std::move(owned), c.peer,
+                 absl::ResourceExhaustedError(absl::StrCat(
+                     "the data socket has ", conns.size(),
+                     " connections open, its limit (--max-data-connections); a lease's "
+                     "connection closes when its lease is released")));
+          continue;
+        }
+        size_t& mine = per_uid[c.peer.uid];
+        if (mine >= options_.max_connections_per_uid) {
+          refuse(std::move(owned), c.peer,
+                 absl::ResourceExhaustedError(absl::StrCat(
+                     "uid ", c.peer.uid, " has ", options_.max_connections_per_uid,
+                     " data connections open, its limit (--max-data-connections-per-uid); a "
+                     "lease's connection closes when its lease is released")));
+          continue;
+        }
+        ++mine;
+        c.counted = true;
+        if (options_.authorize) c.admitted = options_.authorize(c.peer);
+      }
+      if (!c.admitted.ok()) {
+        LogEvent(LogLevel::kWarning, "data_peer_refused",
+                 {{"peer", c.peer.Describe()}, {"error", c.admitted.ToString()}});
+      }
+      c.id = next_id++;
+      c.fd = std::move(owned);
+      conns.emplace(fd, std::move(c));
+      open_.fetch_add(1);
+    }
+  };
+  // Reads (part of) one request and queues its reply. False: close it.
+  auto serve = [&](Connection& c) -> bool {
+    auto* buf = reinterpret_cast<uint8_t*>(&c.request);
+    ssize_t got = ::recv(c.fd.get(), buf + c.received, sizeof(AttachRequest) - c.received,
+                         MSG_DONTWAIT);
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
+    if (got <= 0) return false;
+    c.received += static_cast<size_t>(got);
+    if (c.received < sizeof(AttachRequest)) return true;
+    c.received = 0;
+    if (std::memcmp(c.request.magic, kAttachMagic, 4) != 0) {
+      QueueReply(&c, absl::InvalidArgumentError("bad attach request magic"), {});
+      c.close_after_reply = true;
+      return true;
+    }
+    if (!c.admitted.ok()) {
+      QueueReply(&c, c.admitted, {});
+      c.close_after_reply = true;
+      return true;
+    }
+    absl::Status status;
+    if (options_.authorize_attach) status = options_.authorize_attach(c.peer, c.request.lease_id);
+    std::vector<int> fds;
+    if (status.ok()) {
+      absl::string_view token(reinterpret_cast<const char*>(c.request.token), 16);
+      auto contents = leases_->Attach(c.request.lease_id, token, c.id);
+      status = contents.status();
+      if (contents.ok()) {
+        for (const SegmentPtr& seg : (*contents)->segments) {
+          fds.push_back(seg->fd());
+          c.pinned.push_back(seg);
+        }
+      }
+    }
+    if (!status.ok() && absl::IsPermissionDenied(status)) {
+      LogEvent(LogLevel::kWarning, "attach_refused",
+               {{"peer", c.peer.Describe()},
+                {"lease", absl::StrCat(c.request.lease_id)},
+                {"error", std::string(status.message())}});
+    }
+    QueueReply(&c, status, fds);
+    return true;
+  };
   std::vector<pollfd> pfds;
   while (!stopping_.load()) {
+    const absl::Time now = absl::Now();
+    const bool accepting = now >= accept_resume;
     pfds.clear();
     pfds.push_back({wake_fd_.get(), POLLIN, 0});
-    pfds.push_back({listen_fd_.get(), POLLIN, 0});
-    for (auto& [fd, c] : conns) pfds.push_back({fd, POLLIN, 0});
-    int n = ::poll(pfds.data(), pfds.size(), -1);
+    // A negative fd is ignored by poll(): the listen socket while backing off.
+    pfds.push_back({accepting ? listen_fd_.get() : -1, POLLIN, 0});
+    for (auto& [fd, c] : conns) {
+      pfds.push_back({fd, static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
+    }
+    int timeout_ms = -1;
+    if (!accepting) {
+      timeout_ms = static_cast<int>(absl::ToInt64Milliseconds(accept_resume - now)) + 1;
+    }
+    int n = ::poll(pfds.data(), pfds.size(), timeout_ms);
     if (n < 0) {
       if (errno == EINTR) continue;
       WD_LOG(ERROR) << "data socket poll: " << std::strerror(errno);
       break;
     }
     if (pfds[0].revents) break;
-    if (pfds[1].revents & POLLIN) {
-      while (true) {
-        int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd < 0) break;
-        UniqueFd owned(fd);
-        Connection c;
-        auto peer = ReadPeerIdentity(fd);
-        if (!peer.ok()) {
-          c.admitted = peer.status();
-        } else {
-          c.peer = std::move(*peer);
-          if (options_.authorize) c.admitted = options_.authorize(c.peer);
-        }
-        if (!c.admitted.ok()) {
-          LogEvent(LogLevel::kWarning, "data_peer_refused",
-                   {{"peer", c.peer.Describe()}, {"error", c.admitted.ToString()}});
-        }
-        c.id = next_id++;
-        c.fd = std::move(owned);
-        conns.emplace(fd, std::move(c));
-        open_.fetch_add(1);
-      }
-    }
+    if (pfds[1].revents & POLLIN) accept_all();
     for (size_t i = 2; i < pfds.size(); ++i) {
       if (pfds[i].revents == 0) continue;
       auto it = conns.find(pfds[i].fd);
       if (it == conns.end()) continue;
       Connection& c = it->second;
-      auto* buf = reinterpret_cast<uint8_t*>(&c.request);
-      ssize_t got = ::recv(c.fd.get(), buf + c.received, sizeof(AttachRequest) - c.received,
-                           MSG_DONTWAIT);
-      if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-      if (got <= 0) {
+      if (c.out.empty() && !serve(c)) {
         close_conn(it);
         continue;
       }
-      c.received += static_cast<size_t>(got);
-      if (c.received < sizeof(AttachRequest)) continue;
-      c.received = 0;
-      if (std::memcmp(c.request.magic, kAttachMagic, 4) != 0) {
-        (void)SendReply(c.fd.get(), absl::InvalidArgumentError("bad attach request magic"), {});
-        close_conn(it);
-        continue;
-      }
-      if (!c.admitted.ok()) {
-        (void)SendReply(c.fd.get(), c.admitted, {});
-        close_conn(it);
-        continue;
-      }
-      absl::Status status;
-      if (options_.authorize_attach) status = options_.authorize_attach(c.peer, c.request.lease_id);
-      std::vector<int> fds;
-      if (status.ok()) {
-        absl::string_view token(reinterpret_cast<const char*>(c.request.token), 16);
-        auto contents = leases_->Attach(c.request.lease_id, token, c.id);
-        status = contents.status();
-        if (contents.ok()) {
-          for (const SegmentPtr& seg : (*contents)->segments) fds.push_back(seg->fd());
-        }
-      }
-      if (!status.ok() && absl::IsPermissionDenied(status)) {
-        LogEvent(LogLevel::kWarning, "attach_refused",
-                 {{"peer", c.peer.Describe()},
-                  {"lease", absl::StrCat(c.request.lease_id)},
-                  {"error", std::string(status.message())}});
-      }
-      absl::Status sent = SendReply(c.fd.get(), status, fds);
+      absl::Status sent = Flush(&c);
       if (!sent.ok()) {
         WD_LOG(WARNING) << "data connection " << c.id << ": " << sent;
         close_conn(it);
+        continue;
       }
+      if (c.out.empty() && c.close_after_reply) close_conn(it);
     }
   }
   while (!conns.empty()) close_conn(conns.begin());

@@ -2,8 +2,13 @@
 // that presents its id and token, and ends the lease when that client's
 // connection closes — which is how a killed worker gives back what it held.
 //
-// One thread polls every connection; requests are 32 bytes and replies a
-// few fds, so it never blocks on one client for long.
+// One thread polls every connection and never blocks on one: sockets are
+// non-blocking, a connection has at most one reply queued (its next request
+// is read only once that reply is out), so a client that sends requests and
+// reads no reply stalls its own connection only. Connections are capped in
+// total and per peer uid; the excess is answered RESOURCE_EXHAUSTED and
+// closed at once. An accept() that fails (EMFILE, ENFILE, ...) backs off
+// instead of spinning.
 #ifndef WEIGHTD_SERVER_TRANSPORT_SHM_SERVER_H_
 #define WEIGHTD_SERVER_TRANSPORT_SHM_SERVER_H_
 
@@ -36,6 +41,13 @@ class ShmDataServer {
     // Optional: decides whether this peer may attach this lease (checked
     // before the token, so a refused peer never ties the lease to itself).
     std::function<absl::Status(const PeerIdentity&, uint64_t lease_id)> authorize_attach;
+    // Caps on open connections (each an fd of the daemon's), in all and
+    // per peer uid. max_connections 0: half the daemon's open-file limit
+    // (RLIMIT_NOFILE, soft) at Start, at most 65536; max_connections_per_uid
+    // 0: half of max_connections. A connection past a cap gets
+    // RESOURCE_EXHAUSTED.
+    size_t max_connections = 0;
+    size_t max_connections_per_uid = 0;
   };
 
   // Binds the socket and starts the polling thread. `leases` must outlive
@@ -50,6 +62,9 @@ class ShmDataServer {
 
   const std::string& path() const { return options_.path; }
   uint64_t connections_open() const { return open_.load(); }
+  // The caps in force (0 in Options resolved).
+  size_t max_connections() const { return options_.max_connections; }
+  size_t max_connections_per_uid() const { return options_.max_connections_per_uid; }
 
  private:
   ShmDataServer(Options options, LeaseTable* leases, UniqueFd listen_fd, UniqueFd wake_fd);

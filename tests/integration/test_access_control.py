@@ -373,6 +373,30 @@ def test_private_model_is_served_to_its_readers_only(files):
         d.stop()
 
 
+def test_non_reader_learns_nothing_about_a_private_models_generations(files):
+    """Issue 16 F18: an unknown --generation / --changed-since used to answer
+    NOT_FOUND "... (current is N)" before checking the readers."""
+    d = open_daemon(files)
+    try:
+        d.ctl_ok("load", "priv", model_path(files, "base.safetensors"),
+                 "--readers", "uid:%d" % NOBODY)
+        d.ctl_ok("adapter", "load", "pubad", model_path(files, "tenant.safetensors"))
+        for _ in range(4):   # generation 5
+            d.ctl_ok("apply", "priv", "pubad:1")
+        for flag in ("--generation", "--changed-since"):
+            for transport in ("shm", "grpc"):
+                r = d.ctl("fetch", "priv", flag, "99", "--transport", transport, "--out",
+                          out_file(files, "g.safetensors"), user=OTHER)
+                assert_refused(r, "PERMISSION_DENIED", "uid 1234", 'model "priv"')
+                assert "current" not in r.stderr and "5" not in r.error_message, r.stderr
+        # Its reader is still told what there is.
+        r = d.ctl("fetch", "priv", "--generation", "99", "--out",
+                  out_file(files, "r.safetensors"), user=NOBODY)
+        assert_refused(r, "NOT_FOUND", "current is 5")
+    finally:
+        d.stop()
+
+
 def test_bad_reader_specs_are_invalid_argument(files):
     d = open_daemon(files)
     try:

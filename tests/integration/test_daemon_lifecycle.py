@@ -2,8 +2,10 @@
 unlinked), flag errors in the `error: CODE: message` form."""
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -278,3 +280,310 @@ def test_draining_daemon_answers_new_calls_unavailable(tmp_path):
     assert 2.5 < took < (12 if harness.SANITIZE else 6), took
     assert "shutdown_grace_expired" in d.log() and "calls_in_flight=1" in d.log(), d.log()
     d.stop()
+
+
+# ------------------------------------------------------------ node limits
+# One client (or one uid) must not stall or starve the node: issue 16 F3,
+# F4 and F9.
+
+
+def _hostile_attach_flood(data_socket, limit=200000):
+    """Connects to the data socket and sends attach requests (for a lease that
+    does not exist) until the daemon stops taking them, never reading a
+    reply. Returns the socket, left open, and how many requests went out."""
+    import socket
+    import struct
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(data_socket)
+    s.setblocking(False)
+    batch = b"".join(struct.pack("<4sIQ16s", b"WDA1", 0, 0xdead0000 + i, b"\0" * 16)
+                     for i in range(64))
+    sent = 0
+    while sent < limit * 32:
+        try:
+            n = s.send(batch)
+        except BlockingIOError:
+            break
+        sent += n
+        if n < len(batch):
+            break
+    return s, sent // 32
+
+
+def test_a_data_client_that_never_reads_stalls_nobody(tmp_path):
+    """A data-socket client that sends thousands of attach requests and reads
+    no reply holds only its own connection: another client's shm fetch gets
+    its fds, and SIGTERM exits within the grace."""
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                       extra_args=["--preload", "m=" + path, "--shutdown-grace-seconds", "5"])
+    d.start()
+    hostile, sent = _hostile_attach_flood(d.data_socket)
+    try:
+        assert sent > 500, sent
+        out = tmp_path / "m.safetensors"
+        try:
+            r = d.ctl("fetch", "m", "--out", out, timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("an shm fetch hung behind a client that does not read")
+        assert r.returncode == 0, r.stderr
+        assert torch.equal(st_io.load(str(out))["w"],
+                           torch.arange(12, dtype=torch.float32).reshape(4, 3))
+        rc, took = _exit_seconds(d)
+        assert rc == 0, d.log()
+        assert took < 5, took
+    finally:
+        hostile.close()
+        d.stop()
+
+
+LIMITED_UID = 4242   # the daemon's uid under RLIMIT_NPROC, which does not bind root
+
+
+def _open_dir(path):
+    """A directory that another uid can use."""
+    os.makedirs(path, exist_ok=True)
+    os.chmod(path, 0o777)
+    return path
+
+
+@pytest.fixture
+def open_tmp():
+    """A temporary directory that another uid can reach (tmp_path's parents
+    are root's alone)."""
+    path = _open_dir(tempfile.mkdtemp(prefix="weightd-limits-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _wait_for(cond, what, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _cpu_seconds(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _watch(stub, model="m"):
+    """A Watch stream and its first event or error: ("ok", stream) or
+    (code name, details)."""
+    import grpc
+    from weightd.v1 import weightd_pb2 as pb
+    stream = stub.Watch(pb.WatchRequest(model=model, include_current=True), timeout=30)
+    try:
+        next(stream)
+        return "ok", stream
+    except grpc.RpcError as e:
+        return e.code().name, e.details()
+
+
+def test_watch_streams_are_capped_and_the_excess_refused(tmp_path):
+    """--max-watch-streams: the stream past the cap gets RESOURCE_EXHAUSTED
+    naming the flag; a stream that ends gives its slot back; SIGTERM exits at
+    once."""
+    import grpc
+    from weightd.v1 import weightd_pb2_grpc as pbg
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                       extra_args=["--preload", "m=" + path, "--max-watch-streams", "4"])
+    d.start()
+    channel = grpc.insecure_channel("unix:" + d.socket)
+    try:
+        stub = pbg.ShardsStub(channel)
+        open_ = [_watch(stub) for _ in range(4)]
+        assert [r[0] for r in open_] == ["ok"] * 4, open_
+        code, details = _watch(stub)
+        assert code == "RESOURCE_EXHAUSTED", (code, details)
+        assert "4 Watch streams are open" in details, details
+        assert "--max-watch-streams" in details, details
+        open_[0][1].cancel()
+        # The cancelled stream's thread notices within its 500 ms wait.
+        deadline = time.monotonic() + 10
+        while True:
+            code, got = _watch(stub)
+            if code == "ok":
+                break
+            assert code == "RESOURCE_EXHAUSTED" and time.monotonic() < deadline, (code, got)
+            time.sleep(0.1)
+        d.ctl_ok("health")
+        rc, took = _exit_seconds(d)
+        assert rc == 0, d.log()
+        assert took < 3, took
+    finally:
+        channel.close()
+        d.stop()
+
+
+def test_at_the_thread_limit_the_daemon_refuses_and_serves_on(open_tmp):
+    """Under RLIMIT_NPROC (a pids cgroup or TasksMax does the same) watches
+    past what the system lets the daemon start get RESOURCE_EXHAUSTED, never
+    an abort; fetches that want several materialization threads still work
+    (on fewer), and SIGTERM exits within the grace."""
+    import grpc
+    from weightd.v1 import weightd_pb2_grpc as pbg
+    base = open_tmp
+    models = _open_dir(os.path.join(base, "models"))
+    path = os.path.join(models, "m.safetensors")
+    st_io.save({"t%d" % i: torch.full((64, 64), float(i)) for i in range(8)}, path)
+    os.chmod(path, 0o644)
+    d = harness.Daemon(model_root=models, workdir=_open_dir(os.path.join(base, "d")),
+                       extra_args=["--preload", "m=" + path, "--threads", "2",
+                                   "--shutdown-grace-seconds", "5"],
+                       prefix=harness.user_prefix(LIMITED_UID) + ["prlimit", "--nproc=40", "--"])
+    d.start()
+    channel = grpc.insecure_channel("unix:" + d.socket)
+    try:
+        stub = pbg.ShardsStub(channel)
+        results = [_watch(stub) for _ in range(48)]
+        codes = [r[0] for r in results]
+        assert d.alive(), d.log()
+        refused = [r for r in results if r[0] == "RESOURCE_EXHAUSTED"]
+        assert refused and "ok" in codes, codes
+        assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}, results
+        assert all("thread limit" in details for _, details in refused), refused
+        out = os.path.join(base, "f.safetensors")
+        r = d.ctl("fetch", "m", "--world", "2", "--rank", "1", "--out", out)
+        assert r.returncode == 0, r.stderr + d.log()
+        assert torch.equal(st_io.load(out)["t3"], torch.full((32, 64), 3.0))
+        rc, took = _exit_seconds(d)
+        assert rc == 0, d.log()
+        assert took < 5, took
+    finally:
+        channel.close()
+        d.stop()
+
+
+OTHER_UID = 1234
+
+# Run as another uid: opens argv[2] connections to the data socket argv[1]
+# and sends nothing. Prints how many the daemon answered at once (a refusal:
+# reply then EOF) and their messages as JSON, then holds the rest open until
+# its stdin closes.
+_IDLE_CONNECTIONS = r"""
+import json, select, socket, struct, sys, time
+conns = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    conns.append(s)
+want, refused, deadline = int(sys.argv[3]), [], time.monotonic() + 20
+while len(refused) < want and time.monotonic() < deadline:
+    ready, _, _ = select.select([c for c in conns if c not in refused], [], [], 0.5)
+    for c in ready:
+        head = c.recv(16)
+        magic, code, nfds, mlen = struct.unpack("<4siII", head)
+        msg = c.recv(mlen).decode() if mlen else ""
+        refused.append(c)
+        print(json.dumps({"code": code, "message": msg}), flush=True)
+print("held %d" % (len(conns) - len(refused)), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_data_connections_are_capped_per_uid_and_in_all(open_tmp):
+    """--max-data-connections-per-uid: one uid's idle connections past its cap
+    are answered RESOURCE_EXHAUSTED and closed, and another uid still fetches;
+    --max-data-connections: past the total even that uid is refused, until
+    idle connections close."""
+    import socket
+    models = _open_dir(os.path.join(open_tmp, "models"))
+    path = _write_model(models)
+    os.chmod(path, 0o644)
+    d = harness.Daemon(model_root=models, workdir=_open_dir(os.path.join(open_tmp, "d")),
+                       extra_args=["--preload", "m=" + path, "--socket-mode", "0666",
+                                   "--max-data-connections", "8",
+                                   "--max-data-connections-per-uid", "4"])
+    d.start()
+    hog = subprocess.Popen(harness.user_prefix(OTHER_UID) +
+                           ["/usr/bin/python3", "-c", _IDLE_CONNECTIONS, d.data_socket, "10", "6"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    mine = []
+    try:
+        lines = [hog.stdout.readline() for _ in range(7)]
+        assert lines[-1].strip() == "held 4", lines
+        for line in lines[:-1]:
+            reply = json.loads(line)
+            assert reply["code"] == 8, reply   # RESOURCE_EXHAUSTED
+            assert "uid 1234 has 4 data connections open" in reply["message"], reply
+            assert "--max-data-connections-per-uid" in reply["message"], reply
+        out = os.path.join(open_tmp, "a.safetensors")
+        d.ctl_ok("fetch", "m", "--out", out)   # root: a uid of its own
+        for _ in range(4):   # 4 + 4: the total cap
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(d.data_socket)
+            mine.append(s)
+        r = d.ctl("fetch", "m", "--out", out)
+        assert r.returncode != 0
+        assert r.error_code == "RESOURCE_EXHAUSTED", r.stderr
+        assert "--max-data-connections" in r.error_message, r.stderr
+        for s in mine:
+            s.close()
+        # The daemon sees the closes in its own time: retry until it has.
+        deadline = time.monotonic() + 10
+        while (r := d.ctl("fetch", "m", "--out", out)).returncode != 0:
+            assert r.error_code == "RESOURCE_EXHAUSTED" and time.monotonic() < deadline, r.stderr
+            time.sleep(0.05)
+        assert torch.equal(st_io.load(out)["w"], torch.arange(12, dtype=torch.float32).reshape(4, 3))
+        rc, took = _exit_seconds(d)
+        assert rc == 0, d.log()
+        assert took < 3, took
+    finally:
+        for s in mine:
+            s.close()
+        hog.stdin.close()
+        hog.wait(timeout=10)
+        d.stop()
+
+
+def test_accept_backs_off_at_the_fd_limit(tmp_path):
+    """With caps above the open-file limit, idle connections drive accept()
+    into EMFILE: the daemon backs off instead of spinning on it, serves again
+    once they close, and exits on SIGTERM."""
+    import socket
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                       extra_args=["--preload", "m=" + path, "--max-data-connections", "100000",
+                                   "--max-data-connections-per-uid", "100000"],
+                       prefix=["prlimit", "--nofile=64", "--"])
+    d.start()
+    idle = []
+    try:
+        fd_dir = "/proc/%d/fd" % d.proc.pid
+        for _ in range(100):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(d.data_socket)
+            idle.append(s)
+        _wait_for(lambda: len(os.listdir(fd_dir)) >= 63, "the daemon never ran out of fds")
+        _wait_for(lambda: "data_accept_failed" in d.log(), "no data_accept_failed event")
+        before = _cpu_seconds(d.proc.pid)
+        time.sleep(1.0)   # a measurement window, not a synchronisation
+        spent = _cpu_seconds(d.proc.pid) - before
+        assert spent < 0.3, "the daemon spins at the fd limit: %.2f s CPU in 1 s" % spent
+        for s in idle:
+            s.close()
+        idle = []
+        out = tmp_path / "m.safetensors"
+        deadline = time.monotonic() + 15
+        while (r := d.ctl("fetch", "m", "--out", out, timeout=30)).returncode != 0:
+            assert time.monotonic() < deadline, r.stderr
+            time.sleep(0.1)
+        assert torch.equal(st_io.load(str(out))["w"],
+                           torch.arange(12, dtype=torch.float32).reshape(4, 3))
+        rc, took = _exit_seconds(d)
+        assert rc == 0, d.log()
+        assert took < 5, took
+    finally:
+        for s in idle:
+            s.close()
+        d.stop()

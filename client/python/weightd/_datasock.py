@@ -6,7 +6,8 @@ token}. The daemon answers a 16-byte AttachReply {magic "WDR1", i32 code,
 u32 num_fds, u32 message_len}, then message_len bytes of error text; on
 success one fd per segment arrives with SCM_RIGHTS, the first batch (<= 250)
 on the header and every further batch on one byte of its own. The lease
-lives as long as the connection stays open.
+lives as long as the connection stays open. A daemon past its connection caps
+answers RESOURCE_EXHAUSTED before any request and closes the connection.
 """
 import os
 import socket
@@ -60,7 +61,10 @@ def attach(path, lease_id, token, num_segments, timeout=30.0):
         except OSError as e:
             raise Error("UNAVAILABLE", "cannot connect to the data socket %s: %s "
                         "(a remote daemon? use transport=\"grpc\")" % (path, e.strerror or e))
-        sock.sendall(_ATTACH.pack(ATTACH_MAGIC, 0, lease_id, bytes(token)))
+        try:
+            sock.sendall(_ATTACH.pack(ATTACH_MAGIC, 0, lease_id, bytes(token)))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a daemon past its connection caps answers and closes first: read why
         magic, code, num_fds, message_len = _REPLY.unpack(_recv(sock, _REPLY.size, fds))
         if magic != REPLY_MAGIC:
             raise Error("INTERNAL", "bad reply magic on the data socket")

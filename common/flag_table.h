@@ -88,6 +88,17 @@ std::function<absl::Status(const std::string&)> AppendInto(std::vector<std::stri
 std::function<absl::Status(const std::string&)> Uint64Into(std::string flag, uint64_t* out,
                                                            uint64_t min = 0,
                                                            uint64_t max = UINT64_MAX);
+// The same into a narrower integer; `max` must fit in T.
+template <typename T>
+std::function<absl::Status(const std::string&)> NumberInto(std::string flag, T* out,
+                                                           uint64_t min, uint64_t max) {
+  return [flag = std::move(flag), out, min, max](const std::string& v) -> absl::Status {
+    uint64_t n = 0;
+    absl::Status s = Uint64Into(flag, &n, min, max)(v);
+    if (s.ok()) *out = static_cast<T>(n);
+    return s;
+  };
+}
 
 }  // namespace weightd
 

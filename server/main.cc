@@ -126,34 +126,15 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
             K::kValue, SecondsInto("shutdown-grace-seconds", &f->shutdown_grace, 3600)})
       .Add({"max-data-connections", "N",
             "data-socket connections in all (0 = half the open-file limit, at most 65536)",
-            K::kValue, [f](const std::string& v) -> absl::Status {
-              uint64_t n = 0;
-              WD_RETURN_IF_ERROR(Uint64Into("max-data-connections", &n)(v));
-              f->data.max_connections = static_cast<size_t>(n);
-              return absl::OkStatus();
-            }})
+            K::kValue, NumberInto("max-data-connections", &f->data.max_connections, 0, SIZE_MAX)})
       .Add({"max-data-connections-per-uid", "N",
             "data-socket connections per peer uid (0 = half the total)", K::kValue,
-            [f](const std::string& v) -> absl::Status {
-              uint64_t n = 0;
-              WD_RETURN_IF_ERROR(Uint64Into("max-data-connections-per-uid", &n)(v));
-              f->data.max_connections_per_uid = static_cast<size_t>(n);
-              return absl::OkStatus();
-            }})
+            NumberInto("max-data-connections-per-uid", &f->data.max_connections_per_uid, 0,
+                       SIZE_MAX)})
       .Add({"max-watch-streams", "N", "concurrent Watch streams (1..65536, default 256)",
-            K::kValue, [f](const std::string& v) -> absl::Status {
-              uint64_t n = 0;
-              WD_RETURN_IF_ERROR(Uint64Into("max-watch-streams", &n, 1, 65536)(v));
-              f->grpc.max_watch_streams = static_cast<int>(n);
-              return absl::OkStatus();
-            }})
+            K::kValue, NumberInto("max-watch-streams", &f->grpc.max_watch_streams, 1, 65536)})
       .Add({"threads", "N", "materialization workers (1..256)", K::kValue,
-            [f](const std::string& v) -> absl::Status {
-              uint64_t n = 0;
-              WD_RETURN_IF_ERROR(Uint64Into("threads", &n, 1, 256)(v));
-              f->service.worker_threads = static_cast<int>(n);
-              return absl::OkStatus();
-            }})
+            NumberInto("threads", &f->service.worker_threads, 1, 256)})
       .Add({"log-format", "text|json", "log lines", K::kValue,
             OneOf("log-format", "text or json", [](const std::string& v) {
               if (v != "json" && v != "text") return false;

@@ -16,6 +16,7 @@
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/convert/dtype_convert.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {
@@ -158,14 +159,14 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-v1::DType ToProto(DType d) { return static_cast<v1::DType>(static_cast<int>(d) + 1); }
+v1::DType ToProto(DType d) { return ToProtoDType(d); }
 
 absl::StatusOr<DType> FromProto(v1::DType d) {
-  int v = static_cast<int>(d);
-  if (v < 1 || v > kNumDTypes) {
-    return absl::InternalError(absl::StrCat("daemon sent unknown dtype ", v));
+  std::optional<DType> dtype = DTypeFromProto(d);
+  if (!dtype.has_value()) {
+    return absl::InternalError(absl::StrCat("daemon sent unknown dtype ", static_cast<int>(d)));
   }
-  return static_cast<DType>(v - 1);
+  return *dtype;
 }
 
 ModelInfo ToModelInfo(const v1::ModelInfo& m) {
@@ -231,23 +232,23 @@ absl::Status CollectFds(const std::string& path, const v1::FetchResponse& resp, 
   return absl::OkStatus();
 }
 
-absl::Status ReadSegment(v1::Shards::Stub* stub, const v1::FetchResponse& resp, uint32_t index,
-                         std::string* out) {
-  uint64_t size = resp.segment_sizes(index);
-  out->assign(size, '\0');
-  if (size == 0) return absl::OkStatus();
+// Streams bytes [offset, offset + length) of segment `index` into `out`.
+absl::Status ReadRange(v1::Shards::Stub* stub, const v1::FetchResponse& resp, uint32_t index,
+                       uint64_t offset, uint64_t length, std::string* out) {
+  out->assign(length, '\0');
+  if (length == 0) return absl::OkStatus();
   grpc::ClientContext ctx;
   v1::ReadRequest req;
   req.set_lease_id(resp.lease_id());
   req.set_token(resp.token());
   req.set_segment(index);
-  req.set_offset(0);
-  req.set_length(size);
+  req.set_offset(offset);
+  req.set_length(length);
   auto reader = stub->Read(&ctx, req);
   v1::ReadChunk chunk;
   uint64_t got = 0;
   while (reader->Read(&chunk)) {
-    if (chunk.offset() != got || chunk.data().size() > size - got) {
+    if (chunk.offset() != got || chunk.data().size() > length - got) {
       ctx.TryCancel();
       reader->Finish();
       return absl::InternalError("daemon sent an out-of-order or oversized chunk");
@@ -256,11 +257,59 @@ absl::Status ReadSegment(v1::Shards::Stub* stub, const v1::FetchResponse& resp, 
     got += chunk.data().size();
   }
   WD_RETURN_IF_ERROR(FromGrpc(reader->Finish()));
-  if (got != size) {
-    return absl::DataLossError(absl::StrCat("segment ", index, ": got ", got, " of ", size,
+  if (got != length) {
+    return absl::DataLossError(absl::StrCat("segment ", index, ": got ", got, " of ", length,
                                             " bytes"));
   }
   return absl::OkStatus();
+}
+
+// grpc transport: tensor ranges closer than this are read as one (the
+// Python client's _READ_MERGE_GAP); nothing else of a segment is read.
+constexpr uint64_t kReadMergeGap = uint64_t{1} << 16;
+
+// One Read per run of nearby tensor ranges of the same segment; returns the
+// start of each tensor's bytes (nullptr for empty ones), kept in `buffers`.
+absl::StatusOr<std::vector<const uint8_t*>> ReadTensorRanges(v1::Shards::Stub* stub,
+                                                             const v1::FetchResponse& resp,
+                                                             std::vector<std::string>* buffers) {
+  struct Range {
+    uint32_t segment;
+    uint64_t lo, hi;
+    std::vector<int> tensors;
+  };
+  std::vector<int> order;
+  for (int i = 0; i < resp.tensors_size(); ++i) {
+    if (resp.tensors(i).length() != 0) order.push_back(i);
+  }
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    const v1::ShardTensor &x = resp.tensors(a), &y = resp.tensors(b);
+    return std::make_pair(x.segment(), x.offset()) < std::make_pair(y.segment(), y.offset());
+  });
+  std::vector<Range> ranges;
+  for (int i : order) {
+    const v1::ShardTensor& t = resp.tensors(i);
+    const uint64_t end = t.offset() + t.length();  // checked against the segment by the caller
+    if (!ranges.empty() && ranges.back().segment == t.segment() &&
+        t.offset() <= ranges.back().hi + kReadMergeGap) {
+      ranges.back().hi = std::max(ranges.back().hi, end);
+    } else {
+      ranges.push_back(Range{t.segment(), t.offset(), end, {}});
+    }
+    ranges.back().tensors.push_back(i);
+  }
+  std::vector<const uint8_t*> data(resp.tensors_size(), nullptr);
+  buffers->resize(ranges.size());
+  for (size_t r = 0; r < ranges.size(); ++r) {
+    const Range& range = ranges[r];
+    WD_RETURN_IF_ERROR(ReadRange(stub, resp, range.segment, range.lo, range.hi - range.lo,
+                                 &(*buffers)[r]));
+    for (int i : range.tensors) {
+      data[i] = reinterpret_cast<const uint8_t*>((*buffers)[r].data()) +
+                (resp.tensors(i).offset() - range.lo);
+    }
+  }
+  return data;
 }
 
 }  // namespace
@@ -397,7 +446,7 @@ absl::StatusOr<DaemonStats> Client::Stats() {
   return DaemonStats{r.models(),     r.segments(),    r.bytes_resident(), r.materializations(),
                      r.materialization_bytes(), r.cache_hits(), r.cache_misses(),
                      r.leases_open(), r.bytes_served(), r.fetches(), r.applies(), r.adapters(),
-                     r.reserve_ready_bytes(), r.reserve_target_bytes()};
+                     r.reserve_ready_bytes(), r.reserve_target_bytes(), r.bytes_read()};
 }
 
 // Retried whole on UNAVAILABLE: a Fetch the daemon never handled granted no
@@ -432,7 +481,16 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
   set->token_ = resp.token();
   set->generation_ = resp.generation();
   // From here on the ShardSet's destructor releases the lease on any error.
-  std::vector<const uint8_t*> bases(resp.segment_sizes_size(), nullptr);
+  for (const v1::ShardTensor& t : resp.tensors()) {
+    if (t.segment() >= static_cast<uint32_t>(resp.segment_sizes_size()) ||
+        t.offset() > resp.segment_sizes(t.segment()) ||
+        t.length() > resp.segment_sizes(t.segment()) - t.offset()) {
+      return absl::InternalError(absl::StrCat("daemon sent tensor \"", t.name(),
+                                              "\" outside its segment"));
+    }
+  }
+  std::vector<const uint8_t*> bases(resp.segment_sizes_size(), nullptr);  // shm
+  std::vector<const uint8_t*> data;  // grpc: each tensor's bytes
   if (options.transport == Transport::kShm) {
     std::vector<UniqueFd> fds;
     WD_RETURN_IF_ERROR(CollectFds(resp.data_socket(), resp, &set->data_connection_, &fds));
@@ -444,25 +502,23 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
       set->maps_.push_back(std::move(map));
     }
   } else {
-    set->buffers_.resize(resp.segment_sizes_size());
-    for (int i = 0; i < resp.segment_sizes_size(); ++i) {
-      WD_RETURN_IF_ERROR(ReadSegment(channel_->shards.get(), resp, i, &set->buffers_[i]));
-      bases[i] = reinterpret_cast<const uint8_t*>(set->buffers_[i].data());
-    }
+    // Only the tensors' ranges, never whole segments: a view-backed tensor
+    // lives in a segment that may hold its whole checkpoint.
+    WD_ASSIGN_OR_RETURN(data, ReadTensorRanges(channel_->shards.get(), resp, &set->buffers_));
   }
-  for (const v1::ShardTensor& t : resp.tensors()) {
-    if (t.segment() >= bases.size() || t.offset() > resp.segment_sizes(t.segment()) ||
-        t.length() > resp.segment_sizes(t.segment()) - t.offset()) {
-      return absl::InternalError(absl::StrCat("daemon sent tensor \"", t.name(),
-                                              "\" outside its segment"));
-    }
+  for (int i = 0; i < resp.tensors_size(); ++i) {
+    const v1::ShardTensor& t = resp.tensors(i);
     TensorView v;
     v.name = t.name();
     WD_ASSIGN_OR_RETURN(v.dtype, FromProto(t.dtype()));
     v.shape.assign(t.shape().begin(), t.shape().end());
     v.global_shape.assign(t.global_shape().begin(), t.global_shape().end());
     v.global_offset.assign(t.global_offset().begin(), t.global_offset().end());
-    v.data = bases[t.segment()] == nullptr ? nullptr : bases[t.segment()] + t.offset();
+    if (options.transport == Transport::kShm) {
+      v.data = bases[t.segment()] == nullptr ? nullptr : bases[t.segment()] + t.offset();
+    } else {
+      v.data = data[i];
+    }
     v.length = t.length();
     if (t.digest().size() == 16) std::memcpy(v.digest.bytes.data(), t.digest().data(), 16);
     if (options.populate && options.transport == Transport::kShm) {

@@ -103,6 +103,7 @@ struct DaemonStats {
            materialization_bytes = 0, cache_hits = 0, cache_misses = 0, leases_open = 0,
            bytes_served = 0, fetches = 0, applies = 0, adapters = 0;
   uint64_t reserve_ready_bytes = 0, reserve_target_bytes = 0;
+  uint64_t bytes_read = 0;  // asked for by grpc-transport Reads
 };
 
 enum class Transport { kShm, kGrpc };
@@ -160,7 +161,7 @@ class ShardSet {
   std::vector<TensorView> tensors_;
   UniqueFd data_connection_;               // shm: holds the lease
   std::vector<MappedRegion> maps_;         // shm: read-only segment maps
-  std::vector<std::string> buffers_;       // grpc: segment bytes
+  std::vector<std::string> buffers_;       // grpc: the tensors' byte ranges
   bool released_ = false;
 };
 

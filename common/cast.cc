@@ -11,8 +11,9 @@
 // patched.
 //
 // The scalar element conversions are ports of c10 (c10/util/Half.h,
-// BFloat16.h, Float8_e4m3fn.h, Float8_e5m2.h). They assume the default
-// MXCSR (no flush-to-zero, no denormals-are-zero), as c10 does.
+// BFloat16.h, Float8_e4m3fn.h, Float8_e5m2.h), in cast_elements.h, shared
+// with the CUDA kernels. They assume the default MXCSR (no flush-to-zero,
+// no denormals-are-zero), as c10 does.
 #include "common/cast.h"
 
 #include <cpuid.h>
@@ -34,139 +35,21 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/cast_elements.h"
 
 namespace weightd {
-namespace {
-
-inline uint32_t FloatBits(float f) { return std::bit_cast<uint32_t>(f); }
-inline float BitsFloat(uint32_t w) { return std::bit_cast<float>(w); }
-
-}  // namespace
-
 // ---------------------------------------------------------------------------
-// Scalar element conversions (c10 ports).
+// Scalar element conversions (c10 ports): shared with the CUDA kernels, in
+// cast_elements.h.
 
-float HalfToFloat(uint16_t h) {
-  // c10::detail::fp16_ieee_to_fp32_value.
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & UINT32_C(0x80000000);
-  const uint32_t two_w = w + w;
-  const uint32_t exp_offset = UINT32_C(0xE0) << 23;
-  const float exp_scale = BitsFloat(UINT32_C(15) << 23);  // 2^-112
-  // Inf/NaN keep exponent 0xFF through the multiply; NaN comes out quiet.
-  const float normalized_value =
-      BitsFloat((two_w >> 4) + exp_offset) * exp_scale;
-  const uint32_t magic_mask = UINT32_C(126) << 23;
-  const float magic_bias = 0.5f;
-  const float denormalized_value =
-      BitsFloat((two_w >> 17) | magic_mask) - magic_bias;
-  const uint32_t denormalized_cutoff = UINT32_C(1) << 27;
-  const uint32_t result =
-      sign | (two_w < denormalized_cutoff ? FloatBits(denormalized_value)
-                                          : FloatBits(normalized_value));
-  return BitsFloat(result);
-}
-
-uint16_t FloatToHalf(float f) {
-  // c10::detail::fp16_ieee_from_fp32_value.
-  const float scale_to_inf = BitsFloat(UINT32_C(239) << 23);  // 2^112
-  const float scale_to_zero = BitsFloat(UINT32_C(17) << 23);  // 2^-110
-  float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
-  const uint32_t w = FloatBits(f);
-  const uint32_t shl1_w = w + w;
-  const uint32_t sign = w & UINT32_C(0x80000000);
-  uint32_t bias = shl1_w & UINT32_C(0xFF000000);
-  if (bias < UINT32_C(0x71000000)) bias = UINT32_C(0x71000000);
-  base = BitsFloat((bias >> 1) + UINT32_C(0x07800000)) + base;
-  const uint32_t bits = FloatBits(base);
-  const uint32_t exp_bits = (bits >> 13) & UINT32_C(0x00007C00);
-  const uint32_t mantissa_bits = bits & UINT32_C(0x00000FFF);
-  const uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<uint16_t>(
-      (sign >> 16) |
-      (shl1_w > UINT32_C(0xFF000000) ? UINT32_C(0x7E00) : nonsign));
-}
-
-float BFloat16ToFloat(uint16_t b) {
-  return BitsFloat(static_cast<uint32_t>(b) << 16);
-}
-
-uint16_t FloatToBFloat16(float f) {
-  // c10::detail::round_to_nearest_even: every NaN becomes +0x7FC0.
-  if (std::isnan(f)) return UINT16_C(0x7FC0);
-  const uint32_t u = FloatBits(f);
-  const uint32_t rounding_bias = ((u >> 16) & 1) + UINT32_C(0x7FFF);
-  return static_cast<uint16_t>((u + rounding_bias) >> 16);
-}
-
-float Fp8E4M3ToFloat(uint8_t v) {
-  // c10::detail::fp8e4m3fn_to_fp32_value.
-  const uint32_t w = static_cast<uint32_t>(v) << 24;
-  const uint32_t sign = w & UINT32_C(0x80000000);
-  const uint32_t nonsign = w & UINT32_C(0x7FFFFFFF);
-  uint32_t renorm_shift = nonsign != 0 ? std::countl_zero(nonsign) : 32;
-  renorm_shift = renorm_shift > 4 ? renorm_shift - 4 : 0;
-  const int32_t inf_nan_mask =
-      (static_cast<int32_t>(nonsign + 0x01000000) >> 8) & INT32_C(0x7F800000);
-  const int32_t zero_mask = static_cast<int32_t>(nonsign - 1) >> 31;
-  const uint32_t result =
-      sign |
-      ((((nonsign << renorm_shift >> 4) + ((0x78 - renorm_shift) << 23)) |
-        static_cast<uint32_t>(inf_nan_mask)) &
-       ~static_cast<uint32_t>(zero_mask));
-  return BitsFloat(result);
-}
-
-uint8_t FloatToFp8E4M3(float f) {
-  // c10::detail::fp8e4m3fn_from_fp32_value: no saturation; |f| >= 480 and
-  // NaN/Inf give NaN (0x7F | sign).
-  constexpr uint32_t kFp8Max = UINT32_C(1087) << 20;     // 480.0f
-  constexpr uint32_t kDenormMask = UINT32_C(141) << 23;  // 2^14
-  uint32_t f_bits = FloatBits(f);
-  const uint32_t sign = f_bits & UINT32_C(0x80000000);
-  f_bits ^= sign;
-  uint8_t result;
-  if (f_bits >= kFp8Max) {
-    result = 0x7F;
-  } else if (f_bits < (UINT32_C(121) << 23)) {  // below 2^-6: denormal
-    f_bits = FloatBits(BitsFloat(f_bits) + BitsFloat(kDenormMask));
-    result = static_cast<uint8_t>(f_bits - kDenormMask);
-  } else {
-    const uint32_t mant_odd = (f_bits >> 20) & 1;
-    f_bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFF;
-    f_bits += mant_odd;
-    result = static_cast<uint8_t>(f_bits >> 20);
-  }
-  return static_cast<uint8_t>(result | (sign >> 24));
-}
-
-float Fp8E5M2ToFloat(uint8_t v) {
-  // c10::detail::fp8e5m2_to_fp32_value: the top byte of an F16.
-  return HalfToFloat(static_cast<uint16_t>(static_cast<uint16_t>(v) << 8));
-}
-
-uint8_t FloatToFp8E5M2(float f) {
-  // c10::detail::fp8e5m2_from_fp32_value.
-  constexpr uint32_t kFp32Inf = UINT32_C(255) << 23;
-  constexpr uint32_t kFp8Max = UINT32_C(143) << 23;      // 65536.0f
-  constexpr uint32_t kDenormMask = UINT32_C(134) << 23;  // 2^7
-  uint32_t f_bits = FloatBits(f);
-  const uint32_t sign = f_bits & UINT32_C(0x80000000);
-  f_bits ^= sign;
-  uint8_t result;
-  if (f_bits >= kFp8Max) {
-    result = f_bits > kFp32Inf ? UINT8_C(0x7F) : UINT8_C(0x7C);
-  } else if (f_bits < (UINT32_C(113) << 23)) {  // below 2^-14: denormal
-    f_bits = FloatBits(BitsFloat(f_bits) + BitsFloat(kDenormMask));
-    result = static_cast<uint8_t>(f_bits - kDenormMask);
-  } else {
-    const uint32_t mant_odd = (f_bits >> 21) & 1;
-    f_bits += (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFF;
-    f_bits += mant_odd;
-    result = static_cast<uint8_t>(f_bits >> 21);
-  }
-  return static_cast<uint8_t>(result | (sign >> 24));
-}
+float HalfToFloat(uint16_t h) { return elements::HalfToFloat(h); }
+uint16_t FloatToHalf(float f) { return elements::FloatToHalf(f); }
+float BFloat16ToFloat(uint16_t b) { return elements::BFloat16ToFloat(b); }
+uint16_t FloatToBFloat16(float f) { return elements::FloatToBFloat16(f); }
+float Fp8E4M3ToFloat(uint8_t v) { return elements::Fp8E4M3ToFloat(v); }
+uint8_t FloatToFp8E4M3(float f) { return elements::FloatToFp8E4M3(f); }
+float Fp8E5M2ToFloat(uint8_t v) { return elements::Fp8E5M2ToFloat(v); }
+uint8_t FloatToFp8E5M2(float f) { return elements::FloatToFp8E5M2(f); }
 
 namespace {
 
@@ -212,8 +95,8 @@ inline void StreamFence(bool stream) {
 
 // --- scalar loops ----------------------------------------------------------
 
-float F64ToF32Element(double d) { return static_cast<float>(d); }
-double F32ToF64Element(float f) { return static_cast<double>(f); }
+float F64ToF32Element(double d) { return elements::F64ToF32(d); }
+double F32ToF64Element(float f) { return elements::F32ToF64(f); }
 uint16_t BF16ToF16Element(uint16_t b) {
   return FloatToHalf(BFloat16ToFloat(b));
 }

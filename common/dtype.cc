@@ -1,10 +1,12 @@
 #include "common/dtype.h"
 
 #include <array>
+#include <limits>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace weightd {
 namespace {
@@ -33,6 +35,36 @@ constexpr std::array<DTypeRow, kNumDTypes> kRows = {{
 }  // namespace
 
 size_t DTypeSize(DType dtype) { return kRows[static_cast<int>(dtype)].size; }
+
+absl::Status CheckShapeFits(absl::Span<const int64_t> shape,
+                            size_t bytes_per_element) {
+  constexpr unsigned __int128 kMax = std::numeric_limits<int64_t>::max();
+  unsigned __int128 product = 1;
+  bool has_zero = false;
+  for (int64_t d : shape) {
+    if (d < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shape [", absl::StrJoin(shape, ", "), "] has a negative dim"));
+    }
+    if (d == 0) {
+      has_zero = true;
+      continue;
+    }
+    // Both factors are < 2^63 here, so the 128-bit product cannot wrap.
+    product *= static_cast<uint64_t>(d);
+    if (product > kMax) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shape [", absl::StrJoin(shape, ", "),
+                       "] is too large (its element count overflows int64)"));
+    }
+  }
+  if (!has_zero && product * bytes_per_element > kMax) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shape [", absl::StrJoin(shape, ", "), "] is too large (",
+        bytes_per_element, " bytes per element overflow int64)"));
+  }
+  return absl::OkStatus();
+}
 
 absl::string_view DTypeName(DType dtype) {
   return kRows[static_cast<int>(dtype)].name;
@@ -74,6 +106,16 @@ bool IsFloating(DType dtype) {
 bool CanCast(DType src, DType dst) {
   if (src == dst) return true;
   return IsFloating(src) && IsFloating(dst);
+}
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+int64_t NumElements(absl::Span<const int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
 }
 
 }  // namespace weightd

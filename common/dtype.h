@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 namespace weightd {
 
@@ -31,6 +32,24 @@ inline constexpr int kNumDTypes = 12;
 
 // Bytes per element.
 size_t DTypeSize(DType dtype);
+
+// The widest dtypes (F64, I64): a shape that fits at this size fits in every
+// dtype a tensor may be cast to or served as.
+inline constexpr size_t kMaxDTypeSize = 8;
+
+// OK when every dim is >= 0, the product of the non-zero dims fits in int64
+// (strides are built from them even when another dim is 0) and so does
+// numel * bytes_per_element. Otherwise INVALID_ARGUMENT "shape [a, b] is too
+// large (...)", for the caller to prefix with the tensor's name.
+absl::Status CheckShapeFits(absl::Span<const int64_t> shape,
+                            size_t bytes_per_element);
+
+// "[a, b, c]", for messages.
+std::string ShapeString(absl::Span<const int64_t> shape);
+
+// The product of the dims (1 for a 0-dim shape). REQUIRES: it fits in
+// int64 (CheckShapeFits, or shapes that already passed it).
+int64_t NumElements(absl::Span<const int64_t> shape);
 
 // The safetensors spelling: "F64", "F32", "F16", "BF16", "I64", ..., "BOOL",
 // "F8_E4M3", "F8_E5M2".

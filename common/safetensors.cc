@@ -10,7 +10,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/json_depth.h"
 #include "common/status_macros.h"
+#include "common/untrusted_text.h"
 #include "nlohmann/json.hpp"
 
 namespace weightd {
@@ -18,36 +20,8 @@ namespace {
 
 using Json = nlohmann::json;
 
-// Error messages quote names from untrusted files: cap their length and
-// escape what would break a log line.
-constexpr size_t kMaxQuotedBytes = 200;
-
-std::string Quote(absl::string_view s) {
-  std::string out = "\"";
-  size_t n = std::min(s.size(), kMaxQuotedBytes);
-  // Cut at a UTF-8 boundary (callers pass valid UTF-8).
-  while (n < s.size() && n > 0 &&
-         (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) {
-    --n;
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c == '"' || c == '\\') {
-      out.push_back('\\');
-      out.push_back(static_cast<char>(c));
-    } else if (c < 0x20 || c == 0x7F) {
-      static constexpr char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out.push_back(kHex[c >> 4]);
-      out.push_back(kHex[c & 0xF]);
-    } else {
-      out.push_back(static_cast<char>(c));
-    }
-  }
-  if (n < s.size()) out += "...";
-  out += "\"";
-  return out;
-}
+// Error messages quote names from untrusted files: capped and escaped.
+std::string Quote(absl::string_view s) { return QuoteForMessage(s); }
 
 // Returns the offset of the first byte that is not part of a well-formed
 // UTF-8 sequence (RFC 3629: no overlongs, no surrogates, <= U+10FFFF), or
@@ -95,10 +69,6 @@ size_t FindInvalidUtf8(absl::string_view s) {
   return absl::string_view::npos;
 }
 
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
 std::string OffsetsString(uint64_t begin, uint64_t end) {
   return absl::StrCat("[", begin, ", ", end, "]");
 }
@@ -110,7 +80,8 @@ std::string JsonErrorMessage(const nlohmann::detail::exception& ex) {
     size_t close = what.find("] ");
     if (close != absl::string_view::npos) what.remove_prefix(close + 2);
   }
-  return std::string(what);
+  // It quotes the last token read, which may be a whole (huge) string.
+  return TruncateMessage(what, 4 * kMaxQuotedBytes);
 }
 
 // Also rejects NUL bytes: JSON never needs one outside an escape, and
@@ -240,6 +211,10 @@ class HeaderHandler {
           return Fail(k == kMetadataKey
                           ? absl::StrCat("duplicate ", kMetadataKey)
                           : absl::StrCat("duplicate tensor ", Quote(k)));
+        }
+        if (absl::Status s = CheckNoControlCharacters(k, "tensor"); !s.ok()) {
+          error_ = std::move(s);
+          return false;
         }
         key_ = std::move(k);
         return true;
@@ -514,6 +489,8 @@ absl::Status CheckShardFileName(absl::string_view tensor,
     why = "is not a plain file name (no directories allowed)";
   } else if (file.find('\0') != absl::string_view::npos) {
     why = "contains a NUL byte";
+  } else if (FindControlCharacter(file) != absl::string_view::npos) {
+    why = "contains a control character";
   }
   if (why.empty()) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
@@ -526,7 +503,7 @@ absl::Status CheckShardFileName(absl::string_view tensor,
 // cannot make us keep a deep stack.
 class IndexHandler {
  public:
-  static constexpr size_t kMaxDepth = 64;
+  static constexpr size_t kMaxDepth = kMaxJsonDepth;
 
   explicit IndexHandler(SafetensorsIndex* out) : out_(out) {}
 
@@ -549,6 +526,7 @@ class IndexHandler {
   bool string(std::string& v) {
     if (in_weight_map_ && frames_.size() == 2) {
       absl::Status s = CheckShardFileName(key_, v);
+      if (s.ok()) s = CheckNoControlCharacters(key_, "weight_map: tensor");
       if (!s.ok()) return Fail(s);
       if (seen_files_.insert(v).second) out_->files.push_back(v);
       out_->weight_map.emplace(std::move(key_), std::move(v));

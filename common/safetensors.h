@@ -47,7 +47,9 @@ struct SafetensorsHeader {
 // overflow), data_offsets [b, e] with b <= e and e inside the data section;
 // (e - b) == numel * dtype size; tensors contiguous, non-overlapping, the
 // first starting at 0 and the last ending at the end of the file; no
-// duplicate names; "__metadata__" a map of strings.
+// duplicate names; no control characters in names (C0, DEL, C1: they would
+// forge lines of listings and drive terminals); "__metadata__" a map of
+// strings.
 absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
                                                          uint64_t file_size);
 
@@ -75,6 +77,8 @@ std::string BuildSafetensorsHeader(
 // The files of an HF sharded checkpoint's index
 // (model.safetensors.index.json: {"weight_map": {"tensor": "file"}, ...}):
 // distinct file names in first-seen order, plus the tensor -> file map.
+// Tensor and file names with control characters are INVALID_ARGUMENT, as is
+// nesting deeper than kMaxJsonDepth (common/json_depth.h).
 struct SafetensorsIndex {
   std::vector<std::string> files;
   std::map<std::string, std::string> weight_map;

@@ -553,6 +553,26 @@ TEST(SafetensorsMalformedTest, DeepNestingIsRejectedCheaply) {
   EXPECT_INVALID(ParseJson(json, 0), "is not a string");
 }
 
+TEST(SafetensorsMalformedTest, ControlCharactersInNamesAreRejected) {
+  for (const char* name : {"a\\nb", "a\\tb", "a\\u001b[2Jb", "a\\u007fb",
+                           "a\\u0085b", "a\\u009bb", "a\x7f" "b", "a\xc2\x9b" "b"}) {
+    EXPECT_INVALID(ParseJson(absl::StrCat("{", Entry(name, "U8", "[1]", 0, 1), "}"),
+                             1),
+                   "contains control character U+00");
+  }
+  // Other unicode, NBSP and spaces included, is fine.
+  EXPECT_TRUE(ParseJson(absl::StrCat("{", Entry("caf\xc3\xa9 \xc2\xa0x", "U8", "[1]", 0, 1),
+                                     "}"),
+                        1)
+                  .ok());
+  EXPECT_INVALID(ParseSafetensorsIndex(
+                     R"({"weight_map": {"a\nb": "f.safetensors"}})"),
+                 "weight_map: tensor \"a\\x0ab\" contains control character");
+  EXPECT_INVALID(ParseSafetensorsIndex(
+                     R"({"weight_map": {"a": "f\u001b.safetensors"}})"),
+                 "contains a control character");
+}
+
 // ---------------------------------------------------------------------------
 // Index files
 

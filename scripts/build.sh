@@ -15,6 +15,13 @@ while (($#)); do
   shift
 done
 BUILD_DIR=${BUILD_DIR:-build}
+# ccache (installed by deps.sh) shares compiled units between build
+# directories and runs: paths relative to the checkout, cwd not hashed.
+launcher=()
+if command -v ccache >/dev/null; then
+  export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+fi
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$build_type" \
-  -DWEIGHTD_SANITIZE="$sanitize" "${extra[@]}"
+  -DWEIGHTD_SANITIZE="$sanitize" "${launcher[@]}" "${extra[@]}"
 cmake --build "$BUILD_DIR" -j"$(nproc)"

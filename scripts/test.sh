@@ -21,6 +21,15 @@ if [ -n "$sanitize" ]; then
 else
   export BUILD_DIR=${BUILD_DIR:-build}
   bash scripts/build.sh
+  # Concurrency checked by the compiler: clang's thread-safety analysis
+  # over every translation unit of this build (syntax only).
+  bash scripts/thread_safety.sh "$BUILD_DIR"
+  # The default build has the CUDA path where nvcc exists (WEIGHTD_CUDA=AUTO)
+  # and the suites run against it; the CPU-only configuration must still
+  # build (ccache makes this mostly cache hits).
+  if grep -q "^WEIGHTD_CUDA_ENABLED_BUILD:INTERNAL=ON" "$BUILD_DIR/CMakeCache.txt"; then
+    BUILD_DIR="$BUILD_DIR-cpu" bash scripts/build.sh -DWEIGHTD_CUDA=OFF
+  fi
 fi
 tsan_reports=""
 if [[ "$sanitize" == *thread* ]]; then

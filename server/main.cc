@@ -1,5 +1,6 @@
-// weightd: the per-node weight-serving daemon. Flags (DESIGN §3) are parsed
-// here and only here, into the Options structs of the parts they configure.
+// weightd: the per-node weight-serving daemon. Flags (DESIGN §3) are declared
+// here and only here, in one table (DaemonFlagTable), and parsed into the
+// Options structs of the parts they configure.
 #include <signal.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/fd.h"
+#include "common/flag_table.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "server/grpc/call_auth.h"
@@ -31,24 +33,6 @@
 
 namespace weightd {
 namespace {
-
-constexpr char kUsage[] =
-    "usage: weightd --socket PATH [--data-socket PATH] [--listen HOST:PORT]\n"
-    "               [--metrics-listen HOST:PORT] --model-root DIR ...\n"
-    "               [--host-memory-bytes N] [--preload NAME=PATH[@PROFILE]] ...\n"
-    "               [--warm-reserve-bytes N] [--reserve-chunk-bytes N]\n"
-    "               [--lease-ttl-seconds N] [--shutdown-grace-seconds N]\n"
-    "               [--threads N] [--log-format text|json]\n"
-    "               [--log-level debug|info|warning|error]\n"
-    "               [--socket-mode OCTAL] [--config FILE]\n"
-    "               [--allow-uid LIST] [--allow-gid LIST] [--admin-uid LIST]\n"
-    "               [--admin-gid LIST] [--admin-token-names LIST]\n"
-    "               [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]\n"
-    "               [--auth-token-file FILE] [--allow-insecure-token]\n"
-    "               [--max-data-connections N] [--max-data-connections-per-uid N]\n"
-    "               [--max-watch-streams N]\n"
-    "Every flag may also be set as WEIGHTD_<FLAG> (e.g. WEIGHTD_MODEL_ROOT=/a,/b)\n"
-    "or in a config file of \"flag = value\" lines (--config or WEIGHTD_CONFIG).\n";
 
 // Profiles are small JSON documents; anything larger is a mistake.
 constexpr uint64_t kMaxProfileBytes = 64ull << 20;
@@ -64,315 +48,177 @@ struct DaemonFlags {
   std::string metrics_listen;
   std::vector<Preload> preloads;
   absl::Duration shutdown_grace = absl::Seconds(10);
-};
-
-// Every flag also comes from the environment (WEIGHTD_<FLAG>, dashes as
-// underscores, e.g. WEIGHTD_MODEL_ROOT; lists comma-separated) and from a
-// config file (--config FILE or WEIGHTD_CONFIG: one "flag = value" per line,
-// '#' comments, a repeated flag adds a value). The command line beats the
-// environment, which beats the file; for list flags (model-root, preload) the
-// strongest source that names the flag gives the whole list.
-constexpr const char* kFlagNames[] = {
-    "socket", "data-socket", "listen", "metrics-listen", "model-root", "host-memory-bytes",
-    "preload", "lease-ttl-seconds", "shutdown-grace-seconds", "threads", "log-format",
-    "log-level", "socket-mode", "warm-reserve-bytes", "reserve-chunk-bytes", "allow-uid",
-    "allow-gid", "admin-uid", "admin-gid", "admin-token-names", "tls-cert", "tls-key", "tls-client-ca", "auth-token-file",
-    "allow-insecure-token", "max-data-connections", "max-data-connections-per-uid",
-    "max-watch-streams"};
-
-// Flags that take no value on the command line; from the environment or a
-// config file they take true/false.
-bool IsSwitchFlag(const std::string& name) { return name == "allow-insecure-token"; }
-
-struct FlagSource {
-  std::string origin;                               // "file", "env", "argv"
-  std::vector<std::pair<std::string, std::string>> values;  // flag -> value, in order
-};
-
-absl::StatusOr<FlagSource> ReadConfigFile(const std::string& path) {
-  FlagSource src{absl::StrCat("config ", path), {}};
-  FILE* f = std::fopen(path.c_str(), "r");
-  if (f == nullptr) return absl::NotFoundError(absl::StrCat("cannot open config file ", path));
-  char line[4096];
-  int number = 0;
-  while (std::fgets(line, sizeof(line), f) != nullptr) {
-    ++number;
-    std::string text(absl::StripAsciiWhitespace(line));
-    if (text.empty() || text[0] == '#') continue;
-    size_t eq = text.find('=');
-    if (eq == std::string::npos) {
-      std::fclose(f);
-      return absl::InvalidArgumentError(absl::StrCat(path, ":", number, ": expected flag = value"));
-    }
-    std::string key(absl::StripAsciiWhitespace(text.substr(0, eq)));
-    std::string value(absl::StripAsciiWhitespace(text.substr(eq + 1)));
-    if (absl::StartsWith(key, "--")) key = key.substr(2);
-    src.values.emplace_back(key, value);
-  }
-  std::fclose(f);
-  return src;
-}
-
-FlagSource ReadEnvironment() {
-  FlagSource src{"environment", {}};
-  for (const char* name : kFlagNames) {
-    std::string var = absl::StrCat("WEIGHTD_", absl::AsciiStrToUpper(name));
-    for (char& c : var) c = c == '-' ? '_' : c;
-    const char* value = std::getenv(var.c_str());
-    if (value == nullptr) continue;
-    bool list = std::string(name) == "model-root" || std::string(name) == "preload";
-    if (list) {
-      for (absl::string_view v : absl::StrSplit(value, ',', absl::SkipEmpty())) {
-        src.values.emplace_back(name, std::string(v));
-      }
-    } else {
-      src.values.emplace_back(name, value);
-    }
-  }
-  return src;
-}
-
-// Merges file < env < argv into one argv-style list.
-absl::StatusOr<std::vector<std::string>> CollectArgs(int argc, char** argv) {
-  std::vector<std::string> cli(argv + 1, argv + argc);
-  std::string config;
-  if (const char* env = std::getenv("WEIGHTD_CONFIG")) config = env;
-  std::vector<std::string> rest;
-  for (size_t i = 0; i < cli.size(); ++i) {
-    if (cli[i] == "--config" && i + 1 < cli.size()) {
-      config = cli[++i];
-    } else if (absl::StartsWith(cli[i], "--config=")) {
-      config = cli[i].substr(9);
-    } else {
-      rest.push_back(cli[i]);
-    }
-  }
-  std::vector<FlagSource> sources;
-  if (!config.empty()) {
-    WD_ASSIGN_OR_RETURN(FlagSource file, ReadConfigFile(config));
-    sources.push_back(std::move(file));
-  }
-  sources.push_back(ReadEnvironment());
-  std::vector<std::string> merged;
-  std::set<std::string> on_cli;
-  for (const std::string& a : rest) {
-    if (!absl::StartsWith(a, "--")) continue;
-    on_cli.insert(a.substr(2, a.find('=') == std::string::npos ? std::string::npos : a.find('=') - 2));
-  }
-  // Later sources override earlier ones flag by flag.
-  std::map<std::string, std::vector<std::string>> chosen;
-  std::vector<std::string> order;
-  for (const FlagSource& src : sources) {
-    std::map<std::string, std::vector<std::string>> mine;
-    for (const auto& [k, v] : src.values) {
-      if (std::find(std::begin(kFlagNames), std::end(kFlagNames), k) == std::end(kFlagNames)) {
-        return absl::InvalidArgumentError(absl::StrCat(src.origin, ": unknown flag \"", k, "\""));
-      }
-      mine[k].push_back(v);
-    }
-    for (auto& [k, vs] : mine) {
-      if (!chosen.count(k)) order.push_back(k);
-      chosen[k] = std::move(vs);
-    }
-  }
-  for (const std::string& k : order) {
-    if (on_cli.count(k)) continue;
-    for (const std::string& v : chosen[k]) {
-      if (IsSwitchFlag(k)) {
-        merged.push_back(absl::StrCat("--", k, "=", v));
-        continue;
-      }
-      merged.push_back("--" + k);
-      merged.push_back(v);
-    }
-  }
-  merged.insert(merged.end(), rest.begin(), rest.end());
-  return merged;
-}
-
-absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags) {
-  mode_t mode = 0660;
+  mode_t socket_mode = 0660;
   bool allow_insecure_token = false;
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string flag = args[i];
-    std::string value;
-    bool inline_value = false;
-    if (size_t eq = flag.find('='); absl::StartsWith(flag, "--") && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-      inline_value = true;
-    }
-    auto next = [&]() -> absl::StatusOr<std::string> {
-      if (inline_value) return value;
-      if (i + 1 >= args.size()) return absl::InvalidArgumentError(absl::StrCat(flag, " needs a value"));
-      return args[++i];
-    };
-    auto number = [&](uint64_t* out) -> absl::Status {
-      auto v = next();
-      if (!v.ok()) return v.status();
-      if (!absl::SimpleAtoi(*v, out)) {
-        return absl::InvalidArgumentError(absl::StrCat(flag, ": \"", *v, "\" is not a number"));
-      }
-      return absl::OkStatus();
-    };
-    // Comma-separated numeric ids; a repeated flag adds to the list.
-    auto ids = [&](std::vector<uint32_t>* out) -> absl::Status {
-      auto text = next();
-      if (!text.ok()) return text.status();
-      WD_ASSIGN_OR_RETURN(std::vector<uint32_t> parsed, ParseIdList(flag, *text));
-      out->insert(out->end(), parsed.begin(), parsed.end());
-      return absl::OkStatus();
-    };
-    AccessPolicyOptions& access = flags->service.access;
-    absl::StatusOr<std::string> v;
+};
+
+using Apply = std::function<absl::Status(const std::string&)>;
+
+// Comma-separated numeric ids; a repeated flag adds to the list.
+Apply IdsInto(std::string flag, std::vector<uint32_t>* out) {
+  return [flag = "--" + std::move(flag), out](const std::string& text) -> absl::Status {
+    WD_ASSIGN_OR_RETURN(std::vector<uint32_t> parsed, ParseIdList(flag, text));
+    out->insert(out->end(), parsed.begin(), parsed.end());
+    return absl::OkStatus();
+  };
+}
+
+// A number of seconds in [min, max] into a Duration.
+Apply SecondsInto(std::string flag, absl::Duration* out, uint64_t max) {
+  return [flag, out, max](const std::string& v) -> absl::Status {
     uint64_t n = 0;
-    if (flag == "--help" || flag == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    } else if (flag == "--socket") {
-      if (!(v = next()).ok()) return v.status();
-      flags->grpc.unix_socket = *v;
-    } else if (flag == "--data-socket") {
-      if (!(v = next()).ok()) return v.status();
-      flags->data.path = *v;
-    } else if (flag == "--listen") {
-      if (!(v = next()).ok()) return v.status();
-      flags->grpc.tcp_listen = *v;
-    } else if (flag == "--metrics-listen") {
-      if (!(v = next()).ok()) return v.status();
-      flags->metrics_listen = *v;
-    } else if (flag == "--model-root") {
-      if (!(v = next()).ok()) return v.status();
-      flags->service.model_roots.push_back(*v);
-      // "--model-root A B C": further plain words are roots too.
-      while (!inline_value && i + 1 < args.size() && !absl::StartsWith(args[i + 1], "--")) {
-        flags->service.model_roots.push_back(args[++i]);
-      }
-    } else if (flag == "--host-memory-bytes") {
-      WD_RETURN_IF_ERROR(number(&n));
-      flags->service.host_memory_bytes = n;
-    } else if (flag == "--warm-reserve-bytes") {
-      WD_RETURN_IF_ERROR(number(&n));
-      flags->service.warm_reserve_bytes = n;
-    } else if (flag == "--reserve-chunk-bytes") {
-      WD_RETURN_IF_ERROR(number(&n));
-      if (n < 4096) return absl::InvalidArgumentError("--reserve-chunk-bytes must be >= 4096");
-      flags->service.reserve_chunk_bytes = n;
-    } else if (flag == "--lease-ttl-seconds") {
-      WD_RETURN_IF_ERROR(number(&n));
-      flags->service.lease_idle_ttl = absl::Seconds(static_cast<int64_t>(n));
-    } else if (flag == "--shutdown-grace-seconds") {
-      WD_RETURN_IF_ERROR(number(&n));
-      if (n > 3600) return absl::InvalidArgumentError("--shutdown-grace-seconds must be 0..3600");
-      flags->shutdown_grace = absl::Seconds(static_cast<int64_t>(n));
-    } else if (flag == "--threads") {
-      WD_RETURN_IF_ERROR(number(&n));
-      if (n < 1 || n > 256) return absl::InvalidArgumentError("--threads must be 1..256");
-      flags->service.worker_threads = static_cast<int>(n);
-    } else if (flag == "--max-data-connections") {
-      WD_RETURN_IF_ERROR(number(&n));
-      flags->data.max_connections = n;  // 0: from the open-file limit
-    } else if (flag == "--max-data-connections-per-uid") {
-      WD_RETURN_IF_ERROR(number(&n));
-      flags->data.max_connections_per_uid = n;  // 0: half the total
-    } else if (flag == "--max-watch-streams") {
-      WD_RETURN_IF_ERROR(number(&n));
-      if (n < 1 || n > 65536) {
-        return absl::InvalidArgumentError("--max-watch-streams must be 1..65536");
-      }
-      flags->grpc.max_watch_streams = static_cast<int>(n);
-    } else if (flag == "--socket-mode") {
-      if (!(v = next()).ok()) return v.status();
-      char* end = nullptr;
-      long m = std::strtol(v->c_str(), &end, 8);
-      if (v->empty() || *end != '\0' || m < 0 || m > 0777) {
-        return absl::InvalidArgumentError(absl::StrCat("--socket-mode: bad octal mode \"", *v, "\""));
-      }
-      mode = static_cast<mode_t>(m);
-    } else if (flag == "--allow-uid") {
-      WD_RETURN_IF_ERROR(ids(&access.allow_uids));
-    } else if (flag == "--allow-gid") {
-      WD_RETURN_IF_ERROR(ids(&access.allow_gids));
-    } else if (flag == "--admin-uid") {
-      WD_RETURN_IF_ERROR(ids(&access.admin_uids));
-    } else if (flag == "--admin-gid") {
-      WD_RETURN_IF_ERROR(ids(&access.admin_gids));
-    } else if (flag == "--admin-token-names") {
-      if (!(v = next()).ok()) return v.status();
-      for (absl::string_view name : absl::StrSplit(*v, ',', absl::SkipWhitespace())) {
-        access.admin_token_names.emplace_back(absl::StripAsciiWhitespace(name));
-      }
-    } else if (flag == "--tls-cert") {
-      if (!(v = next()).ok()) return v.status();
-      flags->grpc.tls_cert_file = *v;
-    } else if (flag == "--tls-key") {
-      if (!(v = next()).ok()) return v.status();
-      flags->grpc.tls_key_file = *v;
-    } else if (flag == "--tls-client-ca") {
-      if (!(v = next()).ok()) return v.status();
-      flags->grpc.tls_client_ca_file = *v;
-    } else if (flag == "--auth-token-file") {
-      if (!(v = next()).ok()) return v.status();
-      flags->grpc.auth_token_file = *v;
-    } else if (flag == "--allow-insecure-token") {
-      std::string b = inline_value ? absl::AsciiStrToLower(value) : "true";
-      if (b == "true" || b == "1" || b == "yes") {
-        allow_insecure_token = true;
-      } else if (b == "false" || b == "0" || b == "no") {
-        allow_insecure_token = false;
-      } else {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--allow-insecure-token: expected true or false, got \"", value, "\""));
-      }
-    } else if (flag == "--log-format") {
-      if (!(v = next()).ok()) return v.status();
-      if (*v == "json") {
-        SetLogFormat(LogFormat::kJson);
-      } else if (*v == "text") {
-        SetLogFormat(LogFormat::kText);
-      } else {
-        return absl::InvalidArgumentError(absl::StrCat("--log-format: expected text or json, got \"", *v, "\""));
-      }
-    } else if (flag == "--log-level") {
-      if (!(v = next()).ok()) return v.status();
-      if (*v == "debug") {
-        SetMinLogLevel(LogLevel::kDebug);
-      } else if (*v == "info") {
-        SetMinLogLevel(LogLevel::kInfo);
-      } else if (*v == "warning") {
-        SetMinLogLevel(LogLevel::kWarning);
-      } else if (*v == "error") {
-        SetMinLogLevel(LogLevel::kError);
-      } else {
-        return absl::InvalidArgumentError(absl::StrCat("--log-level: expected debug|info|warning|error, got \"", *v, "\""));
-      }
-    } else if (flag == "--preload") {
-      if (!(v = next()).ok()) return v.status();
-      while (true) {
-        std::string spec = *v;
-        size_t eq = spec.find('=');
-        if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size()) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("--preload: expected NAME=PATH[@PROFILE], got \"", spec, "\""));
-        }
-        Preload p{spec.substr(0, eq), spec.substr(eq + 1), ""};
-        if (size_t at = p.path.rfind('@'); at != std::string::npos) {
-          p.profile = p.path.substr(at + 1);
-          p.path = p.path.substr(0, at);
-        }
-        flags->preloads.push_back(std::move(p));
-        if (inline_value || i + 1 >= args.size() || absl::StartsWith(args[i + 1], "--")) break;
-        v = args[++i];
-      }
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag \"", flag, "\"\n", kUsage));
-    }
-  }
+    WD_RETURN_IF_ERROR(Uint64Into(flag, &n, 0, max)(v));
+    *out = absl::Seconds(static_cast<int64_t>(n));
+    return absl::OkStatus();
+  };
+}
+
+// One of `choices` (the text shown in the error), mapped by `fn`.
+Apply OneOf(std::string flag, std::string choices, std::function<bool(const std::string&)> fn) {
+  return [flag, choices, fn](const std::string& v) -> absl::Status {
+    if (fn(v)) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": expected ", choices, ", got \"", v, "\""));
+  };
+}
+
+// Every daemon flag, once: name, value, help, where it goes (DESIGN §3).
+// The usage text, WEIGHTD_<FLAG> variables and config-file keys come from
+// this table (common/flag_table.h).
+FlagTable DaemonFlagTable(DaemonFlags* f) {
+  using K = FlagSpec::Kind;
+  AccessPolicyOptions* access = &f->service.access;
+  FlagTable t("weightd", "WEIGHTD");
+  t.Add({"socket", "PATH", "gRPC on this Unix socket (required)", K::kValue,
+         StringInto(&f->grpc.unix_socket)})
+      .Add({"data-socket", "PATH", "fd passing for shm clients (default <socket>.data)", K::kValue,
+            StringInto(&f->data.path)})
+      .Add({"listen", "HOST:PORT", "gRPC over TCP too, for remote clients", K::kValue,
+            StringInto(&f->grpc.tcp_listen)})
+      .Add({"metrics-listen", "HOST:PORT", "Prometheus /metrics", K::kValue,
+            StringInto(&f->metrics_listen)})
+      .Add({"model-root", "DIR", "load paths must resolve inside one (required)", K::kList,
+            AppendInto(&f->service.model_roots)})
+      .Add({"host-memory-bytes", "N", "memory budget (0 = none)", K::kValue,
+            Uint64Into("host-memory-bytes", &f->service.host_memory_bytes)})
+      .Add({"preload", "NAME=PATH[@PROFILE]", "load at start-up", K::kList,
+            [f](const std::string& spec) -> absl::Status {
+              size_t eq = spec.find('=');
+              if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size()) {
+                return absl::InvalidArgumentError(
+                    absl::StrCat("--preload: expected NAME=PATH[@PROFILE], got \"", spec, "\""));
+              }
+              Preload p{spec.substr(0, eq), spec.substr(eq + 1), ""};
+              if (size_t at = p.path.rfind('@'); at != std::string::npos) {
+                p.profile = p.path.substr(at + 1);
+                p.path = p.path.substr(0, at);
+              }
+              f->preloads.push_back(std::move(p));
+              return absl::OkStatus();
+            }})
+      .Add({"warm-reserve-bytes", "N", "pre-faulted output segments kept ready (0 = off)",
+            K::kValue, Uint64Into("warm-reserve-bytes", &f->service.warm_reserve_bytes)})
+      .Add({"reserve-chunk-bytes", "N", "size of a warm-reserve chunk (>= 4096)", K::kValue,
+            Uint64Into("reserve-chunk-bytes", &f->service.reserve_chunk_bytes, 4096)})
+      .Add({"lease-ttl-seconds", "N", "reclaim leases idle this long (default 60)", K::kValue,
+            SecondsInto("lease-ttl-seconds", &f->service.lease_idle_ttl, UINT32_MAX)})
+      .Add({"shutdown-grace-seconds", "N", "in-flight calls may finish this long (0..3600)",
+            K::kValue, SecondsInto("shutdown-grace-seconds", &f->shutdown_grace, 3600)})
+      .Add({"max-data-connections", "N",
+            "data-socket connections in all (0 = half the open-file limit, at most 65536)",
+            K::kValue, [f](const std::string& v) -> absl::Status {
+              uint64_t n = 0;
+              WD_RETURN_IF_ERROR(Uint64Into("max-data-connections", &n)(v));
+              f->data.max_connections = static_cast<size_t>(n);
+              return absl::OkStatus();
+            }})
+      .Add({"max-data-connections-per-uid", "N",
+            "data-socket connections per peer uid (0 = half the total)", K::kValue,
+            [f](const std::string& v) -> absl::Status {
+              uint64_t n = 0;
+              WD_RETURN_IF_ERROR(Uint64Into("max-data-connections-per-uid", &n)(v));
+              f->data.max_connections_per_uid = static_cast<size_t>(n);
+              return absl::OkStatus();
+            }})
+      .Add({"max-watch-streams", "N", "concurrent Watch streams (1..65536, default 256)",
+            K::kValue, [f](const std::string& v) -> absl::Status {
+              uint64_t n = 0;
+              WD_RETURN_IF_ERROR(Uint64Into("max-watch-streams", &n, 1, 65536)(v));
+              f->grpc.max_watch_streams = static_cast<int>(n);
+              return absl::OkStatus();
+            }})
+      .Add({"threads", "N", "materialization workers (1..256)", K::kValue,
+            [f](const std::string& v) -> absl::Status {
+              uint64_t n = 0;
+              WD_RETURN_IF_ERROR(Uint64Into("threads", &n, 1, 256)(v));
+              f->service.worker_threads = static_cast<int>(n);
+              return absl::OkStatus();
+            }})
+      .Add({"log-format", "text|json", "log lines", K::kValue,
+            OneOf("log-format", "text or json", [](const std::string& v) {
+              if (v != "json" && v != "text") return false;
+              SetLogFormat(v == "json" ? LogFormat::kJson : LogFormat::kText);
+              return true;
+            })})
+      .Add({"log-level", "LEVEL", "debug|info|warning|error", K::kValue,
+            OneOf("log-level", "debug|info|warning|error", [](const std::string& v) {
+              static const std::map<std::string, LogLevel> kLevels = {
+                  {"debug", LogLevel::kDebug}, {"info", LogLevel::kInfo},
+                  {"warning", LogLevel::kWarning}, {"error", LogLevel::kError}};
+              auto it = kLevels.find(v);
+              if (it == kLevels.end()) return false;
+              SetMinLogLevel(it->second);
+              return true;
+            })})
+      .Add({"socket-mode", "OCTAL", "mode of both socket files (default 0660)", K::kValue,
+            [f](const std::string& v) -> absl::Status {
+              char* end = nullptr;
+              long m = std::strtol(v.c_str(), &end, 8);
+              if (v.empty() || *end != '\0' || m < 0 || m > 0777) {
+                return absl::InvalidArgumentError(
+                    absl::StrCat("--socket-mode: bad octal mode \"", v, "\""));
+              }
+              f->socket_mode = static_cast<mode_t>(m);
+              return absl::OkStatus();
+            }})
+      .Add({"allow-uid", "LIST", "Unix peers allowed on both sockets", K::kValue,
+            IdsInto("allow-uid", &access->allow_uids)})
+      .Add({"allow-gid", "LIST", "Unix groups allowed on both sockets", K::kValue,
+            IdsInto("allow-gid", &access->allow_gids)})
+      .Add({"admin-uid", "LIST", "who may load, unload and apply", K::kValue,
+            IdsInto("admin-uid", &access->admin_uids)})
+      .Add({"admin-gid", "LIST", "groups who may load, unload and apply", K::kValue,
+            IdsInto("admin-gid", &access->admin_gids)})
+      .Add({"admin-token-names", "LIST", "token names who may load, unload and apply",
+            K::kValue, [access](const std::string& v) {
+              for (absl::string_view name : absl::StrSplit(v, ',', absl::SkipWhitespace())) {
+                access->admin_token_names.emplace_back(absl::StripAsciiWhitespace(name));
+              }
+              return absl::OkStatus();
+            }})
+      .Add({"tls-cert", "FILE", "TLS for --listen (with --tls-key)", K::kValue,
+            StringInto(&f->grpc.tls_cert_file)})
+      .Add({"tls-key", "FILE", "TLS for --listen (with --tls-cert)", K::kValue,
+            StringInto(&f->grpc.tls_key_file)})
+      .Add({"tls-client-ca", "FILE", "require client certificates signed by this CA", K::kValue,
+            StringInto(&f->grpc.tls_client_ca_file)})
+      .Add({"auth-token-file", "FILE", "require a bearer token on --listen", K::kValue,
+            StringInto(&f->grpc.auth_token_file)})
+      .Add({"allow-insecure-token", "", "allow tokens in clear text on a non-loopback --listen",
+            K::kSwitch, [f](const std::string& v) {
+              f->allow_insecure_token = v == "true";
+              return absl::OkStatus();
+            }});
+  return t;
+}
+
+// What no single flag can check: required flags and combinations.
+absl::Status CheckFlags(const FlagTable& table, DaemonFlags* flags) {
   if (flags->grpc.unix_socket.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--socket is required\n", kUsage));
+    return absl::InvalidArgumentError(absl::StrCat("--socket is required\n", table.Usage()));
   }
   if (flags->service.model_roots.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--model-root is required\n", kUsage));
+    return absl::InvalidArgumentError(absl::StrCat("--model-root is required\n", table.Usage()));
   }
   if (flags->data.path.empty()) flags->data.path = flags->grpc.unix_socket + ".data";
   // The TCP listener's security; mistakes here must stop the daemon, not
@@ -394,14 +240,14 @@ absl::Status ParseFlags(const std::vector<std::string>& args, DaemonFlags* flags
     return absl::InvalidArgumentError("--admin-token-names needs --auth-token-file");
   }
   if (!g.auth_token_file.empty() && !tls && !IsLoopbackListenAddress(g.tcp_listen) &&
-      !allow_insecure_token) {
+      !flags->allow_insecure_token) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--auth-token-file without TLS on the non-loopback address ", g.tcp_listen,
         " would send bearer tokens in clear text; add --tls-cert/--tls-key, listen on a "
         "loopback address, or pass --allow-insecure-token"));
   }
-  flags->grpc.unix_socket_mode = mode;
-  flags->data.mode = mode;
+  flags->grpc.unix_socket_mode = flags->socket_mode;
+  flags->data.mode = flags->socket_mode;
   flags->service.data_socket_path = flags->data.path;
   return absl::OkStatus();
 }
@@ -437,9 +283,15 @@ int Main(int argc, char** argv) {
   DaemonFlags flags;
   // SO_PEERCRED reports effective ids; the daemon's own is always allowed.
   flags.service.access.daemon_uid = ::geteuid();
-  auto args = CollectArgs(argc, argv);
+  FlagTable table = DaemonFlagTable(&flags);
+  std::vector<std::string> cli(argv + 1, argv + argc);
+  if (FlagTable::WantsHelp(cli)) {
+    std::fputs(table.Usage().c_str(), stdout);
+    return 0;
+  }
+  auto args = table.Parse(cli, [](const char* name) { return std::getenv(name); });
   if (!args.ok()) return Fail(args.status());
-  if (absl::Status s = ParseFlags(*args, &flags); !s.ok()) return Fail(s);
+  if (absl::Status s = CheckFlags(table, &flags); !s.ok()) return Fail(s);
   // The effective configuration, whatever its sources.
   LogEvent(LogLevel::kInfo, "config", {{"args", absl::StrJoin(*args, " ")}});
 

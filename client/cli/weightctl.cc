@@ -7,11 +7,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -213,20 +215,29 @@ absl::Status CmdStats(Client& c, const Args& a) {
       "models: %llu\nsegments: %llu\nbytes_resident: %llu\nmaterializations: %llu\n"
       "materialization_bytes: %llu\ncache_hits: %llu\ncache_misses: %llu\nleases_open: %llu\n"
       "bytes_served: %llu\nfetches: %llu\napplies: %llu\nadapters: %llu\n"
-      "reserve_ready_bytes: %llu\nreserve_target_bytes: %llu\n",
+      "reserve_ready_bytes: %llu\nreserve_target_bytes: %llu\nbytes_read: %llu\n",
       (unsigned long long)s.models, (unsigned long long)s.segments,
       (unsigned long long)s.bytes_resident, (unsigned long long)s.materializations,
       (unsigned long long)s.materialization_bytes, (unsigned long long)s.cache_hits,
       (unsigned long long)s.cache_misses, (unsigned long long)s.leases_open,
       (unsigned long long)s.bytes_served, (unsigned long long)s.fetches,
       (unsigned long long)s.applies, (unsigned long long)s.adapters,
-      (unsigned long long)s.reserve_ready_bytes, (unsigned long long)s.reserve_target_bytes);
+      (unsigned long long)s.reserve_ready_bytes, (unsigned long long)s.reserve_target_bytes,
+      (unsigned long long)s.bytes_read);
   return absl::OkStatus();
 }
 
 absl::Status WriteSafetensors(const std::string& path, const ShardSet& set) {
   std::vector<SafetensorsWriteEntry> entries;
+  std::set<absl::string_view> names;
   for (const TensorView& t : set.tensors()) {
+    // A safetensors file names each tensor once; a header with a name twice
+    // would not describe the data written (the daemon refuses such requests,
+    // this keeps an older or broken one from making an invalid file).
+    if (!names.insert(t.name).second) {
+      return absl::InternalError(absl::StrCat("the daemon sent tensor \"", absl::CHexEscape(t.name),
+                                              "\" twice; not writing ", path));
+    }
     entries.push_back(SafetensorsWriteEntry{t.name, t.dtype, t.shape, t.length});
   }
   std::string header = BuildSafetensorsHeader(entries);

@@ -23,8 +23,10 @@
 #include "common/cast.h"
 #include "common/dtype.h"
 #include "common/fd.h"
+#include "common/json_depth.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
+#include "common/untrusted_text.h"
 #include "nlohmann/json.hpp"
 #include "re2/re2.h"
 #include "server/adapter/lora_patch.h"
@@ -47,16 +49,6 @@ bool HasKohyaPrefix(absl::string_view name) {
     if (absl::StartsWith(name, p)) return true;
   }
   return false;
-}
-
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-int64_t NumElements(absl::Span<const int64_t> shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
 }
 
 std::string Dirname(const std::string& path) {
@@ -200,52 +192,66 @@ absl::Status ParsePatterns(const PeftConfig& c, const OrderedJson& j, absl::stri
   for (auto p = it->begin(); p != it->end(); ++p) {
     const OrderedJson& v = p.value();
     if (integer ? !v.is_number_integer() : !v.is_number()) {
-      return ConfigError(c, absl::StrCat("\"", field, "\" entry \"", p.key(), "\" must be ",
+      return ConfigError(c, absl::StrCat("\"", field, "\" entry ", QuoteForMessage(p.key()), " must be ",
                                          integer ? "an integer" : "a number"));
     }
     Pattern pat;
     pat.key = p.key();
     pat.value = v.get<double>();
     if (integer && pat.value < 1) {
-      return ConfigError(c, absl::StrCat("\"", field, "\" entry \"", p.key(), "\" must be >= 1"));
+      return ConfigError(c, absl::StrCat("\"", field, "\" entry ", QuoteForMessage(p.key()), " must be >= 1"));
     }
     if (!std::isfinite(pat.value)) {
-      return ConfigError(c, absl::StrCat("\"", field, "\" entry \"", p.key(), "\" is not finite"));
+      return ConfigError(c, absl::StrCat("\"", field, "\" entry ", QuoteForMessage(p.key()), " is not finite"));
     }
     RE2::Options opts;
     opts.set_log_errors(false);
     pat.re = std::make_unique<RE2>(absl::StrCat("(?:.*\\.)?(?:", pat.key, ")"), opts);
     if (!pat.re->ok()) {
-      return ConfigError(c, absl::StrCat("\"", field, "\" key \"", p.key(),
-                                         "\" is not a valid pattern: ", pat.re->error()));
+      return ConfigError(c, absl::StrCat("\"", field, "\" key ", QuoteForMessage(p.key()),
+                                         " is not a valid pattern: ",
+                                         TruncateMessage(pat.re->error(), kMaxQuotedBytes)));
     }
     out->push_back(std::move(pat));
   }
   return absl::OkStatus();
 }
 
+// A config value for a message, bounded: scalars as JSON, strings quoted
+// and capped, arrays and objects by kind and size (never dumped whole).
+std::string DescribeValue(const OrderedJson& v) {
+  if (v.is_string()) return QuoteForMessage(v.get_ref<const std::string&>());
+  if (v.is_array()) return absl::StrCat("an array of ", v.size(), " elements");
+  if (v.is_object()) return absl::StrCat("an object of ", v.size(), " keys");
+  return v.dump();  // number, boolean, null: a few bytes
+}
+
 absl::StatusOr<PeftConfig> ParsePeftConfig(absl::string_view text, const std::string& path) {
   PeftConfig c;
   c.present = true;
   c.path = path;
+  // Before the parser: nothing below walks a deep document.
+  if (absl::Status depth = CheckJsonDepth(text, "config"); !depth.ok()) {
+    return ConfigError(c, depth.message());
+  }
   OrderedJson j = OrderedJson::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return ConfigError(c, "not valid JSON");
   if (!j.is_object()) return ConfigError(c, "not a JSON object");
 
   if (auto it = j.find("peft_type"); it != j.end() && !it->is_null()) {
     if (!it->is_string() || it->get<std::string>() != "LORA") {
-      return ConfigError(c, absl::StrCat("peft_type ", it->dump(), " is not \"LORA\""));
+      return ConfigError(c, absl::StrCat("peft_type ", DescribeValue(*it), " is not \"LORA\""));
     }
   }
   if (auto it = j.find("r"); it != j.end() && !it->is_null()) {
     if (!it->is_number_integer() || it->get<int64_t>() < 1) {
-      return ConfigError(c, absl::StrCat("\"r\" must be an integer >= 1, got ", it->dump()));
+      return ConfigError(c, absl::StrCat("\"r\" must be an integer >= 1, got ", DescribeValue(*it)));
     }
     c.r = it->get<int64_t>();
   }
   if (auto it = j.find("lora_alpha"); it != j.end() && !it->is_null()) {
     if (!it->is_number() || !std::isfinite(it->get<double>())) {
-      return ConfigError(c, absl::StrCat("\"lora_alpha\" must be a number, got ", it->dump()));
+      return ConfigError(c, absl::StrCat("\"lora_alpha\" must be a number, got ", DescribeValue(*it)));
     }
     c.lora_alpha = it->get<double>();
   }
@@ -257,7 +263,7 @@ absl::StatusOr<PeftConfig> ParsePeftConfig(absl::string_view text, const std::st
     c.bias = it->get<std::string>();
     if (c.bias != "none" && c.bias != "all" && c.bias != "lora_only") {
       return ConfigError(
-          c, absl::StrCat("\"bias\" \"", c.bias, "\" is not one of none, all, lora_only"));
+          c, absl::StrCat("\"bias\" ", QuoteForMessage(c.bias), " is not one of none, all, lora_only"));
     }
   }
   WD_RETURN_IF_ERROR(ParsePatterns(c, j, "rank_pattern", /*integer=*/true, &c.rank_pattern));
@@ -280,8 +286,8 @@ absl::StatusOr<PeftConfig> ParsePeftConfig(absl::string_view text, const std::st
     std::string init = absl::AsciiStrToLower(it->get<std::string>());
     for (absl::string_view bad : {"pissa", "olora", "corda", "loftq", "lora_ga", "lora-ga"}) {
       if (absl::StartsWith(init, bad)) {
-        return ConfigError(c, absl::StrCat("init_lora_weights \"", init,
-                                           "\" mutates the base weight; the adapter cannot be "
+        return ConfigError(c, absl::StrCat("init_lora_weights ", QuoteForMessage(init),
+                                           " mutates the base weight; the adapter cannot be "
                                            "merged onto the original base (convert it first)"));
       }
     }

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/dtype.h"
 #include "common/status_macros.h"
 
 namespace weightd {
@@ -19,16 +20,6 @@ namespace {
 // per-call packing of the narrow factor is amortized, small enough to stay
 // near the cache.
 constexpr int64_t kScratchFloats = int64_t{1} << 18;
-
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-int64_t NumElements(absl::Span<const int64_t> shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
 
 // The served tensor must be the shape the patch expects, and the box must
 // lie inside it.
@@ -125,8 +116,10 @@ void AddScaled(float* dst, const float* src, float s, int64_t n) {
 // acc[i][j] += fl(fl(Σ_k B[i][k] · A[k][j]) · s) for i < m, j < n, with
 // B rows of `k` floats and A rows `lda` floats apart: the LoRA update of a
 // row-major box fused into one pass over the accumulator. The sum runs k
-// ascending with one FMA per term — as OpenBLAS's sgemm kernels do, and the
-// tests check the two paths agree bit for bit — but no product matrix is
+// ascending with one FMA per term — the order most of OpenBLAS's sgemm
+// kernels use, though which kernel runs is OpenBLAS's choice, so the tests
+// pin this kernel to a scalar reference of that order and the sgemm path to
+// it within the fp32 accumulation bound — but no product matrix is
 // written and no scratch zeroed. A block of kRows rows x kVecs vectors of
 // columns stays in registers across the k loop (each load of A serves
 // kRows rows); the column tail is masked.

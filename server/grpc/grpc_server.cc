@@ -418,6 +418,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
     resp->set_cache_misses(s.materializer.misses);
     resp->set_leases_open(s.leases_open);
     resp->set_bytes_served(s.bytes_served);
+    resp->set_bytes_read(s.bytes_read);
     resp->set_fetches(s.fetches);
     resp->set_applies(s.applies);
     resp->set_adapters(s.adapters);

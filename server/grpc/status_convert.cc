@@ -3,25 +3,23 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/untrusted_text.h"
 
 namespace weightd {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
-}
-
-v1::DType ToProtoDType(DType dtype) {
-  return static_cast<v1::DType>(static_cast<int>(dtype) + 1);
+                      TruncateMessage(status.message(), kMaxStatusMessageBytes));
 }
 
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype) {
-  int v = static_cast<int>(dtype);
-  if (v < 1 || v > kNumDTypes) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown dtype enum value ", v));
+  std::optional<DType> d = DTypeFromProto(dtype);
+  if (!d.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown dtype enum value ", static_cast<int>(dtype)));
   }
-  return static_cast<DType>(v - 1);
+  return *d;
 }
 
 }  // namespace weightd

@@ -217,8 +217,10 @@ absl::StatusOr<float> AbsMax(absl::Span<const PartSlice> slices) {
 
 Materializer::Materializer(Options options) : options_(std::move(options)) {}
 
-std::string Materializer::MakeKey(const MaterializeItem& item) {
-  std::string key = absl::StrCat(static_cast<int>(item.out_dtype), "|");
+std::string Materializer::MakeKey(const MaterializeItem& item, const std::string& scope) {
+  // The scope first, length-prefixed: entries of different scopes never
+  // meet, whatever the rest of the key holds.
+  std::string key = absl::StrCat(scope.size(), "#", scope, "|", static_cast<int>(item.out_dtype), "|");
   if (item.scalar.has_value()) {
     key += "scalar:";
     AppendFloat(&key, *item.scalar);
@@ -266,12 +268,12 @@ bool Materializer::Lookup(const std::string& key, MaterializedTensor* out) {
 }
 
 absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
-    absl::Span<const MaterializeItem> items, const std::string& tag) {
+    absl::Span<const MaterializeItem> items, const std::string& tag, const std::string& scope) {
   std::vector<MaterializedTensor> out(items.size());
   std::vector<std::string> keys;
   keys.reserve(items.size());
   std::vector<size_t> misses;
-  for (const MaterializeItem& item : items) keys.push_back(MakeKey(item));
+  for (const MaterializeItem& item : items) keys.push_back(MakeKey(item, scope));
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < items.size(); ++i) {
@@ -326,8 +328,11 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
     uint64_t length = static_cast<uint64_t>(OutputElements(item)) * DTypeSize(item.out_dtype);
     if (IsPlainView(item)) {
       const PartSlice& s = item.slices[0];
-      uint64_t start = static_cast<uint64_t>(LinearStart(s.shape, s.box)) *
-                       DTypeSize(s.stored->dtype);
+      // An empty box's linear start can lie past the tensor (a [0, n] tensor
+      // split on dim 1), even past 2^63 bytes: it points at the start.
+      uint64_t start = length == 0 ? 0
+                                   : static_cast<uint64_t>(LinearStart(s.shape, s.box)) *
+                                         DTypeSize(s.stored->dtype);
       out[i] = MaterializedTensor{s.stored->segment, s.stored->offset + start, length, Digest(),
                                   true};
       continue;
@@ -434,31 +439,50 @@ absl::StatusOr<std::unique_ptr<Segment>> Materializer::CreateSegment(uint64_t si
   }
   auto seg = Segment::Create(options_.account, "shard", size, /*prefault=*/true);
   if (seg.ok() || seg.status().code() != absl::StatusCode::kResourceExhausted) return seg;
-  {
-    absl::MutexLock lock(&mu_);
-    if (EvictLocked(/*orphans_only=*/false) == 0) return seg.status();
-  }
+  // Freed here, not on the disposer: this call needs the budget back now.
+  if (Evict(/*orphans_only=*/false, /*now=*/true) == 0) return seg.status();
   return Segment::Create(options_.account, "shard", size, /*prefault=*/true);
 }
 
-uint64_t Materializer::EvictUnused() {
-  absl::MutexLock lock(&mu_);
-  return EvictLocked(/*orphans_only=*/false);
-}
+uint64_t Materializer::EvictUnused() { return Evict(/*orphans_only=*/false, /*now=*/true); }
 
-uint64_t Materializer::Sweep() {
-  absl::MutexLock lock(&mu_);
-  return EvictLocked(/*orphans_only=*/true);
-}
+uint64_t Materializer::Sweep() { return Evict(/*orphans_only=*/true, /*now=*/false); }
 
 void Materializer::RetireTag(const std::string& tag) {
   if (tag.empty()) return;
-  absl::MutexLock lock(&mu_);
-  retired_tags_.insert(tag);
-  EvictLocked(/*orphans_only=*/true);
+  {
+    absl::MutexLock lock(&mu_);
+    retired_tags_.insert(tag);
+  }
+  Evict(/*orphans_only=*/true, /*now=*/false);
 }
 
-uint64_t Materializer::EvictLocked(bool orphans_only) {
+uint64_t Materializer::Evict(bool orphans_only, bool now) {
+  std::vector<SegmentPtr> dropped;
+  uint64_t freed;
+  {
+    absl::MutexLock lock(&mu_);
+    freed = EvictLocked(orphans_only, &dropped);
+  }
+  // The last holds are dropped without the lock: giving a large segment
+  // back to the kernel takes a while, and fetches wait for mu_. With a
+  // warm reserve its background thread frees them when the daemon is
+  // idle; else, unless the caller needs the budget back at once, the
+  // disposer's thread does.
+  for (SegmentPtr& seg : dropped) {
+    const uint64_t bytes = seg->size();
+    if (options_.pool != nullptr) {
+      options_.pool->Dispose(std::move(seg));
+    } else if (options_.disposer != nullptr && !now) {
+      options_.disposer->Dispose(std::move(seg), bytes);
+    } else {
+      seg.reset();
+    }
+  }
+  return freed;
+}
+
+uint64_t Materializer::EvictLocked(bool orphans_only, std::vector<SegmentPtr>* dropped) {
   uint64_t freed = 0;
   absl::flat_hash_set<std::string> live_tags;
   for (auto it = packed_.begin(); it != packed_.end();) {
@@ -470,9 +494,7 @@ uint64_t Materializer::EvictLocked(bool orphans_only) {
       freed += cur->second.segment->size();
       stats_.packed_segments--;
       stats_.packed_bytes -= cur->second.segment->size();
-      // Freeing is slow (the kernel drops every page): with a pool, its
-      // background thread does it when the daemon is idle.
-      if (options_.pool != nullptr) options_.pool->Dispose(std::move(cur->second.segment));
+      dropped->push_back(std::move(cur->second.segment));  // freed by Evict, unlocked
       packed_.erase(cur);
     }
   }

@@ -36,6 +36,7 @@
 #include "common/shard.h"
 #include "server/adapter/patch.h"
 #include "server/store/checkpoint.h"
+#include "server/store/disposer.h"
 #include "server/store/segment.h"
 #include "server/store/segment_pool.h"
 
@@ -92,6 +93,10 @@ class Materializer {
     // item larger than a chunk, or a call that finds the reserve empty,
     // gets a fresh segment.
     SegmentPool* pool = nullptr;
+    // Frees evicted segments off the caller's thread when there is no pool
+    // (borrowed; may be null: then they are freed by the evicting call,
+    // without the lock).
+    Disposer* disposer = nullptr;
   };
   explicit Materializer(Options options);
 
@@ -102,9 +107,16 @@ class Materializer {
   // (e.g. "model#generation" when adapters are merged); packed segments
   // holding patched or quantized items carry it, and RetireTag() lets the
   // cache drop them once nothing holds them.
+  //
+  // `scope` (ReadScope of the request's read guards; "" = public) names who
+  // may read what this call computes. A client maps or Reads whole
+  // segments, so a result is shared only with calls of the same scope: a
+  // hit never hands out a packed segment filled for another scope, nor a
+  // view into another scope's checkpoint. Views of this call's own items
+  // point into the segments its slices name, which the caller vouches for.
   absl::StatusOr<std::vector<MaterializedTensor>> Materialize(
-      absl::Span<const MaterializeItem> items, const std::string& tag = "")
-      ABSL_LOCKS_EXCLUDED(mu_);
+      absl::Span<const MaterializeItem> items, const std::string& tag = "",
+      const std::string& scope = "") ABSL_LOCKS_EXCLUDED(mu_);
 
   // The tag's segments are dropped now if unheld, else by a later Sweep().
   void RetireTag(const std::string& tag) ABSL_LOCKS_EXCLUDED(mu_);
@@ -137,7 +149,7 @@ class Materializer {
     std::string tag;
   };
 
-  static std::string MakeKey(const MaterializeItem& item);
+  static std::string MakeKey(const MaterializeItem& item, const std::string& scope);
   // Looks `key` up; fills `out` on a hit.
   bool Lookup(const std::string& key, MaterializedTensor* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -146,8 +158,13 @@ class Materializer {
   // entries when the budget is short).
   absl::StatusOr<std::unique_ptr<Segment>> CreateSegment(uint64_t size);
   // Drops packed segments only the cache holds; with `orphans_only`, just
-  // those whose base is gone. Then drops the entries left dangling.
-  uint64_t EvictLocked(bool orphans_only) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // those whose base is gone. Then drops the entries left dangling. The
+  // segments' last holds are moved to `dropped`, to be freed unlocked.
+  uint64_t EvictLocked(bool orphans_only, std::vector<SegmentPtr>* dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // EvictLocked, then frees what it dropped without the lock: through the
+  // pool or (unless `now`: the caller needs the budget back) the disposer.
+  uint64_t Evict(bool orphans_only, bool now) ABSL_LOCKS_EXCLUDED(mu_);
 
   const Options options_;
   mutable absl::Mutex mu_;

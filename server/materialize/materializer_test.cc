@@ -94,6 +94,36 @@ TEST(MaterializerTest, ColumnSliceIsPackedAndCached) {
   EXPECT_EQ(m.stats().hits, 1u);
 }
 
+TEST(MaterializerTest, ResultsAreSharedWithinAScopeAndNeverAcrossScopes) {
+  // Issue #16 F1: two checkpoints hold a tensor with identical bytes (same
+  // digest), one read by a private scope, the other public. A client maps
+  // whole segments, so neither a view nor a packed segment may cross.
+  Fixture secret({6, 4});
+  Fixture shared({6, 4});
+  ASSERT_EQ(secret.tensor.digest, shared.tensor.digest);
+  Materializer m({secret.account, 2});
+  const std::string kPrivate = "7{5:uid:7}";
+  ShardBox rows{{2, 0}, {2, 4}};   // contiguous: a view
+  ShardBox cols{{0, 1}, {6, 2}};   // strided: packed
+  auto p = m.Materialize({Item(secret.tensor, rows, DType::kF32),
+                          Item(secret.tensor, cols, DType::kF32)}, "", kPrivate);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ((*p)[0].segment, secret.tensor.segment);
+  auto q = m.Materialize({Item(shared.tensor, rows, DType::kF32),
+                          Item(shared.tensor, cols, DType::kF32)}, "", "");
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ((*q)[0].segment, shared.tensor.segment) << "a view into the other scope's base";
+  EXPECT_NE((*q)[1].segment, (*p)[1].segment) << "a packed segment of the other scope";
+  EXPECT_EQ(Read((*q)[1]), Read((*p)[1]));
+  EXPECT_EQ(m.stats().hits, 0u);
+  // Within one scope, identical requests still share one copy.
+  auto p2 = m.Materialize({Item(shared.tensor, rows, DType::kF32),
+                           Item(shared.tensor, cols, DType::kF32)}, "", kPrivate);
+  ASSERT_TRUE(p2.ok()) << p2.status();
+  EXPECT_EQ((*p2)[1].segment, (*p)[1].segment);
+  EXPECT_EQ(m.stats().hits, 2u);
+}
+
 TEST(MaterializerTest, BatchOfMissesSharesOneSegment) {
   Fixture f({8, 8});
   Materializer m({f.account, 2});
@@ -143,6 +173,65 @@ TEST(MaterializerTest, EvictUnusedFreesOnlyUnheldSegments) {
   held->clear();
   m.EvictUnused();
   EXPECT_EQ(f.account->used(), base);
+}
+
+TEST(MaterializerTest, SweptSegmentsAreFreedByTheDisposerNotUnderTheLock) {
+  // A retired generation's packed segments are dropped by a sweep (after a
+  // Release, on a gRPC thread): without a warm reserve their pages go back
+  // on the disposer's thread. EvictUnused (the budget is short now) frees
+  // at once.
+  Fixture f({64, 64});
+  Disposer disposer(/*min_bytes=*/1);
+  Materializer m({f.account, 1, nullptr, &disposer});
+  const uint64_t base = f.account->used();
+  MaterializeItem item;  // an FP8 scale companion: tagged with its generation
+  item.name = "w_scale";
+  item.out_dtype = DType::kF32;
+  item.scalar = 0.5f;
+  {
+    auto r = m.Materialize({item}, "m#2");
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  ASSERT_GT(f.account->used(), base);
+  m.RetireTag("m#2");
+  EXPECT_EQ(disposer.disposed(), 1u) << "handed to the disposer's thread";
+  disposer.Drain();
+  EXPECT_EQ(f.account->used(), base);
+  {
+    auto r = m.Materialize({Item(f.tensor, ShardBox{{0, 32}, {64, 32}}, DType::kF32)});
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  EXPECT_GT(m.EvictUnused(), 0u);
+  EXPECT_EQ(f.account->used(), base) << "freed by the evicting call itself";
+  EXPECT_EQ(disposer.disposed(), 1u);
+}
+
+TEST(MemoryAccountTest, ReclaimersRunByRankUntilTheShortfallIsCovered) {
+  auto account = std::make_shared<MemoryAccount>(100);
+  std::vector<std::string> calls;
+  ASSERT_TRUE(account->Reserve(90, "test").ok());
+  const uint64_t late = account->AddReclaimer(10, [&](uint64_t need) {
+    calls.push_back("rank10:" + std::to_string(need));
+    account->Return(50);
+    return uint64_t{50};
+  });
+  const uint64_t early = account->AddReclaimer(0, [&](uint64_t need) {
+    calls.push_back("rank0:" + std::to_string(need));
+    account->Return(10);
+    return uint64_t{10};
+  });
+  // 90 used + 40 asked = 30 short: rank 0 frees 10, rank 10 the other 20+.
+  ASSERT_TRUE(account->Reserve(40, "test").ok());
+  EXPECT_EQ(calls, (std::vector<std::string>{"rank0:30", "rank10:20"}));
+  // Enough from the first: the second is not asked.
+  calls.clear();
+  ASSERT_TRUE(account->Reserve(25, "test").ok());  // 70 + 25 = 95: fits, no call
+  EXPECT_TRUE(calls.empty());
+  ASSERT_TRUE(account->Reserve(15, "test").ok());  // 95 + 15 = 110: 10 short
+  EXPECT_EQ(calls, (std::vector<std::string>{"rank0:10"}));
+  account->RemoveReclaimer(early);
+  account->RemoveReclaimer(late);
+  EXPECT_EQ(account->Reserve(200, "test").code(), absl::StatusCode::kResourceExhausted);
 }
 
 TEST(MaterializerTest, ViewCacheDoesNotKeepUnloadedBaseAlive) {

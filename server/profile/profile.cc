@@ -22,7 +22,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "common/json_depth.h"
+#include "common/safetensors.h"
 #include "common/status_macros.h"
+#include "common/untrusted_text.h"
 #include "nlohmann/json.hpp"
 #include "server/profile/name_summary.h"
 
@@ -49,7 +52,8 @@ class ErrorRecordingSax : public nlohmann::detail::json_sax_dom_parser<json> {
   template <class Exception>
   bool parse_error(std::size_t position, const std::string& last_token,
                    const Exception& ex) {
-    error_ = ex.what();
+    // nlohmann quotes the last token read, which may be a whole string.
+    error_ = TruncateMessage(ex.what(), 4 * kMaxQuotedBytes);
     return nlohmann::detail::json_sax_dom_parser<json>::parse_error(
         position, last_token, ex);
   }
@@ -60,8 +64,15 @@ class ErrorRecordingSax : public nlohmann::detail::json_sax_dom_parser<json> {
   std::string error_;
 };
 
+// Names and patterns come from users. Short printable text is quoted as is
+// (patterns read best unescaped); anything long or with control characters
+// is capped and escaped.
 std::string Quote(absl::string_view text) {
-  return absl::StrCat("\"", text, "\"");
+  if (text.size() <= kMaxQuotedBytes &&
+      FindControlCharacter(text) == absl::string_view::npos) {
+    return absl::StrCat("\"", text, "\"");
+  }
+  return QuoteForMessage(text);
 }
 
 std::string Field(absl::string_view where, absl::string_view key) {
@@ -71,10 +82,6 @@ std::string Field(absl::string_view where, absl::string_view key) {
 
 std::string Index(absl::string_view where, size_t i) {
   return absl::StrCat(where, "[", i, "]");
-}
-
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 const char* JsonTypeName(const json& j) { return j.type_name(); }
@@ -247,6 +254,8 @@ const ServedTensorPlan* ServedLayout::Find(absl::string_view name) const {
 Profile::Profile() = default;
 
 absl::StatusOr<Profile> Profile::Parse(absl::string_view text) {
+  // Before the parser: nothing below walks a deep document.
+  WD_RETURN_IF_ERROR(CheckJsonDepth(text, "profile"));
   json doc;
   ErrorRecordingSax sax(doc);
   if (!json::sax_parse(text.begin(), text.end(), &sax)) {
@@ -401,6 +410,7 @@ absl::StatusOr<Profile> Profile::Parse(absl::string_view text) {
     profile.expected_.emplace();
     for (auto it = expected->begin(); it != expected->end(); ++it) {
       const std::string where = absl::StrCat("expected[", Quote(it.key()), "]");
+      WD_RETURN_IF_ERROR(CheckNoControlCharacters(it.key(), "expected tensor"));
       const json& entry = it.value();
       if (!entry.is_object()) return WrongType(where, "an object", entry);
       WD_RETURN_IF_ERROR(CheckKeys(entry, where, {"shape", "dtype"}));
@@ -412,6 +422,11 @@ absl::StatusOr<Profile> Profile::Parse(absl::string_view text) {
             absl::StrCat(shape_field, ": required"));
       }
       if (!shape->is_array()) return WrongType(shape_field, "an array", *shape);
+      if (shape->size() > static_cast<size_t>(kMaxTensorRank)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(shape_field, ": has ", shape->size(),
+                         " dims (more than ", kMaxTensorRank, " dims)"));
+      }
       for (size_t d = 0; d < shape->size(); ++d) {
         const std::string dim_field = Index(shape_field, d);
         WD_ASSIGN_OR_RETURN(int64_t dim, Integer((*shape)[d], dim_field));
@@ -420,6 +435,14 @@ absl::StatusOr<Profile> Profile::Parse(absl::string_view text) {
               absl::StrCat(dim_field, ": ", dim, " must be >= 0"));
         }
         out.shape.push_back(dim);
+      }
+      // In the widest dtype: the tensor may be served cast to any. Checked
+      // here, before anything sizes a table or a budget request from it.
+      if (absl::Status fits = CheckShapeFits(out.shape, kMaxDTypeSize);
+          !fits.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(shape_field, ": ",
+                         absl::StripPrefix(fits.message(), "shape ")));
       }
       if (const json* dtype = FindKey(entry, "dtype")) {
         WD_ASSIGN_OR_RETURN(out.dtype,
@@ -541,6 +564,8 @@ absl::StatusOr<ServedLayout> Profile::Map(
   // 3-4. Build a plan per served name.
   std::vector<IncompleteGroup> incomplete;
   for (auto& [served, sources] : groups) {
+    // A target may put into a name what the checkpoint parser refuses.
+    WD_RETURN_IF_ERROR(CheckNoControlCharacters(served, "served tensor"));
     const ExpectedTensor* expected = nullptr;
     if (with_expected) {
       auto it = expected_->find(served);
@@ -632,10 +657,21 @@ absl::StatusOr<ServedLayout> Profile::Map(
               DescribeTensor(first), " and ", DescribeTensor(part),
               " must have the same dtype and the same dims after dim 0"));
         }
+        if (part.shape[0] >
+            std::numeric_limits<int64_t>::max() - plan.shape[0]) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "served tensor ", Quote(served), ": merged dim 0 overflows int64 (",
+              plan.shape[0], " rows, then ", DescribeTensor(part), ")"));
+        }
         plan.shape[0] += part.shape[0];
       }
       plan.parts.push_back(ServedPart{part.name});
       plan.part_rows.push_back(part.shape.empty() ? 1 : part.shape[0]);
+    }
+    if (absl::Status fits = CheckShapeFits(plan.shape, kMaxDTypeSize);
+        !fits.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "served tensor ", Quote(served), ": ", fits.message()));
     }
     if (expected != nullptr && expected->shape != plan.shape) {
       std::vector<std::string> names;

@@ -122,8 +122,11 @@ class Profile {
   // "(": ...`), targets that use more groups than the pattern has, bad
   // dtypes, bad placements, empty placement lists, unknown quantize schemes,
   // merge_index out of range for num_merges, per_part when no name_mapping
-  // rule merges (num_merges > 1), negative expected dims, empty allow_new
-  // substrings.
+  // rule merges (num_merges > 1), negative expected dims, expected shapes of
+  // more than kMaxTensorRank dims or too large for int64 (CheckShapeFits at
+  // kMaxDTypeSize: the count of the non-zero dims or the bytes in the widest
+  // dtype overflows), expected names with control characters, empty
+  // allow_new substrings, documents nesting deeper than kMaxJsonDepth.
   static absl::StatusOr<Profile> Parse(absl::string_view json);
 
   // Maps a checkpoint's tensors (any order, names unique) onto served tensors:
@@ -151,6 +154,10 @@ class Profile {
   //     among the checkpoint's floating tensors, F32 when there are none) if
   //     it contains an allow_new substring; otherwise FAILED_PRECONDITION
   //     listing the missing keys summarized.
+  //     Every served name is checked for control characters, a merged dim 0
+  //     for int64 overflow, and every served shape with CheckShapeFits at
+  //     kMaxDTypeSize (INVALID_ARGUMENT naming the served tensor), so no
+  //     size computed from a plan later can overflow.
   //  5. placements / dtype_rules / quantize: first match on the served name.
   //     A dtype rule naming a dtype the stored one cannot be cast to
   //     (CanCast), a quantize rule matching a non-floating tensor, or a

@@ -773,5 +773,86 @@ TEST(ProfileRulesTest, QuantizeScaleCompanionMustNotCollide) {
                 "would be named \"w_scale\", which is already served");
 }
 
+
+// --- Hostile sizes and shapes (issue 16: F2, F10, F17, F20) -----------------
+
+TEST(ProfileHostileTest, DeepNestingIsInvalidArgumentNotAStackOverflow) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  EXPECT_STATUS(Profile::Parse(deep), absl::StatusCode::kInvalidArgument,
+                "nests deeper than 64 levels");
+  EXPECT_STATUS(Profile::Parse(absl::StrCat(R"({"expected": {"w": {"shape": )",
+                                            deep, "}}}")),
+                absl::StatusCode::kInvalidArgument,
+                "nests deeper than 64 levels");
+  // Unterminated: the depth is what the parser would have had to hold.
+  EXPECT_STATUS(Profile::Parse(absl::StrCat(R"({"strict": )",
+                                            std::string(100000, '{'))),
+                absl::StatusCode::kInvalidArgument,
+                "nests deeper than 64 levels");
+  // Brackets inside strings do not count.
+  MustParse(absl::StrCat(R"({"allow_new": [")", std::string(1000, '['),
+                         R"("]})"));
+}
+
+TEST(ProfileHostileTest, ExpectedShapeWhoseElementCountOverflowsIsInvalid) {
+  // 2^62 * 2 elements wrap int64; the table showed [4611686018427387905].
+  EXPECT_STATUS(Profile::Parse(R"json({"expected": {"huge.w":
+                    {"shape": [4611686018427387904, 2]}}})json"),
+                absl::StatusCode::kInvalidArgument,
+                "expected[\"huge.w\"].shape: [4611686018427387904, 2] is too "
+                "large");
+  // The element count fits but the bytes (8 per element at most) do not.
+  EXPECT_STATUS(Profile::Parse(R"json({"expected": {"bytes.w":
+                    {"shape": [2305843009213693952, 2], "dtype": "f32"}}})json"),
+                absl::StatusCode::kInvalidArgument,
+                "expected[\"bytes.w\"].shape: [2305843009213693952, 2] is too "
+                "large");
+  // A zero dim does not excuse the others (strides use them).
+  EXPECT_STATUS(Profile::Parse(R"json({"expected": {"z.w":
+                    {"shape": [0, 4611686018427387904, 4]}}})json"),
+                absl::StatusCode::kInvalidArgument, "z.w");
+  EXPECT_STATUS(Profile::Parse(R"json({"expected": {"r.w":
+                    {"shape": [1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]}}})json"),
+                absl::StatusCode::kInvalidArgument, "more than 16 dims");
+  // The largest that fits in every dtype still parses.
+  MustParse(R"json({"expected": {"ok.w": {"shape": [1152921504606846975]}}})json");
+}
+
+TEST(ProfileHostileTest, MergedDimZeroThatOverflowsIsInvalidAtMap) {
+  Profile p = MustParse(R"json({"name_mapping": [
+      {"match": "a", "target": "ab", "merge_index": 0, "num_merges": 2},
+      {"match": "b", "target": "ab", "merge_index": 1, "num_merges": 2}]})json");
+  // Zero-element parts, each a valid safetensors shape; their sum is 2^63.
+  const int64_t half = int64_t{1} << 62;
+  EXPECT_STATUS(p.Map({T("a", {half, 0}), T("b", {half, 0})}),
+                absl::StatusCode::kInvalidArgument,
+                "served tensor \"ab\": merged dim 0");
+  // Fits in int64, but not as bytes of the widest dtype.
+  EXPECT_STATUS(p.Map({T("a", {half / 4, 1}), T("b", {half / 4, 1})}),
+                absl::StatusCode::kInvalidArgument,
+                "served tensor \"ab\": shape [2305843009213693952, 1] is too "
+                "large");
+}
+
+TEST(ProfileHostileTest, ServedNamesWithControlCharactersAreInvalid) {
+  Profile p = MustParse(R"json({"name_mapping": [
+      {"match": "w", "target": "w\ntensor: forged"}]})json");
+  EXPECT_STATUS(p.Map({T("w", {2})}), absl::StatusCode::kInvalidArgument,
+                "control character");
+  EXPECT_STATUS(Profile::Parse(R"json({"expected": {"x\u001b[2J":
+                    {"shape": [2]}}})json"),
+                absl::StatusCode::kInvalidArgument, "control character");
+}
+
+TEST(ProfileHostileTest, ErrorMessagesQuoteLongNamesBounded) {
+  const std::string key(1 << 20, 'k');
+  absl::StatusOr<Profile> p = Profile::Parse(
+      absl::StrCat(R"({"expected": {")", key, R"(": {"shape": [-1]}}})"));
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LT(p.status().message().size(), 1024u) << p.status().message().size();
+  EXPECT_TRUE(absl::StrContains(p.status().message(), "must be >= 0"));
+}
+
 }  // namespace
 }  // namespace weightd

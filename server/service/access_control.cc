@@ -154,6 +154,26 @@ std::vector<std::string> ReaderList::ToStrings() const {
   return out;
 }
 
+std::string ReadScope(absl::Span<const ReadGuard> guards) {
+  // Length-prefixed, so that no name (a cn may hold any character but ',')
+  // can make two different lists encode to the same scope.
+  std::vector<std::string> lists;
+  for (const ReadGuard& g : guards) {
+    if (g.readers.empty()) continue;  // admits everyone: no condition
+    std::vector<std::string> rules = g.readers.ToStrings();
+    std::sort(rules.begin(), rules.end());
+    rules.erase(std::unique(rules.begin(), rules.end()), rules.end());
+    std::string list;
+    for (const std::string& r : rules) absl::StrAppend(&list, r.size(), ":", r);
+    lists.push_back(std::move(list));
+  }
+  std::sort(lists.begin(), lists.end());
+  lists.erase(std::unique(lists.begin(), lists.end()), lists.end());
+  std::string scope;
+  for (const std::string& l : lists) absl::StrAppend(&scope, l.size(), "{", l, "}");
+  return scope;
+}
+
 bool AccessPolicy::IsDaemonUid(const Principal& p) const {
   return p.via == Principal::Via::kUnixSocket && p.peer.uid == options_.daemon_uid;
 }

@@ -79,6 +79,15 @@ struct ReadGuard {
   ReaderList readers;
 };
 
+// A canonical name for what `guards` admit together: two guard lists with
+// the same scope admit exactly the same principals (a conjunction of reader
+// lists, each a disjunction of rules; public lists drop out, entries and
+// lists are sorted and deduplicated). "" = public. Bytes computed for one
+// scope may be shared with any request of the same scope and no other: the
+// materialization cache is partitioned by it, so a segment a client maps or
+// Reads never holds bytes of something it may not read (issue #16 F1).
+std::string ReadScope(absl::Span<const ReadGuard> guards);
+
 // Who fetched a lease and what it exposes; kept by WeightService.
 struct LeaseOwner {
   Principal owner;

@@ -187,6 +187,25 @@ TEST(BearerTokensTest, BadFilesAreRefused) {
             absl::StatusCode::kNotFound);
 }
 
+TEST(ReadScopeTest, EqualExactlyWhenTheGuardsAdmitTheSamePrincipals) {
+  auto guard = [](const std::string& spec) { return ReadGuard{"x", Readers(spec)}; };
+  EXPECT_EQ(ReadScope({}), "");
+  EXPECT_EQ(ReadScope({guard("")}), "") << "a public guard is no condition";
+  // Order of rules, of guards, duplicates and public guards do not matter.
+  EXPECT_EQ(ReadScope({guard("uid:1,gid:2"), guard("token:a")}),
+            ReadScope({guard("token:a"), guard(""), guard("gid:2,uid:1,uid:1"), guard("token:a")}));
+  // A private model and the same model with a public adapter applied.
+  EXPECT_EQ(ReadScope({guard("uid:1")}), ReadScope({guard("uid:1"), guard("")}));
+  // Anything else differs: another reader, one guard more, a public scope.
+  EXPECT_NE(ReadScope({guard("uid:1")}), ReadScope({guard("uid:2")}));
+  EXPECT_NE(ReadScope({guard("uid:1")}), ReadScope({guard("uid:1"), guard("gid:5")}));
+  EXPECT_NE(ReadScope({guard("uid:1")}), ReadScope({guard("uid:1,gid:5")}));
+  EXPECT_NE(ReadScope({guard("uid:1")}), "");
+  // Names are free text: separators inside them cannot forge another list.
+  EXPECT_NE(ReadScope({guard("cn:a}1{cn:b")}), ReadScope({guard("cn:a"), guard("cn:b")}));
+  EXPECT_NE(ReadScope({guard("cn:a&b")}), ReadScope({guard("cn:a"), guard("cn:b")}));
+}
+
 TEST(ListenAddressTest, LoopbackNames) {
   EXPECT_TRUE(IsLoopbackListenAddress("127.0.0.1:50051"));
   EXPECT_TRUE(IsLoopbackListenAddress("127.1.2.3:1"));

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "common/untrusted_text.h"
 #include "server/adapter/lora_patch.h"
 #include "server/profile/name_summary.h"
 #include "common/status_macros.h"
@@ -31,10 +33,6 @@ absl::Status ValidateModelName(const std::string& name) {
   return absl::OkStatus();
 }
 
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<WeightService>> WeightService::Create(
@@ -54,20 +52,20 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
                 ? nullptr
                 : std::make_unique<SegmentPool>(SegmentPool::Options{
                       account_, options_.warm_reserve_bytes, options_.reserve_chunk_bytes})),
-      materializer_(Materializer::Options{account_, options_.worker_threads, pool_.get()}),
+      materializer_(Materializer::Options{account_, options_.worker_threads, pool_.get(),
+                                          &disposer_}),
       leases_(options_.lease_idle_ttl, &disposer_),
       access_(options_.access) {
   // A reservation short of budget first waits for the drops the disposer
-  // still holds, then takes the warm reserve back.
-  // What counts is what the account got back, not the disposer's estimate
-  // (a segment it was handed may have been picked up again meanwhile).
-  account_->SetReclaimer([this](uint64_t bytes) {
+  // still holds (rank 0), then takes the warm reserve back (the pool's own
+  // reclaimer, rank 10). What counts is what the account got back, not the
+  // disposer's estimate (a segment it was handed may have been picked up
+  // again meanwhile).
+  disposer_reclaimer_ = account_->AddReclaimer(MemoryAccount::kRankDisposer, [this](uint64_t) {
     const uint64_t before = account_->used();
     disposer_.Drain();
     const uint64_t after = account_->used();
-    uint64_t freed = before > after ? before - after : 0;
-    if (freed < bytes && pool_ != nullptr) freed += pool_->Reclaim(bytes - freed);
-    return freed;
+    return before > after ? before - after : 0;
   });
   reaper_ = std::thread([this] { ReapLoop(); });
 }
@@ -75,7 +73,7 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
 WeightService::~WeightService() {
   stop_.Notify();
   if (reaper_.joinable()) reaper_.join();
-  account_->SetReclaimer(nullptr);
+  account_->RemoveReclaimer(disposer_reclaimer_);
 }
 
 void WeightService::ReapLoop() {
@@ -158,7 +156,7 @@ absl::StatusOr<std::shared_ptr<const WeightService::Model>> WeightService::FindM
   absl::MutexLock lock(&mu_);
   auto it = models_.find(name);
   if (it == models_.end()) {
-    return absl::NotFoundError(absl::StrCat("model \"", name, "\" is not loaded"));
+    return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(name), " is not loaded"));
   }
   return it->second;
 }
@@ -381,7 +379,7 @@ absl::Status WeightService::UnloadModel(const std::string& name) {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(name);
     if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model \"", name, "\" is not loaded"));
+      return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(name), " is not loaded"));
     }
     dropped = std::move(it->second);
     models_.erase(it);
@@ -516,163 +514,49 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     }
   }
   WD_RETURN_IF_ERROR(params.mesh.Validate());
-  const size_t mesh_dims = params.mesh.shape.size();
-  if (params.placements.has_value() && params.placements->size() != mesh_dims) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "placements \"", PlacementsToString(*params.placements), "\" name ",
-        params.placements->size(), " mesh dims but the mesh has ", mesh_dims));
-  }
-  std::vector<Placement> defaults = DefaultPlacements(mesh_dims);
-  if (params.placements.has_value()) {
-    defaults = *params.placements;
-  } else if (model->profile != nullptr && model->profile->default_placements().has_value()) {
-    defaults = *model->profile->default_placements();
-    if (defaults.size() != mesh_dims) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the profile's default_placements \"", PlacementsToString(defaults), "\" name ",
-          defaults.size(), " mesh dims but the mesh has ", mesh_dims,
-          "; pass --placements"));
-    }
-  }
+  FetchPlanOptions plan_options;
+  plan_options.mesh = params.mesh;
+  WD_ASSIGN_OR_RETURN(
+      plan_options.defaults,
+      ResolveDefaultPlacements(params.mesh, params.placements,
+                               model->profile != nullptr ? model->profile->default_placements()
+                                                         : std::nullopt));
+  plan_options.dtype = params.dtype;
 
-  // Select the served tensors.
+  // Select the served tensors: by name, then what changed since.
   std::vector<const Served*> all = ServedAt(*model, *gen);
+  std::vector<std::string> all_names;
+  all_names.reserve(all.size());
+  for (const Served* s : all) all_names.push_back(s->plan.name);
+  WD_ASSIGN_OR_RETURN(std::vector<size_t> picked,
+                      SelectByName(all_names, params.names, params.model));
   std::vector<const Served*> selected;
-  if (!params.names.empty()) {
-    absl::flat_hash_map<std::string, const Served*> by_name;
-    for (const Served* s : all) by_name[s->plan.name] = s;
-    std::vector<std::string> unknown;
-    for (const std::string& n : params.names) {
-      auto it = by_name.find(n);
-      if (it == by_name.end()) {
-        unknown.push_back(n);
-      } else {
-        selected.push_back(it->second);
-      }
-    }
-    if (!unknown.empty()) {
-      return absl::NotFoundError(absl::StrCat("model \"", params.model, "\" has no tensor named ",
-                                              absl::StrJoin(unknown, ", ")));
-    }
-  } else {
-    selected = all;
-  }
-  if (since != nullptr) {
-    std::vector<const Served*> changed;
-    for (const Served* s : selected) {
+  for (size_t i : picked) {
+    const Served* s = all[i];
+    if (since != nullptr) {
       auto now = gen->content->find(s->plan.name);
       auto then = since->find(s->plan.name);
-      if (then == since->end() || now == gen->content->end() || now->second != then->second) {
-        changed.push_back(s);
+      if (then != since->end() && now != gen->content->end() && now->second == then->second) {
+        continue;
       }
     }
-    selected = std::move(changed);
+    selected.push_back(s);
   }
 
-  std::vector<MaterializeItem> items;
-  std::vector<FetchedTensor> tables;
-  items.reserve(selected.size());
-  auto patches_for = [&](const std::string& key) {
+  std::vector<PlannedTensor> planned;
+  planned.reserve(selected.size());
+  for (const Served* s : selected) planned.push_back(PlannedTensor{&s->plan, s->parts});
+  plan_options.patches = [&gen](const std::string& key) {
     auto it = gen->patches.find(key);
     return it == gen->patches.end() ? std::vector<AppliedPatch>() : it->second;
   };
-  for (const Served* s : selected) {
-    const ServedTensorPlan& plan = s->plan;
-    const std::vector<Placement>& placements = plan.placements.has_value() ? *plan.placements : defaults;
-    if (placements.size() != mesh_dims) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor \"", plan.name, "\": its profile placements \"", PlacementsToString(placements),
-          "\" name ", placements.size(), " mesh dims but the mesh has ", mesh_dims));
-    }
-    MaterializeItem item;
-    item.name = plan.name;
-    FetchedTensor ft;
-    ft.name = plan.name;
-    ft.global_shape = plan.shape;
-    auto context = [&](const absl::Status& st) {
-      return Annotate(st, absl::StrCat("tensor \"", plan.name, "\" of shape ", ShapeString(plan.shape)));
-    };
-    if (plan.per_part && s->parts.size() > 1) {
-      int64_t rows = 0;
-      for (const StoredTensor* p : s->parts) {
-        auto box = PlanShard(p->shape, params.mesh, placements);
-        if (!box.ok()) return context(box.status());
-        if (ft.shape.empty()) {
-          ft.shape = box->shape;
-          ft.global_offset = box->offset;
-        }
-        rows += box->shape[0];
-        item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(*box), patches_for(p->name)});
-      }
-      ft.shape[0] = rows;
-    } else {
-      auto box = PlanShard(plan.shape, params.mesh, placements);
-      if (!box.ok()) return context(box.status());
-      ft.shape = box->shape;
-      ft.global_offset = box->offset;
-      if (s->parts.empty()) {
-        item.slices.push_back(PartSlice{nullptr, plan.dtype, plan.shape, *box, patches_for(plan.name)});
-      } else if (s->parts.size() == 1 || plan.shape.empty()) {
-        const StoredTensor* p = s->parts[0];
-        item.slices.push_back(PartSlice{p, p->dtype, p->shape, *box, patches_for(p->name)});
-      } else {
-        // A merged tensor sharded as a whole: each part gives the rows of the
-        // box that fall inside it.
-        int64_t begin = box->offset[0], end = begin + box->shape[0], part_start = 0;
-        for (const StoredTensor* p : s->parts) {
-          int64_t part_end = part_start + p->shape[0];
-          int64_t lo = std::max(begin, part_start), hi = std::min(end, part_end);
-          if (lo < hi) {
-            ShardBox pb = *box;
-            pb.offset[0] = lo - part_start;
-            pb.shape[0] = std::max<int64_t>(0, hi - lo);
-            item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(pb), patches_for(p->name)});
-          }
-          part_start = part_end;
-        }
-        if (item.slices.empty()) {  // an empty shard: zero rows of the first part
-          const StoredTensor* p = s->parts.front();
-          ShardBox pb = *box;
-          pb.offset[0] = 0;
-          pb.shape[0] = 0;
-          item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(pb), {}});
-        }
-      }
-    }
-    DType stored = plan.dtype;
-    DType out = stored;
-    if (plan.quantize_fp8) {
-      out = DType::kF8E4M3;
-      WD_ASSIGN_OR_RETURN(float scale, Fp8Scale(*s, *gen));
-      item.fp8_scale = scale;
-    } else if (plan.dtype_override.has_value()) {
-      out = *plan.dtype_override;
-    } else if (params.dtype.has_value() && IsFloating(stored)) {
-      if (!IsFloating(*params.dtype)) {
-        return absl::InvalidArgumentError(absl::StrCat("cannot serve float tensors as ",
-                                                       DTypeName(*params.dtype)));
-      }
-      out = *params.dtype;
-    }
-    item.out_dtype = out;
-    ft.dtype = out;
-    std::optional<float> scale = item.fp8_scale;
-    items.push_back(std::move(item));
-    tables.push_back(std::move(ft));
-    if (scale.has_value()) {
-      MaterializeItem companion;
-      companion.name = plan.name + "_scale";
-      companion.out_dtype = DType::kF32;
-      companion.scalar = *scale;
-      FetchedTensor cft;
-      cft.name = companion.name;
-      cft.dtype = DType::kF32;
-      items.push_back(std::move(companion));
-      tables.push_back(std::move(cft));
-    }
-  }
+  plan_options.fp8_scale = [&](size_t index) { return Fp8Scale(*selected[index], *gen); };
+  WD_ASSIGN_OR_RETURN(FetchPlan plan, PlanFetch(planned, plan_options));
+  std::vector<MaterializeItem>& items = plan.items;
+  std::vector<FetchedTensor>& tables = plan.tensors;
   WD_ASSIGN_OR_RETURN(std::vector<MaterializedTensor> served,
-                      materializer_.Materialize(items, absl::StrCat(params.model, "#", gen->number)));
+                      materializer_.Materialize(items, absl::StrCat(params.model, "#", gen->number),
+                                                  ReadScope(guards)));
 
   auto table = std::make_shared<FetchTable>();
   table->generation = gen->number;
@@ -891,7 +775,7 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
 absl::Status WeightService::UnloadAdapter(const std::string& name) {
   absl::MutexLock lock(&mu_);
   if (adapters_.erase(name) == 0) {
-    return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
+    return absl::NotFoundError(absl::StrCat("adapter ", QuoteForMessage(name), " is not loaded"));
   }
   adapter_info_.erase(name);
   adapter_readers_.erase(name);
@@ -918,13 +802,13 @@ absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_nam
     absl::MutexLock lock(&mu_);
     auto it = models_.find(model_name);
     if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model \"", model_name, "\" is not loaded"));
+      return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
     }
     model = it->second;
     for (const AdapterRef& ref : stack) {
       auto a = adapters_.find(ref.name);
       if (a == adapters_.end()) {
-        return absl::NotFoundError(absl::StrCat("adapter \"", ref.name, "\" is not loaded"));
+        return absl::NotFoundError(absl::StrCat("adapter ", QuoteForMessage(ref.name), " is not loaded"));
       }
       adapters.push_back(a->second);
       auto r = adapter_readers_.find(ref.name);
@@ -1017,7 +901,7 @@ absl::StatusOr<std::optional<GenerationInfo>> WeightService::WaitForGeneration(
   while (true) {
     auto it = models_.find(model_name);
     if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model \"", model_name, "\" is not loaded"));
+      return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
     }
     const Generation& gen = *it->second->current;
     if (gen.number > after) {
@@ -1051,6 +935,7 @@ absl::StatusOr<ReadRange> WeightService::Read(uint64_t lease_id, absl::string_vi
                                               seg->size(), " bytes"));
   }
   if (length == 0) length = seg->size() - offset;
+  bytes_read_.fetch_add(length);
   return ReadRange{seg, offset, length};
 }
 
@@ -1081,6 +966,7 @@ ServiceStats WeightService::Stats() const {
   s.materializer = materializer_.stats();
   s.leases_open = leases_.size();
   s.bytes_served = bytes_served_.load();
+  s.bytes_read = bytes_read_.load();
   s.fetches = fetches_.load();
   s.applies = applies_.load();
   s.loads = loads_.load();

@@ -31,6 +31,7 @@
 #include "server/profile/profile.h"
 #include "server/store/checkpoint.h"
 #include "server/store/model_roots.h"
+#include "server/service/fetch_plan.h"
 #include "server/service/latency_histogram.h"
 #include "server/store/segment.h"
 #include "server/store/disposer.h"
@@ -110,25 +111,15 @@ struct FetchParams {
   MeshCoord mesh;
   std::optional<std::vector<Placement>> placements;  // overrides defaults
   std::optional<DType> dtype;                        // nullopt = keep
-  std::vector<std::string> names;                    // empty = all
+  // Empty = all. A name given twice is INVALID_ARGUMENT naming it; an
+  // unknown one NOT_FOUND (names summarized, messages bounded).
+  std::vector<std::string> names;
   TransportKind transport = TransportKind::kShm;
   uint64_t changed_since = 0;
   // Who asks: checked against the readers of the model and of the adapters
   // of the generation served, and recorded as the lease's owner. nullopt =
   // the daemon itself (no check).
   std::optional<Principal> caller;
-};
-
-struct FetchedTensor {
-  std::string name;
-  DType dtype;
-  std::vector<int64_t> shape;
-  std::vector<int64_t> global_shape;
-  std::vector<int64_t> global_offset;
-  uint32_t segment = 0;
-  uint64_t offset = 0;
-  uint64_t length = 0;
-  Digest digest;
 };
 
 // What a fetch serves, the same for every fetch of the same request on the
@@ -167,6 +158,7 @@ struct ServiceStats {
   MaterializerStats materializer;
   uint64_t leases_open = 0;
   uint64_t bytes_served = 0;
+  uint64_t bytes_read = 0;  // asked for by grpc-transport Reads
   uint64_t fetches = 0;
   uint64_t applies = 0;
   uint64_t adapters = 0;
@@ -199,6 +191,18 @@ class WeightService {
   absl::StatusOr<ModelDetail> GetModel(const std::string& name) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Serves one rank's request on generation `params.generation` (0 = the
+  // current one, read once: an apply racing with the fetch serves either
+  // generation whole, never a mix). Order: the model (NOT_FOUND), the
+  // caller's read access to the generation served (PERMISSION_DENIED,
+  // before anything else about the model is said), the generation and
+  // changed_since (NOT_FOUND), the mesh and placements (INVALID_ARGUMENT),
+  // the names (INVALID_ARGUMENT for repeats, NOT_FOUND for unknowns), then
+  // planning (fetch_plan.h) and materialization (RESOURCE_EXHAUSTED over
+  // the budget). On success the result's lease holds every segment its
+  // table names until Release, the data connection's end or the idle TTL;
+  // those segments hold nothing the caller may not read (ReadScope). On
+  // error nothing is leased and the caches keep only what they shared.
   absl::StatusOr<FetchResult> Fetch(const FetchParams& params) ABSL_LOCKS_EXCLUDED(mu_);
   // Fetch, if the request's table is cached (a lookup and a lease, no
   // materialization: cheap enough for a gRPC callback thread); nullopt when
@@ -217,6 +221,12 @@ class WeightService {
   absl::StatusOr<ReadRange> Read(uint64_t lease_id, absl::string_view token,
                                  uint32_t segment, uint64_t offset, uint64_t length,
                                  const Principal* caller = nullptr);
+  // Ends the lease now: NOT_FOUND for an unknown or ended lease,
+  // PERMISSION_DENIED for a wrong token or a caller that may not use it.
+  // Bytes already mapped by the client stay valid (the kernel keeps the
+  // memfds); the daemon drops its hold, and generations and cache entries
+  // that nothing else holds are pruned (large frees on the disposer
+  // thread, never on the caller's).
   absl::Status Release(uint64_t lease_id, absl::string_view token,
                        const Principal* caller = nullptr);
   // For the data socket: may `caller` attach lease `lease_id`? OK for leases
@@ -322,6 +332,7 @@ class WeightService {
   const WeightServiceOptions options_;
   const ModelRoots roots_;
   std::shared_ptr<MemoryAccount> account_;
+  uint64_t disposer_reclaimer_ = 0;  // in account_'s chain
   Disposer disposer_;                  // before leases_, which hand it their drops
   std::unique_ptr<SegmentPool> pool_;  // before materializer_, which borrows it
   Materializer materializer_;
@@ -340,6 +351,7 @@ class WeightService {
   absl::CondVar generation_changed_;
 
   std::atomic<uint64_t> bytes_served_{0};
+  std::atomic<uint64_t> bytes_read_{0};
   std::atomic<uint64_t> fetches_{0};
   std::atomic<uint64_t> applies_{0};
   std::atomic<uint64_t> loads_{0};

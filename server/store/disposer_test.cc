@@ -130,7 +130,8 @@ TEST(DisposerTest, LeaseTableHandsOffOnlyTheLastHoldOnLargeSegments) {
 TEST(DisposerTest, ReservationShortOfBudgetDrainsTheDisposer) {
   auto account = std::make_shared<MemoryAccount>(3 * kMin);
   Disposer d(kMin);
-  account->SetReclaimer([&](uint64_t) { return d.Drain(); });
+  const uint64_t reclaimer =
+      account->AddReclaimer(MemoryAccount::kRankDisposer, [&](uint64_t) { return d.Drain(); });
   absl::Notification started, may_finish;
   std::atomic<std::thread::id> freed_on{};
   auto seg = Segment::Create(account, "test", 2 * kMin, false);
@@ -158,7 +159,7 @@ TEST(DisposerTest, ReservationShortOfBudgetDrainsTheDisposer) {
   finisher.join();
   EXPECT_NE(freed_on.load(), std::thread::id());
   account->Return(2 * kMin);
-  account->SetReclaimer(nullptr);
+  account->RemoveReclaimer(reclaimer);
 }
 
 }  // namespace

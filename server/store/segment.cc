@@ -1,5 +1,7 @@
 #include "server/store/segment.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -10,11 +12,53 @@ std::atomic<uint64_t> next_segment_id{1};
 
 absl::Status MemoryAccount::Reserve(uint64_t bytes, absl::string_view what) {
   absl::Status s = ReserveNoReclaim(bytes, what);
-  if (s.ok() || reclaimer_ == nullptr) return s;
+  if (s.ok()) return s;
+  std::shared_ptr<const std::vector<Reclaimer>> chain;
+  {
+    absl::MutexLock lock(&mu_);
+    if (reclaimers_ == nullptr || reclaimers_->empty()) return s;
+    chain = reclaimers_;
+    ++calls_in_flight_;
+  }
   const uint64_t cur = used_.load(std::memory_order_relaxed);
   const uint64_t short_by = cur + bytes > limit_ ? cur + bytes - limit_ : 0;
-  if (reclaimer_(short_by) == 0) return s;
+  uint64_t freed = 0;
+  for (const Reclaimer& r : *chain) {  // called without the lock
+    freed += r.fn(short_by - std::min(freed, short_by));
+    if (freed >= short_by) break;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    --calls_in_flight_;
+  }
+  if (freed == 0) return s;
   return ReserveNoReclaim(bytes, what);
+}
+
+uint64_t MemoryAccount::AddReclaimer(int rank, std::function<uint64_t(uint64_t)> fn) {
+  absl::MutexLock lock(&mu_);
+  auto next = std::make_shared<std::vector<Reclaimer>>();
+  if (reclaimers_ != nullptr) *next = *reclaimers_;
+  const uint64_t id = next_reclaimer_id_++;
+  next->push_back(Reclaimer{id, rank, std::move(fn)});
+  std::stable_sort(next->begin(), next->end(),
+                   [](const Reclaimer& a, const Reclaimer& b) { return a.rank < b.rank; });
+  reclaimers_ = std::move(next);
+  return id;
+}
+
+void MemoryAccount::RemoveReclaimer(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto next = std::make_shared<std::vector<Reclaimer>>();
+  if (reclaimers_ != nullptr) {
+    for (const Reclaimer& r : *reclaimers_) {
+      if (r.id != id) next->push_back(r);
+    }
+  }
+  reclaimers_ = std::move(next);
+  // A Reserve may still be calling the old chain: its owner must outlive it.
+  mu_.Await(absl::Condition(
+      +[](int* calls) { return *calls == 0; }, &calls_in_flight_));
 }
 
 absl::Status MemoryAccount::ReserveNoReclaim(uint64_t bytes, absl::string_view what) {

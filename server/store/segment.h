@@ -13,9 +13,11 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "common/fd.h"
 
 namespace weightd {
@@ -27,17 +29,25 @@ class MemoryAccount {
   explicit MemoryAccount(uint64_t limit) : limit_(limit) {}
 
   // Reserves `bytes` or fails with RESOURCE_EXHAUSTED naming `what`. When
-  // the budget is short, the reclaimer (if set) is asked to free memory
-  // first (e.g. the warm segment reserve), then the reservation is retried.
-  absl::Status Reserve(uint64_t bytes, absl::string_view what);
+  // the budget is short, the reclaimers are asked to free memory first, in
+  // order of rank, until what they freed covers the shortfall; then the
+  // reservation is retried.
+  absl::Status Reserve(uint64_t bytes, absl::string_view what) ABSL_LOCKS_EXCLUDED(mu_);
   // As Reserve, without asking the reclaimer: for the reclaimable memory
   // itself.
   absl::Status ReserveNoReclaim(uint64_t bytes, absl::string_view what);
   void Return(uint64_t bytes);
 
-  // fn(bytes_needed) frees what it can and returns the bytes freed. Set it
-  // once, before concurrent use; it must not call Reserve().
-  void SetReclaimer(std::function<uint64_t(uint64_t)> fn) { reclaimer_ = std::move(fn); }
+  // fn(bytes_needed) frees what it can and returns the bytes freed; it
+  // must not call Reserve(). Reclaimers run in ascending `rank` (ties in
+  // the order added): the cheapest memory to give back first. Each owner
+  // adds its own and removes it before it goes away; RemoveReclaimer waits
+  // for calls of it in flight. Returns the id RemoveReclaimer takes.
+  uint64_t AddReclaimer(int rank, std::function<uint64_t(uint64_t)> fn) ABSL_LOCKS_EXCLUDED(mu_);
+  void RemoveReclaimer(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ranks of the daemon's reclaimers.
+  static constexpr int kRankDisposer = 0;     // frees already waiting to happen
+  static constexpr int kRankWarmReserve = 10;  // pre-faulted chunks nobody uses
 
   uint64_t used() const { return used_.load(std::memory_order_relaxed); }
   uint64_t limit() const { return limit_; }
@@ -45,8 +55,17 @@ class MemoryAccount {
 
  private:
   friend class Segment;
+  struct Reclaimer {
+    uint64_t id;
+    int rank;
+    std::function<uint64_t(uint64_t)> fn;
+  };
   const uint64_t limit_;
-  std::function<uint64_t(uint64_t)> reclaimer_;
+  absl::Mutex mu_;
+  // Replaced, never modified: a Reserve calls a snapshot without the lock.
+  std::shared_ptr<const std::vector<Reclaimer>> reclaimers_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_reclaimer_id_ ABSL_GUARDED_BY(mu_) = 1;
+  int calls_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> used_{0};
   std::atomic<uint64_t> segments_{0};
 };

@@ -17,7 +17,8 @@ SegmentPool::SegmentPool(Options options) : options_(std::move(options)) {
   stats_.target_bytes = options_.chunk_bytes == 0
                             ? 0
                             : options_.target_bytes / options_.chunk_bytes * options_.chunk_bytes;
-  options_.account->SetReclaimer([this](uint64_t bytes) { return Reclaim(bytes); });
+  reclaimer_id_ = options_.account->AddReclaimer(MemoryAccount::kRankWarmReserve,
+                                                 [this](uint64_t bytes) { return Reclaim(bytes); });
   filler_ = std::thread([this] { FillLoop(); });
 }
 
@@ -27,7 +28,7 @@ SegmentPool::~SegmentPool() {
     stop_ = true;
   }
   if (filler_.joinable()) filler_.join();
-  options_.account->SetReclaimer(nullptr);
+  options_.account->RemoveReclaimer(reclaimer_id_);
   absl::MutexLock lock(&mu_);
   graveyard_.clear();
 }

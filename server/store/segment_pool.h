@@ -107,6 +107,7 @@ class SegmentPool {
   absl::Time holdoff_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool budget_short_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t reclaimer_id_ = 0;  // in options_.account's chain
   std::thread filler_;
 };
 

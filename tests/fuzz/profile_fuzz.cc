@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/dtype.h"
+#include "common/untrusted_text.h"
 #include "server/profile/profile.h"
 
 namespace weightd {
@@ -87,6 +88,9 @@ void CheckLayout(const ServedLayout& layout, const std::vector<SourceTensorInfo>
       rows += plan.part_rows[k];
     }
     for (int64_t d : plan.shape) FUZZ_CHECK(d >= 0);
+    // Every size computed from a plan fits (issue 16 F10, F17).
+    FUZZ_CHECK(CheckShapeFits(plan.shape, kMaxDTypeSize).ok());
+    FUZZ_CHECK(FindControlCharacter(plan.name) == absl::string_view::npos);
     if (plan.parts.size() == 1) {
       FUZZ_CHECK(by_name[plan.parts[0].source]->shape == plan.shape);
     } else if (plan.parts.size() > 1) {

@@ -19,7 +19,9 @@ must refuse and once where it must allow.
 * --model-root confinement after resolving symlinks.
 Tests run as root; other users are played with setpriv.
 """
+import json
 import os
+import random
 import shutil
 import socket
 import stat
@@ -443,6 +445,243 @@ def test_tenant_private_adapter_makes_the_generation_private(files):
         assert torch.equal(got["emb.weight"], BASE["emb.weight"])
     finally:
         d.stop()
+
+
+# ------------------------------------------------------------ every byte a client maps
+
+
+# Runs as one user: reads fetch requests as JSON lines on stdin, fetches, maps
+# or Reads every segment of the lease WHOLE (what a hostile client can do,
+# not just the ranges its table names) and answers which marker patterns
+# (16-bit words) occur anywhere in them. Every value the test serves is
+# exact in bf16, so an f32 element v shows as the words {0, bf16(v)} and a
+# bf16 element as itself: a marker word occurs iff a served element equals
+# the marker value, whatever dtype and alignment the segment mixes.
+_TENANT = r"""
+import json, mmap, os, sys, grpc
+import numpy as np
+from weightd import _datasock
+from weightd.errors import Error
+from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+markers = np.array([int(m) for m in sys.argv[2].split(",")], dtype=np.uint16)
+stub = pbg.ShardsStub(grpc.insecure_channel("unix:" + sys.argv[1]))
+held = []   # leases kept open ("hold"), until a {"release": true} line
+for line in sys.stdin:
+    q = json.loads(line)
+    if q.get("release"):
+        for lease_id, token, conn in held:
+            stub.Release(pb.ReleaseRequest(lease_id=lease_id, token=token), timeout=30)
+            if conn is not None:
+                conn.close()
+        print(json.dumps({"released": len(held)}), flush=True)
+        held = []
+        continue
+    try:
+        r = stub.Fetch(pb.FetchRequest(
+            model=q["model"], names=q["names"], dtype=q["dtype"], mesh_shape=[q["world"]],
+            coord=[q["rank"]], placements=[pb.Placement(shard_dim=q["dim"])],
+            transport=q["transport"]), timeout=30)
+    except grpc.RpcError as e:
+        print(json.dumps({"error": e.code().name, "message": e.details()}), flush=True)
+        continue
+    blobs, conn = [], None
+    if q["transport"] == 1:
+        conn, fds = _datasock.attach(r.data_socket, r.lease_id, r.token, len(r.segment_sizes))
+        for fd in fds:
+            size = os.fstat(fd).st_size   # the whole memfd
+            if size:
+                with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+                    blobs.append(bytes(m))
+            os.close(fd)
+    else:
+        for i in range(len(r.segment_sizes)):
+            blobs.append(b"".join(c.data for c in stub.Read(
+                pb.ReadRequest(lease_id=r.lease_id, token=r.token, segment=i), timeout=30)))
+    found = set()
+    for b in blobs:
+        words = np.frombuffer(b, dtype=np.uint16, count=len(b) // 2)
+        found.update(int(m) for m in markers[np.isin(markers, words)])
+    if q.get("hold"):
+        held.append((r.lease_id, r.token, conn))
+    else:
+        stub.Release(pb.ReleaseRequest(lease_id=r.lease_id, token=r.token), timeout=30)
+        if conn is not None:
+            conn.close()
+    print(json.dumps({"found": sorted(found), "tensors": len(r.tensors),
+                      "bytes": sum(len(b) for b in blobs)}), flush=True)
+"""
+
+
+class _Tenant:
+    """A long-lived _TENANT process running as `uid`."""
+
+    def __init__(self, d, uid, markers):
+        env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"))
+        self.uid = uid
+        self.proc = subprocess.Popen(
+            user_prefix(uid) + [PYTHON, "-c", _TENANT, d.socket,
+                                ",".join(str(m) for m in markers)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env)
+
+    def fetch(self, **q):
+        self.proc.stdin.write(json.dumps(q) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "tenant %d died: %s" % (self.uid, self.proc.stderr.read())
+        return json.loads(line)
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=20)
+
+
+def _bf16_word(v):
+    return int(torch.tensor([v], dtype=torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
+
+
+A, B = 1001, 1002
+# Public values are k/8 (exact in bf16); each secret has a value of its own.
+SECRET = {"P": 1536.0, "R": 3072.0, "TA": 6144.0, "TB": 12288.0}
+READABLE = {A: {"P", "TA"}, B: {"R", "TB"}, NOBODY: set()}
+
+
+class _Tenants:
+    """Private models P (uid A) and R (uid B) holding public model Q's shared
+    tensors byte for byte, tenant adapters TA (uid A) and TB (uid B) turning
+    Q's "shared.a.weight" into their secret, and one _Tenant per uid."""
+
+    def __init__(self, files, seed):
+        gen = torch.Generator().manual_seed(seed)
+
+        def public(*shape):
+            return torch.randint(-8, 9, shape, generator=gen).float() / 8
+
+        shared = {"shared.a.weight": public(12, 8), "shared.b.weight": public(6, 10)}
+        models = tempfile.mkdtemp(prefix="tenants-", dir=files["dir"])
+        os.chmod(models, 0o755)
+        self.ckpts = {
+            "P": dict(shared, **{"p.secret.weight": torch.full((8, 8), SECRET["P"])}),
+            "R": dict(shared, **{"r.secret.weight": torch.full((4, 16), SECRET["R"])}),
+            "Q": dict(shared, **{"q.own.weight": public(10, 6)}),
+        }
+        for name, tensors in self.ckpts.items():
+            st_io.save(tensors, os.path.join(models, name + ".safetensors"))
+        for name in ("TA", "TB"):   # dense diffs: merged, the tensor is the secret
+            st_io.save({"shared.a.diff": SECRET[name] - shared["shared.a.weight"]},
+                       os.path.join(models, name + ".safetensors"))
+        self.word = {k: _bf16_word(v) for k, v in SECRET.items()}
+        self.d = Daemon(model_root=models, extra_args=["--socket-mode", "0666"])
+        os.chmod(self.d.workdir, 0o755)
+        self.d.start()
+        self.tenants = {}
+        try:
+            path = lambda n: os.path.join(models, n + ".safetensors")  # noqa: E731
+            self.d.ctl_ok("load", "P", path("P"), "--readers", "uid:%d" % A)
+            self.d.ctl_ok("load", "R", path("R"), "--readers", "uid:%d" % B)
+            self.d.ctl_ok("load", "Q", path("Q"))
+            self.d.ctl_ok("adapter", "load", "TA", path("TA"), "--readers", "uid:%d" % A)
+            self.d.ctl_ok("adapter", "load", "TB", path("TB"), "--readers", "uid:%d" % B)
+            markers = sorted(self.word.values())
+            for u in (A, B, NOBODY):
+                self.tenants[u] = _Tenant(self.d, u, markers)
+        except BaseException:
+            self.close()
+            raise
+
+    def fetch(self, uid, **q):
+        """Fetches as `uid`; returns (reply, the secrets its segments hold)."""
+        r = self.tenants[uid].fetch(**q)
+        return r, {k for k, w in self.word.items() if w in r.get("found", ())}
+
+    def close(self):
+        for t in self.tenants.values():
+            t.close()
+        self.d.stop()
+
+
+def _q(model, names=(), dtype=0, world=1, rank=0, dim=0, transport=1, hold=False):
+    return dict(model=model, names=list(names), dtype=dtype, world=world, rank=rank, dim=dim,
+                transport=transport, hold=hold)
+
+
+@pytest.mark.parametrize("transport", [1, 2])
+def test_shared_tensor_of_a_public_model_never_exposes_a_private_models_segment(files, transport):
+    """F1 (a): P (private) and Q (public) hold identical bytes; a non-reader of
+    P fetching that tensor of Q must not receive P's segment."""
+    t = _Tenants(files, seed=3)
+    try:
+        for dtype, dim in ((0, 0), (4, 0), (0, 1)):   # a view; packed casts and slices
+            r, seen = t.fetch(A, **_q("P", dtype=dtype, dim=dim, transport=transport))
+            assert "error" not in r and seen == {"P"}, r
+            r, seen = t.fetch(B, **_q("Q", ["shared.a.weight"], dtype=dtype, dim=dim,
+                                      transport=transport))
+            assert "error" not in r and r["tensors"] == 1, r
+            assert not seen, (dtype, dim, r)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("transport", [1, 2])
+def test_a_removed_private_adapter_leaves_no_bytes_in_public_fetches(files, transport):
+    """F1 (b): a tenant-private adapter applied (generation 2) then removed
+    (generation 3): a public fetch of an untouched tensor must not get the
+    segment packed for generation 2 (which holds the merged secret)."""
+    t = _Tenants(files, seed=4)
+    try:
+        t.d.ctl_ok("apply", "Q", "TA:1")
+        # uid A keeps its lease on generation 2, so its segments live on.
+        r, seen = t.fetch(A, **_q("Q", dtype=4, transport=transport, hold=True))
+        assert "error" not in r and seen == {"TA"}, r
+        t.d.ctl_ok("apply", "Q")
+        r, seen = t.fetch(B, **_q("Q", ["shared.b.weight"], dtype=4, transport=transport))
+        assert "error" not in r and r["tensors"] == 1, r
+        assert not seen, r
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_no_client_ever_maps_or_reads_a_byte_it_may_not_read(files, seed):
+    """F1 as a property: models sharing tensors, tenant-private models and
+    adapters applied and removed, three uids, both transports, keep and bf16,
+    row and column shards; after every fetch, every byte of every segment the
+    client maps (shm) or Reads (grpc) belongs to something it may read."""
+    rng = random.Random(seed)
+    t = _Tenants(files, seed)
+    try:
+        q_stack = None   # the adapter applied to Q, if any
+        fetched = 0
+        for step in range(90):
+            if rng.random() < 0.05:   # leases held so far end
+                for u in (A, B, NOBODY):
+                    t.tenants[u].fetch(release=True)
+                continue
+            if rng.random() < 0.15:
+                q_stack = rng.choice([None, "TA", "TB"])
+                t.d.ctl_ok("apply", "Q", *([q_stack + ":1"] if q_stack else []))
+                continue
+            uid = rng.choice([A, B, NOBODY])
+            model = rng.choice(["P", "R", "Q", "Q"])
+            names = sorted(t.ckpts[model])
+            names = rng.sample(names, rng.randint(1, len(names))) if rng.random() < 0.5 else []
+            world = rng.choice([1, 2, 3])
+            q = _q(model, names, dtype=rng.choice([0, 4]), world=world,
+                   rank=rng.randrange(world), dim=rng.choice([0, 1]),
+                   transport=rng.choice([1, 2]), hold=rng.random() < 0.3)
+            r, seen = t.fetch(uid, **q)
+            needs = {model} - {"Q"} | ({q_stack} if model == "Q" and q_stack else set())
+            if not needs <= READABLE[uid]:
+                assert r.get("error") == "PERMISSION_DENIED", (step, uid, q, r)
+                continue
+            assert "error" not in r, (step, uid, q, r)
+            fetched += 1
+            leaked = seen - READABLE[uid]
+            assert not leaked, ("step %d: uid %d fetched %s and could read bytes of %s"
+                                % (step, uid, q, sorted(leaked)))
+        assert fetched >= 30, fetched
+    finally:
+        t.close()
 
 
 # ------------------------------------------------------------ leases

@@ -158,6 +158,8 @@ def assert_error(ctx, r, code, what, needles=()):
     assert len(lines) == 1, "%s: want one error line, stderr=%r" % (what, r.stderr)
     assert r.error_code == code, "%s: expected %s, got %s (stderr=%r)" % (what, code, r.error_code,
                                                                           r.stderr)
+    assert len(r.error_message.encode()) <= 4096, "%s: %d-byte message" % (
+        what, len(r.error_message.encode()))
     for n in needles:
         assert n in r.error_message, "%s: message does not name %r: %r" % (what, n,
                                                                              r.error_message)
@@ -197,11 +199,14 @@ def _header_cut(ctx, name):
     return p, ["adapter_model.safetensors"]
 
 
-def _config(text):
+def _config(text, *needles):
     def build(ctx, name):
         return peft_dir(ctx.path(name), lora("layers.0.q", 2, 16, IN), text), \
-            ["adapter_config.json"]
+            ["adapter_config.json", *needles]
     return build
+
+
+NESTS = "nests deeper than 64 levels"
 
 
 def _cfg(**kw):
@@ -292,6 +297,25 @@ BAD_LOADS = [
      "INVALID_ARGUMENT"),
     ("config_fan_in_fan_out_string", _config(_cfg(fan_in_fan_out="yes")), [], "INVALID_ARGUMENT"),
     ("config_peft_type_ia3", _config(_cfg(peft_type="IA3")), [], "INVALID_ARGUMENT"),
+    # 100,000 levels: the daemon's stack overflowed formatting (or walking) it.
+    ("config_nested_100k_in_peft_type", _config(
+        '{"peft_type": ' + "[" * 100000 + "]" * 100000 + ', "r": 2}', NESTS), [],
+     "INVALID_ARGUMENT"),
+    ("config_nested_100k_unknown_key", _config(
+        '{"r": 2, "x": ' + '{"a": [' * 50000 + "]}" * 50000 + "}", NESTS), [], "INVALID_ARGUMENT"),
+    ("config_nested_100k_top_level", _config("[" * 100000 + "]" * 100000, NESTS), [],
+     "INVALID_ARGUMENT"),
+    ("config_nested_100k_unterminated", _config('{"r": 2, "x": ' + "[" * 100000, NESTS), [],
+     "INVALID_ARGUMENT"),
+    # Values the message quotes are bounded (they overflowed gRPC's metadata
+    # limit and arrived as RESOURCE_EXHAUSTED).
+    ("config_peft_type_deep_and_wide", _config(
+        '{"peft_type": ' + ('["' + "x" * 4000 + '", ') * 60 + "1" + "]" * 60 + "}", "peft_type"), [],
+     "INVALID_ARGUMENT"),
+    ("config_peft_type_1mib_string", _config(_cfg(peft_type="I" * (1 << 20)), "IIII..."), [],
+     "INVALID_ARGUMENT"),
+    ("config_r_1mib_array", _config('{"r": [' + "7, " * 300000 + "7]}", '"r"'), [],
+     "INVALID_ARGUMENT"),
     ("config_pissa_init", _config(_cfg(init_lora_weights="pissa")), [], "INVALID_ARGUMENT"),
     ("config_rank_pattern_zero", _config(_cfg(rank_pattern={"q": 0})), [], "INVALID_ARGUMENT"),
     ("rank_mismatch_a_b", _rank_mismatch, [], "INVALID_ARGUMENT"),

@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import Daemon  # noqa: E402
 import st_io  # noqa: E402  (harness puts tests/parity on sys.path)
 
+import weightd  # noqa: E402  (build/python, put on sys.path by harness)
+
 GOOD = {
     "w2d": torch.arange(60, dtype=torch.float32).reshape(10, 6) * 0.25 - 3.0,
     "bias": torch.linspace(-1.0, 1.0, 7, dtype=torch.float32),
@@ -241,6 +243,11 @@ MALFORMED = [
     ("metadata_non_string_value", lambda: assemble(
         hdr({"__metadata__": {"format": 5}, "meta.w": one("x")["x"]}), f32(4)), None),
     ("nul_in_tensor_name", _nul_in_name, None),
+    # A newline would forge `weightctl info` lines, an ESC drive the terminal.
+    ("newline_in_tensor_name", lambda: assemble(
+        hdr(one("evil\ntensor: forged\tF32\t[4]")), f32(4)), None),
+    ("escape_in_tensor_name", lambda: assemble(hdr(one("evil\x1b[2Jname")), f32(4)), None),
+    ("c1_control_in_tensor_name", lambda: assemble(hdr(one("evil\u009bname")), f32(4)), None),
     ("nul_padding_after_json", _nul_padding, None),
 ]
 
@@ -457,6 +464,8 @@ BAD_REQUESTS = [
      "NOT_FOUND", None),
     ("names_unknown_tensor", ["fetch", "good", *W2, "--names", "w2d,no_such_tensor",
                               "--out", "OUT"], "NOT_FOUND", "no_such_tensor"),
+    ("names_duplicate", ["fetch", "good", *W2, "--names", "w2d,bias,w2d", "--out", "OUT"],
+     "INVALID_ARGUMENT", "\"w2d\""),
     ("unload_unknown_model", ["unload", "no_such_model"], "NOT_FOUND", "no_such_model"),
     ("info_unknown_model", ["info", "no_such_model"], "NOT_FOUND", "no_such_model"),
 ]
@@ -472,6 +481,159 @@ def test_bad_request(ctx, request, args, code, needle):
     assert not os.path.exists(out), "failed fetch left an output file behind: %s" % out
     if needle:
         assert needle in r.error_message, r.error_message
+
+
+# --------------------------------------------------------------------------- hostile documents
+
+BIG = 2 ** 62
+
+
+def _merge_profile():
+    return {"name_mapping": [
+        {"match": "half.a", "target": "merged", "merge_index": 0, "num_merges": 2},
+        {"match": "half.b", "target": "merged", "merge_index": 1, "num_merges": 2}]}
+
+
+# (slug, profile text or dict, checkpoint builder or None for good.safetensors, needles)
+BAD_PROFILES = [
+    # 100,000 levels of nesting: refused before any parser or walk sees them.
+    ("profile_nested_100k", "[" * 100000 + "]" * 100000, None, ["nests deeper than 64 levels"]),
+    ("profile_nested_100k_in_expected",
+     '{"expected": {"w2d": {"shape": ' + "[" * 100000 + "]" * 100000 + "}}}", None,
+     ["nests deeper than 64 levels"]),
+    # An element count that wraps int64 (the table showed [4611686018427387905]).
+    ("expected_numel_overflows", {"strict": False, "expected": {
+        "w2d": {"shape": [10, 6]}, "huge.new": {"shape": [BIG, 4]}}, "allow_new": ["new"]},
+     None, ['expected["huge.new"].shape', "too large"]),
+    # Fits as elements, not as bytes: the budget was asked for 8 EiB.
+    ("expected_bytes_overflow", {"strict": False, "expected": {
+        "w2d": {"shape": [10, 6]}, "huge.new": {"shape": [BIG // 2, 2], "dtype": "f32"}},
+        "allow_new": ["new"]}, None, ['expected["huge.new"].shape', "too large"]),
+    # Two zero-element parts whose merged dim 0 is 2^63 (it was served negative).
+    ("merged_dim0_overflows", _merge_profile(), lambda: assemble(hdr({
+        "half.a": {"dtype": "F32", "shape": [BIG, 0], "data_offsets": [0, 0]},
+        "half.b": {"dtype": "F32", "shape": [BIG, 0], "data_offsets": [0, 0]}})),
+     ['served tensor "merged"', "merged dim 0 overflows"]),
+    # A target that puts a newline into a served name.
+    ("target_with_newline", {"name_mapping": [{"match": "w2d", "target": "w2d\ntensor: x"}]},
+     None, ["control character"]),
+]
+
+
+@pytest.mark.parametrize("slug,profile,build,needles", BAD_PROFILES,
+                         ids=[c[0] for c in BAD_PROFILES])
+def test_bad_profile_is_invalid_at_load(ctx, slug, profile, build, needles):
+    ppath = os.path.join(ctx.bad_dir, "%s.profile.json" % slug)
+    with open(ppath, "w") as f:
+        f.write(profile if isinstance(profile, str) else json.dumps(profile))
+    path = ctx.good_path
+    if build is not None:
+        path = os.path.join(ctx.bad_dir, "%s.safetensors" % slug)
+        with open(path, "wb") as f:
+            f.write(build())
+    r = ctx.d.ctl("load", "bad_" + slug, path, "--profile", ppath)
+    assert_error(ctx, r, "INVALID_ARGUMENT", "load with profile %s" % slug)
+    for n in needles:
+        assert n in r.error_message, r.error_message[:1000]
+    assert ctx.listed_names() == ["good"]
+
+
+def test_index_nested_100k_is_invalid(ctx):
+    d = os.path.join(ctx.bad_dir, "nested_index")
+    os.makedirs(d)
+    st_io.save({"x": torch.ones(2)}, os.path.join(d, "model-00001-of-00001.safetensors"))
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        f.write('{"metadata": {"x": ' + "[" * 100000 + "]" * 100000 +
+                '}, "weight_map": {"x": "model-00001-of-00001.safetensors"}}')
+    r = ctx.d.ctl("load", "bad_nested_index", d)
+    assert_error(ctx, r, "INVALID_ARGUMENT", "load of a 100,000-deep index")
+    assert "nests deeper than 64 levels" in r.error_message, r.error_message
+    assert ctx.listed_names() == ["good"]
+
+
+# The daemon caps every error message it sends (README "Limits"): a longer
+# one would exceed gRPC's metadata limit and arrive as RESOURCE_EXHAUSTED.
+MAX_MESSAGE = 4096
+
+
+def _client_error(ctx, call, code, what):
+    with weightd.Client(socket=ctx.d.socket, retry_deadline=0) as c:
+        with pytest.raises(weightd.Error) as e:
+            call(c)
+    assert ctx.d.alive(), "daemon died on %s; log:\n%s" % (what, ctx.d.log()[-3000:])
+    assert e.value.code == code, "%s: %s" % (what, e.value)
+    assert len(e.value.message.encode()) <= MAX_MESSAGE, \
+        "%s: %d-byte message" % (what, len(e.value.message.encode()))
+    return e.value.message
+
+
+def test_many_duplicate_names_are_refused_before_materializing(ctx):
+    before = ctx.d.ctl_ok("stats").stdout
+    msg = _client_error(ctx, lambda c: c.fetch("good", world=2, rank=0, dtype="f16",
+                                                names=["w2d"] * 200),
+                        "INVALID_ARGUMENT", "200 duplicate names")
+    assert '"w2d"' in msg and "more than once" in msg, msg
+    after = ctx.d.ctl_ok("stats").stdout
+    key = "materialization_bytes: "
+    grab = lambda t: int(t.split(key, 1)[1].split()[0])  # noqa: E731
+    assert grab(after) == grab(before), (before, after)
+
+
+def test_100k_unknown_names_get_not_found_with_a_bounded_message(ctx):
+    names = ["no.such.layers.%d.weight" % i for i in range(100000)]
+    msg = _client_error(ctx, lambda c: c.fetch("good", names=names), "NOT_FOUND",
+                        "100k unknown names")
+    assert "100000" in msg and "no.such.layers." in msg, msg[:500]
+
+
+def test_1mib_model_name_gets_not_found_with_a_bounded_message(ctx):
+    name = "m" * (1 << 20)
+    _client_error(ctx, lambda c: c.info(name), "NOT_FOUND", "info of a 1 MiB name")
+    _client_error(ctx, lambda c: c.fetch(name), "NOT_FOUND", "fetch of a 1 MiB name")
+
+
+def test_1mib_unknown_name_gets_not_found_with_a_bounded_message(ctx):
+    msg = _client_error(ctx, lambda c: c.fetch("good", names=["n" * (1 << 20)]), "NOT_FOUND",
+                        "fetch of a 1 MiB tensor name")
+    assert "nnnn" in msg, msg[:200]
+    # Bytes outside ASCII travel percent-encoded (3 bytes each): still fits.
+    _client_error(ctx, lambda c: c.fetch("good", names=["\u00e9" * (1 << 19), "w\u00e9" * 9999]),
+                  "NOT_FOUND", "fetch of 1 MiB of non-ASCII tensor names")
+
+
+def test_empty_shards_of_zero_element_tensors_lie_inside_their_segment(ctx):
+    """A zero-element tensor sharded on a non-empty dim: the empty piece must
+    point inside its segment (it pointed at its linear start, past the end,
+    and for [0, 2**62] at byte 2**63)."""
+    big = 2 ** 62
+    h = {"zero.wide": {"dtype": "F32", "shape": [0, 5000], "data_offsets": [0, 0]},
+         "zero.huge": {"dtype": "F32", "shape": [0, big], "data_offsets": [0, 0]},
+         "zero.bf16": {"dtype": "BF16", "shape": [3, 0, 7], "data_offsets": [0, 0]},
+         "real.w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+    path = os.path.join(ctx.root, "empties.safetensors")
+    with open(path, "wb") as f:
+        f.write(assemble(hdr(h), f32(4)))
+    ctx.d.ctl_ok("load", "empties", path)
+    try:
+        names = "zero.wide,zero.huge,zero.bf16"
+        for transport in ("shm", "grpc"):
+            for world, rank in ((2, 1), (3, 2), (2, 0)):
+                out = ctx.out("empties_%s_%d_%d" % (transport, world, rank))
+                ctx.d.ctl_ok("fetch", "empties", "--world", world, "--rank", rank,
+                             "--placements", "S1", "--names", names, "--transport", transport,
+                             "--out", out)
+                got = st_io.load_raw(out)
+                c = -(-5000 // world)
+                assert got["zero.wide"] == ("F32", [0, min(5000, (rank + 1) * c) - rank * c], b"")
+                c = -(-big // world)
+                assert got["zero.huge"] == ("F32", [0, min(big, (rank + 1) * c) - rank * c], b"")
+                assert got["zero.bf16"] == ("BF16", [3, 0, 7], b"")  # the split dim is the 0
+        with weightd.Client(socket=ctx.d.socket, retry_deadline=0) as c:
+            with c.fetch("empties", world=2, rank=1, placements="S1",
+                         names=["zero.wide", "zero.huge"]) as h:
+                assert sorted(h.names) == ["zero.huge", "zero.wide"]
+    finally:
+        ctx.d.ctl_ok("unload", "empties")
 
 
 # --------------------------------------------------------------------------- afterwards

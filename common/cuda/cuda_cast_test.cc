@@ -1,0 +1,117 @@
+// CastBufferCuda against the CPU's CastBufferScalar, bit for bit, NaN
+// payloads included: every 16-bit pattern of F16 and
+// BF16, every FP8 pattern, and F32/F64 specials plus a million random
+// patterns, to every floating dtype. Needs a device: GTEST_SKIP otherwise
+// (CTest label "gpu").
+#include "common/cuda/cuda_cast.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/cast.h"
+
+namespace weightd {
+namespace {
+
+constexpr DType kFloats[] = {DType::kF64, DType::kF32, DType::kF16, DType::kBF16,
+                             DType::kF8E4M3, DType::kF8E5M2};
+
+std::string NoDeviceReason() {
+  int n = 0;
+  cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) return std::string("no CUDA device: ") + cudaGetErrorString(err);
+  if (n == 0) return "no CUDA device";
+  return "";
+}
+
+// Inputs of dtype `t`: every pattern of 8- and 16-bit types; specials and
+// random bit patterns of F32 and F64.
+std::vector<uint8_t> Inputs(DType t) {
+  const size_t size = DTypeSize(t);
+  std::vector<uint8_t> out;
+  if (size <= 2) {
+    const uint32_t n = 1u << (8 * size);
+    out.resize(n * size);
+    for (uint32_t i = 0; i < n; ++i) std::memcpy(out.data() + i * size, &i, size);
+    return out;
+  }
+  std::mt19937_64 rng(42);
+  constexpr size_t kRandom = 1 << 20;
+  if (t == DType::kF32) {
+    std::vector<float> v = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, 1e-45f, -1e-45f,
+                            65504.0f, 65520.0f, 3.4e38f, 448.0f, 480.0f, 57344.0f, 1.0f + 0x1p-11f};
+    for (size_t i = 0; i < kRandom; ++i) {
+      uint32_t w = static_cast<uint32_t>(rng());
+      float f;
+      std::memcpy(&f, &w, 4);
+      v.push_back(f);
+    }
+    out.resize(v.size() * 4);
+    std::memcpy(out.data(), v.data(), out.size());
+    return out;
+  }
+  std::vector<double> v = {0.0, -0.0, INFINITY, -INFINITY, NAN, 1.0 + 0x1p-11 + 0x1p-40, 1e-320,
+                           3.5e38, 65519.99};
+  for (size_t i = 0; i < kRandom; ++i) {
+    uint64_t w = rng();
+    double d;
+    std::memcpy(&d, &w, 8);
+    v.push_back(d);
+  }
+  out.resize(v.size() * 8);
+  std::memcpy(out.data(), v.data(), out.size());
+  return out;
+}
+
+TEST(CudaCastTest, EveryFloatPairMatchesTheCpuBitForBit) {
+  if (std::string why = NoDeviceReason(); !why.empty()) GTEST_SKIP() << why;
+  for (DType src : kFloats) {
+    std::vector<uint8_t> in = Inputs(src);
+    const size_t count = in.size() / DTypeSize(src);
+    void* d_in = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_in, in.size()), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_in, in.data(), in.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    for (DType dst : kFloats) {
+      const size_t out_bytes = count * DTypeSize(dst);
+      std::vector<uint8_t> want(out_bytes), got(out_bytes);
+      ASSERT_TRUE(CastBufferScalar(src, in.data(), dst, want.data(), count).ok());
+      void* d_out = nullptr;
+      ASSERT_EQ(cudaMalloc(&d_out, out_bytes), cudaSuccess);
+      absl::Status s = CastBufferCuda(src, d_in, dst, d_out, count, nullptr);
+      ASSERT_TRUE(s.ok()) << s;
+      ASSERT_EQ(cudaMemcpy(got.data(), d_out, out_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      cudaFree(d_out);
+      size_t diffs = 0;
+      const size_t e = DTypeSize(dst);
+      for (size_t i = 0; i < count; ++i) {
+        const uint8_t* w = want.data() + i * e;
+        const uint8_t* g = got.data() + i * e;
+        // Bits, NaN payloads included: the same tensor must have the same
+        // digest whichever path cast it (cast_elements.h builds NaNs as
+        // x86 does on both).
+        if (std::memcmp(w, g, e) == 0) continue;
+        if (++diffs <= 3) {
+          ADD_FAILURE() << DTypeName(src) << " -> " << DTypeName(dst) << " element " << i;
+        }
+      }
+      EXPECT_EQ(diffs, 0u) << DTypeName(src) << " -> " << DTypeName(dst);
+    }
+    cudaFree(d_in);
+  }
+}
+
+TEST(CudaCastTest, RefusesIntegerConversionsWithoutADevice) {
+  // Checked before any CUDA call: runs on every machine.
+  absl::Status s = CastBufferCuda(DType::kI64, nullptr, DType::kF32, nullptr, 4, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(CastBufferCuda(DType::kF32, nullptr, DType::kF16, nullptr, 0, nullptr).ok());
+}
+
+}  // namespace
+}  // namespace weightd

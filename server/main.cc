@@ -233,6 +233,21 @@ absl::Status CheckFlags(const FlagTable& table, DaemonFlags* flags) {
   return absl::OkStatus();
 }
 
+// The teardown after SIGTERM is bounded: gRPC at the process's thread limit
+// (pids cgroup, TasksMax, RLIMIT_NPROC) can leave calls it never completes,
+// and the daemon must still exit. Past the grace and kTeardownSeconds more,
+// SIGALRM ends the process (sockets are unlinked first thing in shutdown).
+constexpr unsigned kTeardownSeconds = 2;
+const char* g_data_socket_path = nullptr;  // unlinked if the teardown is stuck
+
+void OnTeardownStuck(int) {
+  if (g_data_socket_path != nullptr) ::unlink(g_data_socket_path);
+  static const char kLine[] =
+      "warning shutdown_stuck: teardown outlived --shutdown-grace-seconds + 2 s; exiting\n";
+  (void)!::write(STDERR_FILENO, kLine, sizeof(kLine) - 1);
+  ::_exit(0);
+}
+
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "error: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
                std::string(status.message()).c_str());
@@ -311,6 +326,9 @@ int Main(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   LogEvent(LogLevel::kInfo, "shutdown", {{"signal", strsignal(sig)}});
+  g_data_socket_path = flags.data.path.c_str();
+  signal(SIGALRM, OnTeardownStuck);
+  alarm(static_cast<unsigned>(absl::ToInt64Seconds(flags.shutdown_grace)) + kTeardownSeconds);
   (*grpc)->Shutdown(flags.shutdown_grace);
   metrics.reset();
   (*data)->Stop();

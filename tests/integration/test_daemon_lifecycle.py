@@ -456,7 +456,9 @@ def test_at_the_thread_limit_the_daemon_refuses_and_serves_on(open_tmp):
         assert torch.equal(st_io.load(out)["t3"], torch.full((32, 64), 3.0))
         rc, took = _exit_seconds(d)
         assert rc == 0, d.log()
-        assert took < 5, took
+        # Usually at once; gRPC starved of threads may leave a call it never
+        # completes, and then the teardown ends 2 s after the grace.
+        assert took < 5 + 3, took
     finally:
         channel.close()
         d.stop()

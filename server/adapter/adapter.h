@@ -54,6 +54,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/digest.h"
+#include "common/file_opener.h"
 #include "server/adapter/patch.h"
 
 namespace weightd {
@@ -97,14 +98,16 @@ struct Adapter {
 // config, non-2-D factors, non-floating tensors, bad config JSON or values,
 // unsupported variants, two payloads for one parameter, files with no
 // adapter tensors (in auto mode: unknown format).
-// `resolve_file`, when set, maps every file the adapter reads (the weights
-// and the PEFT config, found inside `path`) to the path actually opened, or
-// fails (the daemon passes ModelRoots::Resolve: a file symlinked out of the
-// model roots is PERMISSION_DENIED even when its directory lies inside).
-using ResolveFileFn = std::function<absl::StatusOr<std::string>(const std::string&)>;
+// Every file is opened once through `options.files` and read through that
+// fd (the daemon passes its ModelRoots: a file symlinked out of the model
+// roots is PERMISSION_DENIED even when its directory lies inside; a FIFO or
+// other special file is INVALID_ARGUMENT at once).
+struct AdapterLoadOptions {
+  const FileOpener* files = nullptr;  // nullptr: UnconfinedFileOpener
+};
 absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& path,
                                                            AdapterFormat format,
-                                                           const ResolveFileFn& resolve_file = {});
+                                                           const AdapterLoadOptions& options = {});
 
 // Resolves a kohya name against the base checkpoint's names. `flat` is
 // "<prefix><module with . → _>[.<param>]" with prefix one of lora_unet_,

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/digest.h"
+#include "common/file_opener.h"
 #include "common/dtype.h"
 #include "server/store/segment.h"
 
@@ -73,14 +74,16 @@ struct CheckpointLoadOptions {
   // Threads reading and digesting in parallel.
   int read_threads = 2;
   LoadProgressFn progress;  // optional; called from loader threads
-  // Optional: maps every file path (e.g. the files an index names) to the
-  // path to open, failing for paths outside the model roots.
-  std::function<absl::StatusOr<std::string>(const std::string&)> resolve_file;
+  // Opens `path` and every file it leads to (the index, each shard it
+  // names, each file of a directory), each once, read through its fd; the
+  // daemon passes its ModelRoots, which confines them all to the model
+  // roots. nullptr: UnconfinedFileOpener (tests, tools).
+  const FileOpener* files = nullptr;
 };
 
-// Loads `path` — already resolved and confined by the caller — which is a
-// .safetensors file, a directory holding model.safetensors.index.json, or a
-// directory of *.safetensors files (sorted by name). Files are read with
+// Loads `path`, which is a .safetensors file, a directory holding
+// model.safetensors.index.json (or that index file itself), or a directory
+// of *.safetensors files (sorted by name). Files are read with
 // pread (never mmap: a file truncated under the daemon must not SIGBUS it)
 // and checked unchanged (size, mtime) after reading: DATA_LOSS otherwise.
 // Errors name the file and the tensor. On failure nothing stays allocated.

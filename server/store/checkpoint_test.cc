@@ -13,7 +13,6 @@
 
 #include "common/fd.h"
 #include "common/safetensors.h"
-#include "server/store/model_roots.h"
 
 namespace weightd {
 namespace {
@@ -136,27 +135,6 @@ TEST_F(CheckpointTest, TruncatedFileIsInvalidArgument) {
   auto r = LoadCheckpoint(path, Options());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_NE(r.status().message().find(path), std::string::npos) << r.status();
-}
-
-TEST_F(CheckpointTest, ModelRootsConfinePaths) {
-  std::string inside = WriteFile("m.safetensors", {{"a", 1}});
-  fs::create_directory(dir_ + "/root");
-  fs::create_symlink("/etc/hostname", dir_ + "/root/escape");
-  fs::create_symlink(inside, dir_ + "/root/ok.safetensors");
-  auto roots = ModelRoots::Create({dir_ + "/root"});
-  ASSERT_TRUE(roots.ok());
-  EXPECT_EQ(roots->Resolve(dir_ + "/root/escape").status().code(),
-            absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(roots->Resolve(inside).status().code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(roots->Resolve("/etc/passwd").status().code(), absl::StatusCode::kPermissionDenied);
-  // A symlink to a file outside the root escapes it, even with a good name.
-  EXPECT_EQ(roots->Resolve(dir_ + "/root/ok.safetensors").status().code(),
-            absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(roots->Resolve(dir_ + "/root/nope").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(roots->Resolve(dir_ + "/root/../m.safetensors").status().code(),
-            absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(ModelRoots::Create({dir_ + "/missing"}).status().code(),
-            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -278,3 +278,77 @@ def test_draining_daemon_answers_new_calls_unavailable(tmp_path):
     assert 2.5 < took < (12 if harness.SANITIZE else 6), took
     assert "shutdown_grace_expired" in d.log() and "calls_in_flight=1" in d.log(), d.log()
     d.stop()
+
+
+def _unblock_fifos(paths):
+    """Opens each FIFO for writing and closes it: a reader stuck in open()
+    (the bug under test) gets EOF, so a failing test does not hang."""
+    for p in paths:
+        try:
+            os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+
+def test_fifo_files_are_refused_at_once_and_do_not_hold_shutdown(tmp_path):
+    """A FIFO where a file should be (an adapter_config.json, a shard of a
+    model directory) is refused at once with INVALID_ARGUMENT naming it,
+    however many such loads run together; the name is free again, other
+    calls are served and SIGTERM exits promptly (F7)."""
+    import threading
+    root = tmp_path / "models"
+    root.mkdir()
+    good = _write_model(str(root))
+    adapter = root / "fifo_adapter"
+    adapter.mkdir()
+    st_io.save({"base_model.model.w.lora_A.weight": torch.ones(2, 3),
+                "base_model.model.w.lora_B.weight": torch.ones(4, 2)},
+               str(adapter / "adapter_model.safetensors"))
+    model = root / "fifo_model"
+    model.mkdir()
+    st_io.save({"a": torch.ones(4)}, str(model / "a.safetensors"))
+    fifos = [str(adapter / "adapter_config.json"), str(model / "b.safetensors")]
+    for f in fifos:
+        os.mkfifo(f)
+    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                       extra_args=["--preload", "m=" + good, "--threads", "2"])
+    d.start()
+    try:
+        results = {}
+
+        def run(key, *args):
+            try:
+                results[key] = d.ctl(*args, timeout=15)
+            except subprocess.TimeoutExpired:
+                results[key] = None
+
+        calls = [("adapter%d" % i, ("adapter", "load", "fifo%d" % i, str(adapter)))
+                 for i in range(6)] + [("model", ("load", "fifo_model", str(model)))]
+        threads = [threading.Thread(target=run, args=(k,) + a) for k, a in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for key, _ in calls:
+            r = results[key]
+            assert r is not None, "%s hung on a FIFO; log:\n%s" % (key, d.log()[-2000:])
+            assert r.error_code == "INVALID_ARGUMENT", (key, r.stderr)
+            assert "FIFO" in r.error_message, r.error_message
+        assert "adapter_config.json" in results["adapter0"].error_message
+        assert "b.safetensors" in results["model"].error_message
+        # Still serving; the model's name was given back.
+        d.ctl_ok("info", "m")
+        d.ctl_ok("verify", "m")
+        d.ctl_ok("fetch", "m", "--world", "2", "--rank", "0", "--out", str(tmp_path / "f.st"))
+        assert "fifo_model" not in d.ctl_ok("list").stdout
+        os.unlink(str(model / "b.safetensors"))
+        st_io.save({"b": torch.ones(4)}, str(model / "b.safetensors"))
+        d.ctl_ok("load", "fifo_model", str(model))
+        rc, took = _exit_seconds(d)
+        assert rc == 0, d.log()
+        assert took < 5.0, (took, d.log()[-2000:])
+    finally:
+        _unblock_fifos(fifos)
+        d.stop()
+
+

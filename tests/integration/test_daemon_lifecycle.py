@@ -352,3 +352,49 @@ def test_fifo_files_are_refused_at_once_and_do_not_hold_shutdown(tmp_path):
         d.stop()
 
 
+def test_a_second_daemon_on_live_sockets_refuses_to_start(tmp_path):
+    """A second daemon started on the sockets of a live one exits non-zero
+    with FAILED_PRECONDITION and leaves them alone (the first keeps serving);
+    the socket files of a dead daemon are still replaced (F13)."""
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                       extra_args=["--preload", "m=" + path])
+    d.start()
+    try:
+        for args in (["--socket", d.socket],
+                     ["--socket", d.socket, "--data-socket", str(tmp_path / "other.data")],
+                     ["--socket", str(tmp_path / "other.sock"), "--data-socket", d.data_socket]):
+            second = subprocess.Popen([harness.WEIGHTD, "--model-root", str(root)] + args,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                _, err = second.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                second.kill()
+                second.communicate()
+                pytest.fail("a second daemon started on the sockets of a live one: %s" % args)
+            assert second.returncode != 0
+            errors = [l for l in err.splitlines() if l.startswith("error: ")]
+            assert len(errors) == 1, err
+            assert errors[0].startswith("error: FAILED_PRECONDITION: "), errors[0]
+            assert "already" in errors[0], errors[0]
+            # The first daemon still owns and serves both sockets.
+            assert os.path.exists(d.socket) and os.path.exists(d.data_socket)
+            d.ctl_ok("fetch", "m", "--out", str(tmp_path / "f.st"))
+        assert not os.path.exists(str(tmp_path / "other.sock"))
+        assert not os.path.exists(str(tmp_path / "other.data"))
+        # A daemon killed outright leaves its socket files behind: they are
+        # stale, and a new daemon replaces them.
+        d.proc.kill()
+        d.proc.wait()
+        assert os.path.exists(d.socket) and os.path.exists(d.data_socket)
+        d2 = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                            extra_args=["--preload", "m=" + path])
+        d2.start()
+        d2.ctl_ok("fetch", "m", "--out", str(tmp_path / "f2.st"))
+        assert d2.stop() == 0
+    finally:
+        d.stop()
+
+

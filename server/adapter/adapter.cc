@@ -929,6 +929,13 @@ absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& pa
     }
   }
 
+  if (options.reserve) {
+    uint64_t bytes = 0;
+    for (const SafetensorsEntry& e : file.header.tensors) {
+      if (wanted.contains(e.name)) bytes += static_cast<uint64_t>(NumElements(e.shape)) * 4;
+    }
+    WD_ASSIGN_OR_RETURN(adapter->reservation, options.reserve(bytes));
+  }
   WD_ASSIGN_OR_RETURN(TensorMap tensors, ReadTensors(file, wanted, &digest));
   adapter->digest = digest.Finish();
 

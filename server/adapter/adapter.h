@@ -84,6 +84,8 @@ struct Adapter {
   std::vector<AdapterEntry> entries;      // in key order
   std::vector<std::string> ignored_keys;  // keys not understood (original spelling)
   uint64_t bytes = 0;                     // fp32 bytes held by the patches
+  // What AdapterLoadOptions::reserve returned (e.g. a memory-budget charge).
+  std::shared_ptr<const void> reservation;
 };
 
 // Loads the adapter at `path` (see the header comment). With kAuto the
@@ -104,6 +106,12 @@ struct Adapter {
 // other special file is INVALID_ARGUMENT at once).
 struct AdapterLoadOptions {
   const FileOpener* files = nullptr;  // nullptr: UnconfinedFileOpener
+  // Called once the weights' header is parsed, before any tensor is read,
+  // with the bytes the patches will hold (4 per element of every tensor the
+  // format uses). It returns what keeps them reserved — the Adapter holds
+  // it, so it is dropped with the Adapter — or fails the load with its
+  // status (RESOURCE_EXHAUSTED), before anything is allocated for them.
+  std::function<absl::StatusOr<std::shared_ptr<const void>>(uint64_t bytes)> reserve;
 };
 absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& path,
                                                            AdapterFormat format,

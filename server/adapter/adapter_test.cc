@@ -598,6 +598,31 @@ TEST_F(AdapterTest, EveryFileGoesThroughTheOpener) {
                                                     d + "/adapter_config.json"}));
 }
 
+// The patches' bytes are reserved before any tensor is read; a refusal
+// fails the load, and the reservation lives as long as the adapter.
+TEST_F(AdapterTest, ReservesThePatchBytesBeforeReading) {
+  std::string d = Peft("reserved", R"({"r": 4, "lora_alpha": 8})", PeftPair(kQ, 4, 16, 12, 1));
+  std::vector<uint64_t> asked;
+  auto token = std::make_shared<int>(0);
+  auto a = LoadAdapter(d, AdapterFormat::kAuto,
+                       {.reserve = [&](uint64_t bytes) -> absl::StatusOr<std::shared_ptr<const void>> {
+                         asked.push_back(bytes);
+                         return std::shared_ptr<const void>(token);
+                       }});
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0], (4u * 16 + 12u * 4) * 4);  // lora_A [4, 16] + lora_B [12, 4], fp32
+  EXPECT_EQ(asked[0], (*a)->bytes);
+  EXPECT_EQ(token.use_count(), 2);
+  a->reset();
+  EXPECT_EQ(token.use_count(), 1);
+  auto refused = LoadAdapter(d, AdapterFormat::kAuto,
+                             {.reserve = [&](uint64_t) -> absl::StatusOr<std::shared_ptr<const void>> {
+                               return absl::ResourceExhaustedError("budget");
+                             }});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+}
+
 TEST_F(AdapterTest, PeftRsLoraScalesBySqrtRank) {
   std::string d =
       Peft("rs", R"({"r": 16, "lora_alpha": 8, "use_rslora": true})", PeftPair(kQ, 16, 8, 8, 1));

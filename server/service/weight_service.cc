@@ -35,6 +35,20 @@ std::string ShapeString(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
+// Bytes reserved in a MemoryAccount, returned when the charge is dropped.
+class MemoryCharge {
+ public:
+  MemoryCharge(std::shared_ptr<MemoryAccount> account, uint64_t bytes)
+      : account_(std::move(account)), bytes_(bytes) {}
+  ~MemoryCharge() { account_->Return(bytes_); }
+  MemoryCharge(const MemoryCharge&) = delete;
+  MemoryCharge& operator=(const MemoryCharge&) = delete;
+
+ private:
+  std::shared_ptr<MemoryAccount> account_;
+  uint64_t bytes_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<WeightService>> WeightService::Create(
@@ -852,6 +866,17 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
   }
   AdapterLoadOptions load;
   load.files = &roots_;
+  // The patches' fp32 factors count against --host-memory-bytes for as long
+  // as the adapter lives (loaded, or kept by a generation that applied it).
+  load.reserve = [this, &name](uint64_t bytes) -> absl::StatusOr<std::shared_ptr<const void>> {
+    const std::string what = absl::StrCat("adapter \"", name, "\"");
+    absl::Status reserved = account_->Reserve(bytes, what);
+    if (absl::IsResourceExhausted(reserved) && materializer_.EvictUnused() > 0) {
+      reserved = account_->Reserve(bytes, what);
+    }
+    if (!reserved.ok()) return reserved;
+    return std::shared_ptr<const void>(std::make_shared<MemoryCharge>(account_, bytes));
+  };
   auto adapter = ::weightd::LoadAdapter(resolved, fmt, load);
   if (!adapter.ok()) return Annotate(adapter.status(), absl::StrCat("loading adapter \"", name, "\""));
   AdapterSummary info;

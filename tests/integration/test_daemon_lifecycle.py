@@ -398,3 +398,31 @@ def test_a_second_daemon_on_live_sockets_refuses_to_start(tmp_path):
         d.stop()
 
 
+def test_adapters_count_against_the_memory_budget(tmp_path):
+    """An adapter's fp32 factors are charged to --host-memory-bytes while it
+    lives: three 24 MiB adapters under a 64 MiB budget, the third is
+    RESOURCE_EXHAUSTED before it is read; unloading one makes room (F11)."""
+    root = tmp_path / "models"
+    root.mkdir()
+    for i in range(3):
+        a = root / ("a%d" % i)
+        a.mkdir()
+        # lora_A [1536, 2048] + lora_B [2048, 1536] fp32 = 24 MiB
+        st_io.save({"base_model.model.w.lora_A.weight": torch.zeros(1536, 2048),
+                    "base_model.model.w.lora_B.weight": torch.zeros(2048, 1536)},
+                   str(a / "adapter_model.safetensors"))
+        with open(str(a / "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": 1536, "lora_alpha": 1536}, f)
+    with harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                        extra_args=["--host-memory-bytes", str(64 << 20)]) as d:
+        d.ctl_ok("adapter", "load", "a0", str(root / "a0"))
+        d.ctl_ok("adapter", "load", "a1", str(root / "a1"))
+        stats = d.ctl_ok("stats").stdout
+        assert "bytes_resident: %d\n" % (48 << 20) in stats, stats
+        r = d.ctl("adapter", "load", "a2", str(root / "a2"))
+        assert r.error_code == "RESOURCE_EXHAUSTED", r.stderr
+        assert "a2" in r.error_message, r.error_message
+        assert "a2" not in d.ctl_ok("adapter", "list").stdout
+        d.ctl_ok("adapter", "unload", "a0")
+        assert "bytes_resident: %d\n" % (24 << 20) in d.ctl_ok("stats").stdout
+        d.ctl_ok("adapter", "load", "a2", str(root / "a2"))

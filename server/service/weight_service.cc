@@ -35,20 +35,6 @@ std::string ShapeString(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-// Bytes reserved in a MemoryAccount, returned when the charge is dropped.
-class MemoryCharge {
- public:
-  MemoryCharge(std::shared_ptr<MemoryAccount> account, uint64_t bytes)
-      : account_(std::move(account)), bytes_(bytes) {}
-  ~MemoryCharge() { account_->Return(bytes_); }
-  MemoryCharge(const MemoryCharge&) = delete;
-  MemoryCharge& operator=(const MemoryCharge&) = delete;
-
- private:
-  std::shared_ptr<MemoryAccount> account_;
-  uint64_t bytes_;
-};
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<WeightService>> WeightService::Create(
@@ -870,12 +856,12 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
   // as the adapter lives (loaded, or kept by a generation that applied it).
   load.reserve = [this, &name](uint64_t bytes) -> absl::StatusOr<std::shared_ptr<const void>> {
     const std::string what = absl::StrCat("adapter \"", name, "\"");
-    absl::Status reserved = account_->Reserve(bytes, what);
-    if (absl::IsResourceExhausted(reserved) && materializer_.EvictUnused() > 0) {
-      reserved = account_->Reserve(bytes, what);
+    auto charge = MemoryCharge::Reserve(account_, bytes, what);
+    if (absl::IsResourceExhausted(charge.status()) && materializer_.EvictUnused() > 0) {
+      charge = MemoryCharge::Reserve(account_, bytes, what);
     }
-    if (!reserved.ok()) return reserved;
-    return std::shared_ptr<const void>(std::make_shared<MemoryCharge>(account_, bytes));
+    if (!charge.ok()) return charge.status();
+    return std::shared_ptr<const void>(std::move(*charge));
   };
   auto adapter = ::weightd::LoadAdapter(resolved, fmt, load);
   if (!adapter.ok()) return Annotate(adapter.status(), absl::StrCat("loading adapter \"", name, "\""));

@@ -231,9 +231,18 @@ int64_t StoredTensor::NumElements() const {
   return n;
 }
 
+uint64_t TensorMetadataBytes(absl::string_view name, size_t rank) {
+  return kTensorMetadataBytes + kTensorMetadataBytesPerNameByte * name.size() +
+         kTensorMetadataBytesPerDim * rank;
+}
+
 Checkpoint::Checkpoint(std::string path, std::vector<std::string> files,
-                       std::vector<StoredTensor> tensors)
-    : path_(std::move(path)), files_(std::move(files)), tensors_(std::move(tensors)) {
+                       std::vector<StoredTensor> tensors,
+                       std::unique_ptr<MemoryCharge> metadata_charge)
+    : path_(std::move(path)),
+      files_(std::move(files)),
+      tensors_(std::move(tensors)),
+      metadata_charge_(std::move(metadata_charge)) {
   std::sort(tensors_.begin(), tensors_.end(),
             [](const StoredTensor& a, const StoredTensor& b) { return a.name < b.name; });
   for (size_t i = 0; i < tensors_.size(); ++i) {
@@ -289,6 +298,19 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
       }
     }
   }
+
+  // The per-tensor bookkeeping counts against the budget like the bytes: a
+  // small file of very many tensors must not take unaccounted memory.
+  uint64_t metadata_bytes = 0;
+  for (const OpenFile& f : files) {
+    for (const SafetensorsEntry& e : f.header.tensors) {
+      metadata_bytes += TensorMetadataBytes(e.name, e.shape.size());
+    }
+  }
+  WD_ASSIGN_OR_RETURN(
+      std::unique_ptr<MemoryCharge> metadata_charge,
+      MemoryCharge::Reserve(options.account, metadata_bytes,
+                            absl::StrCat("metadata of ", tensors_total, " tensors")));
 
   // Lay the data sections out in segments, in file order.
   std::vector<uint64_t> segment_sizes;
@@ -403,7 +425,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     done.tensors_done = done.tensors_total = tensors_total;
     options.progress(done);
   }
-  return std::make_shared<const Checkpoint>(path, std::move(paths), std::move(tensors));
+  return std::make_shared<const Checkpoint>(path, std::move(paths), std::move(tensors),
+                                            std::move(metadata_charge));
 }
 
 }  // namespace weightd

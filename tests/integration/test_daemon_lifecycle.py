@@ -83,7 +83,33 @@ def test_memory_budget_refuses_oversized_load(tmp_path):
         assert r.error_code == "RESOURCE_EXHAUSTED", r.stderr
         assert "big" not in d.ctl_ok("list").stdout
         d.ctl_ok("load", "small", small)
-        assert "bytes_resident: 4096\n" in d.ctl_ok("stats").stdout
+        # one page of data + the metadata of tensor "w" [4, 3] (README, Limits)
+        assert "bytes_resident: %d\n" % (4096 + 1024 + 24 * 1 + 16 * 2) in d.ctl_ok("stats").stdout
+
+
+def test_tensor_metadata_counts_against_the_memory_budget(tmp_path):
+    """A small file of very many tensors is refused RESOURCE_EXHAUSTED when
+    their bookkeeping does not fit the budget (about 1 KiB each), though its
+    bytes would (F14); the daemon keeps serving."""
+    import struct
+    root = tmp_path / "models"
+    root.mkdir()
+    n = 20000
+    header = {"t%05d" % i: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+              for i in range(n)}
+    blob = json.dumps(header).encode()
+    path = os.path.join(str(root), "many.safetensors")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + b"\0" * (4 * n))   # 80 KB of data
+    small = _write_model(str(root))
+    with harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                        extra_args=["--host-memory-bytes", str(16 << 20)]) as d:
+        r = d.ctl("load", "many", path)
+        assert r.error_code == "RESOURCE_EXHAUSTED", r.stderr
+        assert "metadata of 20000 tensors" in r.error_message, r.error_message
+        assert "many" not in d.ctl_ok("list").stdout
+        assert "bytes_resident: 0\n" in d.ctl_ok("stats").stdout
+        d.ctl_ok("load", "small", small)
 
 
 def test_flags_from_environment_and_config_file(tmp_path):

@@ -16,6 +16,7 @@
 
 #include "common/fd.h"
 #include "common/safetensors.h"
+#include "server/adapter/adapter.h"
 #include "server/store/checkpoint.h"
 
 namespace weightd {
@@ -105,6 +106,46 @@ TEST_P(ModelRootsTest, DirectorySymlinkSwapNeverReadsOutsideTheRoot) {
                        << refused << " refused, " << swaps.load() << " swaps)";
   EXPECT_GT(loaded, 0);
   EXPECT_GT(swaps.load(), 0);
+}
+
+// The same race on an adapter directory (weights and config read through
+// the opener): no load ever holds the adapter outside.
+TEST_P(ModelRootsTest, AdapterDirectorySymlinkSwapNeverReadsOutsideTheRoot) {
+  auto peft = [](const std::string& dir, const std::string& module) {
+    fs::create_directories(dir);
+    const std::string a = "base_model.model." + module + ".lora_A.weight";
+    const std::string b = "base_model.model." + module + ".lora_B.weight";
+    std::string blob = BuildSafetensorsHeader({{a, DType::kF32, {1, 2}, 8},
+                                               {b, DType::kF32, {2, 1}, 8}}) +
+                       std::string(16, '\0');
+    UniqueFd fd(::open((dir + "/adapter_model.safetensors").c_str(),
+                       O_WRONLY | O_CREAT | O_TRUNC, 0644));
+    ASSERT_TRUE(WriteFull(fd.get(), blob.data(), blob.size()).ok());
+    std::ofstream(dir + "/adapter_config.json") << R"({"r": 1, "lora_alpha": 1})";
+  };
+  peft(root_ + "/slot", "inside");
+  peft(outside_ + "/adapter", "secret");
+  fs::create_directory_symlink(outside_ + "/adapter", root_ + "/other");
+  auto roots = Roots();
+  ASSERT_TRUE(roots.ok()) << roots.status();
+  std::atomic<bool> stop{false};
+  std::thread swapper([&] {
+    const std::string slot = root_ + "/slot", other = root_ + "/other";
+    while (!stop.load()) {
+      ASSERT_EQ(::renameat2(AT_FDCWD, slot.c_str(), AT_FDCWD, other.c_str(), RENAME_EXCHANGE), 0);
+    }
+  });
+  int loaded = 0, leaked = 0;
+  for (int i = 0; i < 2000 && leaked == 0; ++i) {
+    auto a = LoadAdapter(root_ + "/slot", AdapterFormat::kAuto, {.files = &*roots});
+    if (!a.ok()) continue;
+    ++loaded;
+    for (const AdapterEntry& e : (*a)->entries) leaked += e.target.find("secret") != std::string::npos;
+  }
+  stop = true;
+  swapper.join();
+  EXPECT_EQ(leaked, 0) << "an adapter load read files outside the root";
+  EXPECT_GT(loaded, 0);
 }
 
 TEST_P(ModelRootsTest, ConfinesPathsAndSymlinks) {

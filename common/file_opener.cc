@@ -30,7 +30,11 @@ std::string Dirname(absl::string_view path) {
 absl::StatusOr<OpenedFile> OpenReadableChecked(
     const std::function<absl::StatusOr<UniqueFd>(int flags)>& open, absl::string_view path) {
   for (int attempt = 0; attempt < kProbeAttempts; ++attempt) {
-    WD_ASSIGN_OR_RETURN(UniqueFd probe, open(O_PATH | O_CLOEXEC));
+    const bool last = attempt + 1 == kProbeAttempts;
+    auto probed = open(O_PATH | O_CLOEXEC);
+    if (absl::IsUnavailable(probed.status()) && !last) continue;  // changed: again
+    if (!probed.ok()) return probed.status();
+    UniqueFd probe = std::move(*probed);
     struct stat st;
     if (::fstat(probe.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
     const bool dir = S_ISDIR(st.st_mode);
@@ -43,8 +47,10 @@ absl::StatusOr<OpenedFile> OpenReadableChecked(
       return absl::InvalidArgumentError(
           absl::StrCat(path, " is ", kind, ", not a regular file or directory"));
     }
-    WD_ASSIGN_OR_RETURN(UniqueFd fd, open(O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY |
-                                          (dir ? O_DIRECTORY : 0)));
+    auto reopened = open(O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY | (dir ? O_DIRECTORY : 0));
+    if (absl::IsUnavailable(reopened.status()) && !last) continue;
+    if (!reopened.ok()) return reopened.status();
+    UniqueFd fd = std::move(*reopened);
     OpenedFile f;
     if (::fstat(fd.get(), &f.st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
     if (f.st.st_dev != st.st_dev || f.st.st_ino != st.st_ino) continue;  // swapped: again

@@ -61,7 +61,8 @@ class UnconfinedFileOpener final : public FileOpener {
 // errno. First it is opened O_PATH and fstat'ed: a FIFO, socket or device is
 // refused before anything could block on it or trigger a driver. Then it is
 // opened O_RDONLY|O_NONBLOCK (O_NONBLOCK cleared after) and must be the same
-// inode, else the probe starts over (a few times, then UNAVAILABLE).
+// inode, else the probe starts over (a few times, then UNAVAILABLE); an
+// UNAVAILABLE from `open` (the name changed under it) starts over too.
 // `path` names it in messages.
 absl::StatusOr<OpenedFile> OpenReadableChecked(
     const std::function<absl::StatusOr<UniqueFd>(int flags)>& open, absl::string_view path);

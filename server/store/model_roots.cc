@@ -200,9 +200,10 @@ UniqueFd ModelRoots::Walk(size_t root, const std::string& beneath, int flags, in
     }
     if ((flags & O_PATH) != 0) return fd;
     // The object itself, now for reading; O_NOFOLLOW: if the name became a
-    // symlink since, this fails (ELOOP) rather than follow it.
+    // symlink since, this fails rather than follow it (EAGAIN: the caller
+    // starts over).
     UniqueFd opened(::openat(here(), name.c_str(), flags | O_NOFOLLOW));
-    if (!opened.valid()) *err = errno;
+    if (!opened.valid()) *err = errno == ELOOP ? EAGAIN : errno;
     return opened;
   }
 }
@@ -229,6 +230,9 @@ absl::StatusOr<UniqueFd> ModelRoots::OpenOnce(int dirfd, const std::string& rel,
     case ELOOP:
       return absl::InvalidArgumentError(
           absl::StrCat("path \"", path, "\": too many levels of symbolic links"));
+    case EAGAIN:
+      return absl::UnavailableError(
+          absl::StrCat("path \"", path, "\" changed while it was being opened; try again"));
     default:
       return ErrnoStatus(err, absl::StrCat("opening \"", path, "\""));
   }

@@ -108,6 +108,39 @@ TEST_P(ModelRootsTest, DirectorySymlinkSwapNeverReadsOutsideTheRoot) {
   EXPECT_GT(swaps.load(), 0);
 }
 
+// The same race on the file itself: a file one moment, a symlink out of the
+// root the next.
+TEST_P(ModelRootsTest, FileSymlinkSwapNeverReadsOutsideTheRoot) {
+  WriteFile(root_ + "/m.safetensors", "inside");
+  WriteFile(outside_ + "/m.safetensors", "secret");
+  fs::create_symlink(outside_ + "/m.safetensors", root_ + "/other");
+  auto roots = Roots();
+  ASSERT_TRUE(roots.ok()) << roots.status();
+  std::atomic<bool> stop{false};
+  std::thread swapper([&] {
+    const std::string file = root_ + "/m.safetensors", other = root_ + "/other";
+    while (!stop.load()) {
+      ASSERT_EQ(::renameat2(AT_FDCWD, file.c_str(), AT_FDCWD, other.c_str(), RENAME_EXCHANGE), 0);
+    }
+  });
+  int loaded = 0, leaked = 0;
+  for (int i = 0; i < 3000 && leaked == 0; ++i) {
+    auto ckpt = Load(*roots, root_ + "/m.safetensors");
+    if (!ckpt.ok()) {
+      // Out of the root, or changing under the open too often: never more.
+      EXPECT_TRUE(absl::IsPermissionDenied(ckpt.status()) || absl::IsUnavailable(ckpt.status()))
+          << ckpt.status();
+      continue;
+    }
+    ++loaded;
+    if ((*ckpt)->Find("secret") != nullptr) ++leaked;
+  }
+  stop = true;
+  swapper.join();
+  EXPECT_EQ(leaked, 0) << "a load read the file outside the root";
+  EXPECT_GT(loaded, 0);
+}
+
 // The same race on an adapter directory (weights and config read through
 // the opener): no load ever holds the adapter outside.
 TEST_P(ModelRootsTest, AdapterDirectorySymlinkSwapNeverReadsOutsideTheRoot) {

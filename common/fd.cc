@@ -207,10 +207,15 @@ absl::Status PreadFull(int fd, void* buf, size_t size, uint64_t offset) {
 }
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t cap) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  // O_NONBLOCK: opening a FIFO for reading would wait for a writer.
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
   if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+  return ReadFdToString(fd.get(), path, cap);
+}
+
+absl::StatusOr<std::string> ReadFdToString(int fd, absl::string_view path, uint64_t cap) {
   struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
+  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
   if (!S_ISREG(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
   }
@@ -219,7 +224,7 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t c
         absl::StrCat(path, " is ", st.st_size, " bytes, more than the limit of ", cap));
   }
   std::string out(static_cast<size_t>(st.st_size), '\0');
-  absl::Status read = PreadFull(fd.get(), out.data(), out.size(), 0);
+  absl::Status read = PreadFull(fd, out.data(), out.size(), 0);
   if (!read.ok()) {
     return absl::Status(read.code(), absl::StrCat("reading ", path, ": ", read.message()));
   }

@@ -134,8 +134,13 @@ class MemfdSegment {
 // A file shorter than offset+size is DATA_LOSS ("file shrank").
 absl::Status PreadFull(int fd, void* buf, size_t size, uint64_t offset);
 // Reads a whole regular file of at most `cap` bytes (configs, indexes,
-// profiles): INVALID_ARGUMENT for a non-regular or larger file.
+// profiles): INVALID_ARGUMENT for a non-regular or larger file. A FIFO,
+// socket or device is refused at once (opened O_NONBLOCK, checked before
+// any read), never waited on.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t cap);
+// As ReadFileToString, from an open fd (read with pread from offset 0);
+// `path` names it in messages.
+absl::StatusOr<std::string> ReadFdToString(int fd, absl::string_view path, uint64_t cap);
 
 // write()s all of `size` bytes.
 absl::Status WriteFull(int fd, const void* buf, size_t size);

@@ -3,11 +3,13 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -126,4 +128,25 @@ TEST(PreadFullTest, ShortFileIsDataLoss) {
 }
 
 }  // namespace
+// A FIFO where a config, index or profile should be is refused at once,
+// not waited on for a writer.
+TEST(ReadFileToStringTest, FifoIsRefusedWithoutBlocking) {
+  char tmpl[] = "/tmp/weightd-fifo-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string fifo = std::string(tmpl) + "/config.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  auto read = std::async(std::launch::async, [&] { return ReadFileToString(fifo, 1 << 20); });
+  if (read.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ::close(::open(fifo.c_str(), O_WRONLY | O_NONBLOCK));  // let the reader go
+    read.wait();
+    ADD_FAILURE() << "ReadFileToString blocked on a FIFO";
+  } else {
+    auto text = read.get();
+    EXPECT_EQ(text.status().code(), absl::StatusCode::kInvalidArgument) << text.status();
+    EXPECT_NE(text.status().message().find(fifo), std::string::npos) << text.status();
+  }
+  ::unlink(fifo.c_str());
+  ::rmdir(tmpl);
+}
+
 }  // namespace weightd

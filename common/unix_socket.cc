@@ -27,19 +27,45 @@ absl::StatusOr<sockaddr_un> MakeAddress(const std::string& path) {
 
 }  // namespace
 
+absl::Status RemoveStaleSocket(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return ErrnoStatus(errno, absl::StrCat("stat ", path));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " exists and is not a socket"));
+  }
+  auto addr = MakeAddress(path);
+  if (!addr.ok()) return addr.status();
+  UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!probe.valid()) return ErrnoStatus(errno, "socket");
+  int rc;
+  do {
+    rc = ::connect(probe.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(sockaddr_un));
+  } while (rc != 0 && errno == EINTR);
+  const int err = rc == 0 ? 0 : errno;
+  // A full backlog (EAGAIN) is a live listener too.
+  if (rc == 0 || err == EAGAIN || err == EINPROGRESS) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is already in use: a live process (another weightd?) accepts connections on "
+              "it; stop it first or choose another socket path"));
+  }
+  if (err != ECONNREFUSED && err != ENOENT) {
+    return ErrnoStatus(err, absl::StrCat("probing the socket ", path, " before replacing it"));
+  }
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return ErrnoStatus(errno, absl::StrCat("removing the stale socket ", path));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode) {
   auto addr = MakeAddress(path);
   if (!addr.ok()) return addr.status();
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return ErrnoStatus(errno, "socket");
-  struct stat st;
-  if (::lstat(path.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(path, " exists and is not a socket"));
-    }
-    ::unlink(path.c_str());
-  }
+  if (absl::Status s = RemoveStaleSocket(path); !s.ok()) return s;
   if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&*addr),
              sizeof(sockaddr_un)) != 0) {
     return ErrnoStatus(errno, absl::StrCat("bind ", path));

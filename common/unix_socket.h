@@ -19,8 +19,16 @@ namespace weightd {
 // The most fds one message carries (the kernel's SCM_MAX_FD is 253).
 inline constexpr size_t kMaxFdsPerMessage = 250;
 
-// Binds and listens on `path` (unlinking a stale socket file first), chmod
-// to `mode`. The socket is close-on-exec.
+// Makes way for a new listener at `path`: nothing there is fine; a socket
+// file nobody listens on (left by a daemon that died: connect() says
+// ECONNREFUSED) is unlinked; a socket a live process accepts on is
+// FAILED_PRECONDITION ("already in use": two daemons must not share one
+// path, and the second must not silently take it over); any other kind of
+// file is FAILED_PRECONDITION too.
+absl::Status RemoveStaleSocket(const std::string& path);
+
+// Binds and listens on `path` (RemoveStaleSocket first), chmod to `mode`.
+// The socket is close-on-exec.
 absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode);
 absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path);
 

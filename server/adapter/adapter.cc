@@ -51,13 +51,6 @@ bool HasKohyaPrefix(absl::string_view name) {
   return false;
 }
 
-std::string Dirname(const std::string& path) {
-  size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
 absl::Status KeyError(absl::string_view file, absl::string_view key, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(file, ": tensor \"", key, "\": ", what));
 }
@@ -66,19 +59,18 @@ absl::Status KeyError(absl::string_view file, absl::string_view key, absl::strin
 
 struct TensorFile {
   std::string path;
-  UniqueFd fd;
+  OpenedFile file;  // read through file.fd
   uint64_t size = 0;
   std::string prefix;  // the 8-byte length and the header JSON, for the digest
   SafetensorsHeader header;
 };
 
-absl::StatusOr<TensorFile> OpenTensorFile(const std::string& path) {
+absl::StatusOr<TensorFile> OpenTensorFile(OpenedFile file) {
   TensorFile f;
-  f.path = path;
-  f.fd.Reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!f.fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening ", path));
-  struct stat st;
-  if (::fstat(f.fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
+  f.path = file.path;
+  f.file = std::move(file);
+  const std::string& path = f.path;
+  const struct stat& st = f.file.st;
   if (!S_ISREG(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
   }
@@ -88,11 +80,11 @@ absl::StatusOr<TensorFile> OpenTensorFile(const std::string& path) {
         absl::StrCat(path, ": file is ", f.size, " bytes, too short for a safetensors header"));
   }
   char len8[8];
-  WD_RETURN_IF_ERROR_CTX(PreadFull(f.fd.get(), len8, 8, 0), path);
+  WD_RETURN_IF_ERROR_CTX(PreadFull(f.file.fd.get(), len8, 8, 0), path);
   auto header_len = ParseSafetensorsPrefix(absl::string_view(len8, 8), f.size);
   if (!header_len.ok()) return Annotate(header_len.status(), path);
   f.prefix.resize(8 + *header_len);
-  WD_RETURN_IF_ERROR_CTX(PreadFull(f.fd.get(), f.prefix.data(), f.prefix.size(), 0), path);
+  WD_RETURN_IF_ERROR_CTX(PreadFull(f.file.fd.get(), f.prefix.data(), f.prefix.size(), 0), path);
   auto header = ParseSafetensorsHeader(absl::string_view(f.prefix).substr(8), f.size);
   if (!header.ok()) return Annotate(header.status(), path);
   f.header = std::move(*header);
@@ -123,7 +115,7 @@ absl::StatusOr<TensorMap> ReadTensors(const TensorFile& f,
     }
     buf.resize(static_cast<size_t>(length));
     WD_RETURN_IF_ERROR_CTX(
-        PreadFull(f.fd.get(), buf.data(), buf.size(), f.header.data_offset + e.begin), f.path,
+        PreadFull(f.file.fd.get(), buf.data(), buf.size(), f.header.data_offset + e.begin), f.path,
         ": tensor \"", e.name, "\"");
     digest->Update(buf.data(), buf.size());
     if (!want) continue;
@@ -785,11 +777,6 @@ absl::Status CheckNotDirectoryFormat(const std::string& path, AdapterFormat form
                    " expects a .safetensors file (directories are PEFT adapters)"));
 }
 
-bool FileExists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
-}
-
 }  // namespace
 
 absl::StatusOr<AdapterFormat> ParseAdapterFormat(absl::string_view text) {
@@ -818,41 +805,42 @@ absl::string_view AdapterFormatName(AdapterFormat format) {
 
 absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& path,
                                                            AdapterFormat format,
-                                                           const ResolveFileFn& resolve_file) {
-  // Each file is checked where it really lies before it is opened.
-  auto resolved = [&](const std::string& p) -> absl::StatusOr<std::string> {
-    if (!resolve_file) return p;
-    return resolve_file(p);
-  };
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("adapter ", path));
+                                                           const AdapterLoadOptions& options) {
+  // Each file is opened once, where it really lies, and read through its fd.
+  const UnconfinedFileOpener unconfined;
+  const FileOpener& opener = options.files != nullptr ? *options.files : unconfined;
+  WD_ASSIGN_OR_RETURN(OpenedFile top, opener.Open(path));
   std::string weights_path = path;
-  std::string config_path;
-  if (S_ISDIR(st.st_mode)) {
+  std::optional<OpenedFile> config;
+  OpenedFile weights;
+  if (top.is_directory()) {
     if (format != AdapterFormat::kAuto && format != AdapterFormat::kPeft) {
       return CheckNotDirectoryFormat(path, format);
     }
     format = AdapterFormat::kPeft;
-    config_path = absl::StrCat(path, "/", kConfigName);
-    weights_path = absl::StrCat(path, "/", kWeightsName);
-    if (!FileExists(config_path)) {
+    auto cfg = opener.OpenIn(top, kConfigName);
+    if (absl::IsNotFound(cfg.status())) {
       return absl::NotFoundError(
           absl::StrCat("PEFT adapter directory ", path, " has no ", kConfigName));
     }
-    if (!FileExists(weights_path)) {
-      const bool bin = FileExists(absl::StrCat(path, "/adapter_model.bin"));
+    if (!cfg.ok()) return cfg.status();
+    auto w = opener.OpenIn(top, kWeightsName);
+    if (absl::IsNotFound(w.status())) {
+      const bool bin = !absl::IsNotFound(opener.OpenIn(top, "adapter_model.bin").status());
       return absl::NotFoundError(absl::StrCat(
           "PEFT adapter directory ", path, " has no ", kWeightsName,
           bin ? " (adapter_model.bin, a pickle, is not supported: convert it to safetensors)"
               : ""));
     }
-  } else if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("adapter ", path, " is neither a file nor a directory"));
+    if (!w.ok()) return w.status();
+    config = std::move(*cfg);
+    weights = std::move(*w);
+    weights_path = weights.path;
+  } else {
+    weights = std::move(top);
   }
 
-  WD_ASSIGN_OR_RETURN(std::string weights_real, resolved(weights_path));
-  WD_ASSIGN_OR_RETURN(TensorFile file, OpenTensorFile(weights_real));
+  WD_ASSIGN_OR_RETURN(TensorFile file, OpenTensorFile(std::move(weights)));
   std::vector<KeyInfo> keys;
   keys.reserve(file.header.tensors.size());
   for (const SafetensorsEntry& e : file.header.tensors) keys.push_back(Classify(e.name));
@@ -893,14 +881,18 @@ absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& pa
   PeftConfig cfg;
   DigestBuilder digest;
   if (format == AdapterFormat::kPeft) {
-    if (config_path.empty()) {
-      std::string sibling = absl::StrCat(Dirname(weights_path), "/", kConfigName);
-      if (FileExists(sibling)) config_path = sibling;
+    if (!config) {
+      auto sibling = opener.OpenBeside(file.file, kConfigName);
+      if (sibling.ok()) {
+        config = std::move(*sibling);
+      } else if (!absl::IsNotFound(sibling.status())) {
+        return sibling.status();
+      }
     }
-    if (!config_path.empty()) {
-      WD_ASSIGN_OR_RETURN(std::string config_real, resolved(config_path));
-      WD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config_real, kMaxConfigBytes));
-      WD_ASSIGN_OR_RETURN(cfg, ParsePeftConfig(text, config_path));
+    if (config) {
+      WD_ASSIGN_OR_RETURN(std::string text,
+                          ReadFdToString(config->fd.get(), config->path, kMaxConfigBytes));
+      WD_ASSIGN_OR_RETURN(cfg, ParsePeftConfig(text, config->path));
       digest.Update(text.data(), text.size());
     }
   }
@@ -943,6 +935,13 @@ absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& pa
     }
   }
 
+  if (options.reserve) {
+    uint64_t bytes = 0;
+    for (const SafetensorsEntry& e : file.header.tensors) {
+      if (wanted.contains(e.name)) bytes += static_cast<uint64_t>(NumElements(e.shape)) * 4;
+    }
+    WD_ASSIGN_OR_RETURN(adapter->reservation, options.reserve(bytes));
+  }
   WD_ASSIGN_OR_RETURN(TensorMap tensors, ReadTensors(file, wanted, &digest));
   adapter->digest = digest.Finish();
 

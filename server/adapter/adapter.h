@@ -54,6 +54,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/digest.h"
+#include "common/file_opener.h"
 #include "server/adapter/patch.h"
 
 namespace weightd {
@@ -83,6 +84,8 @@ struct Adapter {
   std::vector<AdapterEntry> entries;      // in key order
   std::vector<std::string> ignored_keys;  // keys not understood (original spelling)
   uint64_t bytes = 0;                     // fp32 bytes held by the patches
+  // What AdapterLoadOptions::reserve returned (e.g. a memory-budget charge).
+  std::shared_ptr<const void> reservation;
 };
 
 // Loads the adapter at `path` (see the header comment). With kAuto the
@@ -97,14 +100,22 @@ struct Adapter {
 // config, non-2-D factors, non-floating tensors, bad config JSON or values,
 // unsupported variants, two payloads for one parameter, files with no
 // adapter tensors (in auto mode: unknown format).
-// `resolve_file`, when set, maps every file the adapter reads (the weights
-// and the PEFT config, found inside `path`) to the path actually opened, or
-// fails (the daemon passes ModelRoots::Resolve: a file symlinked out of the
-// model roots is PERMISSION_DENIED even when its directory lies inside).
-using ResolveFileFn = std::function<absl::StatusOr<std::string>(const std::string&)>;
+// Every file is opened once through `options.files` and read through that
+// fd (the daemon passes its ModelRoots: a file symlinked out of the model
+// roots is PERMISSION_DENIED even when its directory lies inside; a FIFO or
+// other special file is INVALID_ARGUMENT at once).
+struct AdapterLoadOptions {
+  const FileOpener* files = nullptr;  // nullptr: UnconfinedFileOpener
+  // Called once the weights' header is parsed, before any tensor is read,
+  // with the bytes the patches will hold (4 per element of every tensor the
+  // format uses). It returns what keeps them reserved — the Adapter holds
+  // it, so it is dropped with the Adapter — or fails the load with its
+  // status (RESOURCE_EXHAUSTED), before anything is allocated for them.
+  std::function<absl::StatusOr<std::shared_ptr<const void>>(uint64_t bytes)> reserve;
+};
 absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& path,
                                                            AdapterFormat format,
-                                                           const ResolveFileFn& resolve_file = {});
+                                                           const AdapterLoadOptions& options = {});
 
 // Resolves a kohya name against the base checkpoint's names. `flat` is
 // "<prefix><module with . → _>[.<param>]" with prefix one of lora_unet_,

@@ -631,25 +631,78 @@ TEST_F(AdapterTest, PeftPlainDirectory) {
   EXPECT_NE(lq->CacheKey(), Find(**changed, absl::StrCat(kQ, ".weight"))->patch->CacheKey());
 }
 
-TEST_F(AdapterTest, EveryFileGoesThroughResolveFile) {
-  std::string d = Peft("resolved", R"({"r": 4, "lora_alpha": 8})", PeftPair(kQ, 4, 16, 12, 1));
-  std::vector<std::string> asked;
-  auto a = LoadAdapter(d, AdapterFormat::kAuto, [&](const std::string& p) {
+// Records every file opened; refuses the one named `refused`.
+class RecordingOpener final : public FileOpener {
+ public:
+  absl::StatusOr<OpenedFile> Open(absl::string_view path) const override {
+    return Note(std::string(path), files_.Open(path));
+  }
+  absl::StatusOr<OpenedFile> OpenIn(const OpenedFile& dir, absl::string_view name) const override {
+    return Note(absl::StrCat(dir.path, "/", name), files_.OpenIn(dir, name));
+  }
+  absl::StatusOr<OpenedFile> OpenBeside(const OpenedFile& file,
+                                        absl::string_view name) const override {
+    return Note(absl::StrCat(file.path.substr(0, file.path.rfind('/')), "/", name),
+                files_.OpenBeside(file, name));
+  }
+  std::string refused;
+  mutable std::vector<std::string> asked;
+
+ private:
+  absl::StatusOr<OpenedFile> Note(const std::string& p, absl::StatusOr<OpenedFile> f) const {
     asked.push_back(p);
-    return absl::StatusOr<std::string>(p);
-  });
+    if (p == refused) return absl::PermissionDeniedError(p);
+    return f;
+  }
+  UnconfinedFileOpener files_;
+};
+
+TEST_F(AdapterTest, EveryFileGoesThroughTheOpener) {
+  std::string d = Peft("resolved", R"({"r": 4, "lora_alpha": 8})", PeftPair(kQ, 4, 16, 12, 1));
+  RecordingOpener opener;
+  auto a = LoadAdapter(d, AdapterFormat::kAuto, {.files = &opener});
   ASSERT_TRUE(a.ok()) << a.status();
-  EXPECT_EQ(asked, (std::vector<std::string>{d + "/adapter_model.safetensors",
-                                             d + "/adapter_config.json"}));
-  // A refusal of either file fails the load with that status.
-  for (const std::string& refused : asked) {
-    auto r = LoadAdapter(d, AdapterFormat::kAuto, [&](const std::string& p) {
-      if (p == refused) return absl::StatusOr<std::string>(absl::PermissionDeniedError(p));
-      return absl::StatusOr<std::string>(p);
-    });
+  EXPECT_EQ(opener.asked, (std::vector<std::string>{d, d + "/adapter_config.json",
+                                                    d + "/adapter_model.safetensors"}));
+  // A refusal of any file fails the load with that status.
+  for (const std::string& refused : std::vector<std::string>(opener.asked)) {
+    RecordingOpener refusing;
+    refusing.refused = refused;
+    auto r = LoadAdapter(d, AdapterFormat::kAuto, {.files = &refusing});
     EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << refused;
     EXPECT_NE(std::string(r.status().message()).find(refused), std::string::npos) << r.status();
   }
+  // A single file's sibling config goes through it too.
+  RecordingOpener single;
+  auto f = LoadAdapter(d + "/adapter_model.safetensors", AdapterFormat::kAuto, {.files = &single});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(single.asked, (std::vector<std::string>{d + "/adapter_model.safetensors",
+                                                    d + "/adapter_config.json"}));
+}
+
+// The patches' bytes are reserved before any tensor is read; a refusal
+// fails the load, and the reservation lives as long as the adapter.
+TEST_F(AdapterTest, ReservesThePatchBytesBeforeReading) {
+  std::string d = Peft("reserved", R"({"r": 4, "lora_alpha": 8})", PeftPair(kQ, 4, 16, 12, 1));
+  std::vector<uint64_t> asked;
+  auto token = std::make_shared<int>(0);
+  auto a = LoadAdapter(d, AdapterFormat::kAuto,
+                       {.reserve = [&](uint64_t bytes) -> absl::StatusOr<std::shared_ptr<const void>> {
+                         asked.push_back(bytes);
+                         return std::shared_ptr<const void>(token);
+                       }});
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0], (4u * 16 + 12u * 4) * 4);  // lora_A [4, 16] + lora_B [12, 4], fp32
+  EXPECT_EQ(asked[0], (*a)->bytes);
+  EXPECT_EQ(token.use_count(), 2);
+  a->reset();
+  EXPECT_EQ(token.use_count(), 1);
+  auto refused = LoadAdapter(d, AdapterFormat::kAuto,
+                             {.reserve = [&](uint64_t) -> absl::StatusOr<std::shared_ptr<const void>> {
+                               return absl::ResourceExhaustedError("budget");
+                             }});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
 TEST_F(AdapterTest, PeftRsLoraScalesBySqrtRank) {

@@ -286,7 +286,8 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
     if (!parsed.ok()) return Annotate(parsed.status(), "profile");
     profile = std::make_shared<const Profile>(std::move(*parsed));
   }
-  WD_ASSIGN_OR_RETURN(std::string resolved, roots_.Resolve(path));
+  // Opened (and confined to the model roots) by LoadCheckpoint, file by file.
+  const std::string& resolved = path;
   {
     absl::MutexLock lock(&mu_);
     if (models_.contains(name) || loading_.contains(name)) {
@@ -300,7 +301,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
     opts.account = account_;
     opts.read_threads = options_.worker_threads;
     opts.progress = progress;
-    opts.resolve_file = [this](const std::string& p) { return roots_.Resolve(p); };
+    opts.files = &roots_;
     auto model = std::make_shared<Model>();
     model->name = name;
     model->path = resolved;
@@ -736,15 +737,27 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
   WD_RETURN_IF_ERROR(ValidateModelName(name));
   WD_ASSIGN_OR_RETURN(ReaderList reader_list, ReaderList::Parse(readers));
   WD_ASSIGN_OR_RETURN(AdapterFormat fmt, ParseAdapterFormat(format.empty() ? "auto" : format));
-  WD_ASSIGN_OR_RETURN(std::string resolved, roots_.Resolve(path));
+  const std::string& resolved = path;
   {
     absl::MutexLock lock(&mu_);
     if (adapters_.contains(name)) {
       return absl::AlreadyExistsError(absl::StrCat("adapter \"", name, "\" is already loaded"));
     }
   }
-  auto adapter = ::weightd::LoadAdapter(
-      resolved, fmt, [this](const std::string& p) { return roots_.Resolve(p); });
+  AdapterLoadOptions load;
+  load.files = &roots_;
+  // The patches' fp32 factors count against --host-memory-bytes for as long
+  // as the adapter lives (loaded, or kept by a generation that applied it).
+  load.reserve = [this, &name](uint64_t bytes) -> absl::StatusOr<std::shared_ptr<const void>> {
+    const std::string what = absl::StrCat("adapter \"", name, "\"");
+    auto charge = MemoryCharge::Reserve(account_, bytes, what);
+    if (absl::IsResourceExhausted(charge.status()) && materializer_.EvictUnused() > 0) {
+      charge = MemoryCharge::Reserve(account_, bytes, what);
+    }
+    if (!charge.ok()) return charge.status();
+    return std::shared_ptr<const void>(std::move(*charge));
+  };
+  auto adapter = ::weightd::LoadAdapter(resolved, fmt, load);
   if (!adapter.ok()) return Annotate(adapter.status(), absl::StrCat("loading adapter \"", name, "\""));
   AdapterSummary info;
   info.name = name;

@@ -46,14 +46,12 @@ struct OpenFile {
   uint64_t segment_offset = 0;
 };
 
-absl::StatusOr<OpenFile> OpenSafetensors(const std::string& path) {
+absl::StatusOr<OpenFile> OpenSafetensors(OpenedFile file) {
   OpenFile f;
-  f.path = path;
-  f.fd.Reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!f.fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening ", path));
-  if (::fstat(f.fd.get(), &f.st) != 0) {
-    return ErrnoStatus(errno, absl::StrCat("stat ", path));
-  }
+  f.path = file.path;
+  f.fd = std::move(file.fd);
+  f.st = file.st;
+  const std::string& path = f.path;
   if (!S_ISREG(f.st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
   }
@@ -74,51 +72,75 @@ absl::StatusOr<OpenFile> OpenSafetensors(const std::string& path) {
   return f;
 }
 
-absl::StatusOr<std::vector<std::string>> ListCheckpointFiles(const std::string& path,
-                                                             SafetensorsIndex* index,
-                                                             bool* has_index) {
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0) {
-    return ErrnoStatus(errno, absl::StrCat("stat ", path));
+// The files of a checkpoint, opened (each once, through `opener`), with the
+// name each has in the index (when there is one).
+struct CheckpointFiles {
+  std::vector<OpenedFile> files;
+  std::vector<std::string> index_names;
+  bool has_index = false;
+  SafetensorsIndex index;
+};
+
+absl::Status ReadIndex(const FileOpener& opener, const OpenedFile& index_file,
+                       CheckpointFiles* out) {
+  WD_ASSIGN_OR_RETURN(std::string json,
+                      ReadFdToString(index_file.fd.get(), index_file.path, kMaxIndexBytes));
+  auto parsed = ParseSafetensorsIndex(json);
+  if (!parsed.ok()) return Annotate(parsed.status(), index_file.path);
+  out->index = std::move(*parsed);
+  out->has_index = true;
+  for (const std::string& name : out->index.files) {
+    WD_ASSIGN_OR_RETURN(OpenedFile f, opener.OpenBeside(index_file, name));
+    out->files.push_back(std::move(f));
+    out->index_names.push_back(name);
   }
-  *has_index = false;
-  if (S_ISREG(st.st_mode)) {
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CheckpointFiles> OpenCheckpointFiles(const FileOpener& opener,
+                                                    const std::string& path) {
+  CheckpointFiles out;
+  WD_ASSIGN_OR_RETURN(OpenedFile top, opener.Open(path));
+  if (!top.is_directory()) {
     if (Basename(path) == kIndexName) {
-      // An index file named directly: load its directory.
-      std::string dir = path.substr(0, path.rfind('/'));
-      return ListCheckpointFiles(dir, index, has_index);
+      // An index file named directly: its shards lie beside it.
+      WD_RETURN_IF_ERROR(ReadIndex(opener, top, &out));
+      return out;
     }
-    return std::vector<std::string>{path};
+    out.files.push_back(std::move(top));
+    return out;
   }
-  if (!S_ISDIR(st.st_mode)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, " is neither a file nor a directory"));
+  // The index is opened like any other file: a symlink out of the roots is
+  // refused before a byte of it is read.
+  auto index_file = opener.OpenIn(top, kIndexName);
+  if (index_file.ok()) {
+    WD_RETURN_IF_ERROR(ReadIndex(opener, *index_file, &out));
+    return out;
   }
-  std::string index_path = absl::StrCat(path, "/", kIndexName);
-  if (::access(index_path.c_str(), F_OK) == 0) {
-    WD_ASSIGN_OR_RETURN(std::string json, ReadFileToString(index_path, kMaxIndexBytes));
-    auto parsed = ParseSafetensorsIndex(json);
-    if (!parsed.ok()) return Annotate(parsed.status(), index_path);
-    *index = std::move(*parsed);
-    *has_index = true;
-    std::vector<std::string> files;
-    for (const std::string& f : index->files) files.push_back(absl::StrCat(path, "/", f));
-    return files;
+  if (!absl::IsNotFound(index_file.status())) return index_file.status();
+  int listing = ::openat(top.fd.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR* d = listing < 0 ? nullptr : ::fdopendir(listing);
+  if (d == nullptr) {
+    int err = errno;
+    if (listing >= 0) ::close(listing);
+    return ErrnoStatus(err, absl::StrCat("opening directory ", path));
   }
-  DIR* d = ::opendir(path.c_str());
-  if (d == nullptr) return ErrnoStatus(errno, absl::StrCat("opening directory ", path));
-  std::vector<std::string> files;
+  std::vector<std::string> names;
   while (dirent* e = ::readdir(d)) {
     std::string name = e->d_name;
-    if (absl::EndsWith(name, ".safetensors")) files.push_back(absl::StrCat(path, "/", name));
+    if (absl::EndsWith(name, ".safetensors")) names.push_back(name);
   }
   ::closedir(d);
-  std::sort(files.begin(), files.end());
-  if (files.empty()) {
+  std::sort(names.begin(), names.end());
+  if (names.empty()) {
     return absl::NotFoundError(absl::StrCat(
         "directory ", path, " holds no .safetensors files and no ", kIndexName));
   }
-  return files;
+  for (const std::string& name : names) {
+    WD_ASSIGN_OR_RETURN(OpenedFile f, opener.OpenIn(top, name));
+    out.files.push_back(std::move(f));
+  }
+  return out;
 }
 
 // Progress shared by the reader threads.
@@ -207,9 +229,18 @@ int64_t StoredTensor::NumElements() const {
   return n;
 }
 
+uint64_t TensorMetadataBytes(absl::string_view name, size_t rank) {
+  return kTensorMetadataBytes + kTensorMetadataBytesPerNameByte * name.size() +
+         kTensorMetadataBytesPerDim * rank;
+}
+
 Checkpoint::Checkpoint(std::string path, std::vector<std::string> files,
-                       std::vector<StoredTensor> tensors)
-    : path_(std::move(path)), files_(std::move(files)), tensors_(std::move(tensors)) {
+                       std::vector<StoredTensor> tensors,
+                       std::unique_ptr<MemoryCharge> metadata_charge)
+    : path_(std::move(path)),
+      files_(std::move(files)),
+      tensors_(std::move(tensors)),
+      metadata_charge_(std::move(metadata_charge)) {
   std::sort(tensors_.begin(), tensors_.end(),
             [](const StoredTensor& a, const StoredTensor& b) { return a.name < b.name; });
   for (size_t i = 0; i < tensors_.size(); ++i) {
@@ -225,22 +256,21 @@ const StoredTensor* Checkpoint::Find(absl::string_view name) const {
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     const std::string& path, const CheckpointLoadOptions& options) {
-  SafetensorsIndex index;
-  bool has_index = false;
-  WD_ASSIGN_OR_RETURN(std::vector<std::string> paths,
-                      ListCheckpointFiles(path, &index, &has_index));
+  const UnconfinedFileOpener unconfined;
+  const FileOpener& opener = options.files != nullptr ? *options.files : unconfined;
+  WD_ASSIGN_OR_RETURN(CheckpointFiles found, OpenCheckpointFiles(opener, path));
+  const SafetensorsIndex& index = found.index;
+  const bool has_index = found.has_index;
 
   std::vector<OpenFile> files;
-  files.reserve(paths.size());
+  std::vector<std::string> paths;
+  files.reserve(found.files.size());
   absl::flat_hash_map<std::string, std::string> owner;  // tensor -> file
   uint64_t tensors_total = 0;
-  for (const std::string& p : paths) {
-    std::string real = p;
-    if (options.resolve_file) {
-      WD_ASSIGN_OR_RETURN(real, options.resolve_file(p));
-    }
-    WD_ASSIGN_OR_RETURN(OpenFile f, OpenSafetensors(real));
-    f.path = p;
+  for (size_t i = 0; i < found.files.size(); ++i) {
+    WD_ASSIGN_OR_RETURN(OpenFile f, OpenSafetensors(std::move(found.files[i])));
+    const std::string& p = f.path;
+    paths.push_back(p);
     for (const SafetensorsEntry& e : f.header.tensors) {
       auto [it, inserted] = owner.emplace(e.name, p);
       if (!inserted) {
@@ -249,10 +279,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
       }
       if (has_index) {
         auto mapped = index.weight_map.find(e.name);
-        std::string expect = absl::StrCat(path, "/", mapped == index.weight_map.end()
-                                                         ? std::string()
-                                                         : mapped->second);
-        if (mapped == index.weight_map.end() || expect != p) {
+        if (mapped == index.weight_map.end() || mapped->second != found.index_names[i]) {
           return absl::InvalidArgumentError(absl::StrCat(
               p, ": tensor \"", e.name, "\" is not mapped to this file by ", kIndexName));
         }
@@ -269,6 +296,19 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
       }
     }
   }
+
+  // The per-tensor bookkeeping counts against the budget like the bytes: a
+  // small file of very many tensors must not take unaccounted memory.
+  uint64_t metadata_bytes = 0;
+  for (const OpenFile& f : files) {
+    for (const SafetensorsEntry& e : f.header.tensors) {
+      metadata_bytes += TensorMetadataBytes(e.name, e.shape.size());
+    }
+  }
+  WD_ASSIGN_OR_RETURN(
+      std::unique_ptr<MemoryCharge> metadata_charge,
+      MemoryCharge::Reserve(options.account, metadata_bytes,
+                            absl::StrCat("metadata of ", tensors_total, " tensors")));
 
   // Lay the data sections out in segments, in file order.
   std::vector<uint64_t> segment_sizes;
@@ -383,7 +423,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     done.tensors_done = done.tensors_total = tensors_total;
     options.progress(done);
   }
-  return std::make_shared<const Checkpoint>(path, std::move(paths), std::move(tensors));
+  return std::make_shared<const Checkpoint>(path, std::move(paths), std::move(tensors),
+                                            std::move(metadata_charge));
 }
 
 }  // namespace weightd

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/digest.h"
+#include "common/file_opener.h"
 #include "common/dtype.h"
 #include "server/store/segment.h"
 
@@ -33,10 +34,22 @@ struct StoredTensor {
   const uint8_t* data() const { return segment->data() + offset; }
 };
 
+// What the daemon holds per tensor besides its bytes (names, shapes, the
+// name maps of checkpoint, layout and generations), charged to the memory
+// budget for as long as the checkpoint lives. Measured: 300,000 tensors
+// took 332 MiB of RSS with 7-character names, 593 MiB with 45.
+inline constexpr uint64_t kTensorMetadataBytes = 1024;
+inline constexpr uint64_t kTensorMetadataBytesPerNameByte = 24;
+inline constexpr uint64_t kTensorMetadataBytesPerDim = 16;
+uint64_t TensorMetadataBytes(absl::string_view name, size_t rank);
+
 class Checkpoint {
  public:
+  // `metadata_charge`: the budget held for the tensors' metadata (may be
+  // null), returned when the checkpoint is freed.
   Checkpoint(std::string path, std::vector<std::string> files,
-             std::vector<StoredTensor> tensors);
+             std::vector<StoredTensor> tensors,
+             std::unique_ptr<MemoryCharge> metadata_charge = nullptr);
 
   const std::string& path() const { return path_; }
   const std::vector<std::string>& files() const { return files_; }
@@ -45,6 +58,8 @@ class Checkpoint {
   // nullptr when absent.
   const StoredTensor* Find(absl::string_view name) const;
   uint64_t total_bytes() const { return total_bytes_; }
+  // Budget bytes held for the tensors' metadata (0 without a charge).
+  uint64_t metadata_bytes() const { return metadata_charge_ ? metadata_charge_->bytes() : 0; }
 
  private:
   std::string path_;
@@ -52,6 +67,7 @@ class Checkpoint {
   std::vector<StoredTensor> tensors_;
   absl::flat_hash_map<std::string, size_t> by_name_;
   uint64_t total_bytes_ = 0;
+  std::unique_ptr<MemoryCharge> metadata_charge_;
 };
 
 struct LoadProgressInfo {
@@ -73,16 +89,21 @@ struct CheckpointLoadOptions {
   // Threads reading and digesting in parallel.
   int read_threads = 2;
   LoadProgressFn progress;  // optional; called from loader threads
-  // Optional: maps every file path (e.g. the files an index names) to the
-  // path to open, failing for paths outside the model roots.
-  std::function<absl::StatusOr<std::string>(const std::string&)> resolve_file;
+  // Opens `path` and every file it leads to (the index, each shard it
+  // names, each file of a directory), each once, read through its fd; the
+  // daemon passes its ModelRoots, which confines them all to the model
+  // roots. nullptr: UnconfinedFileOpener (tests, tools).
+  const FileOpener* files = nullptr;
 };
 
-// Loads `path` — already resolved and confined by the caller — which is a
-// .safetensors file, a directory holding model.safetensors.index.json, or a
-// directory of *.safetensors files (sorted by name). Files are read with
+// Loads `path`, which is a .safetensors file, a directory holding
+// model.safetensors.index.json (or that index file itself), or a directory
+// of *.safetensors files (sorted by name). Files are read with
 // pread (never mmap: a file truncated under the daemon must not SIGBUS it)
 // and checked unchanged (size, mtime) after reading: DATA_LOSS otherwise.
+// The tensors' metadata (TensorMetadataBytes each) is charged to
+// `options.account` once the headers are parsed, before any data is read:
+// RESOURCE_EXHAUSTED when it does not fit.
 // Errors name the file and the tensor. On failure nothing stays allocated.
 absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     const std::string& path, const CheckpointLoadOptions& options);

@@ -13,7 +13,6 @@
 
 #include "common/fd.h"
 #include "common/safetensors.h"
-#include "server/store/model_roots.h"
 
 namespace weightd {
 namespace {
@@ -138,25 +137,32 @@ TEST_F(CheckpointTest, TruncatedFileIsInvalidArgument) {
   EXPECT_NE(r.status().message().find(path), std::string::npos) << r.status();
 }
 
-TEST_F(CheckpointTest, ModelRootsConfinePaths) {
-  std::string inside = WriteFile("m.safetensors", {{"a", 1}});
-  fs::create_directory(dir_ + "/root");
-  fs::create_symlink("/etc/hostname", dir_ + "/root/escape");
-  fs::create_symlink(inside, dir_ + "/root/ok.safetensors");
-  auto roots = ModelRoots::Create({dir_ + "/root"});
-  ASSERT_TRUE(roots.ok());
-  EXPECT_EQ(roots->Resolve(dir_ + "/root/escape").status().code(),
-            absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(roots->Resolve(inside).status().code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(roots->Resolve("/etc/passwd").status().code(), absl::StatusCode::kPermissionDenied);
-  // A symlink to a file outside the root escapes it, even with a good name.
-  EXPECT_EQ(roots->Resolve(dir_ + "/root/ok.safetensors").status().code(),
-            absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(roots->Resolve(dir_ + "/root/nope").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(roots->Resolve(dir_ + "/root/../m.safetensors").status().code(),
-            absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(ModelRoots::Create({dir_ + "/missing"}).status().code(),
-            absl::StatusCode::kInvalidArgument);
+// Per-tensor bookkeeping counts against the budget: a file of many tiny
+// tensors is refused when their metadata does not fit, before any data is
+// read, and the charge lives exactly as long as the checkpoint.
+TEST_F(CheckpointTest, TensorMetadataIsChargedToTheBudget) {
+  std::vector<std::pair<std::string, int>> many;
+  for (int i = 0; i < 2000; ++i) many.push_back({"layer." + std::to_string(i) + ".w", 1});
+  std::string path = WriteFile("many.safetensors", many);
+  uint64_t metadata = 0;
+  for (const auto& [name, n] : many) metadata += TensorMetadataBytes(name, 1);
+  EXPECT_GE(metadata, 2000u * kTensorMetadataBytes);
+
+  auto o = Options();
+  auto loaded = LoadCheckpoint(path, o);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ((*loaded)->metadata_bytes(), metadata);
+  EXPECT_EQ(account_->used(), metadata + 8192) << "the data (8000 bytes, in pages) + metadata";
+  loaded->reset();
+  EXPECT_EQ(account_->used(), 0u);
+
+  // A budget the data alone fits in many times over, but not the metadata.
+  o.account = std::make_shared<MemoryAccount>(metadata / 2);
+  auto refused = LoadCheckpoint(path, o);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("metadata of 2000 tensors"), std::string::npos)
+      << refused.status();
+  EXPECT_EQ(o.account->used(), 0u);
 }
 
 }  // namespace

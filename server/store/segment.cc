@@ -81,6 +81,12 @@ void MemoryAccount::Return(uint64_t bytes) {
   used_.fetch_sub(bytes, std::memory_order_relaxed);
 }
 
+absl::StatusOr<std::unique_ptr<MemoryCharge>> MemoryCharge::Reserve(
+    std::shared_ptr<MemoryAccount> account, uint64_t bytes, absl::string_view what) {
+  WD_RETURN_IF_ERROR(account->Reserve(bytes, what));
+  return std::unique_ptr<MemoryCharge>(new MemoryCharge(std::move(account), bytes));
+}
+
 absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(
     std::shared_ptr<MemoryAccount> account, absl::string_view kind,
     uint64_t size, bool prefault, bool reclaim) {

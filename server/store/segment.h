@@ -70,6 +70,28 @@ class MemoryAccount {
   std::atomic<uint64_t> segments_{0};
 };
 
+// Bytes of a MemoryAccount held for as long as the charge lives: memory the
+// daemon holds outside segments (tensor metadata, adapter factors) counts
+// against the same budget. Move-only by unique_ptr.
+class MemoryCharge {
+ public:
+  // Reserves `bytes` (asking the reclaimer when short) or fails with
+  // RESOURCE_EXHAUSTED naming `what`.
+  static absl::StatusOr<std::unique_ptr<MemoryCharge>> Reserve(
+      std::shared_ptr<MemoryAccount> account, uint64_t bytes, absl::string_view what);
+  ~MemoryCharge() { account_->Return(bytes_); }
+  MemoryCharge(const MemoryCharge&) = delete;
+  MemoryCharge& operator=(const MemoryCharge&) = delete;
+
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  MemoryCharge(std::shared_ptr<MemoryAccount> account, uint64_t bytes)
+      : account_(std::move(account)), bytes_(bytes) {}
+  std::shared_ptr<MemoryAccount> account_;
+  uint64_t bytes_;
+};
+
 class Segment {
  public:
   // Creates a writable segment of `size` bytes charged to `account` (which

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/fd.h"
+#include "common/unix_socket.h"
 
 #ifndef SO_PEERGROUPS
 #define SO_PEERGROUPS 59
@@ -60,13 +61,8 @@ absl::StatusOr<UniqueFd> ListenUnixWithMode(const std::string& path, mode_t mode
   std::memcpy(addr.sun_path, path.data(), path.size());
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return ErrnoStatus(errno, "socket");
-  struct stat st;
-  if (::lstat(path.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) {
-      return absl::FailedPreconditionError(absl::StrCat(path, " exists and is not a socket"));
-    }
-    ::unlink(path.c_str());
-  }
+  // A live daemon's socket is refused, a dead one's replaced.
+  if (absl::Status s = RemoveStaleSocket(path); !s.ok()) return s;
   // Linux creates the socket file with the socket inode's mode minus the
   // umask, so the file is never more open than `mode`, even for a moment.
   if (::fchmod(fd.get(), mode) != 0) return ErrnoStatus(errno, "fchmod socket");

@@ -36,7 +36,8 @@ absl::StatusOr<PeerIdentity> ReadPeerIdentity(int fd);
 // `mode`, with no moment at which it is more permissive: the socket inode's
 // mode is set before bind (the kernel creates the file with that mode minus
 // the umask), then the file is chmod'ed to `mode` after bind. A stale socket
-// file at `path` is replaced; any other kind of file is FAILED_PRECONDITION.
+// file at `path` is replaced; a socket a live process listens on, or any
+// other kind of file, is FAILED_PRECONDITION (RemoveStaleSocket).
 // The socket is close-on-exec and non-blocking.
 absl::StatusOr<UniqueFd> ListenUnixWithMode(const std::string& path, mode_t mode);
 

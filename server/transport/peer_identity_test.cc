@@ -79,5 +79,20 @@ TEST(ListenUnixWithModeTest, ReplacesAStaleSocketButNotAFile) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Two daemons on one path: the second must not unlink the live one's socket.
+TEST(ListenUnixWithModeTest, RefusesASocketALiveProcessListensOn) {
+  TempDir dir;
+  auto live = ListenUnixWithMode(dir.Path("s"), 0660);
+  ASSERT_TRUE(live.ok()) << live.status();
+  auto second = ListenUnixWithMode(dir.Path("s"), 0660);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+  EXPECT_NE(second.status().message().find("already in use"), std::string::npos);
+  // The live listener still owns the path: a client reaches it.
+  auto client = ConnectUnix(dir.Path("s"));
+  EXPECT_TRUE(client.ok()) << client.status();
+  live->Reset();  // now it is stale
+  EXPECT_TRUE(ListenUnixWithMode(dir.Path("s"), 0660).ok());
+}
+
 }  // namespace
 }  // namespace weightd

@@ -387,6 +387,50 @@ def test_symlink_in_directory_pointing_outside(ctx):
     assert "bad_inner_link" not in ctx.listed_names()
 
 
+def test_index_symlinked_outside_is_not_read(ctx):
+    """model.safetensors.index.json goes through the root confinement like
+    every shard: a link out of the roots is refused before it is read, and
+    nothing of its content reaches the message (F8)."""
+    secret = os.path.join(ctx.outside, "secret_index.json")
+    with open(secret, "w") as f:
+        f.write("TOP-SECRET-LINE-1 root:x:0:0 {not json")
+    p = _mkdir(ctx, "index_link_out")
+    st_io.save({"in.w": torch.ones(4)}, os.path.join(p, "a.safetensors"))
+    os.symlink(secret, os.path.join(p, "model.safetensors.index.json"))
+    for name, path in (("bad_index_link", p),
+                       ("bad_index_link_direct", os.path.join(p, "model.safetensors.index.json"))):
+        r = ctx.d.ctl("load", name, path)
+        assert_error(ctx, r, "PERMISSION_DENIED", "index symlinked outside the roots")
+        assert "SECRET" not in r.stderr and "root:x" not in r.stderr, r.stderr
+        assert "outside the model roots" in r.error_message, r.error_message
+        assert name not in ctx.listed_names()
+
+
+def test_outside_paths_get_one_message_whether_or_not_they_exist(ctx):
+    """No existence oracle outside the roots (F19): an existing and a missing
+    path, named directly or through a link inside a root, get the same
+    message but for the path itself."""
+    there = os.path.join(ctx.outside, "there.safetensors")
+    st_io.save({"x": torch.ones(4)}, there)
+    missing = os.path.join(ctx.outside, "missing.safetensors")
+    link_there = os.path.join(ctx.root, "oracle_there.safetensors")
+    link_missing = os.path.join(ctx.root, "oracle_missing.safetensors")
+    os.symlink(there, link_there)
+    os.symlink(missing, link_missing)
+
+    def message(path):
+        r = ctx.d.ctl("load", "bad_oracle", path)
+        assert_error(ctx, r, "PERMISSION_DENIED", "outside path %s" % path)
+        return r.error_message.replace(path, "<P>")
+
+    assert message("/etc/passwd") == message("/etc/no-such-file-weightd")
+    assert message(there) == message(missing)
+    assert message(link_there) == message(link_missing)
+    assert message(link_there) == message("/etc/passwd")
+    assert "/etc" not in message(link_there) and ctx.outside not in message(link_there)
+    assert "bad_oracle" not in ctx.listed_names()
+
+
 def test_nonexistent_path_inside_root(ctx):
     p = os.path.join(ctx.root, "does", "not", "exist.safetensors")
     r = ctx.d.ctl("load", "bad_missing", p)

@@ -85,7 +85,33 @@ def test_memory_budget_refuses_oversized_load(tmp_path):
         assert r.error_code == "RESOURCE_EXHAUSTED", r.stderr
         assert "big" not in d.ctl_ok("list").stdout
         d.ctl_ok("load", "small", small)
-        assert "bytes_resident: 4096\n" in d.ctl_ok("stats").stdout
+        # one page of data + the metadata of tensor "w" [4, 3] (README, Limits)
+        assert "bytes_resident: %d\n" % (4096 + 1024 + 24 * 1 + 16 * 2) in d.ctl_ok("stats").stdout
+
+
+def test_tensor_metadata_counts_against_the_memory_budget(tmp_path):
+    """A small file of very many tensors is refused RESOURCE_EXHAUSTED when
+    their bookkeeping does not fit the budget (about 1 KiB each), though its
+    bytes would (F14); the daemon keeps serving."""
+    import struct
+    root = tmp_path / "models"
+    root.mkdir()
+    n = 20000
+    header = {"t%05d" % i: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+              for i in range(n)}
+    blob = json.dumps(header).encode()
+    path = os.path.join(str(root), "many.safetensors")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + b"\0" * (4 * n))   # 80 KB of data
+    small = _write_model(str(root))
+    with harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                        extra_args=["--host-memory-bytes", str(16 << 20)]) as d:
+        r = d.ctl("load", "many", path)
+        assert r.error_code == "RESOURCE_EXHAUSTED", r.stderr
+        assert "metadata of 20000 tensors" in r.error_message, r.error_message
+        assert "many" not in d.ctl_ok("list").stdout
+        assert "bytes_resident: 0\n" in d.ctl_ok("stats").stdout
+        d.ctl_ok("load", "small", small)
 
 
 def test_flags_from_environment_and_config_file(tmp_path):
@@ -589,3 +615,151 @@ def test_accept_backs_off_at_the_fd_limit(tmp_path):
         for s in idle:
             s.close()
         d.stop()
+
+
+def _unblock_fifos(paths):
+    """Opens each FIFO for writing and closes it: a reader stuck in open()
+    (the bug under test) gets EOF, so a failing test does not hang."""
+    for p in paths:
+        try:
+            os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+
+def test_fifo_files_are_refused_at_once_and_do_not_hold_shutdown(tmp_path):
+    """A FIFO where a file should be (an adapter_config.json, a shard of a
+    model directory) is refused at once with INVALID_ARGUMENT naming it,
+    however many such loads run together; the name is free again, other
+    calls are served and SIGTERM exits promptly (F7)."""
+    import threading
+    root = tmp_path / "models"
+    root.mkdir()
+    good = _write_model(str(root))
+    adapter = root / "fifo_adapter"
+    adapter.mkdir()
+    st_io.save({"base_model.model.w.lora_A.weight": torch.ones(2, 3),
+                "base_model.model.w.lora_B.weight": torch.ones(4, 2)},
+               str(adapter / "adapter_model.safetensors"))
+    model = root / "fifo_model"
+    model.mkdir()
+    st_io.save({"a": torch.ones(4)}, str(model / "a.safetensors"))
+    fifos = [str(adapter / "adapter_config.json"), str(model / "b.safetensors")]
+    for f in fifos:
+        os.mkfifo(f)
+    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                       extra_args=["--preload", "m=" + good, "--threads", "2"])
+    d.start()
+    try:
+        results = {}
+
+        def run(key, *args):
+            try:
+                results[key] = d.ctl(*args, timeout=15)
+            except subprocess.TimeoutExpired:
+                results[key] = None
+
+        calls = [("adapter%d" % i, ("adapter", "load", "fifo%d" % i, str(adapter)))
+                 for i in range(6)] + [("model", ("load", "fifo_model", str(model)))]
+        threads = [threading.Thread(target=run, args=(k,) + a) for k, a in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for key, _ in calls:
+            r = results[key]
+            assert r is not None, "%s hung on a FIFO; log:\n%s" % (key, d.log()[-2000:])
+            assert r.error_code == "INVALID_ARGUMENT", (key, r.stderr)
+            assert "FIFO" in r.error_message, r.error_message
+        assert "adapter_config.json" in results["adapter0"].error_message
+        assert "b.safetensors" in results["model"].error_message
+        # Still serving; the model's name was given back.
+        d.ctl_ok("info", "m")
+        d.ctl_ok("verify", "m")
+        d.ctl_ok("fetch", "m", "--world", "2", "--rank", "0", "--out", str(tmp_path / "f.st"))
+        assert "fifo_model" not in d.ctl_ok("list").stdout
+        os.unlink(str(model / "b.safetensors"))
+        st_io.save({"b": torch.ones(4)}, str(model / "b.safetensors"))
+        d.ctl_ok("load", "fifo_model", str(model))
+        rc, took = _exit_seconds(d)
+        assert rc == 0, d.log()
+        assert took < 5.0, (took, d.log()[-2000:])
+    finally:
+        _unblock_fifos(fifos)
+        d.stop()
+
+
+def test_a_second_daemon_on_live_sockets_refuses_to_start(tmp_path):
+    """A second daemon started on the sockets of a live one exits non-zero
+    with FAILED_PRECONDITION and leaves them alone (the first keeps serving);
+    the socket files of a dead daemon are still replaced (F13)."""
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                       extra_args=["--preload", "m=" + path])
+    d.start()
+    try:
+        for args in (["--socket", d.socket],
+                     ["--socket", d.socket, "--data-socket", str(tmp_path / "other.data")],
+                     ["--socket", str(tmp_path / "other.sock"), "--data-socket", d.data_socket]):
+            second = subprocess.Popen([harness.WEIGHTD, "--model-root", str(root)] + args,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                _, err = second.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                second.kill()
+                second.communicate()
+                pytest.fail("a second daemon started on the sockets of a live one: %s" % args)
+            assert second.returncode != 0
+            errors = [l for l in err.splitlines() if l.startswith("error: ")]
+            assert len(errors) == 1, err
+            assert errors[0].startswith("error: FAILED_PRECONDITION: "), errors[0]
+            assert "already" in errors[0], errors[0]
+            # The first daemon still owns and serves both sockets.
+            assert os.path.exists(d.socket) and os.path.exists(d.data_socket)
+            d.ctl_ok("fetch", "m", "--out", str(tmp_path / "f.st"))
+        assert not os.path.exists(str(tmp_path / "other.sock"))
+        assert not os.path.exists(str(tmp_path / "other.data"))
+        # A daemon killed outright leaves its socket files behind: they are
+        # stale, and a new daemon replaces them.
+        d.proc.kill()
+        d.proc.wait()
+        assert os.path.exists(d.socket) and os.path.exists(d.data_socket)
+        d2 = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                            extra_args=["--preload", "m=" + path])
+        d2.start()
+        d2.ctl_ok("fetch", "m", "--out", str(tmp_path / "f2.st"))
+        assert d2.stop() == 0
+    finally:
+        d.stop()
+
+
+def test_adapters_count_against_the_memory_budget(tmp_path):
+    """An adapter's fp32 factors are charged to --host-memory-bytes while it
+    lives: three 24 MiB adapters under a 64 MiB budget, the third is
+    RESOURCE_EXHAUSTED before it is read; unloading one makes room (F11)."""
+    root = tmp_path / "models"
+    root.mkdir()
+    for i in range(3):
+        a = root / ("a%d" % i)
+        a.mkdir()
+        # lora_A [1536, 2048] + lora_B [2048, 1536] fp32 = 24 MiB
+        st_io.save({"base_model.model.w.lora_A.weight": torch.zeros(1536, 2048),
+                    "base_model.model.w.lora_B.weight": torch.zeros(2048, 1536)},
+                   str(a / "adapter_model.safetensors"))
+        with open(str(a / "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": 1536, "lora_alpha": 1536}, f)
+    with harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                        extra_args=["--host-memory-bytes", str(64 << 20)]) as d:
+        d.ctl_ok("adapter", "load", "a0", str(root / "a0"))
+        d.ctl_ok("adapter", "load", "a1", str(root / "a1"))
+        stats = d.ctl_ok("stats").stdout
+        assert "bytes_resident: %d\n" % (48 << 20) in stats, stats
+        r = d.ctl("adapter", "load", "a2", str(root / "a2"))
+        assert r.error_code == "RESOURCE_EXHAUSTED", r.stderr
+        assert "a2" in r.error_message, r.error_message
+        assert "a2" not in d.ctl_ok("adapter", "list").stdout
+        d.ctl_ok("adapter", "unload", "a0")
+        assert "bytes_resident: %d\n" % (24 << 20) in d.ctl_ok("stats").stdout
+        d.ctl_ok("adapter", "load", "a2", str(root / "a2"))

@@ -1,0 +1,96 @@
+#include "common/file_opener.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace weightd {
+namespace {
+
+constexpr int kProbeAttempts = 4;
+
+std::string JoinPath(absl::string_view dir, absl::string_view name) {
+  if (dir.empty()) return std::string(name);
+  if (dir.back() == '/') return absl::StrCat(dir, name);
+  return absl::StrCat(dir, "/", name);
+}
+
+std::string Dirname(absl::string_view path) {
+  size_t slash = path.rfind('/');
+  if (slash == absl::string_view::npos) return ".";
+  if (slash == 0) return "/";
+  return std::string(path.substr(0, slash));
+}
+
+}  // namespace
+
+absl::StatusOr<OpenedFile> OpenReadableChecked(
+    const std::function<absl::StatusOr<UniqueFd>(int flags)>& open, absl::string_view path) {
+  for (int attempt = 0; attempt < kProbeAttempts; ++attempt) {
+    const bool last = attempt + 1 == kProbeAttempts;
+    auto probed = open(O_PATH | O_CLOEXEC);
+    if (absl::IsUnavailable(probed.status()) && !last) continue;  // changed: again
+    if (!probed.ok()) return probed.status();
+    UniqueFd probe = std::move(*probed);
+    struct stat st;
+    if (::fstat(probe.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
+    const bool dir = S_ISDIR(st.st_mode);
+    if (!dir && !S_ISREG(st.st_mode)) {
+      const char* kind = S_ISFIFO(st.st_mode)   ? "a FIFO"
+                         : S_ISSOCK(st.st_mode) ? "a socket"
+                         : S_ISCHR(st.st_mode)  ? "a character device"
+                         : S_ISBLK(st.st_mode)  ? "a block device"
+                                                : "a special file";
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " is ", kind, ", not a regular file or directory"));
+    }
+    auto reopened = open(O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY | (dir ? O_DIRECTORY : 0));
+    if (absl::IsUnavailable(reopened.status()) && !last) continue;
+    if (!reopened.ok()) return reopened.status();
+    UniqueFd fd = std::move(*reopened);
+    OpenedFile f;
+    if (::fstat(fd.get(), &f.st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
+    if (f.st.st_dev != st.st_dev || f.st.st_ino != st.st_ino) continue;  // swapped: again
+    int fl = ::fcntl(fd.get(), F_GETFL);
+    if (fl < 0 || ::fcntl(fd.get(), F_SETFL, fl & ~O_NONBLOCK) != 0) {
+      return ErrnoStatus(errno, absl::StrCat("fcntl ", path));
+    }
+    f.fd = std::move(fd);
+    f.path = std::string(path);
+    return f;
+  }
+  return absl::UnavailableError(
+      absl::StrCat(path, " kept changing while it was being opened; try again"));
+}
+
+absl::StatusOr<OpenedFile> UnconfinedFileOpener::Open(absl::string_view path) const {
+  if (path.empty()) return absl::InvalidArgumentError("empty path");
+  const std::string p(path);
+  if (p.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError("path contains a NUL byte");
+  }
+  auto opened = OpenReadableChecked(
+      [&](int flags) -> absl::StatusOr<UniqueFd> {
+        UniqueFd fd(::open(p.c_str(), flags));
+        if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening ", p));
+        return fd;
+      },
+      p);
+  if (opened.ok()) opened->beneath = p;
+  return opened;
+}
+
+absl::StatusOr<OpenedFile> UnconfinedFileOpener::OpenIn(const OpenedFile& dir,
+                                                        absl::string_view name) const {
+  return Open(JoinPath(dir.path, name));
+}
+
+absl::StatusOr<OpenedFile> UnconfinedFileOpener::OpenBeside(const OpenedFile& file,
+                                                            absl::string_view name) const {
+  return Open(JoinPath(Dirname(file.path), name));
+}
+
+}  // namespace weightd

@@ -1,0 +1,72 @@
+// Opening model files for reading: one fd per file, never a second open by
+// name. The daemon confines every file a load reads to its --model-root dirs
+// (server/store/model_roots.h); tests and tools open paths as named.
+#ifndef WEIGHTD_COMMON_FILE_OPENER_H_
+#define WEIGHTD_COMMON_FILE_OPENER_H_
+
+#include <sys/stat.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/fd.h"
+
+namespace weightd {
+
+// A regular file or a directory, open for reading (O_RDONLY, blocking,
+// close-on-exec). Read it through `fd` only: its name may since name
+// something else.
+struct OpenedFile {
+  UniqueFd fd;
+  struct stat st {};  // fstat of fd
+  std::string path;   // as named by the caller, for messages
+  // Where the opener found it, to open its neighbours (FileOpener only).
+  size_t root = 0;
+  std::string beneath;
+
+  bool is_directory() const { return S_ISDIR(st.st_mode); }
+};
+
+class FileOpener {
+ public:
+  virtual ~FileOpener() = default;
+
+  // Opens `path`. Anything but a regular file or a directory (a FIFO, a
+  // socket, a device) is INVALID_ARGUMENT naming it, at once: it is never
+  // opened for reading, so nothing blocks. NOT_FOUND when it does not exist.
+  virtual absl::StatusOr<OpenedFile> Open(absl::string_view path) const = 0;
+  // Opens `name` (relative; may hold '/') inside directory `dir`.
+  virtual absl::StatusOr<OpenedFile> OpenIn(const OpenedFile& dir, absl::string_view name) const = 0;
+  // Opens `name` in the directory that holds `file` (as `file` was named).
+  virtual absl::StatusOr<OpenedFile> OpenBeside(const OpenedFile& file,
+                                                absl::string_view name) const = 0;
+};
+
+// Opens paths as open(2) does, symlinks followed anywhere. For tests and
+// tools that read files their user named; the daemon uses ModelRoots.
+class UnconfinedFileOpener final : public FileOpener {
+ public:
+  absl::StatusOr<OpenedFile> Open(absl::string_view path) const override;
+  absl::StatusOr<OpenedFile> OpenIn(const OpenedFile& dir, absl::string_view name) const override;
+  absl::StatusOr<OpenedFile> OpenBeside(const OpenedFile& file,
+                                        absl::string_view name) const override;
+};
+
+// The open protocol every FileOpener follows. `open(flags)` opens the
+// object (the same name each call) with `flags` and returns the fd or an
+// errno. First it is opened O_PATH and fstat'ed: a FIFO, socket or device is
+// refused before anything could block on it or trigger a driver. Then it is
+// opened O_RDONLY|O_NONBLOCK (O_NONBLOCK cleared after) and must be the same
+// inode, else the probe starts over (a few times, then UNAVAILABLE); an
+// UNAVAILABLE from `open` (the name changed under it) starts over too.
+// `path` names it in messages.
+absl::StatusOr<OpenedFile> OpenReadableChecked(
+    const std::function<absl::StatusOr<UniqueFd>(int flags)>& open, absl::string_view path);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_COMMON_FILE_OPENER_H_

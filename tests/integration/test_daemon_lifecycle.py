@@ -55,6 +55,15 @@ def _daemon_flags_error(tmp_path, *args):
     return errors[0]
 
 
+def _preloaded_daemon(tmp_path, *flags, prefix=()):
+    """A daemon (not started) serving _write_model's checkpoint as "m"."""
+    root = tmp_path / "models"
+    root.mkdir()
+    path = _write_model(str(root))
+    return harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                          extra_args=["--preload", "m=" + path] + list(flags), prefix=prefix)
+
+
 def test_bad_daemon_flags_are_invalid_argument(tmp_path):
     root = str(tmp_path)
     assert _daemon_flags_error(tmp_path, "--model-root", root).startswith(
@@ -241,11 +250,7 @@ def test_sigterm_with_idle_clients_exits_at_once(tmp_path):
     import grpc
     import weightd
     from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
-    root = tmp_path / "models"
-    root.mkdir()
-    path = _write_model(str(root))
-    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
-                       extra_args=["--preload", "m=" + path])
+    d = _preloaded_daemon(tmp_path)
     d.start()
     idle = weightd.Client(d.socket, retry_deadline=0)
     assert [m.name for m in idle.list()] == ["m"]
@@ -340,11 +345,7 @@ def test_a_data_client_that_never_reads_stalls_nobody(tmp_path):
     """A data-socket client that sends thousands of attach requests and reads
     no reply holds only its own connection: another client's shm fetch gets
     its fds, and SIGTERM exits within the grace."""
-    root = tmp_path / "models"
-    root.mkdir()
-    path = _write_model(str(root))
-    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
-                       extra_args=["--preload", "m=" + path, "--shutdown-grace-seconds", "5"])
+    d = _preloaded_daemon(tmp_path, "--shutdown-grace-seconds", "5")
     d.start()
     hostile, sent = _hostile_attach_flood(d.data_socket)
     try:
@@ -416,11 +417,7 @@ def test_watch_streams_are_capped_and_the_excess_refused(tmp_path):
     once."""
     import grpc
     from weightd.v1 import weightd_pb2_grpc as pbg
-    root = tmp_path / "models"
-    root.mkdir()
-    path = _write_model(str(root))
-    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
-                       extra_args=["--preload", "m=" + path, "--max-watch-streams", "4"])
+    d = _preloaded_daemon(tmp_path, "--max-watch-streams", "4")
     d.start()
     channel = grpc.insecure_channel("unix:" + d.socket)
     try:
@@ -577,13 +574,9 @@ def test_accept_backs_off_at_the_fd_limit(tmp_path):
     into EMFILE: the daemon backs off instead of spinning on it, serves again
     once they close, and exits on SIGTERM."""
     import socket
-    root = tmp_path / "models"
-    root.mkdir()
-    path = _write_model(str(root))
-    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
-                       extra_args=["--preload", "m=" + path, "--max-data-connections", "100000",
-                                   "--max-data-connections-per-uid", "100000"],
-                       prefix=["prlimit", "--nofile=64", "--"])
+    d = _preloaded_daemon(tmp_path, "--max-data-connections", "100000",
+                          "--max-data-connections-per-uid", "100000",
+                          prefix=["prlimit", "--nofile=64", "--"])
     d.start()
     idle = []
     try:
@@ -693,17 +686,13 @@ def test_a_second_daemon_on_live_sockets_refuses_to_start(tmp_path):
     """A second daemon started on the sockets of a live one exits non-zero
     with FAILED_PRECONDITION and leaves them alone (the first keeps serving);
     the socket files of a dead daemon are still replaced (F13)."""
-    root = tmp_path / "models"
-    root.mkdir()
-    path = _write_model(str(root))
-    d = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
-                       extra_args=["--preload", "m=" + path])
+    d = _preloaded_daemon(tmp_path)
     d.start()
     try:
         for args in (["--socket", d.socket],
                      ["--socket", d.socket, "--data-socket", str(tmp_path / "other.data")],
                      ["--socket", str(tmp_path / "other.sock"), "--data-socket", d.data_socket]):
-            second = subprocess.Popen([harness.WEIGHTD, "--model-root", str(root)] + args,
+            second = subprocess.Popen([harness.WEIGHTD, "--model-root", d.model_root] + args,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
                 _, err = second.communicate(timeout=15)
@@ -726,8 +715,7 @@ def test_a_second_daemon_on_live_sockets_refuses_to_start(tmp_path):
         d.proc.kill()
         d.proc.wait()
         assert os.path.exists(d.socket) and os.path.exists(d.data_socket)
-        d2 = harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
-                            extra_args=["--preload", "m=" + path])
+        d2 = harness.Daemon(model_root=d.model_root, workdir=d.workdir, extra_args=d.extra_args)
         d2.start()
         d2.ctl_ok("fetch", "m", "--out", str(tmp_path / "f2.st"))
         assert d2.stop() == 0

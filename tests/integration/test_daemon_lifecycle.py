@@ -398,12 +398,12 @@ def _cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _watch(stub, model="m"):
+def _watch(stub, model="m", timeout=30):
     """A Watch stream and its first event or error: ("ok", stream) or
     (code name, details)."""
     import grpc
     from weightd.v1 import weightd_pb2 as pb
-    stream = stub.Watch(pb.WatchRequest(model=model, include_current=True), timeout=30)
+    stream = stub.Watch(pb.WatchRequest(model=model, include_current=True), timeout=timeout)
     try:
         next(stream)
         return "ok", stream
@@ -466,13 +466,23 @@ def test_at_the_thread_limit_the_daemon_refuses_and_serves_on(open_tmp):
     channel = grpc.insecure_channel("unix:" + d.socket)
     try:
         stub = pbg.ShardsStub(channel)
-        results = [_watch(stub) for _ in range(48)]
+        # Watches until a few are refused (each holds a thread; about ten fit
+        # under the limit). A watch gRPC itself cannot serve for want of a
+        # thread runs into its deadline: short, so that such a run stays
+        # bounded; it is gRPC's starvation, not an abort, and not ours to
+        # answer.
+        results = []
+        while len(results) < 48 and sum(r[0] == "RESOURCE_EXHAUSTED" for r in results) < 3:
+            results.append(_watch(stub, timeout=5))
         codes = [r[0] for r in results]
         assert d.alive(), d.log()
         refused = [r for r in results if r[0] == "RESOURCE_EXHAUSTED"]
         assert refused and "ok" in codes, codes
-        assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}, results
+        assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, results
         assert all("thread limit" in details for _, details in refused), refused
+        for code, stream in results:  # give the watchers' threads back
+            if code == "ok":
+                stream.cancel()
         out = os.path.join(base, "f.safetensors")
         r = d.ctl("fetch", "m", "--world", "2", "--rank", "1", "--out", out)
         assert r.returncode == 0, r.stderr + d.log()
@@ -480,8 +490,9 @@ def test_at_the_thread_limit_the_daemon_refuses_and_serves_on(open_tmp):
         rc, took = _exit_seconds(d)
         assert rc == 0, d.log()
         # Usually at once; gRPC starved of threads may leave a call it never
-        # completes, and then the teardown ends 2 s after the grace.
-        assert took < 5 + 3, took
+        # completes, and then the teardown ends 2 s after the grace (seen:
+        # 7.0 s); 3 s more for a loaded machine.
+        assert took < 5 + 2 + 3, took
     finally:
         channel.close()
         d.stop()

@@ -3,7 +3,8 @@
 # compile command of the build (compile_commands.json) is re-run with
 # clang++ -fsyntax-only -Wthread-safety -Werror=thread-safety (no code is
 # generated, so it costs a fraction of a build). Generated protobuf code and
-# CUDA units (nvcc's flags; no locks there) are skipped. Fails on the first unit with a finding.
+# CUDA units (nvcc's flags; no locks there) are skipped. Fails when any unit
+# has a finding.
 #   scripts/thread_safety.sh [BUILD_DIR]   (default: build, configured)
 set -euo pipefail
 cd "$(dirname "$0")/.."

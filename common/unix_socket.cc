@@ -211,13 +211,4 @@ absl::Status RecvAll(int sock, void* buf, size_t size) {
   return RecvWithFds(sock, buf, size, nullptr);
 }
 
-absl::StatusOr<PeerCredentials> GetPeerCredentials(int sock) {
-  ucred cred{};
-  socklen_t len = sizeof(cred);
-  if (::getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-    return ErrnoStatus(errno, "SO_PEERCRED");
-  }
-  return PeerCredentials{cred.pid, cred.uid, cred.gid};
-}
-
 }  // namespace weightd

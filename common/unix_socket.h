@@ -52,13 +52,6 @@ absl::Status RecvWithFds(int sock, void* buf, size_t size,
 absl::Status SendAll(int sock, const void* buf, size_t size);
 absl::Status RecvAll(int sock, void* buf, size_t size);
 
-struct PeerCredentials {
-  pid_t pid = 0;
-  uid_t uid = 0;
-  gid_t gid = 0;
-};
-absl::StatusOr<PeerCredentials> GetPeerCredentials(int sock);
-
 }  // namespace weightd
 
 #endif  // WEIGHTD_COMMON_UNIX_SOCKET_H_

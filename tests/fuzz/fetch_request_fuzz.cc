@@ -1,7 +1,6 @@
 // Fuzzes the wire decoding of weightd.v1.FetchRequest and what the daemon
-// does with it before touching a model: the checks of DecodeFetch
-// (server/grpc/grpc_server.cc, mirrored here because it is internal to that
-// file; FromProtoDType is the real one), MeshCoord::Validate and PlanShard
+// does with it before touching a model: DecodeFetch (server/grpc/
+// proto_convert.cc, the daemon's own), MeshCoord::Validate and PlanShard
 // over a fixed table of tensor shapes — the path every Fetch RPC takes.
 //
 // The input is the serialized message. A message that parses must
@@ -19,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/shard.h"
+#include "server/grpc/proto_convert.h"
 #include "server/grpc/status_convert.h"
 #include "weightd/v1/weightd.pb.h"
 
@@ -32,49 +32,6 @@ namespace {
       std::abort();                                                                      \
     }                                                                                    \
   } while (0)
-
-struct Decoded {
-  MeshCoord mesh;
-  std::optional<std::vector<Placement>> placements;
-  std::optional<DType> dtype;
-};
-
-// DecodeFetch's checks (grpc_server.cc), minus the fields it only copies.
-absl::StatusOr<Decoded> Decode(const v1::FetchRequest& req) {
-  Decoded p;
-  p.mesh.shape.assign(req.mesh_shape().begin(), req.mesh_shape().end());
-  p.mesh.coord.assign(req.coord().begin(), req.coord().end());
-  if (p.mesh.shape.empty()) {
-    p.mesh.shape = {1};
-    if (p.mesh.coord.empty()) p.mesh.coord = {0};
-  }
-  if (req.placements_size() > 0) {
-    std::vector<Placement> pl;
-    for (const v1::Placement& x : req.placements()) {
-      if (x.shard_dim() < -1) {
-        return absl::InvalidArgumentError(absl::StrCat("bad placement shard_dim ", x.shard_dim()));
-      }
-      pl.push_back(Placement{x.shard_dim()});
-    }
-    p.placements = std::move(pl);
-  }
-  if (req.dtype() != v1::DTYPE_UNSPECIFIED) {
-    absl::StatusOr<DType> d = FromProtoDType(req.dtype());
-    if (!d.ok()) return d.status();
-    FUZZ_CHECK(ToProtoDType(*d) == req.dtype());
-    p.dtype = *d;
-  }
-  switch (req.transport()) {
-    case v1::TRANSPORT_UNSPECIFIED:
-    case v1::SHM:
-    case v1::GRPC:
-    case v1::CUDA:
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("unknown transport ", req.transport()));
-  }
-  return p;
-}
 
 // Shapes of the kinds a checkpoint holds: scalar, vector, matrix, uneven,
 // empty, and high-rank.
@@ -93,7 +50,7 @@ const std::vector<std::vector<int64_t>>& Shapes() {
   return *kShapes;
 }
 
-void Plan(const Decoded& p) {
+void Plan(const FetchParams& p) {
   if (!p.mesh.Validate().ok()) return;
   const std::vector<Placement> placements =
       p.placements.has_value() ? *p.placements : DefaultPlacements(p.mesh.shape.size());
@@ -130,8 +87,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(again.ParseFromString(wire));
   FUZZ_CHECK(again.SerializeAsString() == wire);
 
-  absl::StatusOr<Decoded> decoded = Decode(req);
-  if (!decoded.ok()) return 0;
+  absl::StatusOr<FetchParams> decoded = DecodeFetch(req);
+  if (!decoded.ok()) {
+    FUZZ_CHECK(decoded.status().code() == absl::StatusCode::kInvalidArgument);
+    return 0;
+  }
+  if (decoded->dtype.has_value()) FUZZ_CHECK(ToProtoDType(*decoded->dtype) == req.dtype());
   Plan(*decoded);
   return 0;
 }

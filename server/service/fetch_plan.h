@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,6 +39,21 @@ struct FetchedTensor {
   uint64_t offset = 0;   // filled once materialized
   uint64_t length = 0;   // filled once materialized
   Digest digest;         // filled once materialized
+};
+
+// What a fetch serves, the same for every fetch of the same request on the
+// same generation: built once and shared (WeightService caches it while its
+// segments live), so a repeated fetch costs a lookup and a lease.
+struct FetchTable {
+  uint64_t generation = 0;
+  std::vector<uint64_t> segment_sizes;
+  std::vector<FetchedTensor> tensors;
+  std::string data_socket;
+  uint64_t bytes = 0;  // sum of the tensors' lengths
+  // The control plane's encoding of this table, made once by whoever sends
+  // it (the gRPC layer: a serialized FetchResponse without lease and token).
+  mutable std::once_flag wire_once;
+  mutable std::string wire;
 };
 
 // A served tensor to plan: its plan and its parts in the store (borrowed;

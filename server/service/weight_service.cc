@@ -579,26 +579,20 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     table->bytes += m.length;
     table->tensors.push_back(std::move(ft));
   }
-  FetchCacheEntry entry;
-  entry.gen = gen;
-  entry.table = table;
-  entry.segments.assign(segments.begin(), segments.end());
-  entry.guards = guards;
-  StoreFetchCache(std::move(cache_key), std::move(entry));
+  fetch_cache_.Store(std::move(cache_key), gen, table, segments, guards);
   return GrantFetch(params, std::move(table), std::move(segments), std::move(guards));
 }
 
 std::optional<absl::StatusOr<FetchResult>> WeightService::FetchFromCache(
     const FetchParams& params, const std::string& key,
     const std::shared_ptr<const Generation>& gen) {
-  std::shared_ptr<const FetchTable> table;
-  std::vector<SegmentPtr> segments;
-  std::vector<ReadGuard> guards;
-  if (!LookupFetchCache(key, gen, &table, &segments, &guards)) return std::nullopt;
+  std::optional<FetchTableCache::Hit> hit = fetch_cache_.Lookup(key, gen);
+  if (!hit.has_value()) return std::nullopt;
   if (params.caller.has_value()) {
-    if (absl::Status s = access_.CheckRead(*params.caller, guards); !s.ok()) return s;
+    if (absl::Status s = access_.CheckRead(*params.caller, hit->guards); !s.ok()) return s;
   }
-  return GrantFetch(params, std::move(table), std::move(segments), std::move(guards));
+  return GrantFetch(params, std::move(hit->table), std::move(hit->segments),
+                    std::move(hit->guards));
 }
 
 std::optional<absl::StatusOr<FetchResult>> WeightService::TryFetchCached(
@@ -640,48 +634,6 @@ std::string WeightService::FetchCacheKey(const FetchParams& params, uint64_t gen
   put(params.names.size());
   for (const std::string& n : params.names) put_str(n);
   return key;
-}
-
-bool WeightService::LookupFetchCache(const std::string& key,
-                                     const std::shared_ptr<const Generation>& gen,
-                                     std::shared_ptr<const FetchTable>* table,
-                                     std::vector<SegmentPtr>* segments,
-                                     std::vector<ReadGuard>* guards) {
-  absl::MutexLock lock(&fetch_cache_mu_);
-  auto it = fetch_cache_.find(key);
-  if (it == fetch_cache_.end()) return false;
-  const FetchCacheEntry& e = it->second;
-  bool live = e.gen.lock() == gen;
-  segments->clear();
-  for (size_t i = 0; live && i < e.segments.size(); ++i) {
-    SegmentPtr seg = e.segments[i].lock();
-    live = seg != nullptr;
-    segments->push_back(std::move(seg));
-  }
-  if (!live) {  // an older generation under the same number, or evicted
-    fetch_cache_.erase(it);
-    segments->clear();
-    return false;
-  }
-  *table = e.table;
-  *guards = e.guards;
-  return true;
-}
-
-void WeightService::StoreFetchCache(std::string key, FetchCacheEntry entry) {
-  absl::MutexLock lock(&fetch_cache_mu_);
-  // Stores follow misses (a materialization at least), so a full pass is
-  // cheap next to them: entries of retired generations or evicted segments
-  // go at once, which keeps the cache as small as what is live.
-  absl::erase_if(fetch_cache_, [](const auto& kv) {
-    if (kv.second.gen.expired()) return true;
-    for (const auto& s : kv.second.segments) {
-      if (s.expired()) return true;
-    }
-    return false;
-  });
-  if (fetch_cache_.size() >= kFetchCacheEntries) fetch_cache_.clear();
-  fetch_cache_.insert_or_assign(std::move(key), std::move(entry));
 }
 
 FetchResult WeightService::GrantFetch(const FetchParams& params,

@@ -32,6 +32,7 @@
 #include "server/store/checkpoint.h"
 #include "server/store/model_roots.h"
 #include "server/service/fetch_plan.h"
+#include "server/service/fetch_table_cache.h"
 #include "server/service/latency_histogram.h"
 #include "server/store/segment.h"
 #include "server/store/disposer.h"
@@ -120,21 +121,6 @@ struct FetchParams {
   // of the generation served, and recorded as the lease's owner. nullopt =
   // the daemon itself (no check).
   std::optional<Principal> caller;
-};
-
-// What a fetch serves, the same for every fetch of the same request on the
-// same generation: built once and shared (WeightService caches it while its
-// segments live), so a repeated fetch costs a lookup and a lease.
-struct FetchTable {
-  uint64_t generation = 0;
-  std::vector<uint64_t> segment_sizes;
-  std::vector<FetchedTensor> tensors;
-  std::string data_socket;
-  uint64_t bytes = 0;  // sum of the tensors' lengths
-  // The control plane's encoding of this table, made once by whoever sends
-  // it (the gRPC layer: a serialized FetchResponse without lease and token).
-  mutable std::once_flag wire_once;
-  mutable std::string wire;
 };
 
 struct FetchResult {
@@ -366,32 +352,16 @@ class WeightService {
   // Generation `number` of `model` (0 = current), null if it is not kept.
   static std::shared_ptr<const Generation> GenerationOf(const Model& model, uint64_t number);
 
-  // Fetch tables by request and generation (FetchCacheKey). An entry holds
-  // its segments weakly: once the materializer evicts one, the entry misses
-  // and is rebuilt; it never keeps memory alive nor outlives its generation.
-  struct FetchCacheEntry {
-    std::weak_ptr<const Generation> gen;
-    std::shared_ptr<const FetchTable> table;
-    std::vector<std::weak_ptr<const Segment>> segments;
-    std::vector<ReadGuard> guards;
-  };
-  static constexpr size_t kFetchCacheEntries = 1024;
+  // The fetch-table cache's key of a request on a generation number.
   static std::string FetchCacheKey(const FetchParams& params, uint64_t generation);
   // The fetch from the cached table for `key` on `gen`, or nullopt.
   std::optional<absl::StatusOr<FetchResult>> FetchFromCache(
       const FetchParams& params, const std::string& key,
       const std::shared_ptr<const Generation>& gen);
-  // The table, segments and guards cached for `key` on `gen`, if all live.
-  bool LookupFetchCache(const std::string& key, const std::shared_ptr<const Generation>& gen,
-                        std::shared_ptr<const FetchTable>* table,
-                        std::vector<SegmentPtr>* segments, std::vector<ReadGuard>* guards)
-      ABSL_LOCKS_EXCLUDED(fetch_cache_mu_);
-  void StoreFetchCache(std::string key, FetchCacheEntry entry) ABSL_LOCKS_EXCLUDED(fetch_cache_mu_);
   // Grants the lease on `table` and records its owner.
   FetchResult GrantFetch(const FetchParams& params, std::shared_ptr<const FetchTable> table,
                          std::vector<SegmentPtr> segments, std::vector<ReadGuard> guards);
-  absl::Mutex fetch_cache_mu_;
-  absl::flat_hash_map<std::string, FetchCacheEntry> fetch_cache_ ABSL_GUARDED_BY(fetch_cache_mu_);
+  FetchTableCache fetch_cache_;
 
   absl::Notification stop_;
   std::thread reaper_;

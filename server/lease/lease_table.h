@@ -37,6 +37,9 @@ struct LeaseContents {
   uint64_t generation = 0;
   std::vector<SegmentPtr> segments;  // indexed as in the fetch response
   uint64_t bytes = 0;                // bytes of the tensors it names
+  // Kept alive exactly as long as the lease (its owner's marker: e.g. the
+  // generation it serves counts its leases by this pointer's use_count).
+  std::shared_ptr<const void> hold;
 };
 
 struct LeaseGrant {

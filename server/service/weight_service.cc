@@ -580,7 +580,7 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     table->tensors.push_back(std::move(ft));
   }
   fetch_cache_.Store(std::move(cache_key), gen, table, segments, guards);
-  return GrantFetch(params, std::move(table), std::move(segments), std::move(guards));
+  return GrantFetch(params, *gen, std::move(table), std::move(segments), std::move(guards));
 }
 
 std::optional<absl::StatusOr<FetchResult>> WeightService::FetchFromCache(
@@ -591,7 +591,7 @@ std::optional<absl::StatusOr<FetchResult>> WeightService::FetchFromCache(
   if (params.caller.has_value()) {
     if (absl::Status s = access_.CheckRead(*params.caller, hit->guards); !s.ok()) return s;
   }
-  return GrantFetch(params, std::move(hit->table), std::move(hit->segments),
+  return GrantFetch(params, *gen, std::move(hit->table), std::move(hit->segments),
                     std::move(hit->guards));
 }
 
@@ -636,7 +636,7 @@ std::string WeightService::FetchCacheKey(const FetchParams& params, uint64_t gen
   return key;
 }
 
-FetchResult WeightService::GrantFetch(const FetchParams& params,
+FetchResult WeightService::GrantFetch(const FetchParams& params, const Generation& gen,
                                       std::shared_ptr<const FetchTable> table,
                                       std::vector<SegmentPtr> segments,
                                       std::vector<ReadGuard> guards) {
@@ -644,6 +644,7 @@ FetchResult WeightService::GrantFetch(const FetchParams& params,
   LeaseContents lease;
   lease.model = params.model;
   lease.generation = table->generation;
+  lease.hold = gen.lease_marker;
   lease.segments = std::move(segments);
   lease.bytes = table->bytes;
   bytes_served_.fetch_add(table->bytes);
@@ -810,7 +811,7 @@ absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_nam
     next->current = gen;
     next->history.clear();
     for (const auto& g : model->history) {
-      if (leases_.CountFor(model_name, g->number) > 0) {
+      if (IsLeased(*g)) {
         next->history.push_back(g);
       } else {
         retired.push_back(g->number);
@@ -841,13 +842,13 @@ void WeightService::PruneGenerations() {
     for (auto& [name, model] : models_) {
       bool prune = false;
       for (const auto& g : model->history) {
-        if (g != model->current && leases_.CountFor(name, g->number) == 0) prune = true;
+        if (g != model->current && !IsLeased(*g)) prune = true;
       }
       if (!prune) continue;
       auto next = std::make_shared<Model>(*model);
       next->history.clear();
       for (const auto& g : model->history) {
-        if (g == model->current || leases_.CountFor(name, g->number) > 0) {
+        if (g == model->current || IsLeased(*g)) {
           next->history.push_back(g);
         } else {
           retired.push_back(absl::StrCat(name, "#", g->number));

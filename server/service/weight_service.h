@@ -264,6 +264,9 @@ class WeightService {
   // (keyed by the part's checkpoint name, or served name for new tensors).
   struct Generation {
     uint64_t number = 1;
+    // Copied into every lease on this generation, and nowhere else: the
+    // generation is leased while use_count() > 1 (IsLeased).
+    std::shared_ptr<const int> lease_marker = std::make_shared<const int>(0);
     std::vector<AdapterRef> stack;
     std::vector<std::shared_ptr<const Adapter>> adapters;  // kept alive
     absl::flat_hash_map<std::string, std::vector<AppliedPatch>> patches;
@@ -359,8 +362,11 @@ class WeightService {
       const FetchParams& params, const std::string& key,
       const std::shared_ptr<const Generation>& gen);
   // Grants the lease on `table` and records its owner.
-  FetchResult GrantFetch(const FetchParams& params, std::shared_ptr<const FetchTable> table,
-                         std::vector<SegmentPtr> segments, std::vector<ReadGuard> guards);
+  FetchResult GrantFetch(const FetchParams& params, const Generation& gen,
+                         std::shared_ptr<const FetchTable> table, std::vector<SegmentPtr> segments,
+                         std::vector<ReadGuard> guards);
+  // Does a lease still hold `gen`?
+  static bool IsLeased(const Generation& gen) { return gen.lease_marker.use_count() > 1; }
   FetchTableCache fetch_cache_;
 
   absl::Notification stop_;

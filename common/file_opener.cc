@@ -12,12 +12,6 @@ namespace {
 
 constexpr int kProbeAttempts = 4;
 
-std::string JoinPath(absl::string_view dir, absl::string_view name) {
-  if (dir.empty()) return std::string(name);
-  if (dir.back() == '/') return absl::StrCat(dir, name);
-  return absl::StrCat(dir, "/", name);
-}
-
 std::string Dirname(absl::string_view path) {
   size_t slash = path.rfind('/');
   if (slash == absl::string_view::npos) return ".";
@@ -26,6 +20,12 @@ std::string Dirname(absl::string_view path) {
 }
 
 }  // namespace
+
+std::string JoinPath(absl::string_view dir, absl::string_view name) {
+  if (dir.empty()) return std::string(name);
+  if (dir.back() == '/') return absl::StrCat(dir, name);
+  return absl::StrCat(dir, "/", name);
+}
 
 absl::StatusOr<OpenedFile> OpenReadableChecked(
     const std::function<absl::StatusOr<UniqueFd>(int flags)>& open, absl::string_view path) {

@@ -64,6 +64,9 @@ class UnconfinedFileOpener final : public FileOpener {
 // inode, else the probe starts over (a few times, then UNAVAILABLE); an
 // UNAVAILABLE from `open` (the name changed under it) starts over too.
 // `path` names it in messages.
+// "dir/name" ("name" when dir is empty; no doubled '/').
+std::string JoinPath(absl::string_view dir, absl::string_view name);
+
 absl::StatusOr<OpenedFile> OpenReadableChecked(
     const std::function<absl::StatusOr<UniqueFd>(int flags)>& open, absl::string_view path);
 

@@ -27,12 +27,6 @@ constexpr int kMaxSymlinks = 40;
 // Cleared for good the first time the kernel answers ENOSYS.
 std::atomic<bool> openat2_available{true};
 
-std::string Join(absl::string_view dir, absl::string_view name) {
-  if (dir.empty()) return std::string(name);
-  if (dir.back() == '/') return absl::StrCat(dir, name);
-  return absl::StrCat(dir, "/", name);
-}
-
 // "a/b" -> "a", "b" -> "", "/x/y" -> "/x".
 std::string Parent(absl::string_view path) {
   size_t slash = path.rfind('/');
@@ -274,8 +268,8 @@ absl::StatusOr<OpenedFile> ModelRoots::Open(absl::string_view path) const {
 
 absl::StatusOr<OpenedFile> ModelRoots::OpenIn(const OpenedFile& dir, absl::string_view name) const {
   const std::string rel(name);
-  const std::string beneath = Join(dir.beneath, rel);
-  const std::string path = Join(dir.path, rel);
+  const std::string beneath = JoinPath(dir.beneath, rel);
+  const std::string path = JoinPath(dir.path, rel);
   auto opened = OpenReadableChecked(
       [&](int flags) { return OpenOnce(dir.fd.get(), rel, dir.root, beneath, flags, path); },
       path);
@@ -287,8 +281,8 @@ absl::StatusOr<OpenedFile> ModelRoots::OpenIn(const OpenedFile& dir, absl::strin
 
 absl::StatusOr<OpenedFile> ModelRoots::OpenBeside(const OpenedFile& file,
                                                   absl::string_view name) const {
-  return OpenBeneath(file.root, Join(Parent(file.beneath), name),
-                     Join(Parent(file.path), name));
+  return OpenBeneath(file.root, JoinPath(Parent(file.beneath), name),
+                     JoinPath(Parent(file.path), name));
 }
 
 }  // namespace weightd

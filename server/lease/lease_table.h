@@ -25,8 +25,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/store/disposer.h"
-#include "server/store/segment.h"
+#include "server/memory/disposer.h"
+#include "server/memory/segment.h"
 
 namespace weightd {
 

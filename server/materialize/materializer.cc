@@ -215,7 +215,12 @@ absl::StatusOr<float> AbsMax(absl::Span<const PartSlice> slices) {
   return amax;
 }
 
-Materializer::Materializer(Options options) : options_(std::move(options)) {}
+Materializer::Materializer(Options options) : options_(std::move(options)) {
+  reclaimer_id_ = options_.memory->AddReclaimer(MemoryAccount::kRankCache,
+                                                [this](uint64_t) { return Reclaim(); });
+}
+
+Materializer::~Materializer() { options_.memory->RemoveReclaimer(reclaimer_id_); }
 
 std::string Materializer::MakeKey(const MaterializeItem& item, const std::string& scope) {
   // The scope first, length-prefixed: entries of different scopes never
@@ -287,15 +292,7 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
   }
   if (misses.empty()) return out;
   // The reserve's background work waits while we compute.
-  struct WorkScope {
-    SegmentPool* pool;
-    explicit WorkScope(SegmentPool* p) : pool(p) {
-      if (pool != nullptr) pool->BeginWork();
-    }
-    ~WorkScope() {
-      if (pool != nullptr) pool->EndWork();
-    }
-  } work_scope(options_.pool);
+  HostMemoryManager::WorkScope work_scope(options_.memory);
 
   // Views need only a digest; the rest is packed into new segments: one,
   // or with a pool, as many chunk-sized ones as the misses fill.
@@ -307,7 +304,7 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
     std::unique_ptr<Segment> segment;
     SegmentPtr sealed;
   };
-  const uint64_t chunk = options_.pool != nullptr ? options_.pool->chunk_bytes() : 0;
+  const uint64_t chunk = options_.memory->reserve_chunk_bytes();
   std::vector<Group> groups;
   std::vector<size_t> group_of(items.size(), 0);
   size_t open_group = SIZE_MAX;  // the group still taking items
@@ -359,7 +356,9 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
     group_of[i] = g;
   }
   for (Group& group : groups) {
-    WD_ASSIGN_OR_RETURN(group.segment, CreateSegment(std::max<uint64_t>(group.bytes, 1)));
+    WD_ASSIGN_OR_RETURN(group.segment,
+                        options_.memory->Allocate(std::max<uint64_t>(group.bytes, 1),
+                                                  {.purpose = "shard", .warm = true}));
   }
   // Fill and digest in parallel, one item at a time.
   std::atomic<size_t> next{0};
@@ -430,20 +429,6 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<Segment>> Materializer::CreateSegment(uint64_t size) {
-  if (options_.pool != nullptr && size <= options_.pool->chunk_bytes()) {
-    if (std::unique_ptr<Segment> seg = options_.pool->Take()) {
-      WD_RETURN_IF_ERROR(seg->Truncate(size));
-      return seg;
-    }
-  }
-  auto seg = Segment::Create(options_.account, "shard", size, /*prefault=*/true);
-  if (seg.ok() || seg.status().code() != absl::StatusCode::kResourceExhausted) return seg;
-  // Freed here, not on the disposer: this call needs the budget back now.
-  if (Evict(/*orphans_only=*/false, /*now=*/true) == 0) return seg.status();
-  return Segment::Create(options_.account, "shard", size, /*prefault=*/true);
-}
-
 uint64_t Materializer::EvictUnused() { return Evict(/*orphans_only=*/false, /*now=*/true); }
 
 uint64_t Materializer::Sweep() { return Evict(/*orphans_only=*/true, /*now=*/false); }
@@ -465,20 +450,20 @@ uint64_t Materializer::Evict(bool orphans_only, bool now) {
     freed = EvictLocked(orphans_only, &dropped);
   }
   // The last holds are dropped without the lock: giving a large segment
-  // back to the kernel takes a while, and fetches wait for mu_. With a
-  // warm reserve its background thread frees them when the daemon is
-  // idle; else, unless the caller needs the budget back at once, the
-  // disposer's thread does.
-  for (SegmentPtr& seg : dropped) {
-    const uint64_t bytes = seg->size();
-    if (options_.pool != nullptr) {
-      options_.pool->Dispose(std::move(seg));
-    } else if (options_.disposer != nullptr && !now) {
-      options_.disposer->Dispose(std::move(seg), bytes);
-    } else {
-      seg.reset();
-    }
+  // back to the kernel takes a while, and fetches wait for mu_. The memory
+  // manager frees them in an idle moment or on the disposer's thread.
+  for (SegmentPtr& seg : dropped) options_.memory->Retire(std::move(seg), now);
+  return freed;
+}
+
+uint64_t Materializer::Reclaim() {
+  std::vector<SegmentPtr> dropped;
+  uint64_t freed;
+  {
+    absl::MutexLock lock(&mu_);
+    freed = EvictLocked(/*orphans_only=*/false, &dropped);
   }
+  dropped.clear();  // the last holds: freed here, without the lock
   return freed;
 }
 

@@ -36,9 +36,8 @@
 #include "common/shard.h"
 #include "server/adapter/patch.h"
 #include "server/store/checkpoint.h"
-#include "server/store/disposer.h"
-#include "server/store/segment.h"
-#include "server/store/segment_pool.h"
+#include "server/memory/host_memory.h"
+#include "server/memory/segment.h"
 
 namespace weightd {
 
@@ -86,19 +85,20 @@ struct MaterializerStats {
 class Materializer {
  public:
   struct Options {
-    std::shared_ptr<MemoryAccount> account;
+    // Where output segments come from (borrowed; outlives the
+    // materializer). With a warm reserve a call's misses are packed into
+    // chunk-sized segments taken from it; an item larger than a chunk, or
+    // a call that finds the reserve empty, gets a fresh segment. Evicted
+    // segments are retired through it, never freed under the lock. The
+    // cache's unused entries join its reclaimer chain (kRankCache): a
+    // short budget drops them before anything is refused.
+    HostMemoryManager* memory = nullptr;
     int threads = 2;  // workers that slice, merge and cast one call's misses
-    // Pre-faulted output chunks (borrowed; may be null). With a pool, a
-    // call's misses are packed into chunk-sized segments taken from it; an
-    // item larger than a chunk, or a call that finds the reserve empty,
-    // gets a fresh segment.
-    SegmentPool* pool = nullptr;
-    // Frees evicted segments off the caller's thread when there is no pool
-    // (borrowed; may be null: then they are freed by the evicting call,
-    // without the lock).
-    Disposer* disposer = nullptr;
   };
   explicit Materializer(Options options);
+  ~Materializer();
+  Materializer(const Materializer&) = delete;
+  Materializer& operator=(const Materializer&) = delete;
 
   // One result per item, in order. Fails with INVALID_ARGUMENT for a cast
   // the kernels do not support, RESOURCE_EXHAUSTED when the budget cannot
@@ -153,20 +153,21 @@ class Materializer {
   // Looks `key` up; fills `out` on a hit.
   bool Lookup(const std::string& key, MaterializedTensor* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A writable segment of exactly `size` bytes: from the pool when it fits
-  // a chunk and the reserve has one, else fresh (evicting unused cache
-  // entries when the budget is short).
-  absl::StatusOr<std::unique_ptr<Segment>> CreateSegment(uint64_t size);
   // Drops packed segments only the cache holds; with `orphans_only`, just
   // those whose base is gone. Then drops the entries left dangling. The
   // segments' last holds are moved to `dropped`, to be freed unlocked.
   uint64_t EvictLocked(bool orphans_only, std::vector<SegmentPtr>* dropped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // EvictLocked, then frees what it dropped without the lock: through the
-  // pool or (unless `now`: the caller needs the budget back) the disposer.
+  // EvictLocked, then retires what it dropped without the lock
+  // (HostMemoryManager::Retire; `now`: the caller needs the budget back).
   uint64_t Evict(bool orphans_only, bool now) ABSL_LOCKS_EXCLUDED(mu_);
+  // The reclaimer: drops every unused entry and frees its segments here
+  // and now (a reserve's idle-time disposal would not give the budget
+  // back to the reservation that asked).
+  uint64_t Reclaim() ABSL_LOCKS_EXCLUDED(mu_);
 
   const Options options_;
+  uint64_t reclaimer_id_ = 0;  // in the memory manager's chain
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Entry> cache_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, PackedSegment> packed_ ABSL_GUARDED_BY(mu_);

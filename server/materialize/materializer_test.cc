@@ -12,10 +12,12 @@ namespace {
 
 // A stored F32 tensor of `shape` with values 0, 1, 2, ... in its own segment.
 struct Fixture {
-  std::shared_ptr<MemoryAccount> account = std::make_shared<MemoryAccount>(0);
+  std::unique_ptr<HostMemoryManager> memory;
+  std::shared_ptr<MemoryAccount> account;
   StoredTensor tensor;
 
-  explicit Fixture(std::vector<int64_t> shape) {
+  explicit Fixture(std::vector<int64_t> shape, HostMemoryManager::Options options = {})
+      : memory(std::make_unique<HostMemoryManager>(options)), account(memory->account()) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     auto seg = Segment::Create(account, "base", std::max<int64_t>(n * 4, 1), false);
@@ -68,7 +70,7 @@ std::vector<float> Read(const MaterializedTensor& s) {
 
 TEST(MaterializerTest, ContiguousSameDtypeIsAViewIntoTheBase) {
   Fixture f({10, 4});
-  Materializer m({f.account, 2});
+  Materializer m({f.memory.get(), 2});
   ShardBox box{{3, 0}, {3, 4}};
   auto r = m.Materialize({Item(f.tensor, box, DType::kF32)});
   ASSERT_TRUE(r.ok()) << r.status();
@@ -81,7 +83,7 @@ TEST(MaterializerTest, ContiguousSameDtypeIsAViewIntoTheBase) {
 
 TEST(MaterializerTest, ColumnSliceIsPackedAndCached) {
   Fixture f({5, 6});
-  Materializer m({f.account, 2});
+  Materializer m({f.memory.get(), 2});
   ShardBox box{{0, 2}, {5, 2}};
   auto r1 = m.Materialize({Item(f.tensor, box, DType::kF32)});
   ASSERT_TRUE(r1.ok()) << r1.status();
@@ -101,7 +103,7 @@ TEST(MaterializerTest, ResultsAreSharedWithinAScopeAndNeverAcrossScopes) {
   Fixture secret({6, 4});
   Fixture shared({6, 4});
   ASSERT_EQ(secret.tensor.digest, shared.tensor.digest);
-  Materializer m({secret.account, 2});
+  Materializer m({secret.memory.get(), 2});
   const std::string kPrivate = "7{5:uid:7}";
   ShardBox rows{{2, 0}, {2, 4}};   // contiguous: a view
   ShardBox cols{{0, 1}, {6, 2}};   // strided: packed
@@ -126,7 +128,7 @@ TEST(MaterializerTest, ResultsAreSharedWithinAScopeAndNeverAcrossScopes) {
 
 TEST(MaterializerTest, BatchOfMissesSharesOneSegment) {
   Fixture f({8, 8});
-  Materializer m({f.account, 2});
+  Materializer m({f.memory.get(), 2});
   std::vector<MaterializeItem> items;
   for (int i = 0; i < 4; ++i) items.push_back(Item(f.tensor, ShardBox{{0, 2 * i}, {8, 2}}, DType::kBF16));
   auto r = m.Materialize(items);
@@ -162,7 +164,7 @@ TEST(MaterializerTest, CopyBoxMatchesBruteForceOnRandomBoxes) {
 
 TEST(MaterializerTest, EvictUnusedFreesOnlyUnheldSegments) {
   Fixture f({4, 4});
-  Materializer m({f.account, 1});
+  Materializer m({f.memory.get(), 1});
   uint64_t base = f.account->used();
   auto held = m.Materialize({Item(f.tensor, ShardBox{{0, 0}, {4, 2}}, DType::kF32)});
   auto unheld = m.Materialize({Item(f.tensor, ShardBox{{0, 2}, {4, 2}}, DType::kF32)});
@@ -180,9 +182,9 @@ TEST(MaterializerTest, SweptSegmentsAreFreedByTheDisposerNotUnderTheLock) {
   // Release, on a gRPC thread): without a warm reserve their pages go back
   // on the disposer's thread. EvictUnused (the budget is short now) frees
   // at once.
-  Fixture f({64, 64});
-  Disposer disposer(/*min_bytes=*/1);
-  Materializer m({f.account, 1, nullptr, &disposer});
+  Fixture f({64, 64}, {.dispose_min_bytes = 1});
+  Disposer& disposer = *f.memory->disposer();
+  Materializer m({f.memory.get(), 1});
   const uint64_t base = f.account->used();
   MaterializeItem item;  // an FP8 scale companion: tagged with its generation
   item.name = "w_scale";
@@ -204,6 +206,35 @@ TEST(MaterializerTest, SweptSegmentsAreFreedByTheDisposerNotUnderTheLock) {
   EXPECT_GT(m.EvictUnused(), 0u);
   EXPECT_EQ(f.account->used(), base) << "freed by the evicting call itself";
   EXPECT_EQ(disposer.disposed(), 1u);
+}
+
+TEST(MaterializerTest, AShortBudgetDropsUnusedCacheEntriesBeforeItRefuses) {
+  // The cache's unused entries are in the memory manager's reclaimer chain:
+  // any allocation short of budget (a load, an adapter, another fetch)
+  // drops them first, and only what a holder still uses stays.
+  const uint64_t kBase = 64 * 64 * 4;
+  Fixture f({64, 64}, {.limit_bytes = 3 * kBase});
+  Materializer m({f.memory.get(), 1});
+  auto held = m.Materialize({Item(f.tensor, ShardBox{{0, 0}, {64, 64}}, DType::kBF16)});
+  ASSERT_TRUE(held.ok()) << held.status();
+  {
+    auto unheld = m.Materialize({Item(f.tensor, ShardBox{{0, 0}, {64, 64}}, DType::kF16)});
+    ASSERT_TRUE(unheld.ok()) << unheld.status();
+  }
+  ASSERT_EQ(m.stats().entries, 2u);
+  const uint64_t used = f.account->used();  // base + two half-size casts
+  ASSERT_EQ(used, 2 * kBase);
+  // Needs more than is free: the unused F16 cast goes, the held one stays.
+  auto seg = f.memory->Allocate(kBase + kBase / 4, {.purpose = "test"});
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_EQ(m.stats().entries, 1u);
+  auto again = m.Materialize({Item(f.tensor, ShardBox{{0, 0}, {64, 64}}, DType::kBF16)});
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ((*again)[0].segment, (*held)[0].segment) << "the held entry is still served";
+  // More than even that frees: refused, naming what asked.
+  auto refused = f.memory->Allocate(2 * kBase, {.purpose = "too much"});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("too much"), std::string::npos) << refused.status();
 }
 
 TEST(MemoryAccountTest, ReclaimersRunByRankUntilTheShortfallIsCovered) {
@@ -236,8 +267,9 @@ TEST(MemoryAccountTest, ReclaimersRunByRankUntilTheShortfallIsCovered) {
 
 TEST(MaterializerTest, ViewCacheDoesNotKeepUnloadedBaseAlive) {
   auto f = std::make_unique<Fixture>(std::vector<int64_t>{4, 4});
-  auto account = f->account;
-  Materializer m({account, 1});
+  auto account = f->account;  // outlives f's memory manager
+  HostMemoryManager memory({});  // the materializer's own: f goes first
+  Materializer m({&memory, 1});
   {
     auto r = m.Materialize({Item(f->tensor, ShardBox{{0, 0}, {2, 4}}, DType::kF32)});
     ASSERT_TRUE(r.ok());
@@ -272,7 +304,7 @@ class AddConstantPatch : public TensorPatch {
 
 TEST(MaterializerTest, MergedPartsConcatenateAlongDimZero) {
   Fixture a({2, 3}), b({4, 3});
-  Materializer m({a.account, 2});
+  Materializer m({a.memory.get(), 2});
   MaterializeItem item;
   item.name = "qkv";
   item.out_dtype = DType::kF32;
@@ -286,7 +318,7 @@ TEST(MaterializerTest, MergedPartsConcatenateAlongDimZero) {
 
 TEST(MaterializerTest, PatchesAccumulateInFp32AndRoundOnce) {
   Fixture f({2, 2});
-  Materializer m({f.account, 1});
+  Materializer m({f.memory.get(), 1});
   MaterializeItem item = Item(f.tensor, ShardBox{{0, 0}, {2, 2}}, DType::kF32);
   item.slices[0].patches.push_back({std::make_shared<AddConstantPatch>(0.5f), 2.0f});
   item.slices[0].patches.push_back({std::make_shared<AddConstantPatch>(0.25f), 1.0f});
@@ -302,7 +334,7 @@ TEST(MaterializerTest, PatchesAccumulateInFp32AndRoundOnce) {
 
 TEST(MaterializerTest, ZeroFilledPartAndFp8Quantization) {
   Fixture f({4});
-  Materializer m({f.account, 1});
+  Materializer m({f.memory.get(), 1});
   MaterializeItem zeros;
   zeros.name = "new";
   zeros.out_dtype = DType::kBF16;

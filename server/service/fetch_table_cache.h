@@ -20,7 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/service/access_control.h"
 #include "server/service/fetch_plan.h"
-#include "server/store/segment.h"
+#include "server/memory/segment.h"
 
 namespace weightd {
 

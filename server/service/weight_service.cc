@@ -47,33 +47,18 @@ absl::StatusOr<std::unique_ptr<WeightService>> WeightService::Create(
 WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
     : options_(std::move(options)),
       roots_(std::move(roots)),
-      account_(std::make_shared<MemoryAccount>(options_.host_memory_bytes)),
-      pool_(options_.warm_reserve_bytes == 0
-                ? nullptr
-                : std::make_unique<SegmentPool>(SegmentPool::Options{
-                      account_, options_.warm_reserve_bytes, options_.reserve_chunk_bytes})),
-      materializer_(Materializer::Options{account_, options_.worker_threads, pool_.get(),
-                                          &disposer_}),
-      leases_(options_.lease_idle_ttl, &disposer_),
+      memory_(HostMemoryManager::Options{.limit_bytes = options_.host_memory_bytes,
+                                         .warm_reserve_bytes = options_.warm_reserve_bytes,
+                                         .reserve_chunk_bytes = options_.reserve_chunk_bytes}),
+      materializer_(Materializer::Options{&memory_, options_.worker_threads}),
+      leases_(options_.lease_idle_ttl, memory_.disposer()),
       access_(options_.access) {
-  // A reservation short of budget first waits for the drops the disposer
-  // still holds (rank 0), then takes the warm reserve back (the pool's own
-  // reclaimer, rank 10). What counts is what the account got back, not the
-  // disposer's estimate (a segment it was handed may have been picked up
-  // again meanwhile).
-  disposer_reclaimer_ = account_->AddReclaimer(MemoryAccount::kRankDisposer, [this](uint64_t) {
-    const uint64_t before = account_->used();
-    disposer_.Drain();
-    const uint64_t after = account_->used();
-    return before > after ? before - after : 0;
-  });
   reaper_ = std::thread([this] { ReapLoop(); });
 }
 
 WeightService::~WeightService() {
   stop_.Notify();
   if (reaper_.joinable()) reaper_.join();
-  account_->RemoveReclaimer(disposer_reclaimer_);
 }
 
 void WeightService::ReapLoop() {
@@ -298,7 +283,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
   absl::Time start = absl::Now();
   auto build = [&]() -> absl::StatusOr<std::shared_ptr<Model>> {
     CheckpointLoadOptions opts;
-    opts.account = account_;
+    opts.memory = &memory_;
     opts.read_threads = options_.worker_threads;
     opts.progress = progress;
     opts.files = &roots_;
@@ -307,12 +292,10 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
     model->path = resolved;
     model->profile = profile;
     model->readers = reader_list;
+    // Over the memory budget, the unleased materializations (casts, shards,
+    // merges; rebuilt on demand) make room first: they are in the memory
+    // manager's reclaimer chain.
     auto checkpoint = LoadCheckpoint(resolved, opts);
-    // Over the memory budget: the unleased materializations (casts, shards,
-    // merges; rebuilt on demand) make room first, then the load is retried.
-    if (absl::IsResourceExhausted(checkpoint.status()) && materializer_.EvictUnused() > 0) {
-      checkpoint = LoadCheckpoint(resolved, opts);
-    }
     if (!checkpoint.ok()) return checkpoint.status();
     model->checkpoint = std::move(*checkpoint);
     std::vector<SourceTensorInfo> sources;
@@ -703,10 +686,7 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
   // as the adapter lives (loaded, or kept by a generation that applied it).
   load.reserve = [this, &name](uint64_t bytes) -> absl::StatusOr<std::shared_ptr<const void>> {
     const std::string what = absl::StrCat("adapter \"", name, "\"");
-    auto charge = MemoryCharge::Reserve(account_, bytes, what);
-    if (absl::IsResourceExhausted(charge.status()) && materializer_.EvictUnused() > 0) {
-      charge = MemoryCharge::Reserve(account_, bytes, what);
-    }
+    auto charge = memory_.Charge(bytes, what);
     if (!charge.ok()) return charge.status();
     return std::shared_ptr<const void>(std::move(*charge));
   };
@@ -925,10 +905,11 @@ ServiceStats WeightService::Stats() const {
     absl::MutexLock lock(&mu_);
     s.models = models_.size();
   }
-  s.segments = account_->segments();
-  s.bytes_resident = account_->used();
-  s.memory_limit = account_->limit();
-  if (pool_ != nullptr) s.reserve = pool_->stats();
+  const HostMemoryStats memory = memory_.stats();
+  s.segments = memory.segments;
+  s.bytes_resident = memory.used_bytes;
+  s.memory_limit = memory.limit_bytes;
+  s.reserve = memory.reserve;
   s.materializer = materializer_.stats();
   s.leases_open = leases_.size();
   s.bytes_served = bytes_served_.load();

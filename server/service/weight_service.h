@@ -34,9 +34,8 @@
 #include "server/service/fetch_plan.h"
 #include "server/service/fetch_table_cache.h"
 #include "server/service/latency_histogram.h"
-#include "server/store/segment.h"
-#include "server/store/disposer.h"
-#include "server/store/segment_pool.h"
+#include "server/memory/host_memory.h"
+#include "server/memory/segment.h"
 
 namespace weightd {
 
@@ -320,10 +319,9 @@ class WeightService {
 
   const WeightServiceOptions options_;
   const ModelRoots roots_;
-  std::shared_ptr<MemoryAccount> account_;
-  uint64_t disposer_reclaimer_ = 0;  // in account_'s chain
-  Disposer disposer_;                  // before leases_, which hand it their drops
-  std::unique_ptr<SegmentPool> pool_;  // before materializer_, which borrows it
+  // Budget, warm reserve, disposer, reclaimer chain; before materializer_
+  // and leases_, which borrow it.
+  HostMemoryManager memory_;
   Materializer materializer_;
   LeaseTable leases_;
   const AccessPolicy access_;

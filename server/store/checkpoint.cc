@@ -307,7 +307,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   }
   WD_ASSIGN_OR_RETURN(
       std::unique_ptr<MemoryCharge> metadata_charge,
-      MemoryCharge::Reserve(options.account, metadata_bytes,
+      options.memory->Charge(metadata_bytes,
                             absl::StrCat("metadata of ", tensors_total, " tensors")));
 
   // Lay the data sections out in segments, in file order.
@@ -329,8 +329,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   for (uint64_t size : segment_sizes) {
     // Not prefaulted here: one thread allocating and mapping every page up
     // front took over half the load; each reader populates its own chunk.
-    WD_ASSIGN_OR_RETURN(auto seg, Segment::Create(options.account, "checkpoint",
-                                                  size, /*prefault=*/false));
+    WD_ASSIGN_OR_RETURN(auto seg,
+                        options.memory->Allocate(size, {.purpose = "checkpoint"}));
     segments.push_back(std::move(seg));
   }
 

@@ -16,7 +16,8 @@
 #include "common/digest.h"
 #include "common/file_opener.h"
 #include "common/dtype.h"
-#include "server/store/segment.h"
+#include "server/memory/host_memory.h"
+#include "server/memory/segment.h"
 
 namespace weightd {
 
@@ -80,7 +81,7 @@ struct LoadProgressInfo {
 using LoadProgressFn = std::function<void(const LoadProgressInfo&)>;
 
 struct CheckpointLoadOptions {
-  std::shared_ptr<MemoryAccount> account;  // required
+  HostMemoryManager* memory = nullptr;  // required; allocates and charges
   // Segments are filled up to this size; a file larger than it gets one of
   // its own.
   uint64_t segment_target_bytes = 1ull << 30;
@@ -102,7 +103,7 @@ struct CheckpointLoadOptions {
 // pread (never mmap: a file truncated under the daemon must not SIGBUS it)
 // and checked unchanged (size, mtime) after reading: DATA_LOSS otherwise.
 // The tensors' metadata (TensorMetadataBytes each) is charged to
-// `options.account` once the headers are parsed, before any data is read:
+// `options.memory` once the headers are parsed, before any data is read:
 // RESOURCE_EXHAUSTED when it does not fit.
 // Errors name the file and the tensor. On failure nothing stays allocated.
 absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(

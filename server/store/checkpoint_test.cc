@@ -25,7 +25,8 @@ class CheckpointTest : public ::testing::Test {
     char tmpl[] = "/tmp/weightd-ckpt-XXXXXX";
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
-    account_ = std::make_shared<MemoryAccount>(0);
+    memory_ = std::make_unique<HostMemoryManager>(HostMemoryManager::Options{});
+    account_ = memory_->account();
   }
   void TearDown() override { fs::remove_all(dir_); }
 
@@ -50,12 +51,13 @@ class CheckpointTest : public ::testing::Test {
 
   CheckpointLoadOptions Options() {
     CheckpointLoadOptions o;
-    o.account = account_;
+    o.memory = memory_.get();
     o.read_chunk_bytes = 8;  // exercise chunking on tiny files
     return o;
   }
 
   std::string dir_;
+  std::unique_ptr<HostMemoryManager> memory_;
   std::shared_ptr<MemoryAccount> account_;
 };
 
@@ -123,10 +125,11 @@ TEST_F(CheckpointTest, IndexMustMatchFiles) {
 TEST_F(CheckpointTest, BudgetExceededIsResourceExhaustedAndFreesAll) {
   std::string path = WriteFile("m.safetensors", {{"a", 4096}});
   CheckpointLoadOptions o = Options();
-  o.account = std::make_shared<MemoryAccount>(1024);
+  HostMemoryManager small({.limit_bytes = 1024});
+  o.memory = &small;
   auto r = LoadCheckpoint(path, o);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
-  EXPECT_EQ(o.account->used(), 0u);
+  EXPECT_EQ(small.stats().used_bytes, 0u);
 }
 
 TEST_F(CheckpointTest, TruncatedFileIsInvalidArgument) {
@@ -157,12 +160,13 @@ TEST_F(CheckpointTest, TensorMetadataIsChargedToTheBudget) {
   EXPECT_EQ(account_->used(), 0u);
 
   // A budget the data alone fits in many times over, but not the metadata.
-  o.account = std::make_shared<MemoryAccount>(metadata / 2);
+  HostMemoryManager small({.limit_bytes = metadata / 2});
+  o.memory = &small;
   auto refused = LoadCheckpoint(path, o);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_NE(refused.status().message().find("metadata of 2000 tensors"), std::string::npos)
       << refused.status();
-  EXPECT_EQ(o.account->used(), 0u);
+  EXPECT_EQ(small.stats().used_bytes, 0u);
 }
 
 }  // namespace

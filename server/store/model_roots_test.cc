@@ -36,7 +36,8 @@ class ModelRootsTest : public ::testing::TestWithParam<bool> {
     outside_ = dir_ + "/outside";
     fs::create_directory(root_);
     fs::create_directory(outside_);
-    account_ = std::make_shared<MemoryAccount>(0);
+    memory_ = std::make_unique<HostMemoryManager>(HostMemoryManager::Options{});
+    account_ = memory_->account();
   }
   void TearDown() override { fs::remove_all(dir_); }
 
@@ -58,7 +59,7 @@ class ModelRootsTest : public ::testing::TestWithParam<bool> {
   absl::StatusOr<std::shared_ptr<const Checkpoint>> Load(const ModelRoots& roots,
                                                          const std::string& path) {
     CheckpointLoadOptions o;
-    o.account = account_;
+    o.memory = memory_.get();
     o.files = &roots;
     return LoadCheckpoint(path, o);
   }
@@ -66,6 +67,7 @@ class ModelRootsTest : public ::testing::TestWithParam<bool> {
   static absl::StatusCode Code(const absl::StatusOr<OpenedFile>& f) { return f.status().code(); }
 
   std::string dir_, root_, outside_;
+  std::unique_ptr<HostMemoryManager> memory_;
   std::shared_ptr<MemoryAccount> account_;
 };
 

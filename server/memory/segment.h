@@ -1,12 +1,13 @@
-// A sealed memfd segment: the unit of memory the daemon holds and shares.
+// A sealed memfd segment: the host memory kind of Buffer (buffer.h), the
+// unit of host memory the daemon holds and shares.
 //
 // Segments are created writable, filled by exactly one thread, then sealed
 // and published as std::shared_ptr<const Segment>; from then on they are
 // immutable and shared by checkpoints, cache entries and leases, and freed
 // when the last holder lets go. Every live segment's bytes are counted in a
 // MemoryAccount, which enforces the daemon's --host-memory-bytes budget.
-#ifndef WEIGHTD_SERVER_STORE_SEGMENT_H_
-#define WEIGHTD_SERVER_STORE_SEGMENT_H_
+#ifndef WEIGHTD_SERVER_MEMORY_SEGMENT_H_
+#define WEIGHTD_SERVER_MEMORY_SEGMENT_H_
 
 #include <atomic>
 #include <cstdint>
@@ -19,6 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/fd.h"
+#include "server/memory/buffer.h"
 
 namespace weightd {
 
@@ -48,6 +50,7 @@ class MemoryAccount {
   // Ranks of the daemon's reclaimers.
   static constexpr int kRankDisposer = 0;     // frees already waiting to happen
   static constexpr int kRankWarmReserve = 10;  // pre-faulted chunks nobody uses
+  static constexpr int kRankCache = 20;        // cached results nobody holds (rebuilt on demand)
 
   uint64_t used() const { return used_.load(std::memory_order_relaxed); }
   uint64_t limit() const { return limit_; }
@@ -92,13 +95,14 @@ class MemoryCharge {
   uint64_t bytes_;
 };
 
-class Segment {
+class Segment final : public Buffer {
  public:
   // Creates a writable segment of `size` bytes charged to `account` (which
-  // must outlive the segment). `kind` names it in /proc ("weightd:<kind>").
+  // must outlive the segment). `purpose` names it in /proc
+  // ("weightd:<purpose>") and in the budget's messages.
   // `reclaim` = false charges the account without asking its reclaimer.
   static absl::StatusOr<std::unique_ptr<Segment>> Create(
-      std::shared_ptr<MemoryAccount> account, absl::string_view kind,
+      std::shared_ptr<MemoryAccount> account, absl::string_view purpose,
       uint64_t size, bool prefault, bool reclaim = true);
 
   ~Segment();
@@ -114,8 +118,13 @@ class Segment {
   // Shrinks an unsealed segment, returning the tail's bytes to the account.
   absl::Status Truncate(uint64_t new_size);
 
-  uint64_t id() const { return id_; }
-  uint64_t size() const { return memfd_.size(); }
+  // Buffer: host memory; the shareable fd is the sealed memfd.
+  uint64_t id() const override { return id_; }
+  uint64_t size() const override { return memfd_.size(); }
+  MemoryLocation location() const override { return MemoryLocation{}; }
+  const uint8_t* host_data() const override { return memfd_.data(); }
+  absl::StatusOr<int> ShareableFd() const override;
+
   int fd() const { return memfd_.fd(); }
   bool sealed() const { return memfd_.sealed(); }
   const uint8_t* data() const { return memfd_.data(); }
@@ -134,4 +143,4 @@ using SegmentPtr = std::shared_ptr<const Segment>;
 
 }  // namespace weightd
 
-#endif  // WEIGHTD_SERVER_STORE_SEGMENT_H_
+#endif  // WEIGHTD_SERVER_MEMORY_SEGMENT_H_

@@ -21,8 +21,8 @@
 // filler never takes the budget's last chunk.
 //
 // Thread-safe.
-#ifndef WEIGHTD_SERVER_STORE_SEGMENT_POOL_H_
-#define WEIGHTD_SERVER_STORE_SEGMENT_POOL_H_
+#ifndef WEIGHTD_SERVER_MEMORY_SEGMENT_POOL_H_
+#define WEIGHTD_SERVER_MEMORY_SEGMENT_POOL_H_
 
 #include <cstdint>
 #include <deque>
@@ -32,7 +32,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/store/segment.h"
+#include "server/memory/segment.h"
 
 namespace weightd {
 
@@ -113,4 +113,4 @@ class SegmentPool {
 
 }  // namespace weightd
 
-#endif  // WEIGHTD_SERVER_STORE_SEGMENT_POOL_H_
+#endif  // WEIGHTD_SERVER_MEMORY_SEGMENT_POOL_H_

@@ -13,8 +13,8 @@
 // account's reclaimer), which frees everything queued before it returns.
 //
 // Thread-safe.
-#ifndef WEIGHTD_SERVER_STORE_DISPOSER_H_
-#define WEIGHTD_SERVER_STORE_DISPOSER_H_
+#ifndef WEIGHTD_SERVER_MEMORY_DISPOSER_H_
+#define WEIGHTD_SERVER_MEMORY_DISPOSER_H_
 
 #include <cstdint>
 #include <deque>
@@ -63,4 +63,4 @@ class Disposer {
 
 }  // namespace weightd
 
-#endif  // WEIGHTD_SERVER_STORE_DISPOSER_H_
+#endif  // WEIGHTD_SERVER_MEMORY_DISPOSER_H_

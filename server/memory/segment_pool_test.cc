@@ -1,4 +1,4 @@
-#include "server/store/segment_pool.h"
+#include "server/memory/segment_pool.h"
 
 #include <cstring>
 
@@ -124,9 +124,10 @@ StoredTensor MakeTensor(const std::shared_ptr<MemoryAccount>& account, std::stri
 }
 
 TEST(SegmentPoolTest, MaterializerPacksMissesIntoReserveChunks) {
-  auto account = std::make_shared<MemoryAccount>(0);
-  SegmentPool pool({account, 8 * kChunk, kChunk});
-  ASSERT_TRUE(pool.WaitFull(absl::Seconds(30)));
+  HostMemoryManager memory({.warm_reserve_bytes = 8 * kChunk, .reserve_chunk_bytes = kChunk});
+  HostMemoryManager plain({});  // no reserve
+  auto account = memory.account();
+  ASSERT_TRUE(memory.WaitReserveFull(absl::Seconds(30)));
   // Five tensors of 0.4 MiB as BF16 (0.2 MiB out) and one of 3 MiB F32 ->
   // 1.5 MiB BF16, bigger than a chunk.
   std::vector<StoredTensor> tensors;
@@ -140,8 +141,8 @@ TEST(SegmentPoolTest, MaterializerPacksMissesIntoReserveChunks) {
     item.out_dtype = DType::kBF16;
     items.push_back(std::move(item));
   }
-  Materializer with_pool({account, 2, &pool});
-  Materializer without({account, 2, nullptr});
+  Materializer with_pool({&memory, 2});
+  Materializer without({&plain, 2});
   auto a = with_pool.Materialize(items);
   auto b = without.Materialize(items);
   ASSERT_TRUE(a.ok()) << a.status();
@@ -166,15 +167,15 @@ TEST(SegmentPoolTest, MaterializerPacksMissesIntoReserveChunks) {
   EXPECT_LT((*a)[0].segment->size(), kChunk);
   EXPECT_NE((*a)[5].segment, (*a)[0].segment);
   EXPECT_EQ((*a)[5].segment->size(), 768u * 1024 * 2);
-  EXPECT_EQ(pool.stats().taken, 1u);
+  EXPECT_EQ(memory.stats().reserve.taken, 1u);
   // Without a pool, everything goes in one segment.
   EXPECT_EQ((*b)[0].segment, (*b)[5].segment);
 }
 
 TEST(SegmentPoolTest, MaterializerSplitsAcrossChunksWhenOneIsFull) {
-  auto account = std::make_shared<MemoryAccount>(0);
-  SegmentPool pool({account, 4 * kChunk, kChunk});
-  ASSERT_TRUE(pool.WaitFull(absl::Seconds(30)));
+  HostMemoryManager memory({.warm_reserve_bytes = 4 * kChunk, .reserve_chunk_bytes = kChunk});
+  auto account = memory.account();
+  ASSERT_TRUE(memory.WaitReserveFull(absl::Seconds(30)));
   std::vector<StoredTensor> tensors;
   for (int i = 0; i < 6; ++i) tensors.push_back(MakeTensor(account, "t" + std::to_string(i), 256, 1024));
   std::vector<MaterializeItem> items;
@@ -185,13 +186,13 @@ TEST(SegmentPoolTest, MaterializerSplitsAcrossChunksWhenOneIsFull) {
     item.out_dtype = DType::kBF16;  // 0.5 MiB each: two per chunk
     items.push_back(std::move(item));
   }
-  Materializer m({account, 2, &pool});
+  Materializer m({&memory, 2});
   auto r = m.Materialize(items);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ((*r)[0].segment, (*r)[1].segment);
   EXPECT_NE((*r)[1].segment, (*r)[2].segment);
   EXPECT_EQ((*r)[4].segment, (*r)[5].segment);
-  EXPECT_EQ(pool.stats().taken, 3u);
+  EXPECT_EQ(memory.stats().reserve.taken, 3u);
   for (size_t i = 0; i < items.size(); ++i) {
     std::vector<uint16_t> got((*r)[i].length / 2);
     std::memcpy(got.data(), (*r)[i].segment->data() + (*r)[i].offset, (*r)[i].length);

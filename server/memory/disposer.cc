@@ -1,4 +1,4 @@
-#include "server/store/disposer.h"
+#include "server/memory/disposer.h"
 
 namespace weightd {
 

@@ -1,4 +1,4 @@
-#include "server/store/segment.h"
+#include "server/memory/segment.h"
 
 #include <algorithm>
 
@@ -88,12 +88,12 @@ absl::StatusOr<std::unique_ptr<MemoryCharge>> MemoryCharge::Reserve(
 }
 
 absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(
-    std::shared_ptr<MemoryAccount> account, absl::string_view kind,
+    std::shared_ptr<MemoryAccount> account, absl::string_view purpose,
     uint64_t size, bool prefault, bool reclaim) {
-  const std::string what = absl::StrCat("segment for ", kind);
+  const std::string what = absl::StrCat("segment for ", purpose);
   WD_RETURN_IF_ERROR(reclaim ? account->Reserve(size, what)
                              : account->ReserveNoReclaim(size, what));
-  auto memfd = MemfdSegment::Create(absl::StrCat("weightd:", kind), size, prefault);
+  auto memfd = MemfdSegment::Create(absl::StrCat("weightd:", purpose), size, prefault);
   if (!memfd.ok()) {
     account->Return(size);
     return memfd.status();
@@ -113,6 +113,14 @@ absl::Status Segment::Truncate(uint64_t new_size) {
   WD_RETURN_IF_ERROR(memfd_.Truncate(new_size));
   account_->Return(old_size - new_size);
   return absl::OkStatus();
+}
+
+absl::StatusOr<int> Segment::ShareableFd() const {
+  if (!memfd_.sealed()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("segment ", id_, " is not sealed: its bytes may still change"));
+  }
+  return memfd_.fd();
 }
 
 Segment::~Segment() {

@@ -1,4 +1,4 @@
-#include "server/store/disposer.h"
+#include "server/memory/disposer.h"
 
 #include <atomic>
 #include <thread>
@@ -8,7 +8,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "server/lease/lease_table.h"
-#include "server/store/segment.h"
+#include "server/memory/segment.h"
 
 namespace weightd {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/store/segment_pool.h"
+#include "server/memory/segment_pool.h"
 
 #include <sys/resource.h>
 #include <sys/syscall.h>

@@ -130,7 +130,7 @@ class ReadReactor : public grpc::ServerWriteReactor<v1::ReadChunk> {
     }
     size_t n = static_cast<size_t>(std::min<uint64_t>(kReadChunkBytes, range_.length - pos_));
     chunk_.set_offset(pos_);
-    chunk_.set_data(reinterpret_cast<const char*>(range_.segment->data() + range_.offset + pos_),
+    chunk_.set_data(reinterpret_cast<const char*>(range_.buffer->host_data() + range_.offset + pos_),
                     n);
     pos_ += n;
     StartWrite(&chunk_);

@@ -120,7 +120,7 @@ void LeaseTable::Drop(std::vector<std::shared_ptr<const LeaseContents>> dropped)
     // safe on either thread.)
     uint64_t bytes = 0;
     if (contents.use_count() == 1) {
-      for (const SegmentPtr& seg : contents->segments) {
+      for (const BufferPtr& seg : contents->buffers) {
         if (seg != nullptr && seg.use_count() == 1) bytes += seg->size();
       }
     }

@@ -26,7 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/memory/disposer.h"
-#include "server/memory/segment.h"
+#include "server/memory/buffer.h"
 
 namespace weightd {
 
@@ -35,7 +35,9 @@ using LeaseToken = std::array<uint8_t, 16>;
 struct LeaseContents {
   std::string model;
   uint64_t generation = 0;
-  std::vector<SegmentPtr> segments;  // indexed as in the fetch response
+  // Indexed as the fetch response's segments; of any memory kind (a
+  // transport refuses a kind it cannot carry).
+  std::vector<BufferPtr> buffers;
   uint64_t bytes = 0;                // bytes of the tensors it names
   // Kept alive exactly as long as the lease (its owner's marker: e.g. the
   // generation it serves counts its leases by this pointer's use_count).

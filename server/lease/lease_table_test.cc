@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "server/memory/segment.h"
+
 namespace weightd {
 namespace {
 
@@ -15,7 +17,7 @@ LeaseContents WithSegment(const std::shared_ptr<MemoryAccount>& account) {
   auto seg = Segment::Create(account, "test", 4096, false);
   EXPECT_TRUE(seg.ok());
   LeaseContents c;
-  c.segments.push_back(SegmentPtr(std::move(*seg)));
+  c.buffers.push_back(SegmentPtr(std::move(*seg)));
   return c;
 }
 

@@ -103,8 +103,8 @@ TEST(DisposerTest, LeaseTableHandsOffOnlyTheLastHoldOnLargeSegments) {
   ASSERT_TRUE(big.ok());
   SegmentPtr seg(std::move(*big));
   LeaseContents c1, c2;
-  c1.segments.push_back(seg);
-  c2.segments.push_back(seg);
+  c1.buffers.push_back(seg);
+  c2.buffers.push_back(seg);
   LeaseGrant g1 = table.Grant(std::move(c1));
   LeaseGrant g2 = table.Grant(std::move(c2));
   seg.reset();
@@ -120,7 +120,7 @@ TEST(DisposerTest, LeaseTableHandsOffOnlyTheLastHoldOnLargeSegments) {
   auto small = Segment::Create(account, "test", 4096, false);
   ASSERT_TRUE(small.ok());
   LeaseContents c3;
-  c3.segments.push_back(SegmentPtr(std::move(*small)));
+  c3.buffers.push_back(SegmentPtr(std::move(*small)));
   LeaseGrant g3 = table.Grant(std::move(c3));
   ASSERT_TRUE(table.Release(g3.id, TokenOf(g3)).ok());
   EXPECT_EQ(account->used(), 0u);

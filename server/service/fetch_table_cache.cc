@@ -10,10 +10,10 @@ std::optional<FetchTableCache::Hit> FetchTableCache::Lookup(
   const Entry& e = it->second;
   Hit hit;
   bool live = e.generation.lock() == generation;
-  for (size_t i = 0; live && i < e.segments.size(); ++i) {
-    SegmentPtr seg = e.segments[i].lock();
-    live = seg != nullptr;
-    hit.segments.push_back(std::move(seg));
+  for (size_t i = 0; live && i < e.buffers.size(); ++i) {
+    BufferPtr buffer = e.buffers[i].lock();
+    live = buffer != nullptr;
+    hit.buffers.push_back(std::move(buffer));
   }
   if (!live) {  // an older generation under the same number, or evicted
     entries_.erase(it);
@@ -26,17 +26,17 @@ std::optional<FetchTableCache::Hit> FetchTableCache::Lookup(
 
 void FetchTableCache::Store(std::string key, const std::shared_ptr<const void>& generation,
                             std::shared_ptr<const FetchTable> table,
-                            const std::vector<SegmentPtr>& segments,
+                            const std::vector<BufferPtr>& buffers,
                             std::vector<ReadGuard> guards) {
   Entry entry;
   entry.generation = generation;
   entry.table = std::move(table);
-  entry.segments.assign(segments.begin(), segments.end());
+  entry.buffers.assign(buffers.begin(), buffers.end());
   entry.guards = std::move(guards);
   absl::MutexLock lock(&mu_);
   absl::erase_if(entries_, [](const auto& kv) {
     if (kv.second.generation.expired()) return true;
-    for (const auto& s : kv.second.segments) {
+    for (const auto& s : kv.second.buffers) {
       if (s.expired()) return true;
     }
     return false;

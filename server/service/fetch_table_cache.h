@@ -20,7 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/service/access_control.h"
 #include "server/service/fetch_plan.h"
-#include "server/memory/segment.h"
+#include "server/memory/buffer.h"
 
 namespace weightd {
 
@@ -28,7 +28,7 @@ class FetchTableCache {
  public:
   struct Hit {
     std::shared_ptr<const FetchTable> table;
-    std::vector<SegmentPtr> segments;  // held now, for the lease
+    std::vector<BufferPtr> buffers;  // held now, for the lease
     std::vector<ReadGuard> guards;
   };
 
@@ -47,7 +47,7 @@ class FetchTableCache {
   // Stores (or replaces) `key`'s entry. Dead entries go first: stores follow
   // misses (a materialization at least), so the pass is cheap next to them.
   void Store(std::string key, const std::shared_ptr<const void>& generation,
-             std::shared_ptr<const FetchTable> table, const std::vector<SegmentPtr>& segments,
+             std::shared_ptr<const FetchTable> table, const std::vector<BufferPtr>& buffers,
              std::vector<ReadGuard> guards) ABSL_LOCKS_EXCLUDED(mu_);
 
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -56,7 +56,7 @@ class FetchTableCache {
   struct Entry {
     std::weak_ptr<const void> generation;
     std::shared_ptr<const FetchTable> table;
-    std::vector<std::weak_ptr<const Segment>> segments;
+    std::vector<std::weak_ptr<const Buffer>> buffers;
     std::vector<ReadGuard> guards;
   };
 

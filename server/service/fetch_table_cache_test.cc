@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "server/memory/segment.h"
+
 namespace weightd {
 namespace {
 
@@ -30,8 +32,8 @@ TEST(FetchTableCacheTest, HitsOnlyTheSameGenerationWhileItsSegmentsLive) {
   auto hit = cache.Lookup("k", gen);
   ASSERT_TRUE(hit.has_value());
   EXPECT_EQ(hit->table->generation, 1u);
-  ASSERT_EQ(hit->segments.size(), 1u);
-  EXPECT_EQ(hit->segments[0], seg) << "held for the lease";
+  ASSERT_EQ(hit->buffers.size(), 1u);
+  EXPECT_EQ(hit->buffers[0], seg) << "held for the lease";
   EXPECT_EQ(hit->guards.size(), 1u);
   // Another generation object under the same key (an unload and reload that
   // reached the same number): a miss, and the entry goes.

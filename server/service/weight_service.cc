@@ -545,13 +545,13 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   auto table = std::make_shared<FetchTable>();
   table->generation = gen->number;
   table->data_socket = options_.data_socket_path;
-  std::vector<SegmentPtr> segments;
+  std::vector<BufferPtr> buffers;
   absl::flat_hash_map<uint64_t, uint32_t> segment_index;
   for (size_t i = 0; i < items.size(); ++i) {
     const MaterializedTensor& m = served[i];
-    auto [it, inserted] = segment_index.try_emplace(m.segment->id(), segments.size());
+    auto [it, inserted] = segment_index.try_emplace(m.segment->id(), buffers.size());
     if (inserted) {
-      segments.push_back(m.segment);
+      buffers.push_back(m.segment);
       table->segment_sizes.push_back(m.segment->size());
     }
     FetchedTensor& ft = tables[i];
@@ -562,8 +562,8 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     table->bytes += m.length;
     table->tensors.push_back(std::move(ft));
   }
-  fetch_cache_.Store(std::move(cache_key), gen, table, segments, guards);
-  return GrantFetch(params, *gen, std::move(table), std::move(segments), std::move(guards));
+  fetch_cache_.Store(std::move(cache_key), gen, table, buffers, guards);
+  return GrantFetch(params, *gen, std::move(table), std::move(buffers), std::move(guards));
 }
 
 std::optional<absl::StatusOr<FetchResult>> WeightService::FetchFromCache(
@@ -574,7 +574,7 @@ std::optional<absl::StatusOr<FetchResult>> WeightService::FetchFromCache(
   if (params.caller.has_value()) {
     if (absl::Status s = access_.CheckRead(*params.caller, hit->guards); !s.ok()) return s;
   }
-  return GrantFetch(params, *gen, std::move(hit->table), std::move(hit->segments),
+  return GrantFetch(params, *gen, std::move(hit->table), std::move(hit->buffers),
                     std::move(hit->guards));
 }
 
@@ -621,14 +621,14 @@ std::string WeightService::FetchCacheKey(const FetchParams& params, uint64_t gen
 
 FetchResult WeightService::GrantFetch(const FetchParams& params, const Generation& gen,
                                       std::shared_ptr<const FetchTable> table,
-                                      std::vector<SegmentPtr> segments,
+                                      std::vector<BufferPtr> buffers,
                                       std::vector<ReadGuard> guards) {
   FetchResult result;
   LeaseContents lease;
   lease.model = params.model;
   lease.generation = table->generation;
   lease.hold = gen.lease_marker;
-  lease.segments = std::move(segments);
+  lease.buffers = std::move(buffers);
   lease.bytes = table->bytes;
   bytes_served_.fetch_add(table->bytes);
   fetches_.fetch_add(1);
@@ -869,12 +869,17 @@ absl::StatusOr<ReadRange> WeightService::Read(uint64_t lease_id, absl::string_vi
                                               uint64_t length, const Principal* caller) {
   if (caller != nullptr) WD_RETURN_IF_ERROR(CheckLeaseUse(lease_id, *caller));
   WD_ASSIGN_OR_RETURN(auto contents, leases_.Use(lease_id, token));
-  if (segment >= contents->segments.size()) {
+  if (segment >= contents->buffers.size()) {
     return absl::OutOfRangeError(absl::StrCat("lease ", lease_id, " has ",
-                                              contents->segments.size(),
+                                              contents->buffers.size(),
                                               " segments; there is no segment ", segment));
   }
-  const SegmentPtr& seg = contents->segments[segment];
+  const BufferPtr& seg = contents->buffers[segment];
+  if (seg->host_data() == nullptr) {
+    return absl::UnimplementedError(absl::StrCat(
+        "segment ", segment, " of lease ", lease_id, " is in ", MemoryKindName(seg->kind()),
+        " memory; Read streams host memory only"));
+  }
   if (offset > seg->size() || (length != 0 && length > seg->size() - offset)) {
     return absl::OutOfRangeError(absl::StrCat("range [", offset, ", +", length,
                                               ") is outside segment ", segment, " of ",

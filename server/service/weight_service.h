@@ -129,7 +129,7 @@ struct FetchResult {
 
 // The bytes a grpc-transport Read streams.
 struct ReadRange {
-  SegmentPtr segment;
+  BufferPtr buffer;  // host memory (Read refuses other kinds)
   uint64_t offset = 0;
   uint64_t length = 0;
 };
@@ -361,7 +361,7 @@ class WeightService {
       const std::shared_ptr<const Generation>& gen);
   // Grants the lease on `table` and records its owner.
   FetchResult GrantFetch(const FetchParams& params, const Generation& gen,
-                         std::shared_ptr<const FetchTable> table, std::vector<SegmentPtr> segments,
+                         std::shared_ptr<const FetchTable> table, std::vector<BufferPtr> buffers,
                          std::vector<ReadGuard> guards);
   // Does a lease still hold `gen`?
   static bool IsLeased(const Generation& gen) { return gen.lease_marker.use_count() > 1; }

@@ -51,9 +51,32 @@ struct Connection {
   // The reply being sent. Requests are read only while it is empty, so a
   // client that does not read its replies holds one reply, no more.
   std::deque<Outgoing> out;
-  std::vector<SegmentPtr> pinned;  // keeps the fds in `out` open
+  std::vector<BufferPtr> pinned;  // keeps the fds in `out` open
   bool close_after_reply = false;
 };
+
+// The fds of a lease's buffers, in order, each held in `pinned` until its
+// reply is sent. The data socket carries host memory (the client maps each
+// memfd); a buffer of another kind is refused, never copied behind the
+// client's back.
+absl::Status SharedFds(const LeaseContents& lease, std::vector<int>* fds,
+                       std::vector<BufferPtr>* pinned) {
+  std::vector<int> out;
+  for (size_t i = 0; i < lease.buffers.size(); ++i) {
+    const BufferPtr& buffer = lease.buffers[i];
+    if (buffer->kind() != MemoryKind::kHost) {
+      return absl::UnimplementedError(absl::StrCat(
+          "segment ", i, " is in ", MemoryKindName(buffer->kind()),
+          " memory; the data socket attaches host memory only"));
+    }
+    absl::StatusOr<int> fd = buffer->ShareableFd();
+    if (!fd.ok()) return fd.status();
+    out.push_back(*fd);
+  }
+  *fds = std::move(out);
+  pinned->insert(pinned->end(), lease.buffers.begin(), lease.buffers.end());
+  return absl::OkStatus();
+}
 
 // Queues the reply to one request: the header and message carry the first
 // batch of fds, each further batch rides on one byte of its own.
@@ -278,12 +301,7 @@ void ShmDataServer::Run() {
       absl::string_view token(reinterpret_cast<const char*>(c.request.token), 16);
       auto contents = leases_->Attach(c.request.lease_id, token, c.id);
       status = contents.status();
-      if (contents.ok()) {
-        for (const SegmentPtr& seg : (*contents)->segments) {
-          fds.push_back(seg->fd());
-          c.pinned.push_back(seg);
-        }
-      }
+      if (contents.ok()) status = SharedFds(**contents, &fds, &c.pinned);
     }
     if (!status.ok() && absl::IsPermissionDenied(status)) {
       LogEvent(LogLevel::kWarning, "attach_refused",

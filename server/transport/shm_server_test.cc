@@ -12,6 +12,8 @@
 
 #include <gtest/gtest.h>
 
+#include "server/memory/segment.h"
+
 #include "absl/time/clock.h"
 #include "common/data_protocol.h"
 #include "common/unix_socket.h"
@@ -41,8 +43,9 @@ UniqueFd Connect(const std::string& path) {
 }
 
 // Sends one attach request and returns the daemon's answer.
-absl::Status Attach(int sock, uint64_t lease_id) {
+absl::Status Attach(int sock, uint64_t lease_id, const LeaseToken& token = {}) {
   AttachRequest req = RequestFor(lease_id);
+  std::memcpy(req.token, token.data(), sizeof(req.token));
   absl::Status sent = SendAll(sock, &req, sizeof(req));
   AttachReply reply{};
   absl::Status got = RecvAll(sock, &reply, sizeof(reply));
@@ -78,6 +81,39 @@ class ShmDataServerTest : public ::testing::Test {
   LeaseTable leases_{absl::Seconds(60)};
   std::unique_ptr<ShmDataServer> server_;
 };
+
+// Device memory as the data socket sees it: a buffer of another kind
+// (the CUDA memory manager is issue [gpu]; this one has no bytes at all).
+class DeviceBuffer final : public Buffer {
+ public:
+  uint64_t id() const override { return 1u << 30; }
+  uint64_t size() const override { return 4096; }
+  MemoryLocation location() const override { return {MemoryKind::kCudaDevice, 0}; }
+  const uint8_t* host_data() const override { return nullptr; }
+  absl::StatusOr<int> ShareableFd() const override {
+    ADD_FAILURE() << "the data socket asked a device buffer for its fd";
+    return absl::UnimplementedError("no device here");
+  }
+};
+
+TEST_F(ShmDataServerTest, AttachHandsOutHostBuffersAndRefusesOtherKinds) {
+  Start({});
+  auto account = std::make_shared<MemoryAccount>(0);
+  auto seg = Segment::Create(account, "test", 4096, false);
+  ASSERT_TRUE(seg.ok());
+  ASSERT_TRUE((*seg)->Seal().ok());
+  BufferPtr host = SegmentPtr(std::move(*seg));
+  LeaseGrant ok = leases_.Grant(LeaseContents{.buffers = {host}});
+  LeaseGrant mixed =
+      leases_.Grant(LeaseContents{.buffers = {host, std::make_shared<DeviceBuffer>()}});
+  UniqueFd c = Connect(dir_ + "/data.sock");
+  EXPECT_TRUE(Attach(c.get(), ok.id, ok.token).ok());
+  UniqueFd d = Connect(dir_ + "/data.sock");
+  absl::Status refused = Attach(d.get(), mixed.id, mixed.token);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented) << refused;
+  EXPECT_NE(refused.message().find("segment 1 is in cuda_device memory"), std::string::npos)
+      << refused;
+}
 
 TEST_F(ShmDataServerTest, AClientThatDoesNotReadStallsOnlyItself) {
   Start({});

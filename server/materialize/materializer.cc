@@ -217,7 +217,7 @@ absl::StatusOr<float> AbsMax(absl::Span<const PartSlice> slices) {
 
 Materializer::Materializer(Options options) : options_(std::move(options)) {
   reclaimer_id_ = options_.memory->AddReclaimer(MemoryAccount::kRankCache,
-                                                [this](uint64_t) { return Reclaim(); });
+                                                [this](uint64_t) { return EvictUnused(); });
 }
 
 Materializer::~Materializer() { options_.memory->RemoveReclaimer(reclaimer_id_); }
@@ -451,19 +451,9 @@ uint64_t Materializer::Evict(bool orphans_only, bool now) {
   }
   // The last holds are dropped without the lock: giving a large segment
   // back to the kernel takes a while, and fetches wait for mu_. The memory
-  // manager frees them in an idle moment or on the disposer's thread.
+  // manager frees them here (`now`), in an idle moment or on the
+  // disposer's thread.
   for (SegmentPtr& seg : dropped) options_.memory->Retire(std::move(seg), now);
-  return freed;
-}
-
-uint64_t Materializer::Reclaim() {
-  std::vector<SegmentPtr> dropped;
-  uint64_t freed;
-  {
-    absl::MutexLock lock(&mu_);
-    freed = EvictLocked(/*orphans_only=*/false, &dropped);
-  }
-  dropped.clear();  // the last holds: freed here, without the lock
   return freed;
 }
 

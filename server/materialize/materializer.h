@@ -122,7 +122,8 @@ class Materializer {
   void RetireTag(const std::string& tag) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Drops every cache entry nobody else holds (its segment is referenced
-  // only by the cache): used under memory pressure. Returns bytes freed.
+  // only by the cache) and frees those segments here: the memory manager's
+  // reclaimer (kRankCache), run when the budget is short. Returns bytes freed.
   uint64_t EvictUnused() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Drops the entries derived from base segments that are gone (their
@@ -161,10 +162,6 @@ class Materializer {
   // EvictLocked, then retires what it dropped without the lock
   // (HostMemoryManager::Retire; `now`: the caller needs the budget back).
   uint64_t Evict(bool orphans_only, bool now) ABSL_LOCKS_EXCLUDED(mu_);
-  // The reclaimer: drops every unused entry and frees its segments here
-  // and now (a reserve's idle-time disposal would not give the budget
-  // back to the reservation that asked).
-  uint64_t Reclaim() ABSL_LOCKS_EXCLUDED(mu_);
 
   const Options options_;
   uint64_t reclaimer_id_ = 0;  // in the memory manager's chain

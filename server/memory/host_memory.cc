@@ -49,18 +49,14 @@ absl::StatusOr<std::unique_ptr<MemoryCharge>> HostMemoryManager::Charge(uint64_t
   return MemoryCharge::Reserve(account_, bytes, what);
 }
 
-void HostMemoryManager::Dispose(std::shared_ptr<const void> holder, uint64_t bytes) {
-  disposer_.Dispose(std::move(holder), bytes);
-}
-
 void HostMemoryManager::Retire(SegmentPtr segment, bool now) {
-  if (pool_ != nullptr) {
+  if (now) {
+    segment.reset();
+  } else if (pool_ != nullptr) {
     pool_->Dispose(std::move(segment));
-  } else if (!now) {
+  } else {
     const uint64_t bytes = segment->size();
     disposer_.Dispose(std::move(segment), bytes);
-  } else {
-    segment.reset();
   }
 }
 
@@ -92,7 +88,6 @@ HostMemoryStats HostMemoryManager::stats() const {
   s.used_bytes = account_->used();
   s.segments = account_->segments();
   if (pool_ != nullptr) s.reserve = pool_->stats();
-  s.disposing_bytes = disposer_.pending_bytes();
   return s;
 }
 

@@ -38,7 +38,6 @@ struct HostMemoryStats {
   uint64_t used_bytes = 0;      // segments and charges
   uint64_t segments = 0;        // live segments
   SegmentPoolStats reserve;     // zeros without a reserve
-  uint64_t disposing_bytes = 0;  // queued on the disposer or being freed
 };
 
 class HostMemoryManager {
@@ -70,8 +69,6 @@ class HostMemoryManager {
   HostMemoryManager(const HostMemoryManager&) = delete;
   HostMemoryManager& operator=(const HostMemoryManager&) = delete;
 
-  MemoryLocation location() const { return MemoryLocation{}; }
-
   // A writable segment of exactly `size` bytes, charged to the budget. When
   // the budget is short the reclaimer chain runs first; RESOURCE_EXHAUSTED
   // naming `purpose` if that does not free enough.
@@ -83,13 +80,10 @@ class HostMemoryManager {
   // the reclaimer chain runs when short.
   absl::StatusOr<std::unique_ptr<MemoryCharge>> Charge(uint64_t bytes, absl::string_view what);
 
-  // Frees `holder` (anything holding buffers) whose drop would free about
-  // `bytes`: on the disposer's thread when large, here when small.
-  void Dispose(std::shared_ptr<const void> holder, uint64_t bytes);
-  // Frees a segment nothing else needs any more (an evicted cache entry).
-  // With a warm reserve it is freed in an idle moment, between
-  // materializations, or when the budget runs short; else, unless `now`
-  // (the caller needs the budget back at once: freed here), on the
+  // Frees a segment nothing else needs any more (an evicted cache entry):
+  // here with `now` (the caller needs the budget back at once, e.g. a
+  // reclaimer); else, with a warm reserve, in an idle moment between
+  // materializations (or when the budget runs short), without one on the
   // disposer's thread.
   void Retire(SegmentPtr segment, bool now);
 
@@ -119,7 +113,7 @@ class HostMemoryManager {
   bool WaitReserveFull(absl::Duration timeout);
 
   HostMemoryStats stats() const;
-  // For owners that take holders directly (the lease table) and for tests.
+  // For owners that hand it holders directly (the lease table), and tests.
   Disposer* disposer() { return &disposer_; }
   const std::shared_ptr<MemoryAccount>& account() const { return account_; }
 

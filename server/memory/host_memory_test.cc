@@ -109,7 +109,7 @@ TEST(HostMemoryManagerTest, TheChainFreesDisposerThenReserveThenOwnersBeforeRefu
     ASSERT_TRUE(retired.ok());
     // Hand it to the disposer, which may free it at once; either way the
     // budget gets it back before anything else is given up.
-    memory.Dispose(std::shared_ptr<const void>(std::move(*retired)), kChunk);
+    memory.disposer()->Dispose(std::shared_ptr<const void>(std::move(*retired)), kChunk);
   }
   // used: reserve 2 + owned 1 + held 3 (+ retired 1 until freed) of 8.
   // 2 more fit once the retired chunk is gone: the reserve is untouched.

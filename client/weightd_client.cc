@@ -1,5 +1,10 @@
 #include "client/weightd_client.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <random>
@@ -13,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "common/data_protocol.h"
 #include "common/fd.h"
+#include "common/push_layout.h"
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -229,6 +235,61 @@ absl::Status CollectFds(const std::string& path, const v1::FetchResponse& resp, 
     return absl::InternalError(absl::StrCat("daemon passed ", fds->size(), " fds for ",
                                             resp.segment_sizes_size(), " segments"));
   }
+  return absl::OkStatus();
+}
+
+// Push (DESIGN §6): allocates the client's destination (a memfd, allocated
+// with fallocate so its pages are the client's), has the daemon write the
+// shard into it at the default layout and maps it read-write. Fills
+// `offsets` (one per tensor); the connection is closed on return, which
+// ends the lease.
+absl::Status PushIntoNewMemfd(const v1::FetchResponse& resp, UniqueFd* memfd, MappedRegion* map,
+                              std::vector<uint64_t>* offsets) {
+  std::vector<uint64_t> lengths;
+  for (const v1::ShardTensor& t : resp.tensors()) lengths.push_back(t.length());
+  WD_ASSIGN_OR_RETURN(PushLayout layout, DefaultPushLayout(lengths));
+  UniqueFd fd(::memfd_create("weightd-push", MFD_CLOEXEC));
+  if (!fd.valid()) return ErrnoStatus(errno, "memfd_create");
+  if (layout.size > 0) {
+    if (::ftruncate(fd.get(), static_cast<off_t>(layout.size)) != 0) {
+      return ErrnoStatus(errno, "sizing the push destination");
+    }
+    int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(layout.size));
+    if (err != 0) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "allocating ", layout.size, " bytes for the push destination: ", std::strerror(err)));
+    }
+  }
+  WD_ASSIGN_OR_RETURN(UniqueFd conn, ConnectUnix(resp.data_socket()));
+  PushRequest req{};
+  std::memcpy(req.magic, kPushMagic, 4);
+  req.num_offsets = 0;  // the default layout
+  req.lease_id = resp.lease_id();
+  if (resp.token().size() != sizeof(req.token)) {
+    return absl::InternalError("daemon sent a lease token of the wrong size");
+  }
+  std::memcpy(req.token, resp.token().data(), sizeof(req.token));
+  const int dest = fd.get();
+  absl::Status sent = SendWithFds(
+      conn.get(), absl::string_view(reinterpret_cast<const char*>(&req), sizeof(req)), {&dest, 1});
+  AttachReply reply{};
+  std::vector<UniqueFd> stray;
+  absl::Status got = RecvWithFds(conn.get(), &reply, sizeof(reply), &stray);
+  if (!got.ok() && !sent.ok()) return sent;
+  WD_RETURN_IF_ERROR_CTX(got, "reading the data socket's reply to the push");
+  if (std::memcmp(reply.magic, kReplyMagic, 4) != 0) {
+    return absl::InternalError("bad reply magic on the data socket");
+  }
+  if (reply.message_len > kMaxReplyMessage) {
+    return absl::InternalError("oversized reply message on the data socket");
+  }
+  std::string msg(reply.message_len, '\0');
+  if (!msg.empty()) WD_RETURN_IF_ERROR(RecvWithFds(conn.get(), msg.data(), msg.size(), &stray));
+  if (reply.code != 0) return absl::Status(static_cast<absl::StatusCode>(reply.code), msg);
+  WD_ASSIGN_OR_RETURN(*map, MappedRegion::Map(fd.get(), layout.size,
+                                              MappedRegion::Mode::kReadWrite));
+  *memfd = std::move(fd);
+  *offsets = std::move(layout.offsets);
   return absl::OkStatus();
 }
 
@@ -468,7 +529,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
   }
   if (options.dtype.has_value()) req.set_dtype(ToProto(*options.dtype));
   for (const std::string& n : options.names) req.add_names(n);
-  req.set_transport(options.transport == Transport::kShm ? v1::SHM : v1::GRPC);
+  req.set_transport(options.transport == Transport::kGrpc ? v1::GRPC : v1::SHM);
   req.set_changed_since(options.changed_since);
   v1::FetchResponse resp;
   {
@@ -490,8 +551,14 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
     }
   }
   std::vector<const uint8_t*> bases(resp.segment_sizes_size(), nullptr);  // shm
-  std::vector<const uint8_t*> data;  // grpc: each tensor's bytes
-  if (options.transport == Transport::kShm) {
+  std::vector<const uint8_t*> data;  // grpc, push: each tensor's bytes
+  if (options.transport == Transport::kPush) {
+    std::vector<uint64_t> offsets;
+    WD_RETURN_IF_ERROR(
+        PushIntoNewMemfd(resp, &set->push_memfd_, &set->push_map_, &offsets));
+    set->lease_id_ = 0;  // ended with the push's connection
+    for (uint64_t off : offsets) data.push_back(set->push_map_.data() + off);
+  } else if (options.transport == Transport::kShm) {
     std::vector<UniqueFd> fds;
     WD_RETURN_IF_ERROR(CollectFds(resp.data_socket(), resp, &set->data_connection_, &fds));
     for (int i = 0; i < resp.segment_sizes_size(); ++i) {
@@ -516,6 +583,8 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
     v.global_offset.assign(t.global_offset().begin(), t.global_offset().end());
     if (options.transport == Transport::kShm) {
       v.data = bases[t.segment()] == nullptr ? nullptr : bases[t.segment()] + t.offset();
+    } else if (options.transport == Transport::kPush && t.length() == 0) {
+      v.data = nullptr;
     } else {
       v.data = data[i];
     }
@@ -636,6 +705,8 @@ absl::Status ShardSet::Release() {
   tensors_.clear();
   maps_.clear();
   buffers_.clear();
+  push_map_.Reset();
+  push_memfd_.Reset();
   absl::Status status;
   if (channel_ != nullptr && lease_id_ != 0) {
     grpc::ClientContext ctx;

@@ -106,7 +106,13 @@ struct DaemonStats {
   uint64_t bytes_read = 0;  // asked for by grpc-transport Reads
 };
 
-enum class Transport { kShm, kGrpc };
+// kShm: the daemon's sealed segments, mapped read-only (zero-copy).
+// kGrpc: the tensors' bytes streamed over gRPC (remote clients).
+// kPush: the client allocates one memfd (its own memory, writable), the
+//   daemon writes the shard into it over the data socket (DESIGN §6, the
+//   host twin of the CUDA push) and the lease ends once the bytes are in
+//   place; tensors lie at the default layout's offsets (common/push_layout.h).
+enum class Transport { kShm, kGrpc, kPush };
 
 struct FetchOptions {
   std::string model;
@@ -130,7 +136,9 @@ struct TensorView {
   std::vector<int64_t> shape;
   std::vector<int64_t> global_shape;
   std::vector<int64_t> global_offset;
-  const uint8_t* data = nullptr;  // valid while the ShardSet lives
+  // Valid while the ShardSet lives; kPush: the client's own memory (the
+  // ShardSet's writable memfd mapping: const_cast is fine).
+  const uint8_t* data = nullptr;
   uint64_t length = 0;
   Digest digest;
 };
@@ -144,7 +152,11 @@ class ShardSet {
   ShardSet& operator=(const ShardSet&) = delete;
 
   uint64_t generation() const { return generation_; }
+  // 0 once no lease is held (kPush: the lease ends when the push is done).
   uint64_t lease_id() const { return lease_id_; }
+  // kPush: the memfd the tensors live in (the ShardSet keeps it open);
+  // -1 otherwise.
+  int push_memfd() const { return push_memfd_.get(); }
   const std::vector<TensorView>& tensors() const { return tensors_; }
 
   // Releases now; later calls are no-ops. The views dangle afterwards.
@@ -162,6 +174,8 @@ class ShardSet {
   UniqueFd data_connection_;               // shm: holds the lease
   std::vector<MappedRegion> maps_;         // shm: read-only segment maps
   std::vector<std::string> buffers_;       // grpc: the tensors' byte ranges
+  UniqueFd push_memfd_;                    // push: the destination
+  MappedRegion push_map_;                  // push: its read-write mapping
   bool released_ = false;
 };
 

@@ -12,6 +12,25 @@
 // daemon past its connection caps answers RESOURCE_EXHAUSTED at once, before
 // any request, and closes the connection: a client whose send fails (EPIPE)
 // still reads that reply.
+//
+// Push (the client owns the memory, DESIGN §6): instead of an
+// AttachRequest the client sends a PushRequest naming its lease, with the
+// fd of a memfd it allocated riding on the request (SCM_RIGHTS), then
+// `num_offsets` u64 byte offsets (host order), one per tensor of the
+// FetchResponse in its order — or none (num_offsets 0) for the default
+// layout (DefaultPushLayout: each tensor at the next multiple of
+// kPushAlignment after the previous one's end, the first at 0). Client
+// offsets must be multiples of kPushAlignment and the tensors must not
+// overlap. The daemon writes each tensor's bytes (cast and merged as the
+// fetch asked) into the memfd at its offset and answers an AttachReply
+// with no fds once every byte is in place. The destination must be a
+// writable memfd, not sealed against writes, with its pages allocated
+// (fallocate) over every tensor's range — so its memory is the client's,
+// never charged to the daemon — and at least as large as the layout. The
+// lease is attached to the connection as by an AttachRequest. A push
+// whose offsets count is neither 0 nor the lease's tensor count is
+// answered INVALID_ARGUMENT and the connection closed; other refusals
+// leave the connection open for the next request.
 #ifndef WEIGHTD_COMMON_DATA_PROTOCOL_H_
 #define WEIGHTD_COMMON_DATA_PROTOCOL_H_
 
@@ -21,6 +40,7 @@ namespace weightd {
 
 inline constexpr char kAttachMagic[4] = {'W', 'D', 'A', '1'};
 inline constexpr char kReplyMagic[4] = {'W', 'D', 'R', '1'};
+inline constexpr char kPushMagic[4] = {'W', 'D', 'P', '1'};
 
 struct AttachRequest {
   char magic[4];
@@ -29,6 +49,16 @@ struct AttachRequest {
   uint8_t token[16];
 };
 static_assert(sizeof(AttachRequest) == 32);
+
+// The same size as AttachRequest: the data socket reads 32 bytes, then
+// tells the two apart by their magic.
+struct PushRequest {
+  char magic[4];
+  uint32_t num_offsets;  // 0 = the default layout
+  uint64_t lease_id;
+  uint8_t token[16];
+};
+static_assert(sizeof(PushRequest) == sizeof(AttachRequest));
 
 struct AttachReply {
   char magic[4];

@@ -39,7 +39,7 @@ constexpr char kUsage[] =
     "  load NAME PATH [--profile FILE] [--readers uid:N,gid:N,token:NAME,cn:NAME]\n"
     "  unload NAME | list | info NAME | stats | verify NAME\n"
     "  fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
-    "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc]\n"
+    "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc|push]\n"
     "        [--generation G] [--changed-since G] [--names a,b] [--verify] --out FILE\n"
     "  adapter load NAME PATH [--format auto|peft|kohya|dense] [--strict] [--readers LIST]\n"
     "  adapter list | adapter unload NAME\n"
@@ -295,9 +295,11 @@ absl::Status CmdFetch(Client& c, const Args& a) {
     opt.transport = Transport::kShm;
   } else if (transport == "grpc") {
     opt.transport = Transport::kGrpc;
+  } else if (transport == "push") {
+    opt.transport = Transport::kPush;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("--transport: expected shm or grpc, got \"",
-                                                   transport, "\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--transport: expected shm, grpc or push, got \"", transport, "\""));
   }
   if (a.Has("--generation")) {
     WD_ASSIGN_OR_RETURN(int64_t g, ParseInt("--generation", a.Get("--generation")));

@@ -32,6 +32,14 @@ namespace weightd {
 
 using LeaseToken = std::array<uint8_t, 16>;
 
+// Where one tensor of a lease lies: bytes [offset, offset + length) of
+// buffers[buffer].
+struct LeaseTensor {
+  uint32_t buffer = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
 struct LeaseContents {
   std::string model;
   uint64_t generation = 0;
@@ -39,6 +47,9 @@ struct LeaseContents {
   // transport refuses a kind it cannot carry).
   std::vector<BufferPtr> buffers;
   uint64_t bytes = 0;                // bytes of the tensors it names
+  // The tensors, in the fetch response's order (a push writes these);
+  // shared by every lease on the same fetch table. May be null (none).
+  std::shared_ptr<const std::vector<LeaseTensor>> tensors;
   // Kept alive exactly as long as the lease (its owner's marker: e.g. the
   // generation it serves counts its leases by this pointer's use_count).
   std::shared_ptr<const void> hold;

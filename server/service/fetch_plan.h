@@ -22,6 +22,7 @@
 #include "common/digest.h"
 #include "common/dtype.h"
 #include "common/shard.h"
+#include "server/lease/lease_table.h"
 #include "server/materialize/materializer.h"
 #include "server/profile/profile.h"
 #include "server/store/checkpoint.h"
@@ -50,6 +51,8 @@ struct FetchTable {
   std::vector<FetchedTensor> tensors;
   std::string data_socket;
   uint64_t bytes = 0;  // sum of the tensors' lengths
+  // Where each of `tensors` lies, as leases carry it.
+  std::shared_ptr<const std::vector<LeaseTensor>> ranges;
   // The control plane's encoding of this table, made once by whoever sends
   // it (the gRPC layer: a serialized FetchResponse without lease and token).
   mutable std::once_flag wire_once;

@@ -547,6 +547,8 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   table->data_socket = options_.data_socket_path;
   std::vector<BufferPtr> buffers;
   absl::flat_hash_map<uint64_t, uint32_t> segment_index;
+  auto ranges = std::make_shared<std::vector<LeaseTensor>>();
+  ranges->reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     const MaterializedTensor& m = served[i];
     auto [it, inserted] = segment_index.try_emplace(m.segment->id(), buffers.size());
@@ -559,9 +561,11 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     ft.offset = m.offset;
     ft.length = m.length;
     ft.digest = m.digest;
+    ranges->push_back(LeaseTensor{ft.segment, ft.offset, ft.length});
     table->bytes += m.length;
     table->tensors.push_back(std::move(ft));
   }
+  table->ranges = std::move(ranges);
   fetch_cache_.Store(std::move(cache_key), gen, table, buffers, guards);
   return GrantFetch(params, *gen, std::move(table), std::move(buffers), std::move(guards));
 }
@@ -630,6 +634,7 @@ FetchResult WeightService::GrantFetch(const FetchParams& params, const Generatio
   lease.hold = gen.lease_marker;
   lease.buffers = std::move(buffers);
   lease.bytes = table->bytes;
+  lease.tensors = table->ranges;
   bytes_served_.fetch_add(table->bytes);
   fetches_.fetch_add(1);
   result.lease = leases_.Grant(std::move(lease));

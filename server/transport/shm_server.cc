@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/data_protocol.h"
 #include "common/status_macros.h"
+#include "server/transport/host_push.h"
 
 namespace weightd {
 namespace {
@@ -40,11 +41,25 @@ struct Outgoing {
   size_t sent = 0;
 };
 
+// The most fds one request may carry: a push carries one; more arrive only
+// from a client that errs, and are refused (the excess is closed by the
+// kernel: MSG_CTRUNC).
+constexpr size_t kMaxFdsPerRequest = 4;
+
 struct Connection {
   UniqueFd fd;
   uint64_t id = 0;
   AttachRequest request{};
   size_t received = 0;
+  // A push's offsets, read after its header; the fds that came with the
+  // request so far (and whether the kernel dropped some: too many).
+  std::vector<uint64_t> offsets;
+  size_t offsets_received = 0;  // bytes
+  bool reading_offsets = false;
+  std::shared_ptr<const LeaseContents> push_lease;
+  std::vector<UniqueFd> fds_in;
+  bool fds_truncated = false;
+  bool pushing = false;  // on a push thread: read nothing, poll nothing
   PeerIdentity peer;
   bool counted = false;   // counted against peer.uid's cap
   absl::Status admitted;  // not OK: every request gets this answer
@@ -102,6 +117,39 @@ void QueueReply(Connection* c, const absl::Status& status, absl::Span<const int>
   }
 }
 
+// Receives what the socket has of `size` bytes into `buf` without blocking,
+// keeping any fds that ride along. Returns the bytes received; 0 with
+// `*closed` when the peer closed (or the connection broke), 0 otherwise when
+// nothing is there yet.
+size_t TryRecv(Connection* c, void* buf, size_t size, bool* closed) {
+  *closed = false;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRequest)];
+  iovec iov{buf, size};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t got = ::recvmsg(c->fd.get(), &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+  for (cmsghdr* h = CMSG_FIRSTHDR(&msg); got >= 0 && h != nullptr; h = CMSG_NXTHDR(&msg, h)) {
+    if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS) continue;
+    size_t n = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    const auto* fds = reinterpret_cast<const int*>(CMSG_DATA(h));
+    for (size_t i = 0; i < n; ++i) {
+      int fd;
+      std::memcpy(&fd, fds + i, sizeof(fd));
+      c->fds_in.emplace_back(fd);
+    }
+  }
+  if (got > 0 && (msg.msg_flags & MSG_CTRUNC)) c->fds_truncated = true;
+  if (got <= 0) {
+    *closed = true;
+    return 0;
+  }
+  return static_cast<size_t>(got);
+}
+
 // Sends what the socket takes of the queued reply. OK with `out` empty: all
 // sent; OK with `out` not empty: the socket is full (poll for POLLOUT).
 absl::Status Flush(Connection* c) {
@@ -136,6 +184,7 @@ size_t DefaultMaxConnections() {
 
 absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options options,
                                                                      LeaseTable* leases) {
+  if (options.push_threads < 1) options.push_threads = 1;
   if (options.max_connections == 0) options.max_connections = DefaultMaxConnections();
   if (options.max_connections_per_uid == 0) {
     options.max_connections_per_uid = std::max<size_t>(1, options.max_connections / 2);
@@ -143,9 +192,12 @@ absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options opti
   WD_ASSIGN_OR_RETURN(UniqueFd listen_fd, ListenUnixWithMode(options.path, options.mode));
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return ErrnoStatus(errno, "eventfd");
-  auto server = std::unique_ptr<ShmDataServer>(
-      new ShmDataServer(std::move(options), leases, std::move(listen_fd), std::move(wake)));
+  UniqueFd done(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!done.valid()) return ErrnoStatus(errno, "eventfd");
+  auto server = std::unique_ptr<ShmDataServer>(new ShmDataServer(
+      std::move(options), leases, std::move(listen_fd), std::move(wake), std::move(done)));
   try {
+    server->push_pool_ = std::make_unique<ThreadPool>(server->options_.push_threads);
     server->thread_ = std::thread([s = server.get()] { s->Run(); });
   } catch (const std::system_error& e) {
     ::unlink(server->options_.path.c_str());
@@ -157,23 +209,60 @@ absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options opti
 }
 
 ShmDataServer::ShmDataServer(Options options, LeaseTable* leases, UniqueFd listen_fd,
-                             UniqueFd wake_fd)
+                             UniqueFd wake_fd, UniqueFd done_fd)
     : options_(std::move(options)),
       leases_(leases),
       listen_fd_(std::move(listen_fd)),
-      wake_fd_(std::move(wake_fd)) {}
+      wake_fd_(std::move(wake_fd)),
+      done_fd_(std::move(done_fd)) {}
 
 ShmDataServer::~ShmDataServer() { Stop(); }
 
 void ShmDataServer::Stop() {
   if (stopping_.exchange(true)) {
     if (thread_.joinable()) thread_.join();
+    push_pool_.reset();
     return;
   }
   uint64_t one = 1;
   (void)!::write(wake_fd_.get(), &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
+  // Pushes in flight see stopping_ between chunks and end UNAVAILABLE; their
+  // connections are closed already, so nobody is answered.
+  push_pool_.reset();
   ::unlink(options_.path.c_str());
+}
+
+void ShmDataServer::Push(int conn_fd, uint64_t connection,
+                         std::shared_ptr<const LeaseContents> lease,
+                         std::vector<uint64_t> offsets, int dest) {
+  absl::Time start = absl::Now();
+  uint64_t bytes = 0;
+  absl::Status status = [&]() -> absl::Status {
+    WD_ASSIGN_OR_RETURN(PushLayout layout, LayoutForPush(*lease, offsets));
+    for (uint64_t len : layout.lengths) bytes += len;
+    return PushToHost(*lease, layout, dest, &stopping_);
+  }();
+  ::close(dest);
+  if (status.ok()) {
+    pushes_.fetch_add(1);
+    push_bytes_.fetch_add(bytes);
+  }
+  if (LogEnabled(LogLevel::kDebug) || !status.ok()) {
+    LogEvent(status.ok() ? LogLevel::kDebug : LogLevel::kWarning, "push",
+             {{"connection", absl::StrCat(connection)},
+              {"model", lease->model},
+              {"generation", absl::StrCat(lease->generation)},
+              {"bytes", absl::StrCat(bytes)},
+              {"ms", absl::StrCat(absl::ToDoubleMilliseconds(absl::Now() - start))},
+              {"status", status.ok() ? std::string("OK") : status.ToString()}});
+  }
+  {
+    absl::MutexLock lock(&done_mu_);
+    done_.push_back(PushDone{conn_fd, connection, std::move(status)});
+  }
+  uint64_t one = 1;
+  (void)!::write(done_fd_.get(), &one, sizeof(one));
 }
 
 void ShmDataServer::Run() {
@@ -274,17 +363,103 @@ void ShmDataServer::Run() {
       open_.fetch_add(1);
     }
   };
+  // Hands a push whose request is complete to a push thread, or answers
+  // why not.
+  auto start_push = [&](Connection& c) {
+    std::shared_ptr<const LeaseContents> lease = std::move(c.push_lease);
+    std::vector<uint64_t> offsets = std::move(c.offsets);
+    c.offsets.clear();
+    c.offsets_received = 0;
+    c.reading_offsets = false;
+    std::vector<UniqueFd> fds = std::move(c.fds_in);
+    c.fds_in.clear();
+    if (c.fds_truncated || fds.size() != 1) {
+      QueueReply(&c,
+                 absl::InvalidArgumentError(absl::StrCat(
+                     "a push carries exactly one fd (its destination memfd); this one carried ",
+                     c.fds_truncated ? "too many" : absl::StrCat(fds.size()))),
+                 {});
+      c.fds_truncated = false;
+      return;
+    }
+    c.pushing = true;
+    int dest = fds[0].release();
+    push_pool_->Schedule([this, fd = c.fd.get(), id = c.id, lease = std::move(lease),
+                          offsets = std::move(offsets), dest]() mutable {
+      Push(fd, id, std::move(lease), std::move(offsets), dest);
+    });
+  };
+  // The header of a push arrived: checks it and its lease; reads its
+  // offsets next, or starts it.
+  auto push_header = [&](Connection& c) {
+    PushRequest req;
+    std::memcpy(&req, &c.request, sizeof(req));
+    absl::Status status;
+    if (options_.authorize_attach) status = options_.authorize_attach(c.peer, req.lease_id);
+    std::shared_ptr<const LeaseContents> lease;
+    if (status.ok()) {
+      absl::string_view token(reinterpret_cast<const char*>(req.token), 16);
+      auto contents = leases_->Attach(req.lease_id, token, c.id);
+      status = contents.status();
+      if (contents.ok()) lease = *std::move(contents);
+    }
+    const size_t tensors = lease == nullptr || lease->tensors == nullptr ? 0
+                                                                          : lease->tensors->size();
+    if (status.ok() && req.num_offsets != 0 && req.num_offsets != tensors) {
+      status = absl::InvalidArgumentError(absl::StrCat(
+          "the push names ", req.num_offsets, " offsets but lease ", req.lease_id, " has ",
+          tensors, " tensors (0 offsets = the default layout)"));
+    }
+    if (!status.ok()) {
+      if (absl::IsPermissionDenied(status)) {
+        LogEvent(LogLevel::kWarning, "attach_refused",
+                 {{"peer", c.peer.Describe()},
+                  {"lease", absl::StrCat(req.lease_id)},
+                  {"error", std::string(status.message())}});
+      }
+      c.fds_in.clear();
+      c.fds_truncated = false;
+      QueueReply(&c, status, {});
+      // Offsets may follow that nobody reads: the stream is lost.
+      if (req.num_offsets != 0) c.close_after_reply = true;
+      return;
+    }
+    c.push_lease = std::move(lease);
+    if (req.num_offsets == 0) {
+      start_push(c);
+      return;
+    }
+    c.offsets.assign(req.num_offsets, 0);
+    c.offsets_received = 0;
+    c.reading_offsets = true;
+  };
   // Reads (part of) one request and queues its reply. False: close it.
   auto serve = [&](Connection& c) -> bool {
+    bool closed = false;
+    if (c.reading_offsets) {
+      auto* buf = reinterpret_cast<uint8_t*>(c.offsets.data());
+      const size_t want = c.offsets.size() * sizeof(uint64_t);
+      size_t got = TryRecv(&c, buf + c.offsets_received, want - c.offsets_received, &closed);
+      if (closed) return false;
+      c.offsets_received += got;
+      if (c.offsets_received == want) start_push(c);
+      return true;
+    }
     auto* buf = reinterpret_cast<uint8_t*>(&c.request);
-    ssize_t got = ::recv(c.fd.get(), buf + c.received, sizeof(AttachRequest) - c.received,
-                         MSG_DONTWAIT);
-    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
-    if (got <= 0) return false;
-    c.received += static_cast<size_t>(got);
+    size_t got = TryRecv(&c, buf + c.received, sizeof(AttachRequest) - c.received, &closed);
+    if (closed) return false;
+    c.received += got;
     if (c.received < sizeof(AttachRequest)) return true;
     c.received = 0;
-    if (std::memcmp(c.request.magic, kAttachMagic, 4) != 0) {
+    if (std::memcmp(c.request.magic, kPushMagic, 4) == 0 && c.admitted.ok()) {
+      push_header(c);
+      return true;
+    }
+    // Only a push carries fds.
+    c.fds_in.clear();
+    c.fds_truncated = false;
+    if (std::memcmp(c.request.magic, kAttachMagic, 4) != 0 &&
+        std::memcmp(c.request.magic, kPushMagic, 4) != 0) {
       QueueReply(&c, absl::InvalidArgumentError("bad attach request magic"), {});
       c.close_after_reply = true;
       return true;
@@ -312,6 +487,25 @@ void ShmDataServer::Run() {
     QueueReply(&c, status, fds);
     return true;
   };
+  // Answers the pushes the push threads finished.
+  auto answer_pushes = [&] {
+    uint64_t count;
+    (void)!::read(done_fd_.get(), &count, sizeof(count));
+    std::vector<PushDone> done;
+    {
+      absl::MutexLock lock(&done_mu_);
+      done.swap(done_);
+    }
+    for (PushDone& d : done) {
+      auto it = conns.find(d.fd);
+      if (it == conns.end() || it->second.id != d.connection) continue;
+      Connection& c = it->second;
+      c.pushing = false;
+      QueueReply(&c, d.status, {});
+      absl::Status sent = Flush(&c);
+      if (!sent.ok()) close_conn(it);
+    }
+  };
   std::vector<pollfd> pfds;
   while (!stopping_.load()) {
     const absl::Time now = absl::Now();
@@ -320,7 +514,11 @@ void ShmDataServer::Run() {
     pfds.push_back({wake_fd_.get(), POLLIN, 0});
     // A negative fd is ignored by poll(): the listen socket while backing off.
     pfds.push_back({accepting ? listen_fd_.get() : -1, POLLIN, 0});
+    pfds.push_back({done_fd_.get(), POLLIN, 0});
     for (auto& [fd, c] : conns) {
+      // A connection whose push is running is answered when it ends; until
+      // then it is not polled (a peer that hung up would wake poll at once).
+      if (c.pushing) continue;
       pfds.push_back({fd, static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
     }
     int timeout_ms = -1;
@@ -335,11 +533,13 @@ void ShmDataServer::Run() {
     }
     if (pfds[0].revents) break;
     if (pfds[1].revents & POLLIN) accept_all();
-    for (size_t i = 2; i < pfds.size(); ++i) {
+    if (pfds[2].revents & POLLIN) answer_pushes();
+    for (size_t i = 3; i < pfds.size(); ++i) {
       if (pfds[i].revents == 0) continue;
       auto it = conns.find(pfds[i].fd);
       if (it == conns.end()) continue;
       Connection& c = it->second;
+      if (c.pushing) continue;
       if (c.out.empty() && !serve(c)) {
         close_conn(it);
         continue;

@@ -1,6 +1,10 @@
 // The shm transport's data socket: hands a lease's segment fds to the client
 // that presents its id and token, and ends the lease when that client's
 // connection closes — which is how a killed worker gives back what it held.
+// A client may instead pass a memfd of its own and have the lease's tensors
+// pushed into it (common/data_protocol.h; host_push.h): the copy runs on
+// a small pool of push threads, never on the polling thread, and the
+// connection reads nothing more until its push is answered.
 //
 // One thread polls every connection and never blocks on one: sockets are
 // non-blocking, a connection has at most one reply queued (its next request
@@ -20,9 +24,12 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "common/fd.h"
+#include "common/thread_pool.h"
 #include "common/unix_socket.h"
 #include "server/lease/lease_table.h"
 #include "server/transport/peer_identity.h"
@@ -48,6 +55,9 @@ class ShmDataServer {
     // RESOURCE_EXHAUSTED.
     size_t max_connections = 0;
     size_t max_connections_per_uid = 0;
+    // Threads that copy pushes into clients' memory (pushes past them
+    // queue, FIFO).
+    int push_threads = 2;
   };
 
   // Binds the socket and starts the polling thread. `leases` must outlive
@@ -62,20 +72,40 @@ class ShmDataServer {
 
   const std::string& path() const { return options_.path; }
   uint64_t connections_open() const { return open_.load(); }
+  // Pushes answered OK, and the tensor bytes they wrote.
+  uint64_t pushes() const { return pushes_.load(); }
+  uint64_t push_bytes() const { return push_bytes_.load(); }
   // The caps in force (0 in Options resolved).
   size_t max_connections() const { return options_.max_connections; }
   size_t max_connections_per_uid() const { return options_.max_connections_per_uid; }
 
  private:
-  ShmDataServer(Options options, LeaseTable* leases, UniqueFd listen_fd, UniqueFd wake_fd);
+  ShmDataServer(Options options, LeaseTable* leases, UniqueFd listen_fd, UniqueFd wake_fd,
+                UniqueFd done_fd);
   void Run();
+
+  // A push finished on a push thread, for the polling thread to answer.
+  struct PushDone {
+    int fd;              // the connection's socket
+    uint64_t connection;  // its id (the fd may have been reused)
+    absl::Status status;
+  };
+  // Runs on a push thread: copies, then queues the answer.
+  void Push(int conn_fd, uint64_t connection, std::shared_ptr<const LeaseContents> lease,
+            std::vector<uint64_t> offsets, int dest) ABSL_LOCKS_EXCLUDED(done_mu_);
 
   const Options options_;
   LeaseTable* const leases_;
   UniqueFd listen_fd_;
   UniqueFd wake_fd_;  // eventfd that breaks poll() on Stop()
+  UniqueFd done_fd_;  // eventfd: a push finished (see done_)
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> open_{0};
+  std::atomic<uint64_t> pushes_{0};
+  std::atomic<uint64_t> push_bytes_{0};
+  absl::Mutex done_mu_;
+  std::vector<PushDone> done_ ABSL_GUARDED_BY(done_mu_);
+  std::unique_ptr<ThreadPool> push_pool_;  // joined by Stop() after thread_
   std::thread thread_;
 };
 

@@ -1,6 +1,8 @@
 """Core PyTorch parity: sharding (DTensor Shard/Replicate = torch.chunk rule),
 dtype casts (tensor.to(dtype), bit for bit) and FP8 (c10 conversion), through
-the real weightd + weightctl, over both transports.
+the real weightd + weightctl, over every transport: shm (the daemon's
+segments), grpc (streamed) and push (the daemon writes into the client's
+own memfd: the host twin of the CUDA push).
 
 One daemon and one checkpoint for the whole module; fetches run a few at a
 time in parallel to keep the runtime short.
@@ -24,7 +26,7 @@ MODEL = "core"
 WORLDS = (1, 2, 3, 4, 7)
 CAST_DTYPES = ("keep", "f32", "f16", "bf16")
 FP8_DTYPES = ("f8_e4m3", "f8_e5m2")
-TRANSPORTS = ("shm", "grpc")
+TRANSPORTS = ("shm", "grpc", "push")
 PARALLEL = 8
 
 _REQ_TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -264,8 +266,8 @@ def test_checkpoint_listed(env):
 
 @pytest.mark.parametrize("req", CAST_DTYPES + FP8_DTYPES)
 def test_world_shards(env, req):
-    """--world W --rank R for every W in WORLDS and every rank, both transports;
-    shm and grpc files identical."""
+    """--world W --rank R for every W in WORLDS and every rank, every transport;
+    the files of all transports identical."""
     cases = [(w, r, tr) for w in WORLDS for r in range(w) for tr in TRANSPORTS]
     results = env.fetch_many([["--world", w, "--rank", r, "--dtype", req, "--transport", tr]
                               for w, r, tr in cases])
@@ -275,8 +277,9 @@ def test_world_shards(env, req):
         by_case[(w, r, tr)] = out
     for w in WORLDS:
         for r in range(w):
-            assert _read(by_case[(w, r, "shm")]) == _read(by_case[(w, r, "grpc")]), \
-                "world %d rank %d dtype %s: shm and grpc files differ" % (w, r, req)
+            for tr in TRANSPORTS[1:]:
+                assert _read(by_case[(w, r, "shm")]) == _read(by_case[(w, r, tr)]), \
+                    "world %d rank %d dtype %s: shm and %s files differ" % (w, r, req, tr)
 
 
 MESHES = {"2x2": [2, 2], "2x3": [2, 3]}
@@ -310,7 +313,9 @@ def test_mesh_shards(env, mesh, plabel, pval, nd2):
         check_fetch(env, args, res, out, shape, coord, placements, req, names=names)
         files.setdefault((tuple(coord), req), []).append(_read(out))
     for key, blobs in files.items():
-        assert blobs[0] == blobs[1], "mesh %s %s %s: shm and grpc files differ" % (mesh, plabel, key)
+        for tr, blob in zip(TRANSPORTS[1:], blobs[1:]):
+            assert blobs[0] == blob, "mesh %s %s %s: shm and %s files differ" % (
+                mesh, plabel, key, tr)
 
 
 def test_mesh_hsdp_replicas_identical(env):

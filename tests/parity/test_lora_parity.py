@@ -530,7 +530,10 @@ def test_merge_parity(env, case, stack):
                     args += ["--placements", pl]
                 if pl == "S1":
                     args += ["--names", ",".join(two_d)]
-                jobs.append((model, [str(a) for a in args]))
+                # The daemon's segments (shm) and the client's own memory
+                # (push, the host twin of the CUDA push): the same bytes.
+                for tr in ("shm", "push"):
+                    jobs.append((model, [str(a) for a in args + ["--transport", tr]]))
     results = env.fetch_many(jobs)
     ulp_counts = collections.defaultdict(lambda: [0, 0])
     failures = []

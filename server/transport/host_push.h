@@ -1,0 +1,50 @@
+// Push into a client's host memory (DESIGN §6, common/data_protocol.h): the
+// client owns the destination, a memfd it passed over the data socket; the
+// daemon checks it and writes each tensor of a lease into it at the layout's
+// offsets. The host twin of the CUDA push: the same lease, layout and
+// checks, with pwrite instead of a device copy.
+//
+// The destination is written with pwrite, never through a mapping, so a
+// client that shrinks or seals its memfd mid-push cannot fault the daemon:
+// the push then ends ABORTED.
+#ifndef WEIGHTD_SERVER_TRANSPORT_HOST_PUSH_H_
+#define WEIGHTD_SERVER_TRANSPORT_HOST_PUSH_H_
+
+#include <atomic>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "common/push_layout.h"
+#include "server/lease/lease_table.h"
+
+namespace weightd {
+
+// The layout of `lease`'s tensors: the default one for empty `offsets`,
+// else the client's, checked (CheckPushLayout).
+absl::StatusOr<PushLayout> LayoutForPush(const LeaseContents& lease,
+                                         absl::Span<const uint64_t> offsets);
+
+// Checks that `fd` can take a push of `layout`:
+//   INVALID_ARGUMENT: not an open fd, not a memfd (a file, pipe, socket),
+//     smaller than layout.size;
+//   FAILED_PRECONDITION: opened read-only, sealed against writes, or with
+//     fewer pages allocated (st_blocks: written or fallocated) than the
+//     tensors' ranges cover — the destination's memory must be the
+//     client's, not pages the daemon's writes would allocate and its memory
+//     cgroup be charged for;
+//   UNIMPLEMENTED: a hugetlbfs memfd (it takes no pwrite).
+// Never maps the destination nor moves its file offset.
+absl::Status CheckHostDestination(int fd, const PushLayout& layout);
+
+// Writes every tensor of `lease` (host buffers only; another kind is
+// UNIMPLEMENTED) into `fd` at layout.offsets. Checks the destination first
+// (CheckHostDestination). ABORTED when the client shrinks or seals it
+// meanwhile; UNAVAILABLE when `cancel` becomes true (checked between
+// chunks of at most 64 MiB).
+absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, int fd,
+                        const std::atomic<bool>* cancel);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_TRANSPORT_HOST_PUSH_H_

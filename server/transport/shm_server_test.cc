@@ -1,6 +1,7 @@
 #include "server/transport/shm_server.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -177,6 +178,103 @@ TEST_F(ShmDataServerTest, ConnectionsPastTheTotalCapAreRefused) {
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
   EXPECT_NE(refused.message().find("(--max-data-connections)"), std::string::npos) << refused;
   EXPECT_EQ(Attach(a.get(), kUnknownLease).code(), absl::StatusCode::kNotFound);
+}
+
+// Sends a push request (+ optional fds and offsets) and returns the answer.
+absl::Status Push(int sock, uint64_t lease_id, const LeaseToken& token, std::vector<int> fds,
+                  const std::vector<uint64_t>& offsets, uint32_t num_offsets) {
+  std::string bytes(sizeof(PushRequest), '\0');
+  PushRequest req{};
+  std::memcpy(req.magic, kPushMagic, 4);
+  req.num_offsets = num_offsets;
+  req.lease_id = lease_id;
+  std::memcpy(req.token, token.data(), sizeof(req.token));
+  std::memcpy(bytes.data(), &req, sizeof(req));
+  bytes.append(reinterpret_cast<const char*>(offsets.data()), offsets.size() * 8);
+  absl::Status sent = SendWithFds(sock, bytes, fds);
+  AttachReply reply{};
+  absl::Status got = RecvAll(sock, &reply, sizeof(reply));
+  if (!got.ok()) return sent.ok() ? got : sent;
+  EXPECT_EQ(reply.num_fds, 0u);
+  std::string msg(reply.message_len, '\0');
+  if (!msg.empty()) {
+    absl::Status s = RecvAll(sock, msg.data(), msg.size());
+    if (!s.ok()) return s;
+  }
+  return absl::Status(static_cast<absl::StatusCode>(reply.code), msg);
+}
+
+TEST_F(ShmDataServerTest, PushWritesTheLeaseIntoTheClientsMemfd) {
+  Start({});
+  auto account = std::make_shared<MemoryAccount>(0);
+  auto seg = Segment::Create(account, "test", 1000, false);
+  ASSERT_TRUE(seg.ok());
+  for (int k = 0; k < 1000; ++k) (*seg)->mutable_data()[k] = static_cast<uint8_t>(k);
+  ASSERT_TRUE((*seg)->Seal().ok());
+  auto tensors = std::make_shared<std::vector<LeaseTensor>>(
+      std::vector<LeaseTensor>{{0, 0, 600}, {0, 600, 400}});
+  LeaseGrant grant = leases_.Grant(LeaseContents{.buffers = {SegmentPtr(std::move(*seg))},
+                                                 .tensors = tensors});
+  UniqueFd dest(::memfd_create("dest", MFD_CLOEXEC));
+  ASSERT_EQ(::ftruncate(dest.get(), 2048), 0);
+  ASSERT_EQ(::posix_fallocate(dest.get(), 0, 2048), 0);
+  UniqueFd c = Connect(server_->path());
+  // No fd: refused, and the connection reads the next request.
+  absl::Status no_fd = Push(c.get(), grant.id, grant.token, {}, {}, 0);
+  EXPECT_EQ(no_fd.code(), absl::StatusCode::kInvalidArgument) << no_fd;
+  EXPECT_NE(no_fd.message().find("exactly one fd"), std::string::npos) << no_fd;
+  // Two fds: the same.
+  EXPECT_EQ(Push(c.get(), grant.id, grant.token, {dest.get(), dest.get()}, {}, 0).code(),
+            absl::StatusCode::kInvalidArgument);
+  // The client's offsets: the second tensor first.
+  ASSERT_TRUE(Push(c.get(), grant.id, grant.token, {dest.get()}, {1024, 0}, 2).ok());
+  std::string got(2048, '\0');
+  ASSERT_EQ(::pread(dest.get(), got.data(), got.size(), 0), 2048);
+  for (int k = 0; k < 600; ++k) ASSERT_EQ(static_cast<uint8_t>(got[1024 + k]), k % 256) << k;
+  for (int k = 0; k < 400; ++k) ASSERT_EQ(static_cast<uint8_t>(got[k]), (600 + k) % 256) << k;
+  EXPECT_EQ(server_->pushes(), 1u);
+  EXPECT_EQ(server_->push_bytes(), 1000u);
+  // Overlapping offsets: INVALID_ARGUMENT, the connection still served.
+  absl::Status overlap = Push(c.get(), grant.id, grant.token, {dest.get()}, {0, 512}, 2);
+  EXPECT_EQ(overlap.code(), absl::StatusCode::kInvalidArgument) << overlap;
+  EXPECT_TRUE(Push(c.get(), grant.id, grant.token, {dest.get()}, {}, 0).ok());
+  // A wrong token: PERMISSION_DENIED, nothing written.
+  LeaseToken wrong = grant.token;
+  wrong[0] ^= 1;
+  EXPECT_EQ(Push(c.get(), grant.id, wrong, {dest.get()}, {}, 0).code(),
+            absl::StatusCode::kPermissionDenied);
+  // An offsets count that is neither 0 nor the tensors': answered, then the
+  // connection is closed (its stream cannot be trusted any more).
+  // (A lease is attached to one connection: another one gets its own.)
+  LeaseGrant other = leases_.Grant(LeaseContents{.buffers = {}, .tensors = tensors});
+  UniqueFd d = Connect(server_->path());
+  absl::Status count = Push(d.get(), other.id, other.token, {dest.get()}, {0, 1024, 2048}, 3);
+  EXPECT_EQ(count.code(), absl::StatusCode::kInvalidArgument) << count;
+  EXPECT_NE(count.message().find("3 offsets but lease"), std::string::npos) << count;
+  char byte;
+  EXPECT_LE(::recv(d.get(), &byte, 1, 0), 0);  // closed (reset: offsets left unread)
+  // and the lease ended with it
+  EXPECT_EQ(leases_.Use(other.id, absl::string_view(reinterpret_cast<const char*>(
+                                                        other.token.data()), 16))
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+  // The first connection is served on.
+  EXPECT_EQ(Attach(c.get(), kUnknownLease).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ShmDataServerTest, AttachRequestsCarryNoFds) {
+  Start({});
+  UniqueFd c = Connect(server_->path());
+  UniqueFd extra(::memfd_create("stray", MFD_CLOEXEC));
+  AttachRequest req = RequestFor(kUnknownLease);
+  ASSERT_TRUE(SendWithFds(c.get(),
+                          absl::string_view(reinterpret_cast<const char*>(&req), sizeof(req)),
+                          {extra.get()})
+                  .ok());
+  AttachReply reply{};
+  ASSERT_TRUE(RecvAll(c.get(), &reply, sizeof(reply)).ok());
+  EXPECT_EQ(reply.code, static_cast<int32_t>(absl::StatusCode::kNotFound));
 }
 
 TEST_F(ShmDataServerTest, DefaultCapsFollowTheFdLimit) {

@@ -248,7 +248,7 @@ absl::Status PushIntoNewMemfd(const v1::FetchResponse& resp, UniqueFd* memfd, Ma
   std::vector<uint64_t> lengths;
   for (const v1::ShardTensor& t : resp.tensors()) lengths.push_back(t.length());
   WD_ASSIGN_OR_RETURN(PushLayout layout, DefaultPushLayout(lengths));
-  UniqueFd fd(::memfd_create("weightd-push", MFD_CLOEXEC));
+  UniqueFd fd(::memfd_create("weightd-push", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid()) return ErrnoStatus(errno, "memfd_create");
   if (layout.size > 0) {
     if (::ftruncate(fd.get(), static_cast<off_t>(layout.size)) != 0) {
@@ -259,6 +259,10 @@ absl::Status PushIntoNewMemfd(const v1::FetchResponse& resp, UniqueFd* memfd, Ma
       return absl::ResourceExhaustedError(absl::StrCat(
           "allocating ", layout.size, " bytes for the push destination: ", std::strerror(err)));
     }
+  }
+  // The daemon takes only a destination that cannot shrink under its writes.
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+    return ErrnoStatus(errno, "sealing the push destination against shrinking");
   }
   WD_ASSIGN_OR_RETURN(UniqueFd conn, ConnectUnix(resp.data_socket()));
   PushRequest req{};
@@ -504,10 +508,20 @@ absl::StatusOr<DaemonStats> Client::Stats() {
     grpc::ClientContext ctx;
     return FromGrpc(channel_->models->Stats(&ctx, req, &r));
   }));
-  return DaemonStats{r.models(),     r.segments(),    r.bytes_resident(), r.materializations(),
-                     r.materialization_bytes(), r.cache_hits(), r.cache_misses(),
-                     r.leases_open(), r.bytes_served(), r.fetches(), r.applies(), r.adapters(),
-                     r.reserve_ready_bytes(), r.reserve_target_bytes(), r.bytes_read()};
+  DaemonStats s{r.models(),     r.segments(),    r.bytes_resident(), r.materializations(),
+                r.materialization_bytes(), r.cache_hits(), r.cache_misses(),
+                r.leases_open(), r.bytes_served(), r.fetches(), r.applies(), r.adapters(),
+                r.reserve_ready_bytes(), r.reserve_target_bytes(), r.bytes_read()};
+  s.pushes = r.pushes();
+  s.push_bytes = r.push_bytes();
+  s.cuda_built = r.cuda_built();
+  s.gpus_unavailable = r.gpus_unavailable();
+  for (const v1::GpuDevice& g : r.gpus()) {
+    s.gpus.push_back(GpuInfo{g.uuid(), g.name(), g.pci_bus_id(), g.memory_bytes(), g.ordinal(),
+                             g.compute_major(), g.compute_minor(), g.pageable_memory_access(),
+                             g.host_register(), g.host_register_read_only()});
+  }
+  return s;
 }
 
 // Retried whole on UNAVAILABLE: a Fetch the daemon never handled granted no

@@ -98,12 +98,25 @@ struct LoadProgressUpdate {
   std::string current_file;
 };
 
+// A GPU the daemon found (named by UUID on the wire).
+struct GpuInfo {
+  std::string uuid, name, pci_bus_id;
+  uint64_t memory_bytes = 0;
+  int ordinal = 0;  // the daemon's CUDA index
+  int compute_major = 0, compute_minor = 0;
+  bool pageable_memory_access = false, host_register = false, host_register_read_only = false;
+};
+
 struct DaemonStats {
   uint64_t models = 0, segments = 0, bytes_resident = 0, materializations = 0,
            materialization_bytes = 0, cache_hits = 0, cache_misses = 0, leases_open = 0,
            bytes_served = 0, fetches = 0, applies = 0, adapters = 0;
   uint64_t reserve_ready_bytes = 0, reserve_target_bytes = 0;
   uint64_t bytes_read = 0;  // asked for by grpc-transport Reads
+  uint64_t pushes = 0, push_bytes = 0;  // pushes into clients' memory
+  bool cuda_built = false;
+  std::vector<GpuInfo> gpus;     // found by the daemon at start-up
+  std::string gpus_unavailable;  // why none
 };
 
 // kShm: the daemon's sealed segments, mapped read-only (zero-copy).

@@ -24,13 +24,16 @@
 // overlap. The daemon writes each tensor's bytes (cast and merged as the
 // fetch asked) into the memfd at its offset and answers an AttachReply
 // with no fds once every byte is in place. The destination must be a
-// writable memfd, not sealed against writes, with its pages allocated
-// (fallocate) over every tensor's range — so its memory is the client's,
-// never charged to the daemon — and at least as large as the layout. The
-// lease is attached to the connection as by an AttachRequest. A push
-// whose offsets count is neither 0 nor the lease's tensor count is
-// answered INVALID_ARGUMENT and the connection closed; other refusals
-// leave the connection open for the next request.
+// writable memfd at least as large as the layout, sealed against
+// shrinking (F_SEAL_SHRINK; MFD_ALLOW_SEALING) but not against writes,
+// with at least as many pages allocated (fallocate) as the tensors cover —
+// so its memory is the client's, never charged to the daemon. The lease is
+// attached to the connection when the header arrives, as by an
+// AttachRequest (so closing the connection after a refused push ends it).
+// A push refused before its offsets are read (unknown lease, wrong token,
+// an offsets count neither 0 nor the lease's tensor count) with offsets
+// following is answered and the connection closed; other refusals leave
+// the connection open for the next request.
 #ifndef WEIGHTD_COMMON_DATA_PROTOCOL_H_
 #define WEIGHTD_COMMON_DATA_PROTOCOL_H_
 

@@ -26,6 +26,7 @@
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "server/grpc/call_auth.h"
+#include "server/gpu/gpu_devices.h"
 #include "server/grpc/grpc_server.h"
 #include "server/metrics/prometheus_exporter.h"
 #include "server/service/weight_service.h"
@@ -285,6 +286,18 @@ int Main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  // Which GPUs there are, or why none: asked once (the CUDA runtime starts
+  // the driver), logged, reported by stats.
+  flags.service.gpus = DiscoverGpus();
+  {
+    std::vector<std::string> found;
+    for (const GpuDevice& g : flags.service.gpus.devices) {
+      found.push_back(absl::StrCat(g.ordinal, ":", g.uuid, ":", g.name));
+    }
+    LogEvent(LogLevel::kInfo, "gpus",
+             {{"found", absl::StrJoin(found, ",")},
+              {"unavailable", flags.service.gpus.unavailable}});
+  }
   auto service = WeightService::Create(flags.service);
   if (!service.ok()) return Fail(service.status());
   for (const Preload& p : flags.preloads) {
@@ -304,6 +317,7 @@ int Main(int argc, char** argv) {
   flags.data.authorize_attach = [svc](const PeerIdentity& peer, uint64_t lease_id) {
     return svc->CheckLeaseUse(lease_id, Principal::UnixPeer(peer));
   };
+  flags.data.on_push = [svc](uint64_t bytes) { svc->RecordPush(bytes); };
   auto data = ShmDataServer::Start(flags.data, (*service)->leases());
   if (!data.ok()) return Fail(data.status());
   auto grpc = GrpcServer::Start(flags.grpc, service->get());

@@ -37,7 +37,7 @@ constexpr char kUsage[] =
     "   the daemon restarts, for up to SECONDS; default 0 = fail at once)\n"
     "  health\n"
     "  load NAME PATH [--profile FILE] [--readers uid:N,gid:N,token:NAME,cn:NAME]\n"
-    "  unload NAME | list | info NAME | stats | verify NAME\n"
+    "  unload NAME | list | info NAME | stats | verify NAME | gpus\n"
     "  fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
     "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc|push]\n"
     "        [--generation G] [--changed-since G] [--names a,b] [--verify] --out FILE\n"
@@ -224,6 +224,29 @@ absl::Status CmdStats(Client& c, const Args& a) {
       (unsigned long long)s.applies, (unsigned long long)s.adapters,
       (unsigned long long)s.reserve_ready_bytes, (unsigned long long)s.reserve_target_bytes,
       (unsigned long long)s.bytes_read);
+  std::printf("pushes: %llu\npush_bytes: %llu\ngpus: %zu\n", (unsigned long long)s.pushes,
+              (unsigned long long)s.push_bytes, s.gpus.size());
+  return absl::OkStatus();
+}
+
+// One line per GPU the daemon found, or why none ("no GPU: REASON").
+absl::Status CmdGpus(Client& c, const Args& a) {
+  WD_RETURN_IF_ERROR(NeedPositional(a, 0, "gpus"));
+  WD_ASSIGN_OR_RETURN(DaemonStats s, c.Stats());
+  if (s.gpus.empty()) {
+    std::printf("no GPU: %s\n", s.gpus_unavailable.c_str());
+    return absl::OkStatus();
+  }
+  for (const GpuInfo& g : s.gpus) {
+    std::string features;
+    if (g.pageable_memory_access) features += " pageable-memory-access";
+    if (g.host_register) features += " host-register";
+    if (g.host_register_read_only) features += " host-register-read-only";
+    std::printf("gpu:\t%s\t%s\t%s\tsm_%d%d\t%s\t#%d\t%s\n", g.uuid.c_str(), g.name.c_str(),
+                g.pci_bus_id.c_str(), g.compute_major, g.compute_minor,
+                HumanBytes(g.memory_bytes).c_str(), g.ordinal,
+                features.empty() ? "-" : features.c_str() + 1);
+  }
   return absl::OkStatus();
 }
 
@@ -529,6 +552,10 @@ absl::Status Run(int argc, char** argv) {
   if (verb == "stats") {
     WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
     return CmdStats(*client, a);
+  }
+  if (verb == "gpus") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
+    return CmdGpus(*client, a);
   }
   if (verb == "adapter") {
     WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--format", "--readers"}, {"--strict"}));

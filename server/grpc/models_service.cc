@@ -138,6 +138,24 @@ class ModelsImpl final : public v1::Models::CallbackService {
     resp->set_adapters(s.adapters);
     resp->set_reserve_ready_bytes(s.reserve.ready_bytes);
     resp->set_reserve_target_bytes(s.reserve.target_bytes);
+    resp->set_pushes(s.pushes);
+    resp->set_push_bytes(s.push_bytes);
+    const GpuInventory& gpus = service_->gpus();
+    resp->set_cuda_built(gpus.cuda_built);
+    resp->set_gpus_unavailable(gpus.unavailable);
+    for (const GpuDevice& g : gpus.devices) {
+      v1::GpuDevice* out = resp->add_gpus();
+      out->set_uuid(g.uuid);
+      out->set_name(g.name);
+      out->set_pci_bus_id(g.pci_bus_id);
+      out->set_memory_bytes(g.memory_bytes);
+      out->set_ordinal(g.ordinal);
+      out->set_compute_major(g.compute_major);
+      out->set_compute_minor(g.compute_minor);
+      out->set_pageable_memory_access(g.pageable_memory_access);
+      out->set_host_register(g.host_register);
+      out->set_host_register_read_only(g.host_register_read_only);
+    }
     auto* reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;

@@ -924,6 +924,8 @@ ServiceStats WeightService::Stats() const {
   s.leases_open = leases_.size();
   s.bytes_served = bytes_served_.load();
   s.bytes_read = bytes_read_.load();
+  s.pushes = pushes_.load();
+  s.push_bytes = push_bytes_.load();
   s.fetches = fetches_.load();
   s.applies = applies_.load();
   s.loads = loads_.load();

@@ -26,6 +26,7 @@
 #include "common/shard.h"
 #include "server/adapter/adapter.h"
 #include "server/service/access_control.h"
+#include "server/gpu/gpu_devices.h"
 #include "server/lease/lease_table.h"
 #include "server/materialize/materializer.h"
 #include "server/profile/profile.h"
@@ -50,6 +51,8 @@ struct WeightServiceOptions {
   uint64_t reserve_chunk_bytes = uint64_t{256} << 20;
   // Socket allow-list, admins, implicit daemon uid (access_control.h).
   AccessPolicyOptions access;
+  // The GPUs found at start-up (reported by Stats).
+  GpuInventory gpus;
 };
 
 struct ModelSummary {
@@ -151,6 +154,8 @@ struct ServiceStats {
   uint64_t load_bytes = 0;
   double load_seconds = 0;
   uint64_t fetch_errors = 0;
+  uint64_t pushes = 0;      // pushes into clients' memory answered OK
+  uint64_t push_bytes = 0;  // the tensor bytes they wrote
   LatencyHistogram::Snapshot fetch_latency_shm;
   LatencyHistogram::Snapshot fetch_latency_grpc;
 };
@@ -223,6 +228,13 @@ class WeightService {
   absl::Status CheckCanRead(const std::string& model, const Principal& caller) const
       ABSL_LOCKS_EXCLUDED(mu_);
   const AccessPolicy& access() const { return access_; }
+  // The GPUs found at start-up, or why none.
+  const GpuInventory& gpus() const { return options_.gpus; }
+  // A push into a client's memory answered OK (the data socket calls it).
+  void RecordPush(uint64_t bytes) {
+    pushes_.fetch_add(1);
+    push_bytes_.fetch_add(bytes);
+  }
 
   // Adapters. `strict`: keys the parser does not understand fail the load.
   // `readers`: a tenant-private adapter (see GenerationInfo::guards).
@@ -339,6 +351,8 @@ class WeightService {
 
   std::atomic<uint64_t> bytes_served_{0};
   std::atomic<uint64_t> bytes_read_{0};
+  std::atomic<uint64_t> pushes_{0};
+  std::atomic<uint64_t> push_bytes_{0};
   std::atomic<uint64_t> fetches_{0};
   std::atomic<uint64_t> applies_{0};
   std::atomic<uint64_t> loads_{0};

@@ -90,6 +90,15 @@ absl::Status CheckHostDestination(int fd, const PushLayout& layout) {
     return absl::FailedPreconditionError(
         "the push's destination is sealed against writes (F_SEAL_WRITE / F_SEAL_FUTURE_WRITE)");
   }
+  // A destination that may shrink mid-push would have the daemon's writes
+  // past its new end grow it back, with pages the daemon allocates: no
+  // check between writes closes that race, the seal does.
+  if (!(seals & F_SEAL_SHRINK)) {
+    return absl::FailedPreconditionError(
+        "the push's destination is not sealed against shrinking: create it with "
+        "memfd_create(MFD_ALLOW_SEALING), size and fallocate it, then "
+        "fcntl(F_ADD_SEALS, F_SEAL_SHRINK)");
+  }
   if (static_cast<uint64_t>(st.st_size) < layout.size) {
     return absl::InvalidArgumentError(absl::StrCat("the push's destination has ", st.st_size,
                                                    " bytes; its layout needs ", layout.size));
@@ -150,7 +159,6 @@ absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, in
       if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
         return absl::UnavailableError("the daemon is shutting down; the push was cut short");
       }
-      if (absl::Status s = SizeKept(fd, layout.size); !s.ok()) return s;
       size_t want = static_cast<size_t>(std::min(kChunk, t.length - done));
       ssize_t w = ::pwrite(fd, src + done, want, static_cast<off_t>(layout.offsets[i] + done));
       if (w < 0) {

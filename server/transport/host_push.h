@@ -4,9 +4,10 @@
 // offsets. The host twin of the CUDA push: the same lease, layout and
 // checks, with pwrite instead of a device copy.
 //
-// The destination is written with pwrite, never through a mapping, so a
-// client that shrinks or seals its memfd mid-push cannot fault the daemon:
-// the push then ends ABORTED.
+// The destination is written with pwrite, never through a mapping, so
+// nothing a client does to its memfd mid-push can fault the daemon; it must
+// be sealed against shrinking, and a write seal added mid-push ends the push
+// ABORTED.
 #ifndef WEIGHTD_SERVER_TRANSPORT_HOST_PUSH_H_
 #define WEIGHTD_SERVER_TRANSPORT_HOST_PUSH_H_
 
@@ -28,7 +29,9 @@ absl::StatusOr<PushLayout> LayoutForPush(const LeaseContents& lease,
 // Checks that `fd` can take a push of `layout`:
 //   INVALID_ARGUMENT: not an open fd, not a memfd (a file, pipe, socket),
 //     smaller than layout.size;
-//   FAILED_PRECONDITION: opened read-only, sealed against writes, or with
+//   FAILED_PRECONDITION: opened read-only, sealed against writes, not
+//     sealed against shrinking (F_SEAL_SHRINK: a destination that shrinks
+//     mid-push would have the daemon's writes grow it back), or with
 //     fewer pages allocated (st_blocks: written or fallocated) than the
 //     tensors' ranges cover — the destination's memory must be the
 //     client's, not pages the daemon's writes would allocate and its memory
@@ -39,7 +42,7 @@ absl::Status CheckHostDestination(int fd, const PushLayout& layout);
 
 // Writes every tensor of `lease` (host buffers only; another kind is
 // UNIMPLEMENTED) into `fd` at layout.offsets. Checks the destination first
-// (CheckHostDestination). ABORTED when the client shrinks or seals it
+// (CheckHostDestination). ABORTED when the client seals it against writes
 // meanwhile; UNAVAILABLE when `cancel` becomes true (checked between
 // chunks of at most 64 MiB).
 absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, int fd,

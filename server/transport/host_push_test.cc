@@ -39,12 +39,16 @@ LeaseContents LeaseOf(const std::vector<uint64_t>& lengths) {
   return lease;
 }
 
-// A memfd of `size` bytes, every byte 0xEE (so its pages are allocated).
-UniqueFd Destination(uint64_t size, unsigned flags = MFD_CLOEXEC) {
-  UniqueFd fd(::memfd_create("dest", flags));
+// A memfd of `size` bytes, every byte 0xEE (so its pages are allocated),
+// sealed against shrinking as a push wants (`seals`).
+UniqueFd Destination(uint64_t size, int seals = F_SEAL_SHRINK) {
+  UniqueFd fd(::memfd_create("dest", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   EXPECT_TRUE(fd.valid());
   std::string fill(size, '\xEE');
   EXPECT_EQ(::pwrite(fd.get(), fill.data(), fill.size(), 0), static_cast<ssize_t>(size));
+  if (seals != 0) {
+    EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+  }
   return fd;
 }
 
@@ -132,15 +136,26 @@ TEST(HostPushTest, RefusesWhatIsNotAWritableAllocatedMemfdLargeEnough) {
   EXPECT_EQ(read_only.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(read_only.message().find("read-only"), std::string::npos) << read_only;
 
-  UniqueFd sealed = Destination(layout->size, MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  ASSERT_EQ(::fcntl(sealed.get(), F_ADD_SEALS, F_SEAL_WRITE), 0);
+  UniqueFd sealed = Destination(layout->size, F_SEAL_SHRINK | F_SEAL_WRITE);
   absl::Status write_sealed = PushToHost(lease, *layout, sealed.get(), nullptr);
   EXPECT_EQ(write_sealed.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(write_sealed.message().find("sealed against writes"), std::string::npos);
 
+  // Free to shrink mid-push: refused (the daemon's writes would grow it back).
+  UniqueFd shrinkable = Destination(layout->size, 0);
+  absl::Status may_shrink = PushToHost(lease, *layout, shrinkable.get(), nullptr);
+  EXPECT_EQ(may_shrink.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(may_shrink.message().find("F_SEAL_SHRINK"), std::string::npos) << may_shrink;
+  UniqueFd unsealable(::memfd_create("no-sealing", MFD_CLOEXEC));  // F_SEAL_SEAL only
+  ASSERT_EQ(::fallocate(unsealable.get(), 0, 0, static_cast<off_t>(layout->size)), 0);
+  EXPECT_EQ(PushToHost(lease, *layout, unsealable.get(), nullptr).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ReadAll(shrinkable.get(), 16), std::string(16, '\xEE'));
+
   // Sized but never allocated: the daemon's writes would allocate its pages.
-  UniqueFd sparse(::memfd_create("sparse", MFD_CLOEXEC));
+  UniqueFd sparse(::memfd_create("sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   ASSERT_EQ(::ftruncate(sparse.get(), static_cast<off_t>(layout->size)), 0);
+  ASSERT_EQ(::fcntl(sparse.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
   absl::Status hole = PushToHost(lease, *layout, sparse.get(), nullptr);
   EXPECT_EQ(hole.code(), absl::StatusCode::kFailedPrecondition) << hole;
   EXPECT_NE(hole.message().find("fallocate"), std::string::npos) << hole;
@@ -150,8 +165,7 @@ TEST(HostPushTest, RefusesWhatIsNotAWritableAllocatedMemfdLargeEnough) {
   EXPECT_TRUE(PushToHost(lease, *layout, sparse.get(), nullptr).ok());
 
   // Grow-sealed is fine: the push never grows what is large enough.
-  UniqueFd no_grow = Destination(layout->size, MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  ASSERT_EQ(::fcntl(no_grow.get(), F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK), 0);
+  UniqueFd no_grow = Destination(layout->size, F_SEAL_GROW | F_SEAL_SHRINK);
   EXPECT_TRUE(PushToHost(lease, *layout, no_grow.get(), nullptr).ok());
 }
 
@@ -163,7 +177,7 @@ TEST(HostPushTest, CancelEndsItUnavailableAndAnEmptyPushNeedsNoBytes) {
   EXPECT_EQ(ReadAll(dest.get(), 1000), std::string(1000, '\xEE'));
 
   LeaseContents none;
-  UniqueFd empty(::memfd_create("empty", MFD_CLOEXEC));
+  UniqueFd empty = Destination(0);
   EXPECT_TRUE(PushDefault(none, empty.get()).ok());
   LeaseContents zeros = LeaseOf({0, 0});
   EXPECT_TRUE(PushDefault(zeros, empty.get()).ok());

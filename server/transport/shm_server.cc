@@ -247,6 +247,7 @@ void ShmDataServer::Push(int conn_fd, uint64_t connection,
   if (status.ok()) {
     pushes_.fetch_add(1);
     push_bytes_.fetch_add(bytes);
+    if (options_.on_push) options_.on_push(bytes);
   }
   if (LogEnabled(LogLevel::kDebug) || !status.ok()) {
     LogEvent(status.ok() ? LogLevel::kDebug : LogLevel::kWarning, "push",

@@ -58,6 +58,8 @@ class ShmDataServer {
     // Threads that copy pushes into clients' memory (pushes past them
     // queue, FIFO).
     int push_threads = 2;
+    // Optional: told of every push answered OK (its tensor bytes).
+    std::function<void(uint64_t bytes)> on_push;
   };
 
   // Binds the socket and starts the polling thread. `leases` must outlive

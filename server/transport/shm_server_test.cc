@@ -215,9 +215,10 @@ TEST_F(ShmDataServerTest, PushWritesTheLeaseIntoTheClientsMemfd) {
       std::vector<LeaseTensor>{{0, 0, 600}, {0, 600, 400}});
   LeaseGrant grant = leases_.Grant(LeaseContents{.buffers = {SegmentPtr(std::move(*seg))},
                                                  .tensors = tensors});
-  UniqueFd dest(::memfd_create("dest", MFD_CLOEXEC));
+  UniqueFd dest(::memfd_create("dest", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   ASSERT_EQ(::ftruncate(dest.get(), 2048), 0);
   ASSERT_EQ(::posix_fallocate(dest.get(), 0, 2048), 0);
+  ASSERT_EQ(::fcntl(dest.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
   UniqueFd c = Connect(server_->path());
   // No fd: refused, and the connection reads the next request.
   absl::Status no_fd = Push(c.get(), grant.id, grant.token, {}, {}, 0);

@@ -1,0 +1,67 @@
+"""The daemon says which GPUs it found, by UUID, or why none (`weightctl
+gpus`, stats): a CUDA build starts and serves on a node without a GPU or a
+driver (no hard link to libcuda.so.1) and names what is missing; on a GPU
+node it lists exactly the GPUs PyTorch sees, by the same UUIDs."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import BUILD, WEIGHTD, Daemon  # noqa: E402
+
+
+def _cuda_built():
+    with open(os.path.join(BUILD, "CMakeCache.txt")) as f:
+        for line in f:
+            if line.startswith("WEIGHTD_CUDA_ENABLED_BUILD:"):
+                return line.strip().endswith("=ON")
+    return False
+
+
+def _torch_gpus():
+    """UUIDs PyTorch sees ("GPU-..."), or [] without CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    return ["GPU-" + str(torch.cuda.get_device_properties(i).uuid)
+            for i in range(torch.cuda.device_count())]
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Daemon()
+    d.start()
+    yield d
+    d.stop()
+
+
+def test_the_binary_does_not_link_the_driver():
+    out = subprocess.run(["ldd", WEIGHTD], capture_output=True, text=True).stdout
+    assert "libcuda" not in out, out
+
+
+def test_gpus_lists_what_cuda_sees_or_says_why_none(daemon):
+    r = daemon.ctl_ok("gpus")
+    lines = r.stdout.splitlines()
+    stats = dict(l.split(": ", 1) for l in daemon.ctl_ok("stats").stdout.splitlines())
+    want = _torch_gpus() if _cuda_built() else []
+    if not want:
+        assert len(lines) == 1 and lines[0].startswith("no GPU: "), r.stdout
+        reason = lines[0][len("no GPU: "):]
+        if not _cuda_built():
+            assert "built without CUDA" in reason, reason
+        elif not os.path.exists("/dev/nvidiactl"):
+            assert "libcuda.so.1" in reason or "CUDA" in reason, reason
+        assert reason.strip(), "no reason given"
+        assert stats["gpus"] == "0"
+    else:
+        got = [l.split("\t")[1] for l in lines if l.startswith("gpu:")]
+        assert sorted(got) == sorted(want), (got, want)
+        assert stats["gpus"] == str(len(want))
+    # and it serves
+    assert daemon.ctl("health").returncode == 0

@@ -34,6 +34,19 @@
 // an offsets count neither 0 nor the lease's tensor count) with offsets
 // following is answered and the connection closed; other refusals leave
 // the connection open for the next request.
+//
+// CUDA push (DESIGN §6): the same, into the client's GPU memory. The
+// request's magic is kCudaPushMagic; a CudaPushTarget follows the 32-byte
+// header (before the offsets) naming the GPU by UUID, the allocation's size
+// and how it is shared: kCudaVmmPosixFd — a CUDA VMM allocation
+// (cuMemCreate with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) whose
+// exported fd rides on the header (the default: it crosses PID namespaces,
+// i.e. sidecars and DaemonSets) — or kCudaLegacyIpc — a cudaIpcMemHandle_t
+// in `ipc_handle`, no fd (the processes must share a PID namespace). The
+// daemon maps it, copies each tensor to its offset on its own streams and
+// answers only once the streams are synchronized: every byte is in place.
+// Offsets follow the same rules (kPushAlignment); the layout must fit in
+// `size` bytes.
 #ifndef WEIGHTD_COMMON_DATA_PROTOCOL_H_
 #define WEIGHTD_COMMON_DATA_PROTOCOL_H_
 
@@ -44,6 +57,7 @@ namespace weightd {
 inline constexpr char kAttachMagic[4] = {'W', 'D', 'A', '1'};
 inline constexpr char kReplyMagic[4] = {'W', 'D', 'R', '1'};
 inline constexpr char kPushMagic[4] = {'W', 'D', 'P', '1'};
+inline constexpr char kCudaPushMagic[4] = {'W', 'D', 'C', '1'};
 
 struct AttachRequest {
   char magic[4];
@@ -62,6 +76,21 @@ struct PushRequest {
   uint8_t token[16];
 };
 static_assert(sizeof(PushRequest) == sizeof(AttachRequest));
+
+enum CudaHandleKind : uint32_t {
+  kCudaVmmPosixFd = 1,  // the fd rides on the request (SCM_RIGHTS)
+  kCudaLegacyIpc = 2,   // cudaIpcMemHandle_t in ipc_handle; no fd
+};
+
+// Follows a PushRequest whose magic is kCudaPushMagic.
+struct CudaPushTarget {
+  uint8_t gpu_uuid[16];  // the GPU the allocation lives on (cudaDeviceProp::uuid)
+  uint64_t size;         // the allocation's bytes
+  uint32_t handle_kind;  // CudaHandleKind
+  uint32_t reserved;
+  uint8_t ipc_handle[64];  // kCudaLegacyIpc only
+};
+static_assert(sizeof(CudaPushTarget) == 96);
 
 struct AttachReply {
   char magic[4];

@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/memory/buffer.h"
+#include "server/transport/push_plan.h"
 
 namespace weightd {
 namespace {
@@ -148,25 +149,28 @@ absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, in
   if (absl::Status s = CheckHostDestination(fd, layout); !s.ok()) return s;
   for (size_t i = 0; i < n; ++i) {
     const LeaseTensor& t = (*lease.tensors)[i];
-    if (t.length == 0) continue;
-    if (t.buffer >= lease.buffers.size() || t.offset > lease.buffers[t.buffer]->size() ||
-        t.length > lease.buffers[t.buffer]->size() - t.offset) {
+    if (t.length > 0 && (t.buffer >= lease.buffers.size() ||
+                         t.offset > lease.buffers[t.buffer]->size() ||
+                         t.length > lease.buffers[t.buffer]->size() - t.offset)) {
       return absl::InternalError(absl::StrCat("lease tensor ", i, " lies outside its segment"));
     }
-    const uint8_t* src = lease.buffers[t.buffer]->host_data() + t.offset;
+  }
+  if (n == 0) return absl::OkStatus();
+  for (const PushCopy& copy : PlanPushCopies(*lease.tensors, layout, {.max_copy_bytes = kChunk})) {
+    if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
+      return absl::UnavailableError("the daemon is shutting down; the push was cut short");
+    }
+    const uint8_t* src = lease.buffers[copy.buffer]->host_data() + copy.src_offset;
     uint64_t done = 0;
-    while (done < t.length) {
-      if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
-        return absl::UnavailableError("the daemon is shutting down; the push was cut short");
-      }
-      size_t want = static_cast<size_t>(std::min(kChunk, t.length - done));
-      ssize_t w = ::pwrite(fd, src + done, want, static_cast<off_t>(layout.offsets[i] + done));
+    while (done < copy.length) {
+      ssize_t w = ::pwrite(fd, src + done, static_cast<size_t>(copy.length - done),
+                           static_cast<off_t>(copy.dst_offset + done));
       if (w < 0) {
         int err = errno;
         if (err == EINTR) continue;
         if (err == EPERM) {
           return absl::AbortedError(
-              "the destination was sealed or shrunk during the push (write refused)");
+              "the destination was sealed against writes during the push (write refused)");
         }
         if (err == ENOSPC || err == EFBIG || err == ENOMEM) {
           return absl::ResourceExhaustedError(

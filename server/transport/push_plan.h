@@ -1,0 +1,42 @@
+// The copies a push makes: plain C++, shared by the host push (pwrite, one
+// stream) and the CUDA push (cudaMemcpyAsync on the daemon's streams), and
+// unit-tested here.
+#ifndef WEIGHTD_SERVER_TRANSPORT_PUSH_PLAN_H_
+#define WEIGHTD_SERVER_TRANSPORT_PUSH_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "common/push_layout.h"
+#include "server/lease/lease_table.h"
+
+namespace weightd {
+
+// Bytes [src_offset, src_offset + length) of the lease's buffers[buffer]
+// go to [dst_offset, dst_offset + length) of the destination, on `stream`.
+struct PushCopy {
+  uint32_t buffer = 0;
+  uint64_t src_offset = 0;
+  uint64_t dst_offset = 0;
+  uint64_t length = 0;
+  int stream = 0;
+};
+
+struct PushPlanOptions {
+  uint64_t max_copy_bytes = uint64_t{64} << 20;  // > 0
+  int streams = 1;                               // >= 1
+};
+
+// The copies that write tensors[i] at layout.offsets[i], every byte once:
+// runs of tensors that lie back to back both in one source buffer and in
+// the destination become one copy (padding between tensors is never
+// copied), which is then cut into pieces of at most max_copy_bytes; each
+// piece goes to the stream with the fewest bytes so far (the lowest on a
+// tie). Empty tensors make none. In destination order.
+std::vector<PushCopy> PlanPushCopies(absl::Span<const LeaseTensor> tensors,
+                                     const PushLayout& layout, const PushPlanOptions& options);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_TRANSPORT_PUSH_PLAN_H_

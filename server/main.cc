@@ -318,6 +318,7 @@ int Main(int argc, char** argv) {
     return svc->CheckLeaseUse(lease_id, Principal::UnixPeer(peer));
   };
   flags.data.on_push = [svc](uint64_t bytes) { svc->RecordPush(bytes); };
+  flags.data.gpus = &svc->gpus();
   auto data = ShmDataServer::Start(flags.data, (*service)->leases());
   if (!data.ok()) return Fail(data.status());
   auto grpc = GrpcServer::Start(flags.grpc, service->get());

@@ -75,11 +75,9 @@ TEST(HostPushTest, WritesEveryTensorAtItsOffsetAndNothingElse) {
   std::string got = ReadAll(dest.get(), layout->size + 300);
   const uint8_t* src = lease.buffers[0]->host_data();
   std::string want(got.size(), '\xEE');
-  uint64_t at = 0;
   for (size_t i = 0; i < lease.tensors->size(); ++i) {
     const LeaseTensor& t = (*lease.tensors)[i];
     std::memcpy(want.data() + layout->offsets[i], src + t.offset, t.length);
-    at += t.length;
   }
   EXPECT_EQ(got, want);  // the gaps and the tail keep the client's bytes
 }

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/data_protocol.h"
 #include "common/status_macros.h"
+#include "server/gpu/cuda_push.h"
 #include "server/transport/host_push.h"
 
 namespace weightd {
@@ -56,6 +57,11 @@ struct Connection {
   std::vector<uint64_t> offsets;
   size_t offsets_received = 0;  // bytes
   bool reading_offsets = false;
+  // A CUDA push's target, read after its header (before its offsets).
+  CudaPushTarget cuda_target{};
+  size_t target_received = 0;
+  bool reading_target = false;
+  bool cuda_push = false;
   std::shared_ptr<const LeaseContents> push_lease;
   std::vector<UniqueFd> fds_in;
   bool fds_truncated = false;
@@ -235,15 +241,21 @@ void ShmDataServer::Stop() {
 
 void ShmDataServer::Push(int conn_fd, uint64_t connection,
                          std::shared_ptr<const LeaseContents> lease,
-                         std::vector<uint64_t> offsets, int dest) {
+                         std::vector<uint64_t> offsets, int dest,
+                         std::optional<CudaPushTarget> cuda) {
   absl::Time start = absl::Now();
   uint64_t bytes = 0;
   absl::Status status = [&]() -> absl::Status {
     WD_ASSIGN_OR_RETURN(PushLayout layout, LayoutForPush(*lease, offsets));
     for (uint64_t len : layout.lengths) bytes += len;
+    if (cuda.has_value()) {
+      static const GpuInventory kNone{.unavailable = "no GPU inventory was given"};
+      return PushToCuda(*lease, layout, *cuda, dest,
+                        options_.gpus != nullptr ? *options_.gpus : kNone, &stopping_);
+    }
     return PushToHost(*lease, layout, dest, &stopping_);
   }();
-  ::close(dest);
+  if (dest >= 0) ::close(dest);
   if (status.ok()) {
     pushes_.fetch_add(1);
     push_bytes_.fetch_add(bytes);
@@ -252,6 +264,7 @@ void ShmDataServer::Push(int conn_fd, uint64_t connection,
   if (LogEnabled(LogLevel::kDebug) || !status.ok()) {
     LogEvent(status.ok() ? LogLevel::kDebug : LogLevel::kWarning, "push",
              {{"connection", absl::StrCat(connection)},
+              {"memory", cuda.has_value() ? "cuda" : "host"},
               {"model", lease->model},
               {"generation", absl::StrCat(lease->generation)},
               {"bytes", absl::StrCat(bytes)},
@@ -374,20 +387,28 @@ void ShmDataServer::Run() {
     c.reading_offsets = false;
     std::vector<UniqueFd> fds = std::move(c.fds_in);
     c.fds_in.clear();
-    if (c.fds_truncated || fds.size() != 1) {
+    std::optional<CudaPushTarget> cuda;
+    if (c.cuda_push) cuda = c.cuda_target;
+    c.cuda_push = false;
+    // A host push carries its memfd; a CUDA push its VMM fd, or none with a
+    // legacy handle (PushToCuda says which it wanted).
+    const bool fd_ok = cuda.has_value() ? fds.size() <= 1 : fds.size() == 1;
+    if (c.fds_truncated || !fd_ok) {
       QueueReply(&c,
                  absl::InvalidArgumentError(absl::StrCat(
-                     "a push carries exactly one fd (its destination memfd); this one carried ",
+                     cuda.has_value() ? "a CUDA push carries at most one fd (its VMM allocation's)"
+                                      : "a push carries exactly one fd (its destination memfd)",
+                     "; this one carried ",
                      c.fds_truncated ? "too many" : absl::StrCat(fds.size()))),
                  {});
       c.fds_truncated = false;
       return;
     }
     c.pushing = true;
-    int dest = fds[0].release();
+    int dest = fds.empty() ? -1 : fds[0].release();
     push_pool_->Schedule([this, fd = c.fd.get(), id = c.id, lease = std::move(lease),
-                          offsets = std::move(offsets), dest]() mutable {
-      Push(fd, id, std::move(lease), std::move(offsets), dest);
+                          offsets = std::move(offsets), dest, cuda]() mutable {
+      Push(fd, id, std::move(lease), std::move(offsets), dest, cuda);
     });
   };
   // The header of a push arrived: checks it and its lease; reads its
@@ -437,6 +458,20 @@ void ShmDataServer::Run() {
   // Reads (part of) one request and queues its reply. False: close it.
   auto serve = [&](Connection& c) -> bool {
     bool closed = false;
+    if (c.reading_target) {
+      auto* buf = reinterpret_cast<uint8_t*>(&c.cuda_target);
+      size_t got = TryRecv(&c, buf + c.target_received, sizeof(CudaPushTarget) - c.target_received,
+                           &closed);
+      if (closed) return false;
+      c.target_received += got;
+      if (c.target_received == sizeof(CudaPushTarget)) {
+        c.reading_target = false;
+        c.target_received = 0;
+        c.cuda_push = true;
+        push_header(c);
+      }
+      return true;
+    }
     if (c.reading_offsets) {
       auto* buf = reinterpret_cast<uint8_t*>(c.offsets.data());
       const size_t want = c.offsets.size() * sizeof(uint64_t);
@@ -453,14 +488,21 @@ void ShmDataServer::Run() {
     if (c.received < sizeof(AttachRequest)) return true;
     c.received = 0;
     if (std::memcmp(c.request.magic, kPushMagic, 4) == 0 && c.admitted.ok()) {
+      c.cuda_push = false;
       push_header(c);
+      return true;
+    }
+    if (std::memcmp(c.request.magic, kCudaPushMagic, 4) == 0 && c.admitted.ok()) {
+      c.reading_target = true;  // then push_header
+      c.target_received = 0;
       return true;
     }
     // Only a push carries fds.
     c.fds_in.clear();
     c.fds_truncated = false;
     if (std::memcmp(c.request.magic, kAttachMagic, 4) != 0 &&
-        std::memcmp(c.request.magic, kPushMagic, 4) != 0) {
+        std::memcmp(c.request.magic, kPushMagic, 4) != 0 &&
+        std::memcmp(c.request.magic, kCudaPushMagic, 4) != 0) {
       QueueReply(&c, absl::InvalidArgumentError("bad attach request magic"), {});
       c.close_after_reply = true;
       return true;

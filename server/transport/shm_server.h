@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,6 +32,8 @@
 #include "common/fd.h"
 #include "common/thread_pool.h"
 #include "common/unix_socket.h"
+#include "common/data_protocol.h"
+#include "server/gpu/gpu_devices.h"
 #include "server/lease/lease_table.h"
 #include "server/transport/peer_identity.h"
 
@@ -60,6 +63,8 @@ class ShmDataServer {
     int push_threads = 2;
     // Optional: told of every push answered OK (its tensor bytes).
     std::function<void(uint64_t bytes)> on_push;
+    // The GPUs a CUDA push may name (must outlive the server); null: none.
+    const GpuInventory* gpus = nullptr;
   };
 
   // Binds the socket and starts the polling thread. `leases` must outlive
@@ -93,8 +98,11 @@ class ShmDataServer {
     absl::Status status;
   };
   // Runs on a push thread: copies, then queues the answer.
+  // `cuda`: a CUDA push's target (`dest` its VMM fd or -1); else `dest` is
+  // the host memfd.
   void Push(int conn_fd, uint64_t connection, std::shared_ptr<const LeaseContents> lease,
-            std::vector<uint64_t> offsets, int dest) ABSL_LOCKS_EXCLUDED(done_mu_);
+            std::vector<uint64_t> offsets, int dest, std::optional<CudaPushTarget> cuda)
+      ABSL_LOCKS_EXCLUDED(done_mu_);
 
   const Options options_;
   LeaseTable* const leases_;

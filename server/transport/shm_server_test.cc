@@ -264,6 +264,60 @@ TEST_F(ShmDataServerTest, PushWritesTheLeaseIntoTheClientsMemfd) {
   EXPECT_EQ(Attach(c.get(), kUnknownLease).code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(ShmDataServerTest, ACudaPushIsReadWholeAndAnsweredWhyNotWithoutAGpu) {
+  GpuInventory none;
+  none.unavailable = "no CUDA driver here";
+  ShmDataServer::Options options;
+  options.gpus = &none;
+  Start(std::move(options));
+  auto tensors = std::make_shared<std::vector<LeaseTensor>>(
+      std::vector<LeaseTensor>{{0, 0, 16}, {0, 16, 16}});
+  LeaseGrant grant = leases_.Grant(LeaseContents{.buffers = {}, .tensors = tensors});
+  UniqueFd c = Connect(server_->path());
+  auto cuda_push = [&](std::vector<int> fds, std::vector<uint64_t> offsets, uint32_t kind) {
+    PushRequest req{};
+    std::memcpy(req.magic, kCudaPushMagic, 4);
+    req.num_offsets = static_cast<uint32_t>(offsets.size());
+    req.lease_id = grant.id;
+    std::memcpy(req.token, grant.token.data(), sizeof(req.token));
+    CudaPushTarget target{};
+    std::memset(target.gpu_uuid, 0x42, sizeof(target.gpu_uuid));
+    target.size = 1 << 20;
+    target.handle_kind = kind;
+    std::string bytes(reinterpret_cast<const char*>(&req), sizeof(req));
+    bytes.append(reinterpret_cast<const char*>(&target), sizeof(target));
+    bytes.append(reinterpret_cast<const char*>(offsets.data()), offsets.size() * 8);
+    absl::Status sent = SendWithFds(c.get(), bytes, fds);
+    AttachReply reply{};
+    absl::Status got = RecvAll(c.get(), &reply, sizeof(reply));
+    if (!got.ok()) return sent.ok() ? got : sent;
+    std::string msg(reply.message_len, '\0');
+    if (!msg.empty()) {
+      EXPECT_TRUE(RecvAll(c.get(), msg.data(), msg.size()).ok());
+    }
+    return absl::Status(static_cast<absl::StatusCode>(reply.code), msg);
+  };
+  UniqueFd vmm(::memfd_create("stands-in-for-a-vmm-fd", MFD_CLOEXEC));
+  // With its offsets: target and offsets are read whole, then the answer.
+  absl::Status no_gpu = cuda_push({vmm.get()}, {0, 256}, kCudaVmmPosixFd);
+#ifdef WEIGHTD_HAVE_CUDA
+  EXPECT_EQ(no_gpu.code(), absl::StatusCode::kFailedPrecondition) << no_gpu;
+  EXPECT_NE(no_gpu.message().find("no CUDA driver here"), std::string::npos) << no_gpu;
+  EXPECT_NE(no_gpu.message().find("GPU-42424242-4242"), std::string::npos) << no_gpu;
+#else
+  EXPECT_EQ(no_gpu.code(), absl::StatusCode::kUnimplemented) << no_gpu;
+#endif
+  // The same connection serves on: a default layout, a legacy handle.
+  absl::Status legacy = cuda_push({}, {}, kCudaLegacyIpc);
+  EXPECT_TRUE(legacy.code() == absl::StatusCode::kFailedPrecondition ||
+              legacy.code() == absl::StatusCode::kUnimplemented)
+      << legacy;
+  // Two fds: refused before anything else.
+  absl::Status two = cuda_push({vmm.get(), vmm.get()}, {}, kCudaVmmPosixFd);
+  EXPECT_EQ(two.code(), absl::StatusCode::kInvalidArgument) << two;
+  EXPECT_EQ(Attach(c.get(), kUnknownLease).code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(ShmDataServerTest, AttachRequestsCarryNoFds) {
   Start({});
   UniqueFd c = Connect(server_->path());

@@ -1,0 +1,56 @@
+// CheckCudaTarget (every build) and, without CUDA, PushToCuda.
+#include "server/gpu/cuda_push.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace weightd {
+
+absl::StatusOr<GpuDevice> CheckCudaTarget(const CudaPushTarget& target, bool has_fd,
+                                          const PushLayout& layout, const GpuInventory& gpus) {
+  if (target.handle_kind == kCudaVmmPosixFd) {
+    if (!has_fd) {
+      return absl::InvalidArgumentError(
+          "a CUDA push of a VMM allocation carries its exported fd (exactly one)");
+    }
+  } else if (target.handle_kind == kCudaLegacyIpc) {
+    if (has_fd) {
+      return absl::InvalidArgumentError(
+          "a CUDA push of a legacy IPC handle carries no fd (the handle is in the request)");
+    }
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown CUDA handle kind ", target.handle_kind, " (1: VMM POSIX fd, 2: legacy IPC)"));
+  }
+  if (layout.size > target.size) {
+    return absl::InvalidArgumentError(absl::StrCat("the push's layout needs ", layout.size,
+                                                   " bytes; the GPU allocation has ",
+                                                   target.size));
+  }
+  const std::string uuid = FormatGpuUuid(target.gpu_uuid);
+  if (gpus.devices.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the daemon has no GPU to push to ", uuid, ": ", gpus.unavailable));
+  }
+  std::vector<std::string> ours;
+  for (const GpuDevice& g : gpus.devices) {
+    if (g.uuid == uuid) return g;
+    ours.push_back(g.uuid);
+  }
+  return absl::NotFoundError(absl::StrCat("GPU ", uuid, " is not one of the daemon's (",
+                                          absl::StrJoin(ours, ", "),
+                                          "): is the client on another node, or in a container "
+                                          "that sees other GPUs?"));
+}
+
+#ifndef WEIGHTD_HAVE_CUDA
+absl::Status PushToCuda(const LeaseContents&, const PushLayout&, const CudaPushTarget&, int,
+                        const GpuInventory&, const std::atomic<bool>*) {
+  return absl::UnimplementedError(
+      "this weightd was built without CUDA; a CUDA push needs a CUDA build (WEIGHTD_CUDA)");
+}
+#endif
+
+}  // namespace weightd

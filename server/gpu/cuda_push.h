@@ -1,0 +1,42 @@
+// Push into a client's GPU memory (DESIGN §6; common/data_protocol.h
+// CudaPushTarget): the client allocated it (a CUDA VMM allocation exported
+// as a POSIX fd, or a legacy cudaIpcMemHandle_t) on a GPU it names by
+// UUID; the daemon maps it, copies each tensor of the lease to its offset
+// on its own streams (the copies push_plan.h plans), synchronizes, unmaps,
+// and only then answers. The CUDA twin of host_push.h.
+#ifndef WEIGHTD_SERVER_GPU_CUDA_PUSH_H_
+#define WEIGHTD_SERVER_GPU_CUDA_PUSH_H_
+
+#include <atomic>
+
+#include "absl/status/statusor.h"
+#include "common/data_protocol.h"
+#include "common/push_layout.h"
+#include "server/gpu/gpu_devices.h"
+#include "server/lease/lease_table.h"
+
+namespace weightd {
+
+// Everything about a CUDA push that needs no CUDA call: the handle kind
+// (and an fd with a VMM handle, none with a legacy one: INVALID_ARGUMENT),
+// the layout within the allocation's size (INVALID_ARGUMENT), the GPU among
+// the daemon's (none at all: FAILED_PRECONDITION with the reason; another
+// UUID: NOT_FOUND naming the daemon's). Returns the GPU.
+absl::StatusOr<GpuDevice> CheckCudaTarget(const CudaPushTarget& target, bool has_fd,
+                                          const PushLayout& layout, const GpuInventory& gpus);
+
+// CheckCudaTarget, then the copies (host buffers only: UNIMPLEMENTED for
+// another kind). `fd`: the VMM allocation's fd, or -1 (legacy; the caller
+// closes it). Errors: the allocation cannot be imported or mapped
+// (INVALID_ARGUMENT with CUDA's words: a stale fd, another process's GPU,
+// a size that is not the allocation's); CUDA failing otherwise
+// (UNAVAILABLE); `cancel` (UNAVAILABLE, checked between copies, with the
+// copies already queued synchronized before returning). A build without
+// CUDA: UNIMPLEMENTED.
+absl::Status PushToCuda(const LeaseContents& lease, const PushLayout& layout,
+                        const CudaPushTarget& target, int fd, const GpuInventory& gpus,
+                        const std::atomic<bool>* cancel);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_GPU_CUDA_PUSH_H_

@@ -1,0 +1,240 @@
+// PushToCuda for a CUDA build (see cuda_push.h). The driver API (VMM import
+// and mapping) is reached through the runtime's cudaGetDriverEntryPoint-
+// ByVersion, never by linking libcuda.so.1, so this daemon still starts
+// where there is no driver.
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/gpu/cuda_push.h"
+#include "server/memory/buffer.h"
+#include "server/transport/push_plan.h"
+
+namespace weightd {
+namespace {
+
+constexpr uint64_t kCopyBytes = uint64_t{64} << 20;
+constexpr int kStreams = 2;
+
+struct DriverApi {
+  decltype(&::cuMemImportFromShareableHandle) import_handle = nullptr;
+  decltype(&::cuMemGetAllocationPropertiesFromHandle) properties = nullptr;
+  decltype(&::cuMemGetAllocationGranularity) granularity = nullptr;
+  decltype(&::cuMemAddressReserve) reserve = nullptr;
+  decltype(&::cuMemAddressFree) free_address = nullptr;
+  decltype(&::cuMemMap) map = nullptr;
+  decltype(&::cuMemUnmap) unmap = nullptr;
+  decltype(&::cuMemSetAccess) set_access = nullptr;
+  decltype(&::cuMemRelease) release = nullptr;
+  decltype(&::cuMemGetAddressRange) address_range = nullptr;
+  decltype(&::cuGetErrorString) error_string = nullptr;
+  absl::Status status;
+};
+
+template <typename F>
+absl::Status Resolve(const char* name, F* fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  cudaError_t err = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
+    (void)cudaGetLastError();
+    return absl::UnavailableError(absl::StrCat("the CUDA driver has no ", name, " (",
+                                               cudaGetErrorString(err), ")"));
+  }
+  *fn = reinterpret_cast<F>(p);
+  return absl::OkStatus();
+}
+
+const DriverApi& Driver() {
+  static const DriverApi api = [] {
+    DriverApi d;
+    for (absl::Status s :
+         {Resolve("cuMemImportFromShareableHandle", &d.import_handle),
+          Resolve("cuMemGetAllocationPropertiesFromHandle", &d.properties),
+          Resolve("cuMemGetAllocationGranularity", &d.granularity),
+          Resolve("cuMemAddressReserve", &d.reserve), Resolve("cuMemAddressFree", &d.free_address),
+          Resolve("cuMemMap", &d.map), Resolve("cuMemUnmap", &d.unmap),
+          Resolve("cuMemSetAccess", &d.set_access), Resolve("cuMemRelease", &d.release),
+          Resolve("cuMemGetAddressRange", &d.address_range),
+          Resolve("cuGetErrorString", &d.error_string)}) {
+      if (!s.ok() && d.status.ok()) d.status = s;
+    }
+    return d;
+  }();
+  return api;
+}
+
+std::string DriverError(const DriverApi& d, CUresult r) {
+  const char* text = nullptr;
+  if (d.error_string != nullptr) d.error_string(r, &text);
+  return absl::StrCat(text != nullptr ? text : "CUDA driver error", " (", static_cast<int>(r), ")");
+}
+
+absl::Status RuntimeError(cudaError_t err, absl::string_view what) {
+  (void)cudaGetLastError();
+  return absl::UnavailableError(
+      absl::StrCat(what, ": ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
+}
+
+// Undoes what was set up, in reverse order, however the push ends.
+class Cleanup {
+ public:
+  ~Cleanup() {
+    for (auto it = steps_.rbegin(); it != steps_.rend(); ++it) (*it)();
+  }
+  void Add(std::function<void()> step) { steps_.push_back(std::move(step)); }
+
+ private:
+  std::vector<std::function<void()>> steps_;
+};
+
+}  // namespace
+
+absl::Status PushToCuda(const LeaseContents& lease, const PushLayout& layout,
+                        const CudaPushTarget& target, int fd, const GpuInventory& gpus,
+                        const std::atomic<bool>* cancel) {
+  absl::StatusOr<GpuDevice> gpu = CheckCudaTarget(target, fd >= 0, layout, gpus);
+  if (!gpu.ok()) return gpu.status();
+  const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
+  if (layout.offsets.size() != n) return absl::InternalError("push layout does not match the lease");
+  for (size_t i = 0; i < lease.buffers.size(); ++i) {
+    if (lease.buffers[i]->kind() != MemoryKind::kHost) {
+      return absl::UnimplementedError(absl::StrCat(
+          "segment ", i, " is in ", MemoryKindName(lease.buffers[i]->kind()),
+          " memory; a CUDA push copies from host memory only (for now)"));
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const LeaseTensor& t = (*lease.tensors)[i];
+    if (t.length > 0 && (t.buffer >= lease.buffers.size() ||
+                         t.offset > lease.buffers[t.buffer]->size() ||
+                         t.length > lease.buffers[t.buffer]->size() - t.offset)) {
+      return absl::InternalError(absl::StrCat("lease tensor ", i, " lies outside its segment"));
+    }
+  }
+  if (cudaError_t err = cudaSetDevice(gpu->ordinal); err != cudaSuccess) {
+    return RuntimeError(err, absl::StrCat("selecting ", gpu->uuid));
+  }
+  const DriverApi& d = Driver();
+  if (!d.status.ok()) return d.status;
+  Cleanup cleanup;
+  uint8_t* base = nullptr;
+  if (target.handle_kind == kCudaVmmPosixFd) {
+    CUmemGenericAllocationHandle handle{};
+    CUresult r = d.import_handle(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (r != CUDA_SUCCESS) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the push's GPU allocation cannot be imported from its fd: ", DriverError(d, r)));
+    }
+    cleanup.Add([&d, handle] { d.release(handle); });
+    CUmemAllocationProp prop{};
+    if ((r = d.properties(&prop, handle)) != CUDA_SUCCESS) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the push's GPU allocation: ", DriverError(d, r)));
+    }
+    if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != gpu->ordinal) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the push's allocation is not device memory of ", gpu->uuid, " (location type ",
+          static_cast<int>(prop.location.type), ", id ", prop.location.id, ")"));
+    }
+    size_t granularity = 0;
+    if ((r = d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) !=
+            CUDA_SUCCESS ||
+        granularity == 0 || target.size % granularity != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the push names an allocation of ", target.size,
+          " bytes, not a multiple of its granularity (", granularity, ")"));
+    }
+    CUdeviceptr va = 0;
+    if ((r = d.reserve(&va, target.size, 0, 0, 0)) != CUDA_SUCCESS) {
+      return absl::UnavailableError(
+          absl::StrCat("reserving ", target.size, " bytes of GPU address space: ", DriverError(d, r)));
+    }
+    const uint64_t size = target.size;
+    cleanup.Add([&d, va, size] { d.free_address(va, size); });
+    if ((r = d.map(va, size, 0, handle, 0)) != CUDA_SUCCESS) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mapping the push's GPU allocation (", size, " bytes, as the request says): ",
+          DriverError(d, r)));
+    }
+    cleanup.Add([&d, va, size] { d.unmap(va, size); });
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = gpu->ordinal;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if ((r = d.set_access(va, size, &access, 1)) != CUDA_SUCCESS) {
+      return absl::UnavailableError(
+          absl::StrCat("granting the daemon access to the push's allocation: ", DriverError(d, r)));
+    }
+    base = reinterpret_cast<uint8_t*>(va);
+  } else {
+    cudaIpcMemHandle_t handle;
+    static_assert(sizeof(handle) == sizeof(target.ipc_handle));
+    std::memcpy(&handle, target.ipc_handle, sizeof(handle));
+    void* p = nullptr;
+    if (cudaError_t err = cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess);
+        err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the push's legacy IPC handle cannot be opened (", cudaGetErrorString(err),
+          "): legacy handles need the client in the daemon's PID namespace; use a VMM fd"));
+    }
+    cleanup.Add([p] { (void)cudaIpcCloseMemHandle(p); });
+    // A copy past the allocation would be a sticky error in the daemon's
+    // context: check the size the client claims against the real one.
+    CUdeviceptr range_base = 0;
+    size_t range_size = 0;
+    CUresult r = d.address_range(&range_base, &range_size, reinterpret_cast<CUdeviceptr>(p));
+    if (r != CUDA_SUCCESS || reinterpret_cast<CUdeviceptr>(p) + target.size > range_base + range_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the push names an allocation of ", target.size, " bytes; the handle's has ",
+          r == CUDA_SUCCESS ? absl::StrCat(range_base + range_size -
+                                           reinterpret_cast<CUdeviceptr>(p))
+                            : DriverError(d, r)));
+    }
+    base = static_cast<uint8_t*>(p);
+  }
+  std::vector<cudaStream_t> streams;
+  for (int s = 0; s < kStreams; ++s) {
+    cudaStream_t stream = nullptr;
+    if (cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        err != cudaSuccess) {
+      return RuntimeError(err, "creating a copy stream");
+    }
+    streams.push_back(stream);
+    cleanup.Add([stream] { (void)cudaStreamDestroy(stream); });
+  }
+  absl::Status status;
+  if (n > 0) {
+    for (const PushCopy& copy : PlanPushCopies(
+             *lease.tensors, layout, {.max_copy_bytes = kCopyBytes, .streams = kStreams})) {
+      if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
+        status = absl::UnavailableError("the daemon is shutting down; the push was cut short");
+        break;
+      }
+      const uint8_t* src = lease.buffers[copy.buffer]->host_data() + copy.src_offset;
+      if (cudaError_t err = cudaMemcpyAsync(base + copy.dst_offset, src, copy.length,
+                                            cudaMemcpyHostToDevice, streams[copy.stream]);
+          err != cudaSuccess) {
+        status = RuntimeError(err, "copying to the push's GPU allocation");
+        break;
+      }
+    }
+  }
+  // Nothing is unmapped while a copy may still run; the answer waits for
+  // every byte.
+  for (cudaStream_t stream : streams) {
+    if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess && status.ok()) {
+      status = RuntimeError(err, "waiting for the push's copies");
+    }
+  }
+  return status;
+}
+
+}  // namespace weightd

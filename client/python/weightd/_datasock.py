@@ -8,6 +8,20 @@ success one fd per segment arrives with SCM_RIGHTS, the first batch (<= 250)
 on the header and every further batch on one byte of its own. The lease
 lives as long as the connection stays open. A daemon past its connection caps
 answers RESOURCE_EXHAUSTED before any request and closes the connection.
+
+Push (DESIGN §6): instead of attaching, the client sends a 32-byte
+PushRequest {magic "WDP1", u32 num_offsets, u64 lease_id, 16-byte token} with
+exactly one fd riding on it (SCM_RIGHTS): a memfd the client allocated
+(fallocate'd over every tensor's range, writable, not write-sealed but
+sealed against shrinking with F_SEAL_SHRINK, at least as large as the
+layout), then num_offsets u64 little-endian byte offsets, one
+per tensor of the FetchResponse in its order, or none for the default layout
+(default_layout). The daemon writes every tensor there and answers the same
+AttachReply with no fds once every byte is in place. The lease is attached to
+the connection when the header arrives: closing it ends the lease. A push
+refused before its offsets are read (unknown lease, wrong token, num_offsets
+neither 0 nor the tensor count) with offsets following is answered and the
+connection closed; other refusals leave it open for another request.
 """
 import os
 import socket
@@ -17,12 +31,16 @@ from .errors import Error
 
 ATTACH_MAGIC = b"WDA1"
 REPLY_MAGIC = b"WDR1"
+PUSH_MAGIC = b"WDP1"
+PUSH_ALIGNMENT = 256  # kPushAlignment (common/push_layout.h)
+_MAX_END = 1 << 63
 _ATTACH = struct.Struct("<4sIQ16s")
 _REPLY = struct.Struct("<4siII")
+_PUSH = struct.Struct("<4sIQ16s")
 MAX_REPLY_MESSAGE = 4096
 _MAX_FDS_PER_RECV = 256  # the daemon sends at most 250 per message
 
-assert _ATTACH.size == 32 and _REPLY.size == 16
+assert _ATTACH.size == 32 and _REPLY.size == 16 and _PUSH.size == 32
 
 
 def _recv(sock, n, fds):
@@ -89,3 +107,112 @@ def attach(path, lease_id, token, num_segments, timeout=30.0):
         if isinstance(e, OSError):
             raise Error("UNAVAILABLE", "data socket %s: %s" % (path, e)) from None
         raise
+
+
+# ---------------------------------------------------------------- push
+
+
+def default_layout(lengths):
+    """The default push layout (common/push_layout.cc DefaultPushLayout):
+    tensor i at the next multiple of PUSH_ALIGNMENT after tensor i-1's end,
+    the first at 0. Returns (offsets, size), size = the last tensor's end
+    (0 for none). Error INVALID_ARGUMENT past 2^63 bytes."""
+    offsets = []
+    end = 0
+    for i, n in enumerate(lengths):
+        n = int(n)
+        if n < 0:
+            raise Error("INVALID_ARGUMENT", "tensor %d of the push has a negative length" % i)
+        at = -(-end // PUSH_ALIGNMENT) * PUSH_ALIGNMENT
+        if n > _MAX_END or at > _MAX_END - n:
+            raise Error("INVALID_ARGUMENT", "tensor %d of the push ends past 2^63 bytes" % i)
+        offsets.append(at)
+        end = at + n
+    return offsets, end
+
+
+def send_push(sock, lease_id, token, fds, offsets=None, num_offsets=None):
+    """Sends a PushRequest on the connected `sock`: the header with `fds`
+    riding on it (the protocol wants exactly one; tests pass others), then
+    the offsets (u64 little-endian). num_offsets: the header's count
+    (default: len(offsets)). Raw: no checks, no reply read."""
+    offsets = list(offsets or ())
+    count = len(offsets) if num_offsets is None else int(num_offsets)
+    header = _PUSH.pack(PUSH_MAGIC, count, lease_id, bytes(token))
+    sent = socket.send_fds(sock, [header], list(fds)) if fds else sock.send(header)
+    if sent < len(header):
+        sock.sendall(header[sent:])
+    if offsets:
+        sock.sendall(struct.pack("<%dQ" % len(offsets), *offsets))
+
+
+def read_reply(sock):
+    """Reads one AttachReply: (code, message, fds). Raw: the caller closes
+    any fds (a push reply carries none) and raises on code != 0."""
+    fds = []
+    try:
+        magic, code, num_fds, message_len = _REPLY.unpack(_recv(sock, _REPLY.size, fds))
+        if magic != REPLY_MAGIC:
+            raise Error("INTERNAL", "bad reply magic on the data socket")
+        if message_len > MAX_REPLY_MESSAGE:
+            raise Error("INTERNAL", "oversized reply message on the data socket")
+        msg = _recv(sock, message_len, fds).decode("utf-8", "replace") if message_len else ""
+        while code == 0 and len(fds) < num_fds:
+            _recv(sock, 1, fds)
+        return code, msg, fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def push(path, lease_id, token, fd, offsets=None, timeout=30.0):
+    """Has the daemon write lease `lease_id`'s tensors into the memfd `fd`
+    (the client's) at `offsets` (one per tensor of the FetchResponse, in its
+    order; None = default_layout), over the data socket at `path`.
+
+    Returns None once every byte is in place; the connection is then closed,
+    which ends the lease (the bytes are the client's now). Raises Error with
+    the daemon's code on refusal (INVALID_ARGUMENT, FAILED_PRECONDITION,
+    ABORTED, NOT_FOUND, PERMISSION_DENIED, ...), UNAVAILABLE when the daemon
+    cannot be reached or goes away, DEADLINE_EXCEEDED after `timeout`
+    seconds without the reply (None = wait for ever). `fd` stays open.
+    """
+    if len(token) != 16:
+        raise Error("INTERNAL", "daemon sent a lease token of %d bytes (want 16)" % len(token))
+    if not path:
+        raise Error("FAILED_PRECONDITION", "daemon named no data socket; push needs a local "
+                    "daemon (transport \"shm\")")
+    if offsets is not None:
+        offsets = [int(o) for o in offsets]
+        if not offsets:
+            offsets = None  # no tensors: the default layout is the same
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError as e:
+            raise Error("UNAVAILABLE", "cannot connect to the data socket %s: %s "
+                        "(a remote daemon? push needs a local one)" % (path, e.strerror or e))
+        try:
+            send_push(sock, lease_id, token, [fd], offsets)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a daemon past its connection caps answers and closes first: read why
+        code, msg, fds = read_reply(sock)
+        for extra in fds:
+            os.close(extra)
+        if code != 0:
+            raise Error(code, msg)
+        if fds:
+            raise Error("INTERNAL", "daemon passed %d fds in reply to a push" % len(fds))
+        return None
+    except socket.timeout:
+        raise Error("DEADLINE_EXCEEDED", "no reply to the push on the data socket %s within "
+                    "%s s" % (path, timeout)) from None
+    except Error:
+        raise
+    except OSError as e:
+        raise Error("UNAVAILABLE", "data socket %s: %s" % (path, e)) from None
+    finally:
+        sock.close()  # ends the lease

@@ -18,8 +18,19 @@ any tensor/array made from it is alive, and ends when the last one is
 garbage collected (or the process dies: the daemon sees the data
 connection close). Tensors you keep after release() stay valid (the
 mapping still holds the memory), but the daemon no longer accounts for them.
+
+Push (fetch(..., mode="push"), DESIGN §6): the client owns the memory. It
+allocates a memfd (fallocate'd, so the pages are its own), passes it to the
+daemon over the data socket, and the daemon writes the shard into it; the
+tensors are zero-copy views of one writable shared map of that memfd, every
+tensor at a multiple of 256 bytes. The daemon keeps no lease once the bytes
+are in place. handle.refresh() later has the daemon rewrite, in the same
+memory, only the tensors that changed in a newer generation (an adapter
+applied): tensors taken from the handle before see the new values.
 """
+import dataclasses
 import json
+import fcntl
 import mmap
 import os
 import random
@@ -427,22 +438,65 @@ def _address_of(buf):
 # ---------------------------------------------------------------- ShardHandle
 
 
-class ShardHandle:
-    """The result of Client.fetch: the rank's local shards under a lease."""
+class _PushDest:
+    """A push handle's destination and what refresh() needs: the client's
+    memfd, its shared writable map (None when the layout is 0 bytes), and
+    the client and request to fetch again with."""
 
-    def __init__(self, lease, generation, transport, tensors, pieces):
+    def __init__(self, client, request, timeout, fd, mapping, size):
+        self.client = client
+        self.request = request  # pb.FetchRequest, as first fetched
+        self.timeout = timeout
+        self.fd = fd
+        self.mapping = mapping
+        self.size = size
+        self.lock = threading.Lock()  # one refresh at a time; release waits for it
+
+    def close(self):
+        fd, self.fd = self.fd, -1
+        self.mapping = None  # the map lives on in tensors still using it
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self):
+        try:
+            self.close()
+        except BaseException:
+            pass
+
+
+def _push_timeout(timeout, size):
+    """How long to wait for a push's reply: the caller's bound, else 30 s
+    plus the time to write `size` bytes at a slow 100 MiB/s."""
+    if timeout is not None:
+        return timeout
+    return 30.0 + size / float(100 << 20)
+
+
+class ShardHandle:
+    """The result of Client.fetch: the rank's local shards under a lease
+    (mode "export"), or in the client's own memory (mode "push": no lease
+    is held; see refresh())."""
+
+    def __init__(self, lease, generation, transport, tensors, pieces, push=None):
         self._lease = lease
         self.generation = generation
         self.transport = transport
         self.tensors = tensors  # list of TensorMeta, in the daemon's order
         self._pieces = pieces  # name -> (buffer object, byte offset in it) or None (empty)
+        self._push = push  # _PushDest of a push handle
+        self.mode = "export" if push is None else "push"
 
     @property
     def lease_id(self):
+        """The daemon's lease (for a push handle: that of its last push,
+        already ended)."""
         return self._lease.lease_id
 
     @property
     def released(self):
+        if self._push is not None:
+            return self._pieces is None
         return self._lease.done
 
     @property
@@ -457,9 +511,10 @@ class ShardHandle:
         return len(self.tensors)
 
     def __repr__(self):
-        return "<weightd.ShardHandle lease=%d generation=%d tensors=%d bytes=%d %s%s>" % (
+        return "<weightd.ShardHandle lease=%d generation=%d tensors=%d bytes=%d %s%s%s>" % (
             self._lease.lease_id, self.generation, len(self.tensors), self.nbytes,
-            self.transport, " released" if self.released else "")
+            self.transport, " push" if self._push is not None else "",
+            " released" if self.released else "")
 
     def _check(self):
         if self._pieces is None:
@@ -522,9 +577,40 @@ class ShardHandle:
 
     def release(self):
         """Ends the lease (Release RPC, then closes the data connection) and
-        drops the handle's maps. Idempotent."""
+        drops the handle's maps. Idempotent. A push handle holds no lease:
+        release() drops its map and closes its memfd (tensors kept stay
+        valid: they hold the map)."""
+        if self._push is not None:
+            with self._push.lock:  # not under a refresh's feet
+                self._pieces = None
+                self._push.close()
+            return
         self._pieces = None
         self._lease.release()
+
+    def refresh(self, generation=None):
+        """Brings a push handle to `generation` (None/0 = the current one) in
+        place: fetches the same request again with changed_since = this
+        handle's generation and has the daemon write only the tensors that
+        changed, into the same memfd at their offsets. Tensors and arrays
+        taken from the handle before see the new bytes (the same memory; a
+        reader during the refresh may see a tensor half written). Updates
+        `generation` and the changed tensors' metadata (digests); returns
+        the names refreshed, in the daemon's order ([] when nothing changed).
+
+        FAILED_PRECONDITION: not a push handle, released, or a changed tensor
+        this handle lacks or holds with another dtype/shape (nothing is
+        written then). Retried whole on UNAVAILABLE as fetch() is. On any
+        other failure after the daemon began writing, the changed tensors
+        may hold a mix of both generations and `generation` is unchanged:
+        refresh() again rewrites them all.
+        """
+        if self._push is None:
+            raise Error("FAILED_PRECONDITION", "refresh() needs a handle fetched with "
+                        "mode=\"push\" (this one is \"%s\")" % self.mode)
+        with self._push.lock:
+            self._check()
+            return self._push.client._refresh_push(self, generation)
 
     def __enter__(self):
         return self
@@ -788,7 +874,7 @@ class Client:
 
     def fetch(self, model, world=None, rank=None, *, mesh=None, coord=None, placements=None,
               dtype=None, generation=0, changed_since=0, names=None, transport="shm",
-              populate=False, timeout=None):
+              populate=False, timeout=None, mode=None):
         """Fetches this rank's local shards of `model` and returns a ShardHandle.
 
         world/rank: a 1-D mesh (default 1/0); or mesh=(A, B, ...) with
@@ -802,6 +888,14 @@ class Client:
         now (MADV_POPULATE_READ), so a worker that reads everything at once
         takes no page faults; the daemon's pages then count in its RSS
         (RssShmem), still shared, never copied.
+        mode: None/"export" - the daemon's memory, under a lease (above);
+        "push" (transport "shm" only) - the client allocates a memfd (the
+        default layout: every tensor at a multiple of 256 bytes), the daemon
+        writes the shard into it and the lease ends at once; the tensors are
+        writable views of one shared map of it (TensorMeta.offset = the
+        tensor's offset in it, segment 0), and refresh() updates them in
+        place. timeout= also bounds the wait for the push's reply (default
+        30 s plus 1 s per 100 MiB).
         """
         if mesh is not None or coord is not None:
             if world is not None or rank is not None:
@@ -823,6 +917,14 @@ class Client:
         if transport not in _TRANSPORTS:
             raise Error("INVALID_ARGUMENT", "transport: expected shm or grpc, got %r"
                         % (transport,))
+        if mode == "pull":
+            raise Error("UNIMPLEMENTED", "mode \"pull\" copies into a GPU; this client has no "
+                        "device support yet")
+        if mode not in (None, "export", "push"):
+            raise Error("INVALID_ARGUMENT", "mode: expected export or push, got %r" % (mode,))
+        if mode == "push" and transport != "shm":
+            raise Error("INVALID_ARGUMENT", "mode \"push\" needs transport \"shm\" (the daemon "
+                        "writes into a memfd passed over its data socket), not %r" % (transport,))
         dt = _dtypes.parse_request_dtype(dtype)
         req = pb.FetchRequest(
             model=model, generation=int(generation), mesh_shape=mesh_shape, coord=mesh_coord,
@@ -840,6 +942,8 @@ class Client:
             resp = self._call(self._shards.Fetch, req, timeout=timeout)
             lease = _Lease(self._shards, resp.lease_id, bytes(resp.token))
             try:
+                if mode == "push":
+                    return self._collect_push(resp, lease, req, timeout, populate)
                 return self._collect(resp, lease, transport, timeout, populate)
             except BaseException:
                 try:
@@ -849,7 +953,9 @@ class Client:
                 raise
         return self._retrying(attempt)
 
-    def _collect(self, resp, lease, transport, timeout, populate=False):
+    @staticmethod
+    def _metas(resp):
+        """The FetchResponse's tensors as TensorMeta, checked."""
         sizes = list(resp.segment_sizes)
         metas = []
         for t in resp.tensors:
@@ -865,6 +971,11 @@ class Client:
                 raise Error("INTERNAL", "daemon sent tensor \"%s\" of %d bytes for shape %s %s"
                             % (meta.name, meta.length, list(meta.shape), meta.dtype))
             metas.append(meta)
+        return metas
+
+    def _collect(self, resp, lease, transport, timeout, populate=False):
+        sizes = list(resp.segment_sizes)
+        metas = self._metas(resp)
         pieces = {}
         if transport == "shm":
             conn, fds = _datasock.attach(resp.data_socket, resp.lease_id, bytes(resp.token),
@@ -911,6 +1022,95 @@ class Client:
             for m in metas:
                 pieces.setdefault(m.name, None)
         return ShardHandle(lease, resp.generation, transport, metas, pieces)
+
+    def _collect_push(self, resp, lease, req, timeout, populate=False):
+        """mode="push": allocates the destination, has the daemon fill it
+        (which ends the lease) and maps it."""
+        metas = self._metas(resp)
+        offsets, size = _datasock.default_layout([m.length for m in metas])
+        fd = os.memfd_create("weightd-push", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            if size:
+                try:
+                    os.ftruncate(fd, size)
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    raise Error("RESOURCE_EXHAUSTED", "allocating the push's destination of %d "
+                                "bytes: %s" % (size, e.strerror or e)) from None
+            # The daemon takes only a destination that cannot shrink under
+            # its writes.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            _datasock.push(resp.data_socket, resp.lease_id, bytes(resp.token), fd, None,
+                           _push_timeout(timeout, size))
+            lease.done = True  # closing the push's connection ended the lease
+            mapping = None
+            if size:
+                try:
+                    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                except OSError as e:
+                    raise Error("INTERNAL", "mapping the push's destination: %s" % e) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        metas = [dataclasses.replace(m, segment=0, offset=at) for m, at in zip(metas, offsets)]
+        pieces = {m.name: (mapping, m.offset) if m.length else None for m in metas}
+        if populate and mapping is not None:
+            _populate(mapping, 0, size)
+        copy = pb.FetchRequest()
+        copy.CopyFrom(req)
+        dest = _PushDest(self, copy, timeout, fd, mapping, size)
+        return ShardHandle(lease, resp.generation, "shm", metas, pieces, push=dest)
+
+    def _refresh_push(self, handle, generation):
+        """ShardHandle.refresh of a push handle (its lock held)."""
+        dest = handle._push
+        req = pb.FetchRequest()
+        req.CopyFrom(dest.request)
+        req.generation = int(generation or 0)
+        req.changed_since = int(handle.generation)
+        have = {m.name: m for m in handle.tensors}
+
+        def attempt():
+            try:
+                resp = self._call(self._shards.Fetch, req, timeout=dest.timeout)
+            except ValueError as e:  # the client's channel was closed
+                raise Error("FAILED_PRECONDITION", "refresh: %s" % e) from None
+            lease = _Lease(self._shards, resp.lease_id, bytes(resp.token))
+            try:
+                metas = self._metas(resp)
+                offsets = []
+                for m in metas:
+                    old = have.get(m.name)
+                    if old is None:
+                        raise Error("FAILED_PRECONDITION", "tensor \"%s\" changed at generation "
+                                    "%d but this handle does not hold it; fetch again"
+                                    % (m.name, resp.generation))
+                    if (old.dtype, old.shape, old.length) != (m.dtype, m.shape, m.length):
+                        raise Error("FAILED_PRECONDITION", "tensor \"%s\" is %s %s at generation "
+                                    "%d but %s %s in this handle; fetch again"
+                                    % (m.name, m.dtype, list(m.shape), resp.generation,
+                                       old.dtype, list(old.shape)))
+                    offsets.append(old.offset)
+                _datasock.push(resp.data_socket, resp.lease_id, bytes(resp.token), dest.fd,
+                               offsets, _push_timeout(dest.timeout, sum(m.length for m in metas)))
+                lease.done = True
+                return resp.generation, metas
+            except BaseException:
+                try:
+                    lease.release(timeout=1.0)
+                except Exception:
+                    pass
+                raise
+        gen, metas = self._retrying(attempt)
+        changed = {m.name: m for m in metas}
+        handle.tensors = [
+            dataclasses.replace(t, digest=changed[t.name].digest,
+                                global_shape=changed[t.name].global_shape,
+                                global_offset=changed[t.name].global_offset)
+            if t.name in changed else t for t in handle.tensors]
+        handle.generation = gen
+        return [m.name for m in metas]
 
     def _read(self, lease, segment, offset, length, timeout):
         buf = _Buffer(length)

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/gpu/cuda_plugin.h"
 
 namespace weightd {
 
@@ -45,12 +46,19 @@ absl::StatusOr<GpuDevice> CheckCudaTarget(const CudaPushTarget& target, bool has
                                           "that sees other GPUs?"));
 }
 
-#ifndef WEIGHTD_HAVE_CUDA
-absl::Status PushToCuda(const LeaseContents&, const PushLayout&, const CudaPushTarget&, int,
-                        const GpuInventory&, const std::atomic<bool>*) {
+absl::Status PushToCuda(const LeaseContents& lease, const PushLayout& layout,
+                        const CudaPushTarget& target, int fd, const GpuInventory& gpus,
+                        const std::atomic<bool>* cancel) {
+#ifdef WEIGHTD_HAVE_CUDA
+  absl::StatusOr<GpuDevice> gpu = CheckCudaTarget(target, fd >= 0, layout, gpus);
+  if (!gpu.ok()) return gpu.status();
+  absl::StatusOr<const CudaPluginApi*> api = LoadCudaPlugin();
+  if (!api.ok()) return api.status();
+  return (*api)->push(lease, layout, target, fd, *gpu, cancel);
+#else
   return absl::UnimplementedError(
       "this weightd was built without CUDA; a CUDA push needs a CUDA build (WEIGHTD_CUDA)");
-}
 #endif
+}
 
 }  // namespace weightd

@@ -1,4 +1,4 @@
-// PushToCuda for a CUDA build (see cuda_push.h). The driver API (VMM import
+// The CUDA plugin's push (cuda_push.h, cuda_plugin.h). The driver API (VMM import
 // and mapping) is reached through the runtime's cudaGetDriverEntryPoint-
 // ByVersion, never by linking libcuda.so.1, so this daemon still starts
 // where there is no driver.
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/gpu/cuda_push.h"
+#include "server/gpu/cuda_plugin.h"
 #include "server/memory/buffer.h"
 #include "server/transport/push_plan.h"
 
@@ -95,18 +95,17 @@ class Cleanup {
 
 }  // namespace
 
-absl::Status PushToCuda(const LeaseContents& lease, const PushLayout& layout,
-                        const CudaPushTarget& target, int fd, const GpuInventory& gpus,
-                        const std::atomic<bool>* cancel) {
-  absl::StatusOr<GpuDevice> gpu = CheckCudaTarget(target, fd >= 0, layout, gpus);
-  if (!gpu.ok()) return gpu.status();
+absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& layout,
+                                const CudaPushTarget& target, int fd, const GpuDevice& device,
+                                const std::atomic<bool>* cancel) {
+  const GpuDevice* gpu = &device;
   const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
   if (layout.offsets.size() != n) return absl::InternalError("push layout does not match the lease");
   for (size_t i = 0; i < lease.buffers.size(); ++i) {
     if (lease.buffers[i]->kind() != MemoryKind::kHost) {
       return absl::UnimplementedError(absl::StrCat(
-          "segment ", i, " is in ", MemoryKindName(lease.buffers[i]->kind()),
-          " memory; a CUDA push copies from host memory only (for now)"));
+          "segment ", i, " is not in host memory; a CUDA push copies from host memory only "
+          "(for now)"));
     }
   }
   for (size_t i = 0; i < n; ++i) {
@@ -238,3 +237,15 @@ absl::Status PushToCuda(const LeaseContents& lease, const PushLayout& layout,
 }
 
 }  // namespace weightd
+
+namespace weightd {
+GpuInventory DiscoverGpusWithCuda();
+}  // namespace weightd
+
+extern "C" __attribute__((visibility("default"))) const weightd::CudaPluginApi*
+weightd_cuda_plugin_api() {
+  static const weightd::CudaPluginApi api{weightd::kCudaPluginAbi,
+                                          &weightd::DiscoverGpusWithCuda,
+                                          &weightd::PushToCudaWithCuda};
+  return &api;
+}

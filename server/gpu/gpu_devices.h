@@ -1,9 +1,9 @@
 // Which GPUs this daemon can use, found once at start-up, or why none: the
 // wire names GPUs by UUID (a client's device index means nothing to the
-// daemon), and `weightctl gpus` / `stats` report this. A CUDA build finds
-// them through the CUDA runtime (linked statically; the driver,
-// libcuda.so.1, is looked for at run time, so a node without one just has
-// no GPUs); a build without CUDA says so.
+// daemon), and `weightctl gpus` / `stats` report this. A CUDA build asks
+// its CUDA plugin (cuda_plugin.h), which asks the CUDA runtime; the
+// driver, libcuda.so.1, is looked for at run time, so a node without one
+// just has no GPUs. A build without CUDA says so.
 #ifndef WEIGHTD_SERVER_GPU_GPU_DEVICES_H_
 #define WEIGHTD_SERVER_GPU_GPU_DEVICES_H_
 
@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "absl/types/span.h"
 
 namespace weightd {
@@ -43,7 +44,12 @@ struct GpuInventory {
 GpuInventory DiscoverGpus();
 
 // The 16 UUID bytes as nvidia-smi prints them.
-std::string FormatGpuUuid(absl::Span<const uint8_t> bytes);
+inline std::string FormatGpuUuid(absl::Span<const uint8_t> b) {
+  if (b.size() != 16) return "GPU-?";
+  return absl::StrFormat(
+      "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+      b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
 
 }  // namespace weightd
 

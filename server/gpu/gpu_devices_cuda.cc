@@ -1,4 +1,4 @@
-// DiscoverGpus for a CUDA build (see gpu_devices.h).
+// The CUDA plugin's GPU discovery (gpu_devices.h, cuda_plugin.h).
 #include <dlfcn.h>
 
 #include <cuda_runtime_api.h>
@@ -9,7 +9,7 @@
 
 namespace weightd {
 
-GpuInventory DiscoverGpus() {
+GpuInventory DiscoverGpusWithCuda() {
   GpuInventory inv;
   inv.cuda_built = true;
   // The runtime would say only "driver version is insufficient" without a

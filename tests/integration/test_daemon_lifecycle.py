@@ -198,6 +198,15 @@ def test_metrics_endpoint_counts_the_work(tmp_path):
         assert m1["weightd_resident_bytes"] > m0["weightd_resident_bytes"]
         assert m1["weightd_materialization_cache_misses_total"] >= 3
         assert m1["weightd_leases_open"] == 0
+        # a push into the client's own memory: counted, its lease gone
+        assert m1["weightd_pushes_total"] == 0
+        d.ctl_ok("fetch", "m", "--world", "2", "--rank", 1, "--transport", "push",
+                 "--out", tmp_path / "o.st")
+        m2 = scrape()
+        assert m2["weightd_pushes_total"] == 1 and m2["weightd_push_bytes_total"] == 24
+        assert m2["weightd_fetches_total"] == 4 and m2["weightd_leases_open"] == 0
+        gpus = dict(l.split(": ", 1) for l in d.ctl_ok("stats").stdout.splitlines())["gpus"]
+        assert m2["weightd_gpus"] == int(gpus)
 
 
 def test_structured_json_log_has_one_line_per_event(tmp_path):

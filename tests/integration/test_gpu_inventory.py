@@ -65,3 +65,25 @@ def test_gpus_lists_what_cuda_sees_or_says_why_none(daemon):
         assert stats["gpus"] == str(len(want))
     # and it serves
     assert daemon.ctl("health").returncode == 0
+
+
+def test_a_missing_cuda_plugin_is_named_and_the_daemon_serves(tmp_path):
+    """A CUDA build keeps its CUDA half in libweightd_cuda_plugin.so beside
+    the executable (server/gpu/cuda_plugin.h); without it the daemon still
+    serves and says why it has no GPU."""
+    if not _cuda_built():
+        pytest.skip("a CPU-only build has no CUDA plugin")
+    assert os.path.exists(os.path.join(os.path.dirname(WEIGHTD), "libweightd_cuda_plugin.so"))
+    d = Daemon(workdir=str(tmp_path / "d"))
+    os.environ["WEIGHTD_CUDA_PLUGIN"] = str(tmp_path / "nowhere.so")
+    try:
+        d.start()
+    finally:
+        del os.environ["WEIGHTD_CUDA_PLUGIN"]
+    try:
+        out = d.ctl_ok("gpus").stdout
+        assert out.startswith("no GPU: the CUDA plugin cannot be loaded: "), out
+        assert "nowhere.so" in out, out
+        assert d.ctl("health").returncode == 0
+    finally:
+        d.stop()

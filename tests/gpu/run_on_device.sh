@@ -1,0 +1,560 @@
+#!/usr/bin/env bash
+# Runs the GPU checks on a lent device from the bundle made by prepare_bundle.sh
+# (no build there, no Debian packages needed), and writes ONE report:
+#   OUT=DIR tests/gpu/run_on_device.sh [BUNDLE=gpu-bundle.tar.xz | an unpacked bundle dir]
+# Every step is timed, bounded by `timeout` and recorded; a failing step never
+# stops the next. Without a GPU every GPU step is recorded "skipped: no GPU"
+# and the CPU steps (bundle loads, daemon serves, Python client works) still
+# run, which is how this script is tested off the device (tests/gpu/test_bundle.py).
+# Writes $OUT/report.json, $OUT/logs/*.log, $OUT/device_facts.json and
+# whatever gpu_checks.py writes ($OUT/gpu_checks.json). Exit 0 when no step
+# failed (skips are fine), 1 when one did, 2 when no report could be written.
+# Env: PYTHON (default python3), WEIGHTD_GPU_BUDGET_S (default 450: the whole
+# run, unpacking included, stays under 8 minutes), KEEP_WORK=1 keeps the temp
+# dir, WEIGHTD_GPU_CHECKS_WITHOUT_GPU=1 runs gpu_checks.py even without a GPU,
+# WEIGHTD_GPU_CHECKS=FILE runs another script in its place (tests do),
+# WEIGHTD_GPU_CHECKS_TIMEOUT_S caps that step (default 330, and the budget).
+set -uo pipefail   # no -e: a failing step is recorded, never the end of the run
+
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+if [ -z "${OUT:-}" ]; then
+  OUT=$(mktemp -d "${TMPDIR:-/tmp}/weightd-gpu-out.XXXXXX")
+  echo "run_on_device: OUT not set, writing to $OUT"
+fi
+mkdir -p "$OUT/logs" || exit 2
+OUT=$(cd "$OUT" && pwd)
+rm -f "$OUT/report.json"
+bundle_arg=${1:-$repo/gpu-bundle.tar.xz}
+[ -e "$bundle_arg" ] && bundle_arg=$(cd "$(dirname "$bundle_arg")" && pwd)/$(basename "$bundle_arg")
+gpu_checks_py=${WEIGHTD_GPU_CHECKS:-$repo/tests/gpu/gpu_checks.py}
+[ -e "$gpu_checks_py" ] && gpu_checks_py=$(cd "$(dirname "$gpu_checks_py")" && pwd)/$(basename "$gpu_checks_py")
+cd "$repo" || exit 2
+PY=${PYTHON:-python3}
+command -v "$PY" >/dev/null 2>&1 || ! command -v python >/dev/null 2>&1 || PY=python
+budget=${WEIGHTD_GPU_BUDGET_S:-450}
+reserve=15                      # seconds kept for stopping the daemon and the report
+t0=$(date +%s)
+work=$(mktemp -d /tmp/wdgpu.XXXXXX) || exit 2   # short: socket paths must fit 108 bytes
+B=$work/bundle                   # the unpacked bundle
+daemon_pid=""
+has_gpu=0
+gpu_reason="not determined (device facts step did not finish)"
+export OUT PY B work
+
+have() { command -v "$1" >/dev/null 2>&1; }
+now() { date +%s.%N 2>/dev/null || date +%s; }
+
+cleanup() {
+  if [ -n "$daemon_pid" ] && kill -0 "$daemon_pid" 2>/dev/null; then
+    kill -KILL "$daemon_pid" 2>/dev/null
+  fi
+  if [ "${KEEP_WORK:-0}" != 1 ]; then
+    [ -s "$work/alt" ] && rm -rf "$(cat "$work/alt")"
+    rm -rf "$work"
+  fi
+}
+trap cleanup EXIT
+
+# record NAME KIND STATUS RC SECONDS REASON: one line per step in steps.tsv
+# (the report is assembled from it and from logs/NAME.log).
+record() {
+  local reason=${6//$'\t'/ }
+  reason=${reason//$'\n'/ }
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "$reason" >> "$OUT/steps.tsv"
+  printf 'run_on_device: %-8s %-22s %6ss  %s\n' "$3" "$1" "$5" "$reason"
+}
+: > "$OUT/steps.tsv"
+
+# step NAME KIND LIMIT CMD...: runs CMD (an executable or an exported function)
+# under `timeout`, output to logs/NAME.log. KIND gpu = skipped without a GPU.
+# CMD may write logs/NAME.status ("STATUS<TAB>REASON") to refine pass/fail.
+step() {
+  local name=$1 kind=$2 limit=$3; shift 3
+  local log=$OUT/logs/$name.log status reason="" rc
+  if [ "$kind" = gpu ] && [ "$has_gpu" != 1 ]; then
+    record "$name" "$kind" skipped "" 0 "skipped: no GPU ($gpu_reason)"; return 0
+  fi
+  local left=$((budget - ($(date +%s) - t0) - reserve))
+  if ((left < 5)); then
+    record "$name" "$kind" skipped "" 0 "skipped: time budget (${budget}s) spent"; return 0
+  fi
+  ((limit > left)) && limit=$left
+  rm -f "$OUT/logs/$name.status"
+  local s; s=$(now)
+  # timeout runs executables: an (exported) function goes through bash -c.
+  [ "$(type -t "$1")" = function ] && set -- bash -c '"$@"' "$name" "$@"
+  if have timeout; then
+    timeout -k 10 "$limit" "$@" > "$log" 2>&1 < /dev/null; rc=$?
+  else
+    "$@" > "$log" 2>&1 < /dev/null; rc=$?
+  fi
+  local secs; secs=$(awk "BEGIN{printf \"%.1f\", $(now) - $s}")
+  if ((rc == 124 || rc == 137)); then status=timeout; reason="timed out after ${limit}s"
+  elif ((rc == 0)); then status=pass
+  else
+    status=fail
+    reason="exit $rc: $(grep -v '^[[:space:]]*$' "$log" 2>/dev/null | tail -1 | cut -c1-200)"
+  fi
+  if [ -s "$OUT/logs/$name.status" ]; then
+    IFS=$'\t' read -r status reason < "$OUT/logs/$name.status"
+  fi
+  record "$name" "$kind" "$status" "$rc" "$secs" "$reason"
+  [ "$status" = pass ]
+}
+
+# The bundle's Python side, for the steps that import the client: the client and
+# a pure-Python protobuf first, C extension off. Only these steps get it: torch
+# alone needs nothing from the bundle.
+with_client_env() {
+  PYTHONPATH="$B/python:$B/pyproto${PYTHONPATH:+:$PYTHONPATH}" \
+  PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python PATH="$B/bin:$PATH" WEIGHTD_BUNDLE="$B" "$@"
+}
+export -f with_client_env
+
+# ---------------------------------------------------------------- a. facts
+cat > "$work/facts.py" <<'EOF'
+"""Device facts: host, nvidia-smi, torch (in a child with its own timeout, so a
+hanging CUDA init still leaves the rest). Writes $OUT/device_facts.json."""
+import glob, json, os, platform, re, subprocess, sys
+out = os.environ["OUT"]
+
+def run(cmd, timeout=30):
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return {"rc": p.returncode, "out": p.stdout.strip()[-4000:], "err": p.stderr.strip()[-2000:]}
+    except FileNotFoundError:
+        return {"rc": None, "out": "", "err": "not found"}
+    except subprocess.TimeoutExpired:
+        return {"rc": None, "out": "", "err": "timed out"}
+
+facts = {"host": {}, "nvidia_smi": {}, "torch": {}}
+h = facts["host"]
+h["uname"] = " ".join(platform.uname())
+try:
+    osr = dict(l.rstrip("\n").split("=", 1) for l in open("/etc/os-release") if "=" in l)
+    h["os"] = osr.get("PRETTY_NAME", "").strip('"')
+except OSError:
+    h["os"] = ""
+h["glibc"] = " ".join(platform.libc_ver())
+h["nproc"] = os.cpu_count()
+try:
+    h["mem_total_kb"] = int(re.search(r"MemTotal:\s+(\d+)", open("/proc/meminfo").read()).group(1))
+except Exception:
+    pass
+h["python"] = sys.version.split()[0] + " " + sys.executable
+for k in ("LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_HOME"):
+    h[k] = os.environ.get(k)
+# The system libstdc++ and the newest GLIBCXX it has (the bundle's binaries need
+# MANIFEST requires.GLIBCXX; lib-fallback/ is used when it is older).
+cands = []
+ldc = run(["ldconfig", "-p"])
+for line in ldc["out"].splitlines():
+    if "libstdc++.so.6 " in line and "x86-64" in line:
+        cands.append(line.split("=>")[-1].strip())
+cands += glob.glob("/usr/lib/x86_64-linux-gnu/libstdc++.so.6") + glob.glob("/usr/lib64/libstdc++.so.6")
+for c in cands:
+    try:
+        data = open(os.path.realpath(c), "rb").read()
+    except OSError:
+        continue
+    vs = {tuple(map(int, v.split(b"."))) for v in re.findall(rb"GLIBCXX_(3\.4(?:\.\d+)?)\x00", data)}
+    h["libstdcxx"] = {"path": os.path.realpath(c),
+                      "max_glibcxx": "GLIBCXX_" + ".".join(map(str, max(vs))) if vs else None}
+    break
+h["devices"] = {"/dev/nvidiactl": os.path.exists("/dev/nvidiactl"),
+                "nvidia_nodes": sorted(glob.glob("/dev/nvidia[0-9]*"))}
+
+# What the device's python brings (the client needs numpy and grpcio; the
+# bundle's protobuf 4.21.12 shadows any protobuf listed here, see README).
+import importlib.metadata as md
+h["python_packages"] = {}
+for dist in ("torch", "numpy", "grpcio", "protobuf", "safetensors", "peft", "transformers"):
+    try:
+        h["python_packages"][dist] = md.version(dist)
+    except Exception:
+        h["python_packages"][dist] = None
+
+smi = facts["nvidia_smi"]
+smi["L"] = run(["nvidia-smi", "-L"])
+smi["query"] = run(["nvidia-smi", "--query-gpu=index,name,uuid,pci.bus_id,driver_version,memory.total,compute_cap",
+                    "--format=csv,noheader"])
+if smi["query"]["rc"] not in (0, None):   # older drivers lack compute_cap
+    smi["query"] = run(["nvidia-smi", "--query-gpu=index,name,uuid,pci.bus_id,driver_version,memory.total",
+                        "--format=csv,noheader"])
+smi["uuids"] = re.findall(r"\(UUID: (GPU-[0-9a-fA-F-]+)\)", smi["L"]["out"])
+m = re.search(r"^[^,]*,[^,]*,[^,]*,[^,]*,\s*([0-9.]+)", smi["query"]["out"], re.M)
+smi["driver_version"] = m.group(1) if m else None
+
+TORCH = r'''
+import json, torch
+f = {"version": torch.__version__, "cuda": torch.version.cuda, "available": torch.cuda.is_available()}
+f["count"] = torch.cuda.device_count() if f["available"] else 0
+f["devices"] = []
+for i in range(f["count"]):
+    p = torch.cuda.get_device_properties(i)
+    f["devices"].append({"index": i, "name": p.name, "uuid": "GPU-" + str(p.uuid),
+        "capability": "%d.%d" % (p.major, p.minor), "total_memory": p.total_memory,
+        "multi_processor_count": p.multi_processor_count,
+        "pci_bus_id": getattr(p, "pci_bus_id", None)})
+if f["available"]:
+    try:
+        f["driver_api_version"] = torch._C._cuda_getDriverVersion()
+    except Exception:
+        pass
+print(json.dumps(f))
+'''
+t = run([sys.executable, "-c", TORCH], timeout=120)
+try:
+    facts["torch"] = json.loads(t["out"].splitlines()[-1])
+except Exception:
+    facts["torch"] = {"error": (t["err"] or t["out"] or "no output")[-1500:]}
+
+tc = facts["torch"].get("count", 0) or 0
+sc = len(smi["uuids"])
+facts["has_gpu"] = bool(tc or sc)
+why = []
+if not sc:
+    why.append("nvidia-smi: " + ("not found" if smi["L"]["rc"] is None else (smi["L"]["err"] or smi["L"]["out"] or "no GPU listed")[:200]))
+if not tc:
+    why.append("torch: " + ((facts["torch"]["error"].strip().splitlines() or ["?"])[-1][-200:]
+                            if "error" in facts["torch"]
+               else "cuda available=%s (torch %s, cuda %s)" % (facts["torch"].get("available"),
+                    facts["torch"].get("version"), facts["torch"].get("cuda"))))
+facts["no_gpu_reason"] = "; ".join(why) if not facts["has_gpu"] else ""
+with open(os.path.join(out, "device_facts.json"), "w") as f:
+    json.dump(facts, f, indent=1)
+print(json.dumps({k: facts[k] for k in ("has_gpu", "no_gpu_reason")}))
+print("nvidia-smi -L:", smi["L"]["out"] or smi["L"]["err"])
+print("torch:", json.dumps(facts["torch"]))
+print("host:", json.dumps(h))
+EOF
+device_facts() { "$PY" "$work/facts.py"; }
+export -f device_facts
+step device_facts cpu 150 device_facts
+if [ -s "$OUT/device_facts.json" ]; then
+  read -r has_gpu gpu_reason < <("$PY" -c '
+import json, sys
+f = json.load(open(sys.argv[1]))
+print(int(bool(f.get("has_gpu"))), f.get("no_gpu_reason") or "-")' "$OUT/device_facts.json" 2>/dev/null) || has_gpu=0
+fi
+has_gpu=${has_gpu:-0}
+
+# ---------------------------------------------------------------- unpack
+unpack() {
+  mkdir -p "$B" || return 1
+  if [ -d "$bundle_arg" ]; then
+    cp -a "$bundle_arg/." "$B/" || return 1
+  elif [ ! -f "$bundle_arg" ]; then
+    echo "no bundle at $bundle_arg (carry it: run prepare_bundle.sh here, then carry gpu-bundle.tar.xz)"
+    return 1
+  elif have xz && tar --version >/dev/null 2>&1; then
+    tar -xJf "$bundle_arg" -C "$B" || return 1
+  else   # no xz binary there: python's tarfile reads .tar.xz by itself
+    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$bundle_arg" "$B" || return 1
+  fi
+  [ -f "$B/bin/weightd" ] && [ -f "$B/bin/weightctl" ] && [ -f "$B/MANIFEST.json" ] || {
+    echo "bundle incomplete: $(ls "$B")"; return 1; }
+  # /tmp mounted noexec (some containers): run from a folder of the checkout.
+  "$B/bin/weightctl" --help > /dev/null 2>&1
+  if [ $? = 126 ]; then
+    local alt; alt=$(mktemp -d "$repo/.wdgpu.XXXXXX") || return 1
+    echo "$B is not executable here (noexec?): using $alt/bundle"
+    mv "$B" "$alt/bundle" && ln -s "$alt/bundle" "$B" && echo "$alt" > "$work/alt" || return 1
+  fi
+  "$PY" -c 'import json, sys; m = json.load(open(sys.argv[1])); m.pop("files", None); print(json.dumps(m, indent=1))' \
+    "$B/MANIFEST.json"
+}
+export bundle_arg repo
+export -f unpack have
+bundle_ok=0
+step unpack cpu 60 unpack && bundle_ok=1
+
+if [ "$bundle_ok" = 1 ]; then
+  # ---------------------------------------------------------- libraries
+  # Every library resolves with the bundle's lib/ first; when only libstdc++ is
+  # too old there, the bundled one (lib-fallback/) is used instead (recorded).
+  libs_check() {
+    local extra=$1 bad=0 f o rc
+    for f in "$B"/libexec/*; do
+      if have ldd; then
+        o=$(LD_LIBRARY_PATH="$B/lib$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ldd "$f" 2>&1); rc=$?
+      else
+        o=$(LD_LIBRARY_PATH="$B/lib$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" /lib64/ld-linux-x86-64.so.2 --list "$f" 2>&1); rc=$?
+      fi
+      echo "== $(basename "$f") (rc $rc; the bundle's own lib/ lines left out)"
+      echo "$o" | grep -v "=> $B/lib/" || true
+      if ((rc != 0)) || grep -qE 'not found|No such file|error while loading' <<<"$o"; then bad=1; fi
+    done
+    return $bad
+  }
+  libraries() {
+    echo "-- with the system's libstdc++:"
+    if libs_check ""; then echo system > "$work/stdcxx"; return 0; fi
+    echo "-- with the bundled libstdc++ (lib-fallback/):"
+    if libs_check ":$B/lib-fallback"; then
+      echo bundled > "$work/stdcxx"
+      printf 'pass\tsystem libstdc++ too old or missing: using the bundled one (lib-fallback/)\n' \
+        > "$OUT/logs/libraries.status"
+      return 0
+    fi
+    printf 'fail\tunresolved libraries (see log): the device lacks a glibc/libstdc++ this build needs\n' \
+      > "$OUT/logs/libraries.status"
+    return 1
+  }
+  export -f libs_check libraries
+  step libraries cpu 60 libraries
+  export WEIGHTD_BUNDLE_STDCXX; WEIGHTD_BUNDLE_STDCXX=$(cat "$work/stdcxx" 2>/dev/null || echo system)
+
+  # -------------------------------------------------- binaries start at all
+  binaries_start() {
+    "$B/bin/weightd" --help > /dev/null || { echo "weightd --help failed"; return 1; }
+    "$B/bin/weightctl" --help > /dev/null || { echo "weightctl --help failed"; return 1; }
+    if [ -x "$B/bin/cuda_cast_test" ]; then
+      "$B/bin/cuda_cast_test" --gtest_list_tests || { echo "cuda_cast_test --gtest_list_tests failed"; return 1; }
+    fi
+    echo "weightd, weightctl and cuda_cast_test start with the bundled libraries"
+  }
+  export -f binaries_start
+  step binaries_start cpu 60 binaries_start
+
+  # ---------------------------------------------------- b. cuda_cast_test
+  cuda_cast_test() {
+    if [ ! -x "$B/bin/cuda_cast_test" ]; then
+      printf 'skipped\tcuda_cast_test is not in the bundle (not built)\n' > "$OUT/logs/cuda_cast_test.status"
+      return 0
+    fi
+    "$B/bin/cuda_cast_test" --gtest_output="json:$OUT/cuda_cast_test.json"
+    local rc=$?
+    # gtest passes a skipped test: on the device a skip means the check did not run.
+    if ((rc == 0)) && grep -q '^\[  SKIPPED \]' "$OUT/logs/cuda_cast_test.log"; then
+      printf 'fail\tskipped on the device: %s\n' \
+        "$(grep -m1 -A1 ': Skipped$' "$OUT/logs/cuda_cast_test.log" | tail -1)" > "$OUT/logs/cuda_cast_test.status"
+    fi
+    return $rc
+  }
+  export -f cuda_cast_test
+  step cuda_cast_test gpu 240 cuda_cast_test
+
+  # ------------------------------------------- c. daemon, weightctl gpus
+  export SOCK=$work/s/wd.sock MODELS=$work/models
+  mkdir -p "$work/s" "$MODELS"
+  s=$(now)
+  "$B/bin/weightd" --socket "$SOCK" --model-root "$MODELS" > "$OUT/logs/weightd.log" 2>&1 < /dev/null &
+  daemon_pid=$!
+  export DAEMON_PID=$daemon_pid
+  daemon_up() {
+    for _ in $(seq 1 60); do
+      if ! kill -0 "$DAEMON_PID" 2>/dev/null; then
+        echo "weightd exited at start; its log:"; tail -c 3000 "$OUT/logs/weightd.log"; return 1
+      fi
+      if "$B/bin/weightctl" --socket "$SOCK" health 2>&1; then
+        "$B/bin/weightctl" --socket "$SOCK" gpus > "$work/gpus.txt" 2>&1; local rc=$?
+        echo "-- weightctl gpus (rc $rc):"; cat "$work/gpus.txt"
+        echo "-- weightctl stats:"; "$B/bin/weightctl" --socket "$SOCK" stats
+        return $rc
+      fi
+      sleep 0.5
+    done
+    echo "daemon not healthy after 30 s; its log:"; tail -c 3000 "$OUT/logs/weightd.log"
+    return 1
+  }
+  export -f daemon_up
+  daemon_ok=0
+  step daemon cpu 60 daemon_up && daemon_ok=1
+
+  gpus_match_torch() {
+    "$PY" - "$work/gpus.txt" "$OUT/device_facts.json" <<'EOF'
+import json, os, sys
+lines = open(sys.argv[1]).read().splitlines()
+facts = json.load(open(sys.argv[2]))
+got = [l.split("\t")[1] for l in lines if l.startswith("gpu:")]
+want = [d["uuid"] for d in facts.get("torch", {}).get("devices", [])]
+smi = facts.get("nvidia_smi", {}).get("uuids", [])
+print("weightctl gpus:", got)
+print("torch         :", want)
+print("nvidia-smi -L :", smi)
+status = os.path.join(os.environ["OUT"], "logs", "gpus_match_torch.status")
+if not want:
+    open(status, "w").write("fail\ttorch lists no GPU to compare with (%s)\n"
+                            % facts.get("torch", {}).get("error", "cuda unavailable")[:200])
+    sys.exit(1)
+if sorted(got) != sorted(want):
+    open(status, "w").write("fail\tweightctl gpus %s != torch %s%s\n" % (
+        got, want, (" (" + lines[0][:200] + ")") if lines and not got else ""))
+    sys.exit(1)
+open(status, "w").write("pass\t%d GPU(s), same UUIDs as torch%s\n" % (
+    len(got), "" if not smi or sorted(smi) == sorted(got) else " (nvidia-smi lists %s)" % smi))
+EOF
+  }
+  export -f gpus_match_torch
+  if [ "$daemon_ok" = 1 ]; then
+    step gpus_match_torch gpu 60 gpus_match_torch
+  else
+    record gpus_match_torch gpu skipped "" 0 "skipped: the daemon did not serve"
+  fi
+
+  # ------------------------------ the Python client, bundled protobuf, shm path
+  python_client() {
+    with_client_env "$PY" - <<'EOF'
+import json, os, struct, sys
+import google.protobuf
+from google.protobuf.internal import api_implementation
+import weightd
+B, OUT, SOCK, MODELS = (os.environ[k] for k in ("B", "OUT", "SOCK", "MODELS"))
+r = {"protobuf": google.protobuf.__version__, "protobuf_file": google.protobuf.__file__,
+     "protobuf_impl": api_implementation.Type(), "weightd_file": weightd.__file__}
+assert r["protobuf_file"].startswith(B), "google.protobuf not from the bundle: " + r["protobuf_file"]
+assert r["weightd_file"].startswith(B), "weightd not from the bundle: " + r["weightd_file"]
+assert r["protobuf_impl"] == "python", r["protobuf_impl"]
+try:
+    import grpc
+    r["grpc"] = grpc.__version__
+except Exception:
+    pass
+# A tiny checkpoint: F32 [4, 2] = 0..7; rank 1 of 2 gets rows 2..3 (4..7), cast to f16.
+path = os.path.join(MODELS, "tiny.safetensors")
+header = json.dumps({"w": {"dtype": "F32", "shape": [4, 2], "data_offsets": [0, 32]}}).encode()
+header += b" " * (-len(header) % 8)
+with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(header)) + header + struct.pack("<8f", *range(8)))
+with weightd.Client(socket=SOCK, retry_deadline=0) as c:
+    r["health"] = c.health()
+    st = c.stats()
+    r["cuda_built"] = bool(st.get("cuda_built"))
+    r["gpus"] = [g.uuid for g in st.get("gpus", [])]
+    r["gpus_unavailable"] = st.get("gpus_unavailable", "")
+    c.load("tiny", path)
+    with c.fetch("tiny", world=2, rank=1, dtype="f16") as shard:
+        w = shard.numpy_dict()["w"]
+        r["fetched"] = {"dtype": str(w.dtype), "shape": list(w.shape), "values": w.ravel().tolist()}
+    assert r["fetched"] == {"dtype": "float16", "shape": [2, 2], "values": [4.0, 5.0, 6.0, 7.0]}, r["fetched"]
+    c.unload("tiny")
+json.dump(r, open(os.path.join(OUT, "python_client.json"), "w"), indent=1)
+print(json.dumps(r, indent=1))
+EOF
+  }
+  export -f python_client
+  if [ "$daemon_ok" = 1 ]; then
+    step python_client cpu 90 python_client
+  else
+    record python_client cpu skipped "" 0 "skipped: the daemon did not serve"
+  fi
+
+  # ------------------------------------------------------- daemon shutdown
+  stop_daemon() {
+    kill -TERM "$daemon_pid" 2>/dev/null || { echo "daemon already gone"; return 1; }
+    for _ in $(seq 1 60); do
+      kill -0 "$daemon_pid" 2>/dev/null || break
+      sleep 0.25
+    done
+    if kill -0 "$daemon_pid" 2>/dev/null; then
+      kill -KILL "$daemon_pid"; echo "daemon still running 15 s after SIGTERM: killed"; return 1
+    fi
+  }
+  s=$(now)
+  if stop_daemon > "$OUT/logs/daemon_stop.log" 2>&1; then
+    wait "$daemon_pid"; rc=$?
+    [ "$rc" = 0 ] && st=pass || st=fail
+    record daemon_stop cpu "$st" "$rc" "$(awk "BEGIN{printf \"%.1f\", $(now) - $s}")" \
+      "$([ "$rc" = 0 ] || echo "weightd exited $rc after SIGTERM")"
+  else
+    record daemon_stop cpu fail "" "$(awk "BEGIN{printf \"%.1f\", $(now) - $s}")" "$(tail -1 "$OUT/logs/daemon_stop.log")"
+  fi
+  daemon_pid=""
+
+  # ------------------------------------------------------- d. gpu_checks.py
+  gpu_checks() {
+    with_client_env "$PY" "$gpu_checks_py" --weightd "$B/bin/weightd" \
+      --weightctl "$B/bin/weightctl" --out "$OUT/gpu_checks.json"
+  }
+  export gpu_checks_py
+  export -f gpu_checks
+  if [ ! -f "$gpu_checks_py" ]; then
+    record gpu_checks gpu skipped "" 0 "skipped: ${gpu_checks_py#"$repo"/} not present"
+  elif [ "${WEIGHTD_GPU_CHECKS_WITHOUT_GPU:-0}" = 1 ]; then
+    step gpu_checks cpu "${WEIGHTD_GPU_CHECKS_TIMEOUT_S:-330}" gpu_checks
+  else
+    step gpu_checks gpu "${WEIGHTD_GPU_CHECKS_TIMEOUT_S:-330}" gpu_checks
+  fi
+else
+  for n in libraries binaries_start cuda_cast_test daemon gpus_match_torch python_client daemon_stop gpu_checks; do
+    case $n in cuda_cast_test|gpus_match_torch|gpu_checks) k=gpu ;; *) k=cpu ;; esac
+    record "$n" "$k" skipped "" 0 "skipped: the bundle was not unpacked"
+  done
+fi
+
+# ---------------------------------------------------------------- e. report
+"$PY" - "$OUT" "$B" "$has_gpu" "$gpu_reason" "$t0" "${WEIGHTD_BUNDLE_STDCXX:-system}" "$budget" <<'EOF'
+import json, os, sys, time
+out, B, has_gpu, gpu_reason, t0, stdcxx, budget = sys.argv[1:8]
+
+def tail(p, n=3000):
+    try:
+        with open(p, "rb") as f:
+            f.seek(0, 2); size = f.tell(); f.seek(max(0, size - n))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+def load(p):
+    try:
+        return json.load(open(p))
+    except FileNotFoundError:
+        return None
+    except Exception as e:
+        return {"unreadable": "%s: %s" % (type(e).__name__, e), "tail": tail(p, 2000)}
+
+steps = []
+for line in open(os.path.join(out, "steps.tsv")):
+    name, kind, status, rc, secs, reason = (line.rstrip("\n").split("\t") + [""] * 6)[:6]
+    steps.append({"name": name, "gpu": kind == "gpu", "status": status,
+                  "rc": int(rc) if rc.lstrip("-").isdigit() else None,
+                  "seconds": float(secs or 0), "reason": reason,
+                  "output_tail": tail(os.path.join(out, "logs", name + ".log"),
+                                      8000 if name in ("cuda_cast_test", "gpu_checks") else 3000)})
+facts = load(os.path.join(out, "device_facts.json")) or {}
+manifest = load(os.path.join(B, "MANIFEST.json")) or {}
+manifest.pop("files", None)
+counts = {s: sum(1 for x in steps if x["status"] == s) for s in ("pass", "fail", "timeout", "skipped")}
+warnings = []
+drv = (facts.get("nvidia_smi") or {}).get("driver_version")
+cuda = manifest.get("cuda_compiler_version", "")
+if drv and cuda.startswith("13.") and int(drv.split(".")[0]) < 580:
+    warnings.append("driver %s is older than CUDA %s needs (580+): the binaries' static CUDA runtime "
+                    "will say 'driver version is insufficient'" % (drv, cuda))
+if manifest.get("python_client_stale_files"):
+    warnings.append("bundle made from a stale build/python: " + " ".join(manifest["python_client_stale_files"]))
+if has_gpu == "1" and not manifest.get("cuda_enabled_build", False):
+    warnings.append("the bundled build is not a CUDA build")
+report = {
+    "schema": "weightd-gpu-report/1",
+    "finished_unix": int(time.time()), "total_seconds": round(time.time() - float(t0), 1),
+    "budget_seconds": int(budget),
+    "has_gpu": has_gpu == "1", "no_gpu_reason": "" if has_gpu == "1" else gpu_reason,
+    "libstdcxx": stdcxx, "summary": counts, "ok": counts["fail"] == 0 and counts["timeout"] == 0,
+    "warnings": warnings, "steps": steps, "device_facts": facts, "bundle": manifest,
+    "python_client": load(os.path.join(out, "python_client.json")),
+    "cuda_cast_test": load(os.path.join(out, "cuda_cast_test.json")),
+    "gpu_checks": load(os.path.join(out, "gpu_checks.json")),
+    "weightd_log_tail": tail(os.path.join(out, "logs", "weightd.log"), 3000),
+}
+with open(os.path.join(out, "report.json"), "w") as f:
+    json.dump(report, f, indent=1)
+gpus = [d.get("name", "?") for d in (facts.get("torch") or {}).get("devices", [])]
+print("=" * 72)
+print("weightd GPU run: %s | GPU: %s | driver %s | bundle CUDA %s | %.0f s" % (
+    "OK" if report["ok"] else "FAILED", ", ".join(gpus) if gpus else "none (" + gpu_reason + ")",
+    drv or "-", cuda or "-", report["total_seconds"]))
+for s in steps:
+    print("  %-8s %-18s %6.1fs  %s" % (s["status"].upper(), s["name"], s["seconds"], s["reason"]))
+for w in warnings:
+    print("  WARNING:", w)
+print("report: %s/report.json" % out)
+EOF
+if [ ! -s "$OUT/report.json" ]; then
+  echo "run_on_device: could not write report.json (python: $PY); steps:" >&2
+  cat "$OUT/steps.tsv" >&2
+  exit 2
+fi
+if cut -f3 "$OUT/steps.tsv" | grep -qE '^(fail|timeout)$'; then exit 1; fi
+exit 0

@@ -514,6 +514,7 @@ absl::StatusOr<DaemonStats> Client::Stats() {
                 r.reserve_ready_bytes(), r.reserve_target_bytes(), r.bytes_read()};
   s.pushes = r.pushes();
   s.push_bytes = r.push_bytes();
+  s.pinned_bytes = r.pinned_bytes();
   s.cuda_built = r.cuda_built();
   s.gpus_unavailable = r.gpus_unavailable();
   for (const v1::GpuDevice& g : r.gpus()) {

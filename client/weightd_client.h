@@ -114,6 +114,7 @@ struct DaemonStats {
   uint64_t reserve_ready_bytes = 0, reserve_target_bytes = 0;
   uint64_t bytes_read = 0;  // asked for by grpc-transport Reads
   uint64_t pushes = 0, push_bytes = 0;  // pushes into clients' memory
+  uint64_t pinned_bytes = 0;            // host memory registered with CUDA
   bool cuda_built = false;
   std::vector<GpuInfo> gpus;     // found by the daemon at start-up
   std::string gpus_unavailable;  // why none

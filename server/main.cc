@@ -136,6 +136,19 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
             K::kValue, NumberInto("max-watch-streams", &f->grpc.max_watch_streams, 1, 65536)})
       .Add({"threads", "N", "materialization workers (1..256)", K::kValue,
             NumberInto("threads", &f->service.worker_threads, 1, 256)})
+      .Add({"pin-host-memory", "auto|on|off",
+            "register checkpoint memory with CUDA for pinned-speed GPU copies (auto: when "
+            "there are GPUs; failures are logged, never fatal)",
+            K::kValue,
+            OneOf("pin-host-memory", "auto, on or off", [f](const std::string& v) {
+              using Pin = WeightServiceOptions::Pin;
+              static const std::map<std::string, Pin> kModes = {
+                  {"auto", Pin::kAuto}, {"on", Pin::kOn}, {"off", Pin::kOff}};
+              auto it = kModes.find(v);
+              if (it == kModes.end()) return false;
+              f->service.pin_host_memory = it->second;
+              return true;
+            })})
       .Add({"log-format", "text|json", "log lines", K::kValue,
             OneOf("log-format", "text or json", [](const std::string& v) {
               if (v != "json" && v != "text") return false;

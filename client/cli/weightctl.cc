@@ -224,8 +224,9 @@ absl::Status CmdStats(Client& c, const Args& a) {
       (unsigned long long)s.applies, (unsigned long long)s.adapters,
       (unsigned long long)s.reserve_ready_bytes, (unsigned long long)s.reserve_target_bytes,
       (unsigned long long)s.bytes_read);
-  std::printf("pushes: %llu\npush_bytes: %llu\ngpus: %zu\n", (unsigned long long)s.pushes,
-              (unsigned long long)s.push_bytes, s.gpus.size());
+  std::printf("pushes: %llu\npush_bytes: %llu\npinned_bytes: %llu\ngpus: %zu\n",
+              (unsigned long long)s.pushes, (unsigned long long)s.push_bytes,
+              (unsigned long long)s.pinned_bytes, s.gpus.size());
   return absl::OkStatus();
 }
 

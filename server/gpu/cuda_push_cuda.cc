@@ -240,12 +240,24 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
 
 namespace weightd {
 GpuInventory DiscoverGpusWithCuda();
+
+absl::Status PinHostMemory(const void* data, size_t size) {
+  cudaError_t err = cudaHostRegister(const_cast<void*>(data), size,
+                                     cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+  if (err != cudaSuccess) return RuntimeError(err, "cudaHostRegister (read-only)");
+  return absl::OkStatus();
+}
+
+void UnpinHostMemory(const void* data) {
+  if (cudaHostUnregister(const_cast<void*>(data)) != cudaSuccess) (void)cudaGetLastError();
+}
 }  // namespace weightd
 
 extern "C" __attribute__((visibility("default"))) const weightd::CudaPluginApi*
 weightd_cuda_plugin_api() {
   static const weightd::CudaPluginApi api{weightd::kCudaPluginAbi,
                                           &weightd::DiscoverGpusWithCuda,
-                                          &weightd::PushToCudaWithCuda};
+                                          &weightd::PushToCudaWithCuda, &weightd::PinHostMemory,
+                                          &weightd::UnpinHostMemory};
   return &api;
 }

@@ -41,7 +41,7 @@ absl::StatusOr<const CudaPluginApi*> LoadCudaPlugin() {
           ::dlsym(handle, "weightd_cuda_plugin_api"));
       const CudaPluginApi* api = entry != nullptr ? entry() : nullptr;
       if (api == nullptr || api->abi != kCudaPluginAbi || api->discover == nullptr ||
-          api->push == nullptr) {
+          api->push == nullptr || api->pin == nullptr || api->unpin == nullptr) {
         why.push_back(absl::StrCat(path, ": not a weightd CUDA plugin of ABI ", kCudaPluginAbi));
         continue;  // the handle stays open: harmless
       }

@@ -140,6 +140,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
     resp->set_reserve_target_bytes(s.reserve.target_bytes);
     resp->set_pushes(s.pushes);
     resp->set_push_bytes(s.push_bytes);
+    resp->set_pinned_bytes(s.pinned_bytes);
     const GpuInventory& gpus = service_->gpus();
     resp->set_cuda_built(gpus.cuda_built);
     resp->set_gpus_unavailable(gpus.unavailable);

@@ -146,5 +146,27 @@ TEST(HostMemoryManagerTest, RetireFreesNowOrOffTheCallersThread) {
   EXPECT_EQ(memory.stats().used_bytes, 0u);
 }
 
+TEST(SegmentTest, ReleaseHooksRunLastFirstWhileTheMappingIsStillThere) {
+  auto account = std::make_shared<MemoryAccount>(0);
+  auto seg = Segment::Create(account, "hooked", 4096, false);
+  ASSERT_TRUE(seg.ok());
+  (*seg)->mutable_data()[0] = 42;
+  ASSERT_TRUE((*seg)->Seal().ok());
+  SegmentPtr shared = std::move(*seg);
+  std::vector<int> order;
+  const uint8_t* data = shared->data();
+  int seen = -1;
+  shared->AddReleaseHook([&] { order.push_back(1); });
+  shared->AddReleaseHook([&] {
+    order.push_back(2);
+    seen = data[0];  // e.g. cudaHostUnregister: the mapping must still be there
+  });
+  EXPECT_EQ(account->used(), 4096u);
+  shared.reset();
+  EXPECT_EQ(order, (std::vector<int>{2, 1}));
+  EXPECT_EQ(seen, 42);
+  EXPECT_EQ(account->used(), 0u);
+}
+
 }  // namespace
 }  // namespace weightd

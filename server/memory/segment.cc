@@ -123,7 +123,18 @@ absl::StatusOr<int> Segment::ShareableFd() const {
   return memfd_.fd();
 }
 
+void Segment::AddReleaseHook(absl::AnyInvocable<void() &&> hook) const {
+  absl::MutexLock lock(&hooks_mu_);
+  release_hooks_.push_back(std::move(hook));
+}
+
 Segment::~Segment() {
+  std::vector<absl::AnyInvocable<void() &&>> hooks;
+  {
+    absl::MutexLock lock(&hooks_mu_);
+    hooks.swap(release_hooks_);
+  }
+  for (auto it = hooks.rbegin(); it != hooks.rend(); ++it) std::move (*it)();
   account_->Return(memfd_.size());
   account_->segments_.fetch_sub(1, std::memory_order_relaxed);
 }

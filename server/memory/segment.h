@@ -16,9 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/strings/string_view.h"
 #include "common/fd.h"
 #include "server/memory/buffer.h"
 
@@ -118,6 +119,10 @@ class Segment final : public Buffer {
   // Shrinks an unsealed segment, returning the tail's bytes to the account.
   absl::Status Truncate(uint64_t new_size);
 
+  // Runs `hook` when the segment is destroyed, before its mapping goes
+  // (e.g. unregistering it from CUDA); hooks run last-added first.
+  void AddReleaseHook(absl::AnyInvocable<void() &&> hook) const ABSL_LOCKS_EXCLUDED(hooks_mu_);
+
   // Buffer: host memory; the shareable fd is the sealed memfd.
   uint64_t id() const override { return id_; }
   uint64_t size() const override { return memfd_.size(); }
@@ -137,6 +142,8 @@ class Segment final : public Buffer {
   std::shared_ptr<MemoryAccount> account_;
   MemfdSegment memfd_;
   uint64_t id_;
+  mutable absl::Mutex hooks_mu_;
+  mutable std::vector<absl::AnyInvocable<void() &&>> release_hooks_ ABSL_GUARDED_BY(hooks_mu_);
 };
 
 using SegmentPtr = std::shared_ptr<const Segment>;

@@ -81,6 +81,8 @@ class StatsCollectable : public prometheus::Collectable {
                MetricType::Counter, s.pushes),
         Scalar("weightd_push_bytes_total", "Tensor bytes written by pushes into clients' memory.",
                MetricType::Counter, s.push_bytes),
+        Scalar("weightd_pinned_bytes", "Host memory registered with CUDA (--pin-host-memory).",
+               MetricType::Gauge, s.pinned_bytes),
         Scalar("weightd_gpus", "GPUs the daemon found at start-up.", MetricType::Gauge,
                service_->gpus().devices.size()),
         Scalar("weightd_adapter_applies_total", "Adapter stacks applied (generations made).",

@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "common/untrusted_text.h"
 #include "server/adapter/lora_patch.h"
+#include "server/gpu/cuda_plugin.h"
 #include "server/profile/name_summary.h"
 #include "common/status_macros.h"
 
@@ -298,6 +299,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
     auto checkpoint = LoadCheckpoint(resolved, opts);
     if (!checkpoint.ok()) return checkpoint.status();
     model->checkpoint = std::move(*checkpoint);
+    PinSegments(name, *model->checkpoint);
     std::vector<SourceTensorInfo> sources;
     for (const StoredTensor& t : model->checkpoint->tensors()) {
       sources.push_back(SourceTensorInfo{t.name, t.dtype, t.shape});
@@ -450,6 +452,51 @@ std::shared_ptr<const WeightService::Generation> WeightService::GenerationOf(con
     if (g->number == number) return g;
   }
   return nullptr;
+}
+
+void WeightService::PinSegments(const std::string& model, const Checkpoint& checkpoint) {
+  using Pin = WeightServiceOptions::Pin;
+  if (options_.pin_host_memory == Pin::kOff) return;
+  if (options_.pin_host_memory == Pin::kAuto && options_.gpus.devices.empty()) return;
+  if (options_.gpus.devices.empty()) {
+    LogEvent(LogLevel::kWarning, "pin_skipped",
+             {{"model", model}, {"reason", options_.gpus.unavailable}});
+    return;
+  }
+  absl::StatusOr<const CudaPluginApi*> api = LoadCudaPlugin();
+  if (!api.ok()) {
+    LogEvent(LogLevel::kWarning, "pin_skipped",
+             {{"model", model}, {"reason", std::string(api.status().message())}});
+    return;
+  }
+  absl::Time start = absl::Now();
+  absl::flat_hash_set<uint64_t> seen;
+  uint64_t pinned = 0, segments = 0;
+  absl::Status first_error;
+  for (const StoredTensor& t : checkpoint.tensors()) {
+    const SegmentPtr& seg = t.segment;
+    if (seg == nullptr || seg->size() == 0 || !seen.insert(seg->id()).second) continue;
+    absl::Status s = (*api)->pin(seg->data(), seg->size());
+    if (!s.ok()) {
+      if (first_error.ok()) first_error = s;
+      continue;
+    }
+    const uint64_t size = seg->size();
+    pinned_bytes_->fetch_add(size);
+    seg->AddReleaseHook([unpin = (*api)->unpin, data = seg->data(), size,
+                         counter = pinned_bytes_]() {
+      unpin(data);
+      counter->fetch_sub(size);
+    });
+    pinned += size;
+    ++segments;
+  }
+  LogEvent(first_error.ok() ? LogLevel::kInfo : LogLevel::kWarning, "pinned",
+           {{"model", model},
+            {"segments", absl::StrCat(segments)},
+            {"bytes", absl::StrCat(pinned)},
+            {"ms", absl::StrCat(absl::ToInt64Milliseconds(absl::Now() - start))},
+            {"error", first_error.ok() ? std::string() : first_error.ToString()}});
 }
 
 absl::StatusOr<FetchResult> WeightService::Fetch(const FetchParams& params) {
@@ -924,6 +971,7 @@ ServiceStats WeightService::Stats() const {
   s.leases_open = leases_.size();
   s.bytes_served = bytes_served_.load();
   s.bytes_read = bytes_read_.load();
+  s.pinned_bytes = pinned_bytes_->load();
   s.pushes = pushes_.load();
   s.push_bytes = push_bytes_.load();
   s.fetches = fetches_.load();

@@ -53,6 +53,11 @@ struct WeightServiceOptions {
   AccessPolicyOptions access;
   // The GPUs found at start-up (reported by Stats).
   GpuInventory gpus;
+  // --pin-host-memory: register checkpoint segments with CUDA when loaded
+  // (kAuto: when there are GPUs), unregistered before they are freed.
+  // Failures are logged, never fatal.
+  enum class Pin { kAuto, kOn, kOff };
+  Pin pin_host_memory = Pin::kAuto;
 };
 
 struct ModelSummary {
@@ -154,6 +159,7 @@ struct ServiceStats {
   uint64_t load_bytes = 0;
   double load_seconds = 0;
   uint64_t fetch_errors = 0;
+  uint64_t pinned_bytes = 0;  // host memory registered with CUDA now
   uint64_t pushes = 0;      // pushes into clients' memory answered OK
   uint64_t push_bytes = 0;  // the tensor bytes they wrote
   LatencyHistogram::Snapshot fetch_latency_shm;
@@ -352,6 +358,10 @@ class WeightService {
   std::atomic<uint64_t> bytes_served_{0};
   std::atomic<uint64_t> bytes_read_{0};
   std::atomic<uint64_t> pushes_{0};
+  // Shared with the release hooks of pinned segments, which may outlive
+  // the service.
+  std::shared_ptr<std::atomic<uint64_t>> pinned_bytes_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
   std::atomic<uint64_t> push_bytes_{0};
   std::atomic<uint64_t> fetches_{0};
   std::atomic<uint64_t> applies_{0};
@@ -364,6 +374,9 @@ class WeightService {
   absl::StatusOr<FetchResult> FetchImpl(const FetchParams& params);
   // Counts one fetch (an error, or its latency by transport) since `start`.
   void RecordFetch(const FetchParams& params, bool ok, absl::Time start);
+  // --pin-host-memory: registers the checkpoint's segments with CUDA (each
+  // unregistered by its release hook); logs what it pinned or why not.
+  void PinSegments(const std::string& model, const Checkpoint& checkpoint);
   // Generation `number` of `model` (0 = current), null if it is not kept.
   static std::shared_ptr<const Generation> GenerationOf(const Model& model, uint64_t number);
 

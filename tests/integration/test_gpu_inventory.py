@@ -87,3 +87,32 @@ def test_a_missing_cuda_plugin_is_named_and_the_daemon_serves(tmp_path):
         assert d.ctl("health").returncode == 0
     finally:
         d.stop()
+
+
+def test_pin_host_memory_without_a_gpu_loads_and_says_why_nothing_is_pinned(tmp_path):
+    """--pin-host-memory on: where there is no GPU the load still succeeds,
+    nothing is pinned (stats pinned_bytes 0) and the log says why; a bad
+    value stops the daemon at start-up."""
+    if _torch_gpus():
+        pytest.skip("this machine has a GPU: tests/gpu/gpu_checks.py checks pinning there")
+    import st_io
+    import torch
+    root = tmp_path / "models"
+    root.mkdir()
+    st_io.save({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}, str(root / "m.safetensors"))
+    d = Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+               extra_args=["--pin-host-memory", "on"])
+    d.start()
+    try:
+        d.ctl_ok("load", "m", str(root / "m.safetensors"))
+        stats = dict(l.split(": ", 1) for l in d.ctl_ok("stats").stdout.splitlines())
+        assert stats["pinned_bytes"] == "0"
+        d.ctl_ok("fetch", "m", "--transport", "push", "--out", str(tmp_path / "o.st"))
+    finally:
+        d.stop()
+    log = open(tmp_path / "d" / "weightd.log").read()
+    assert "pin_skipped" in log and "model=m" in log, log[-2000:]
+    bad = subprocess.run([WEIGHTD, "--socket", str(tmp_path / "x.sock"), "--model-root",
+                          str(root), "--pin-host-memory", "maybe"], capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode != 0 and "--pin-host-memory" in bad.stderr, bad.stderr

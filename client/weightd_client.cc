@@ -200,6 +200,32 @@ ModelInfo ToModelInfo(const v1::ModelInfo& m) {
   return out;
 }
 
+// Sends one data-socket request (`fds` riding on it) and reads the reply's
+// header and message: the daemon's status, with the reply's fd count in
+// `*num_fds`; fds arriving meanwhile are appended to `fds`. A daemon past its
+// connection caps answers at once and closes, maybe before the request is
+// sent: its reply says why.
+absl::Status Exchange(int conn, absl::string_view request, absl::Span<const int> send_fds,
+                      uint32_t* num_fds, std::vector<UniqueFd>* fds) {
+  absl::Status sent = send_fds.empty() ? SendAll(conn, request.data(), request.size())
+                                       : SendWithFds(conn, request, send_fds);
+  AttachReply reply{};
+  absl::Status got = RecvWithFds(conn, &reply, sizeof(reply), fds);
+  if (!got.ok() && !sent.ok()) return sent;
+  WD_RETURN_IF_ERROR_CTX(got, "reading the data socket reply");
+  if (std::memcmp(reply.magic, kReplyMagic, 4) != 0) {
+    return absl::InternalError("bad reply magic on the data socket");
+  }
+  if (reply.message_len > kMaxReplyMessage) {
+    return absl::InternalError("oversized reply message on the data socket");
+  }
+  std::string msg(reply.message_len, '\0');
+  if (!msg.empty()) WD_RETURN_IF_ERROR(RecvWithFds(conn, msg.data(), msg.size(), fds));
+  if (reply.code != 0) return absl::Status(static_cast<absl::StatusCode>(reply.code), msg);
+  *num_fds = reply.num_fds;
+  return absl::OkStatus();
+}
+
 // Attaches the lease on the data socket and receives one fd per segment.
 absl::Status CollectFds(const std::string& path, const v1::FetchResponse& resp, UniqueFd* conn,
                         std::vector<UniqueFd>* fds) {
@@ -211,23 +237,11 @@ absl::Status CollectFds(const std::string& path, const v1::FetchResponse& resp, 
     return absl::InternalError("daemon sent a lease token of the wrong size");
   }
   std::memcpy(req.token, resp.token().data(), sizeof(req.token));
-  // A daemon past its connection caps answers at once and closes, maybe
-  // before the request is sent: its reply says why.
-  absl::Status sent = SendAll(conn->get(), &req, sizeof(req));
-  AttachReply reply{};
-  absl::Status got = RecvWithFds(conn->get(), &reply, sizeof(reply), fds);
-  if (!got.ok() && !sent.ok()) return sent;
-  WD_RETURN_IF_ERROR_CTX(got, "reading the data socket reply");
-  if (std::memcmp(reply.magic, kReplyMagic, 4) != 0) {
-    return absl::InternalError("bad reply magic on the data socket");
-  }
-  if (reply.message_len > kMaxReplyMessage) {
-    return absl::InternalError("oversized reply message on the data socket");
-  }
-  std::string msg(reply.message_len, '\0');
-  if (!msg.empty()) WD_RETURN_IF_ERROR(RecvWithFds(conn->get(), msg.data(), msg.size(), fds));
-  if (reply.code != 0) return absl::Status(static_cast<absl::StatusCode>(reply.code), msg);
-  while (fds->size() < reply.num_fds) {
+  uint32_t num_fds = 0;
+  WD_RETURN_IF_ERROR(Exchange(conn->get(),
+                              absl::string_view(reinterpret_cast<const char*>(&req), sizeof(req)),
+                              {}, &num_fds, fds));
+  while (fds->size() < num_fds) {
     char byte;
     WD_RETURN_IF_ERROR(RecvWithFds(conn->get(), &byte, 1, fds));
   }
@@ -274,22 +288,11 @@ absl::Status PushIntoNewMemfd(const v1::FetchResponse& resp, UniqueFd* memfd, Ma
   }
   std::memcpy(req.token, resp.token().data(), sizeof(req.token));
   const int dest = fd.get();
-  absl::Status sent = SendWithFds(
-      conn.get(), absl::string_view(reinterpret_cast<const char*>(&req), sizeof(req)), {&dest, 1});
-  AttachReply reply{};
-  std::vector<UniqueFd> stray;
-  absl::Status got = RecvWithFds(conn.get(), &reply, sizeof(reply), &stray);
-  if (!got.ok() && !sent.ok()) return sent;
-  WD_RETURN_IF_ERROR_CTX(got, "reading the data socket's reply to the push");
-  if (std::memcmp(reply.magic, kReplyMagic, 4) != 0) {
-    return absl::InternalError("bad reply magic on the data socket");
-  }
-  if (reply.message_len > kMaxReplyMessage) {
-    return absl::InternalError("oversized reply message on the data socket");
-  }
-  std::string msg(reply.message_len, '\0');
-  if (!msg.empty()) WD_RETURN_IF_ERROR(RecvWithFds(conn.get(), msg.data(), msg.size(), &stray));
-  if (reply.code != 0) return absl::Status(static_cast<absl::StatusCode>(reply.code), msg);
+  uint32_t num_fds = 0;
+  std::vector<UniqueFd> stray;  // a push's reply carries none
+  WD_RETURN_IF_ERROR(Exchange(conn.get(),
+                              absl::string_view(reinterpret_cast<const char*>(&req), sizeof(req)),
+                              {&dest, 1}, &num_fds, &stray));
   WD_ASSIGN_OR_RETURN(*map, MappedRegion::Map(fd.get(), layout.size,
                                               MappedRegion::Mode::kReadWrite));
   *memfd = std::move(fd);

@@ -108,14 +108,7 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
           "(for now)"));
     }
   }
-  for (size_t i = 0; i < n; ++i) {
-    const LeaseTensor& t = (*lease.tensors)[i];
-    if (t.length > 0 && (t.buffer >= lease.buffers.size() ||
-                         t.offset > lease.buffers[t.buffer]->size() ||
-                         t.length > lease.buffers[t.buffer]->size() - t.offset)) {
-      return absl::InternalError(absl::StrCat("lease tensor ", i, " lies outside its segment"));
-    }
-  }
+  if (absl::Status s = CheckLeaseTensors(lease); !s.ok()) return s;
   if (cudaError_t err = cudaSetDevice(gpu->ordinal); err != cudaSuccess) {
     return RuntimeError(err, absl::StrCat("selecting ", gpu->uuid));
   }

@@ -147,14 +147,7 @@ absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, in
     }
   }
   if (absl::Status s = CheckHostDestination(fd, layout); !s.ok()) return s;
-  for (size_t i = 0; i < n; ++i) {
-    const LeaseTensor& t = (*lease.tensors)[i];
-    if (t.length > 0 && (t.buffer >= lease.buffers.size() ||
-                         t.offset > lease.buffers[t.buffer]->size() ||
-                         t.length > lease.buffers[t.buffer]->size() - t.offset)) {
-      return absl::InternalError(absl::StrCat("lease tensor ", i, " lies outside its segment"));
-    }
-  }
+  if (absl::Status s = CheckLeaseTensors(lease); !s.ok()) return s;
   if (n == 0) return absl::OkStatus();
   for (const PushCopy& copy : PlanPushCopies(*lease.tensors, layout, {.max_copy_bytes = kChunk})) {
     if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {

@@ -13,6 +13,7 @@
 
 #include "common/fd.h"
 #include "server/memory/segment.h"
+#include "server/memory/test_buffers.h"
 
 namespace weightd {
 namespace {
@@ -181,21 +182,10 @@ TEST(HostPushTest, CancelEndsItUnavailableAndAnEmptyPushNeedsNoBytes) {
   EXPECT_TRUE(PushDefault(zeros, empty.get()).ok());
 }
 
-// Device memory as a host push sees it: it copies host memory only.
-class DeviceBuffer final : public Buffer {
- public:
-  uint64_t id() const override { return 1u << 30; }
-  uint64_t size() const override { return 4096; }
-  MemoryLocation location() const override { return {MemoryKind::kCudaDevice, 0}; }
-  const uint8_t* host_data() const override { return nullptr; }
-  absl::StatusOr<int> ShareableFd() const override {
-    return absl::UnimplementedError("no device here");
-  }
-};
 
 TEST(HostPushTest, RefusesDeviceBuffersWithoutTouchingTheDestination) {
   LeaseContents lease;
-  lease.buffers.push_back(std::make_shared<DeviceBuffer>());
+  lease.buffers.push_back(std::make_shared<FakeDeviceBuffer>(false));
   lease.tensors = std::make_shared<std::vector<LeaseTensor>>(
       std::vector<LeaseTensor>{LeaseTensor{0, 0, 64}});
   UniqueFd dest = Destination(256);

@@ -3,7 +3,22 @@
 #include <algorithm>
 #include <numeric>
 
+#include "absl/strings/str_cat.h"
+
 namespace weightd {
+
+absl::Status CheckLeaseTensors(const LeaseContents& lease) {
+  if (lease.tensors == nullptr) return absl::OkStatus();
+  for (size_t i = 0; i < lease.tensors->size(); ++i) {
+    const LeaseTensor& t = (*lease.tensors)[i];
+    if (t.length > 0 && (t.buffer >= lease.buffers.size() ||
+                         t.offset > lease.buffers[t.buffer]->size() ||
+                         t.length > lease.buffers[t.buffer]->size() - t.offset)) {
+      return absl::InternalError(absl::StrCat("lease tensor ", i, " lies outside its segment"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 std::vector<PushCopy> PlanPushCopies(absl::Span<const LeaseTensor> tensors,
                                      const PushLayout& layout, const PushPlanOptions& options) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "common/push_layout.h"
 #include "server/lease/lease_table.h"
@@ -27,6 +28,10 @@ struct PushPlanOptions {
   uint64_t max_copy_bytes = uint64_t{64} << 20;  // > 0
   int streams = 1;                               // >= 1
 };
+
+// INTERNAL naming the first of `lease`'s tensors that does not lie inside
+// its buffer (a daemon bug, checked before any copy).
+absl::Status CheckLeaseTensors(const LeaseContents& lease);
 
 // The copies that write tensors[i] at layout.offsets[i], every byte once:
 // runs of tensors that lie back to back both in one source buffer and in

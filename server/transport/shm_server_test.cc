@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "server/memory/segment.h"
+#include "server/memory/test_buffers.h"
 
 #include "absl/time/clock.h"
 #include "common/data_protocol.h"
@@ -83,19 +84,6 @@ class ShmDataServerTest : public ::testing::Test {
   std::unique_ptr<ShmDataServer> server_;
 };
 
-// Device memory as the data socket sees it: a buffer of another kind
-// (the CUDA memory manager is issue [gpu]; this one has no bytes at all).
-class DeviceBuffer final : public Buffer {
- public:
-  uint64_t id() const override { return 1u << 30; }
-  uint64_t size() const override { return 4096; }
-  MemoryLocation location() const override { return {MemoryKind::kCudaDevice, 0}; }
-  const uint8_t* host_data() const override { return nullptr; }
-  absl::StatusOr<int> ShareableFd() const override {
-    ADD_FAILURE() << "the data socket asked a device buffer for its fd";
-    return absl::UnimplementedError("no device here");
-  }
-};
 
 TEST_F(ShmDataServerTest, AttachHandsOutHostBuffersAndRefusesOtherKinds) {
   Start({});
@@ -106,7 +94,7 @@ TEST_F(ShmDataServerTest, AttachHandsOutHostBuffersAndRefusesOtherKinds) {
   BufferPtr host = SegmentPtr(std::move(*seg));
   LeaseGrant ok = leases_.Grant(LeaseContents{.buffers = {host}});
   LeaseGrant mixed =
-      leases_.Grant(LeaseContents{.buffers = {host, std::make_shared<DeviceBuffer>()}});
+      leases_.Grant(LeaseContents{.buffers = {host, std::make_shared<FakeDeviceBuffer>()}});
   UniqueFd c = Connect(dir_ + "/data.sock");
   EXPECT_TRUE(Attach(c.get(), ok.id, ok.token).ok());
   UniqueFd d = Connect(dir_ + "/data.sock");

@@ -274,9 +274,10 @@ absl::Status PushIntoNewMemfd(const v1::FetchResponse& resp, UniqueFd* memfd, Ma
           "allocating ", layout.size, " bytes for the push destination: ", std::strerror(err)));
     }
   }
-  // The daemon takes only a destination that cannot shrink under its writes.
-  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
-    return ErrnoStatus(errno, "sealing the push destination against shrinking");
+  // The daemon takes only a destination whose size cannot change under its
+  // writes.
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    return ErrnoStatus(errno, "sealing the push destination's size");
   }
   WD_ASSIGN_OR_RETURN(UniqueFd conn, ConnectUnix(resp.data_socket()));
   PushRequest req{};

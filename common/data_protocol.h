@@ -25,9 +25,10 @@
 // fetch asked) into the memfd at its offset and answers an AttachReply
 // with no fds once every byte is in place. The destination must be a
 // writable memfd at least as large as the layout, sealed against
-// shrinking (F_SEAL_SHRINK; MFD_ALLOW_SEALING) but not against writes,
-// with at least as many pages allocated (fallocate) as the tensors cover —
-// so its memory is the client's, never charged to the daemon. The lease is
+// shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW; MFD_ALLOW_SEALING)
+// but not against writes, allocated whole (fallocate) — so its memory is
+// the client's, never charged to the daemon. Fds ride on a request's first
+// byte; any sent with later bytes are discarded. The lease is
 // attached to the connection when the header arrives, as by an
 // AttachRequest (so closing the connection after a refused push ends it).
 // A push refused before its offsets are read (unknown lease, wrong token,

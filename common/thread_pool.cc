@@ -32,7 +32,18 @@ void RunOnThreads(int threads, const std::function<void()>& worker) {
 }
 
 ThreadPool::ThreadPool(int threads) {
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Work(); });
+  try {
+    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Work(); });
+  } catch (...) {
+    // The system refused a thread: stop the ones started (a destructor
+    // never runs for a constructor that throws), then let the caller know.
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    for (auto& t : threads_) t.join();
+    throw;
+  }
 }
 
 ThreadPool::~ThreadPool() {

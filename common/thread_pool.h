@@ -26,7 +26,9 @@ absl::Status StartDetachedThread(absl::AnyInvocable<void() &&> fn);
 // from a shared queue until there is none.
 void RunOnThreads(int threads, const std::function<void()>& worker);
 
-// Thread-safe. The destructor runs what is queued, then joins.
+// Thread-safe. The destructor runs what is queued, then joins. The
+// constructor throws std::system_error when the system refuses a thread
+// (after joining those it started).
 class ThreadPool {
  public:
   explicit ThreadPool(int threads);

@@ -25,6 +25,9 @@ absl::StatusOr<GpuDevice> CheckCudaTarget(const CudaPushTarget& target, bool has
     return absl::InvalidArgumentError(absl::StrCat(
         "unknown CUDA handle kind ", target.handle_kind, " (1: VMM POSIX fd, 2: legacy IPC)"));
   }
+  if (target.size == 0) {
+    return absl::InvalidArgumentError("the push names a GPU allocation of 0 bytes");
+  }
   if (layout.size > target.size) {
     return absl::InvalidArgumentError(absl::StrCat("the push's layout needs ", layout.size,
                                                    " bytes; the GPU allocation has ",

@@ -32,6 +32,7 @@ struct DriverApi {
   decltype(&::cuMemSetAccess) set_access = nullptr;
   decltype(&::cuMemRelease) release = nullptr;
   decltype(&::cuMemGetAddressRange) address_range = nullptr;
+  decltype(&::cuPointerGetAttribute) pointer_attribute = nullptr;
   decltype(&::cuGetErrorString) error_string = nullptr;
   absl::Status status;
 };
@@ -61,6 +62,7 @@ const DriverApi& Driver() {
           Resolve("cuMemMap", &d.map), Resolve("cuMemUnmap", &d.unmap),
           Resolve("cuMemSetAccess", &d.set_access), Resolve("cuMemRelease", &d.release),
           Resolve("cuMemGetAddressRange", &d.address_range),
+          Resolve("cuPointerGetAttribute", &d.pointer_attribute),
           Resolve("cuGetErrorString", &d.error_string)}) {
       if (!s.ok() && d.status.ok()) d.status = s;
     }
@@ -130,15 +132,23 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
       return absl::InvalidArgumentError(
           absl::StrCat("the push's GPU allocation: ", DriverError(d, r)));
     }
-    if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != gpu->ordinal) {
+    // Which device it is on is asked once it is mapped (below): the id in
+    // its properties may be the exporting process's ordinal, which means
+    // nothing here (CUDA_VISIBLE_DEVICES differs between containers).
+    if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "the push's allocation is not device memory of ", gpu->uuid, " (location type ",
-          static_cast<int>(prop.location.type), ", id ", prop.location.id, ")"));
+          "the push's allocation is not device memory (location type ",
+          static_cast<int>(prop.location.type), ")"));
     }
     size_t granularity = 0;
     if ((r = d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) !=
             CUDA_SUCCESS ||
-        granularity == 0 || target.size % granularity != 0) {
+        granularity == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the push's GPU allocation: no allocation granularity (",
+                       r != CUDA_SUCCESS ? DriverError(d, r) : std::string("0"), ")"));
+    }
+    if (target.size % granularity != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the push names an allocation of ", target.size,
           " bytes, not a multiple of its granularity (", granularity, ")"));
@@ -164,6 +174,14 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
       return absl::UnavailableError(
           absl::StrCat("granting the daemon access to the push's allocation: ", DriverError(d, r)));
     }
+    int ordinal = -1;
+    if ((r = d.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, va)) !=
+            CUDA_SUCCESS ||
+        ordinal != gpu->ordinal) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the push's allocation is not on ", gpu->uuid, " (",
+          r != CUDA_SUCCESS ? DriverError(d, r) : absl::StrCat("device ", ordinal, " here"), ")"));
+    }
     base = reinterpret_cast<uint8_t*>(va);
   } else {
     cudaIpcMemHandle_t handle;
@@ -180,15 +198,24 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
     cleanup.Add([p] { (void)cudaIpcCloseMemHandle(p); });
     // A copy past the allocation would be a sticky error in the daemon's
     // context: check the size the client claims against the real one.
+    const CUdeviceptr at = reinterpret_cast<CUdeviceptr>(p);
     CUdeviceptr range_base = 0;
     size_t range_size = 0;
-    CUresult r = d.address_range(&range_base, &range_size, reinterpret_cast<CUdeviceptr>(p));
-    if (r != CUDA_SUCCESS || reinterpret_cast<CUdeviceptr>(p) + target.size > range_base + range_size) {
+    CUresult r = d.address_range(&range_base, &range_size, at);
+    if (r != CUDA_SUCCESS || at < range_base || range_size < at - range_base ||
+        target.size > range_size - (at - range_base)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the push names an allocation of ", target.size, " bytes; the handle's has ",
-          r == CUDA_SUCCESS ? absl::StrCat(range_base + range_size -
-                                           reinterpret_cast<CUdeviceptr>(p))
-                            : DriverError(d, r)));
+          r == CUDA_SUCCESS ? absl::StrCat(range_size - (at - range_base)) : DriverError(d, r)));
+    }
+    // cudaIpcOpenMemHandle opens an allocation on whichever device it is.
+    int ordinal = -1;
+    if ((r = d.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, at)) !=
+            CUDA_SUCCESS ||
+        ordinal != gpu->ordinal) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the push's legacy handle is not on ", gpu->uuid, " (",
+          r != CUDA_SUCCESS ? DriverError(d, r) : absl::StrCat("device ", ordinal, " here"), ")"));
     }
     base = static_cast<uint8_t*>(p);
   }

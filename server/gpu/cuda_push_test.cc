@@ -70,6 +70,10 @@ TEST(CheckCudaTargetTest, SaysWhyNot) {
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckCudaTarget(Target(0xab, 0, kCudaVmmPosixFd), true, LayoutOf(0), OneGpu())
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
   auto kind = CheckCudaTarget(Target(0xab, 4096, 7), true, LayoutOf(1), OneGpu());
   EXPECT_EQ(kind.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(kind.status().message().find("unknown CUDA handle kind 7"), std::string::npos);

@@ -44,8 +44,14 @@ GpuInventory DiscoverGpusWithCuda() {
     d.uuid = FormatGpuUuid(absl::Span<const uint8_t>(
         reinterpret_cast<const uint8_t*>(prop.uuid.bytes), sizeof(prop.uuid.bytes)));
     d.name = prop.name;
-    d.pci_bus_id = absl::StrFormat("%04x:%02x:%02x.0", prop.pciDomainID, prop.pciBusID,
-                                   prop.pciDeviceID);
+    char bus[64] = {};
+    if (cudaDeviceGetPCIBusId(bus, sizeof(bus), i) == cudaSuccess) {
+      d.pci_bus_id = bus;
+    } else {
+      (void)cudaGetLastError();
+      d.pci_bus_id = absl::StrFormat("%08x:%02x:%02x.0", prop.pciDomainID, prop.pciBusID,
+                                     prop.pciDeviceID);
+    }
     d.memory_bytes = prop.totalGlobalMem;
     d.compute_major = prop.major;
     d.compute_minor = prop.minor;

@@ -463,6 +463,17 @@ void WeightService::PinSegments(const std::string& model, const Checkpoint& chec
              {{"model", model}, {"reason", options_.gpus.unavailable}});
     return;
   }
+  // A sealed segment's mapping is read-only: only cudaHostRegisterReadOnly
+  // takes it (Hopper and later report it).
+  bool read_only = false;
+  for (const GpuDevice& g : options_.gpus.devices) read_only |= g.host_register_read_only;
+  if (!read_only) {
+    LogEvent(LogLevel::kWarning, "pin_skipped",
+             {{"model", model},
+              {"reason", "no GPU here registers read-only host memory "
+                         "(cudaDevAttrHostRegisterReadOnlySupported)"}});
+    return;
+  }
   absl::StatusOr<const CudaPluginApi*> api = LoadCudaPlugin();
   if (!api.ok()) {
     LogEvent(LogLevel::kWarning, "pin_skipped",

@@ -22,26 +22,6 @@ namespace {
 
 constexpr uint64_t kChunk = uint64_t{64} << 20;
 
-const char* FileKind(mode_t mode) {
-  if (S_ISFIFO(mode)) return "a pipe";
-  if (S_ISSOCK(mode)) return "a socket";
-  if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
-  if (S_ISDIR(mode)) return "a directory";
-  return "a file";
-}
-
-absl::Status SizeKept(int fd, uint64_t needed) {
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    return absl::AbortedError(absl::StrCat("destination: fstat: ", std::strerror(errno)));
-  }
-  if (static_cast<uint64_t>(st.st_size) < needed) {
-    return absl::AbortedError(absl::StrCat("the destination shrank to ", st.st_size,
-                                           " bytes during the push (it needs ", needed, ")"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::StatusOr<PushLayout> LayoutForPush(const LeaseContents& lease,
@@ -56,31 +36,34 @@ absl::StatusOr<PushLayout> LayoutForPush(const LeaseContents& lease,
 }
 
 absl::Status CheckHostDestination(int fd, const PushLayout& layout) {
-  struct stat st {};
-  if (fd < 0 || ::fstat(fd, &st) != 0) {
+  if (fd < 0 || ::fcntl(fd, F_GETFD) < 0) {
     return absl::InvalidArgumentError("the push's destination is not an open fd");
   }
-  if (!S_ISREG(st.st_mode)) {
+  // What it is, asked without calling into its filesystem (fstat of a file
+  // on a FUSE mount waits for the FUSE server): F_GET_SEALS answers for
+  // shmem files only, the /proc link names the rest.
+  char link[128] = {};
+  ssize_t n = ::readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), link, sizeof(link) - 1);
+  const absl::string_view what(link, n > 0 ? static_cast<size_t>(n) : 0);
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  // A tmpfs file (/dev/shm) answers F_GET_SEALS too.
+  if (seals < 0 || (n > 0 && !absl::StartsWith(what, "/memfd:"))) {
+    const char* kind = absl::StartsWith(what, "pipe:")          ? "a pipe"
+                       : absl::StartsWith(what, "socket:")      ? "a socket"
+                       : absl::StartsWith(what, "anon_inode:") ? "an anonymous inode"
+                                                                : "a file";
     return absl::InvalidArgumentError(
-        absl::StrCat("the push's destination is ", FileKind(st.st_mode), ", not a memfd"));
+        absl::StrCat("the push's destination is ", kind, ", not a memfd (memfd_create)"));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError("the push's destination is not a memfd (memfd_create)");
   }
   struct statfs fs {};
   if (::fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC) {
     return absl::UnimplementedError(
         "the push's destination is a hugetlbfs memfd (MFD_HUGETLB), which takes no writes "
         "but through a mapping; pass a plain memfd");
-  }
-  int seals = ::fcntl(fd, F_GET_SEALS);
-  bool memfd = seals >= 0;
-  if (memfd) {
-    char link[64] = {};
-    ssize_t n = ::readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), link, sizeof(link) - 1);
-    // A tmpfs file (/dev/shm) answers F_GET_SEALS too.
-    if (n > 0 && !absl::StartsWith(absl::string_view(link, n), "/memfd:")) memfd = false;
-  }
-  if (!memfd) {
-    return absl::InvalidArgumentError(
-        "the push's destination is a file, not a memfd (memfd_create)");
   }
   int flags = ::fcntl(fd, F_GETFL);
   if (flags >= 0 && (flags & O_ACCMODE) == O_RDONLY) {
@@ -91,43 +74,36 @@ absl::Status CheckHostDestination(int fd, const PushLayout& layout) {
     return absl::FailedPreconditionError(
         "the push's destination is sealed against writes (F_SEAL_WRITE / F_SEAL_FUTURE_WRITE)");
   }
-  // A destination that may shrink mid-push would have the daemon's writes
-  // past its new end grow it back, with pages the daemon allocates: no
-  // check between writes closes that race, the seal does.
-  if (!(seals & F_SEAL_SHRINK)) {
+  // Its size must be fixed: one that may shrink mid-push would have the
+  // daemon's writes past its new end grow it back, one that may grow lets
+  // pages be allocated past the end (fallocate KEEP_SIZE) or writes be moved
+  // there (O_APPEND on the client's side of the shared file description),
+  // each with pages charged to the daemon. No check between writes closes
+  // those races; the seals do.
+  if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
     return absl::FailedPreconditionError(
-        "the push's destination is not sealed against shrinking: create it with "
+        "the push's destination is not sealed against shrinking and growing: create it with "
         "memfd_create(MFD_ALLOW_SEALING), size and fallocate it, then "
-        "fcntl(F_ADD_SEALS, F_SEAL_SHRINK)");
+        "fcntl(F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)");
   }
   if (static_cast<uint64_t>(st.st_size) < layout.size) {
     return absl::InvalidArgumentError(absl::StrCat("the push's destination has ", st.st_size,
                                                    " bytes; its layout needs ", layout.size));
   }
-  // The pages the push writes must be the client's: the memfd must have at
-  // least as many allocated (st_blocks: written or fallocated) as the
-  // tensors' ranges cover. (Which pages cannot be asked: SEEK_HOLE and
-  // mincore call fallocated-but-unwritten shmem pages holes.) So a push
-  // makes the daemon allocate nothing beyond what the client allocated.
+  // Its pages must be the client's: all of them allocated (st_blocks:
+  // written or fallocated; which pages cannot be asked — SEEK_HOLE and
+  // mincore call fallocated-but-unwritten shmem pages holes). With the size
+  // sealed, the daemon's writes then allocate nothing — unless the client
+  // punches holes into it mid-push (F_SEAL_SHRINK does not stop
+  // FALLOC_FL_PUNCH_HOLE): the daemon refills those, at most the push's
+  // bytes, and the client gets them back in its buffer.
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  std::vector<std::pair<uint64_t, uint64_t>> pages;  // [first, last] per tensor
-  for (size_t i = 0; i < layout.offsets.size(); ++i) {
-    if (layout.lengths[i] == 0) continue;
-    pages.emplace_back(layout.offsets[i] / page,
-                       (layout.offsets[i] + layout.lengths[i] - 1) / page);
-  }
-  std::sort(pages.begin(), pages.end());
-  uint64_t needed = 0, covered_to = 0;  // pages [0, covered_to) counted
-  for (const auto& [first, last] : pages) {
-    uint64_t from = std::max(first, covered_to);
-    if (last + 1 > from) needed += last + 1 - from;
-    covered_to = std::max(covered_to, last + 1);
-  }
+  const uint64_t whole = (static_cast<uint64_t>(st.st_size) + page - 1) / page * page;
   const uint64_t allocated = static_cast<uint64_t>(st.st_blocks) * 512;
-  if (allocated < needed * page) {
+  if (allocated < whole) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "the push's destination has ", allocated, " bytes allocated; its tensors cover ",
-        needed * page, ": allocate it whole (fallocate) before the push, so its memory is "
+        "the push's destination has ", allocated, " of its ", whole,
+        " bytes allocated: allocate it whole (fallocate) before the push, so its memory is "
         "the client's"));
   }
   return absl::OkStatus();
@@ -163,7 +139,8 @@ absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, in
         if (err == EINTR) continue;
         if (err == EPERM) {
           return absl::AbortedError(
-              "the destination was sealed against writes during the push (write refused)");
+              "the client changed the destination during the push (a write seal, or O_APPEND "
+              "against its size seal): the write was refused");
         }
         if (err == ENOSPC || err == EFBIG || err == ENOMEM) {
           return absl::ResourceExhaustedError(
@@ -176,7 +153,7 @@ absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, in
       done += static_cast<uint64_t>(w);
     }
   }
-  return SizeKept(fd, layout.size);
+  return absl::OkStatus();
 }
 
 }  // namespace weightd

@@ -26,16 +26,16 @@ namespace weightd {
 absl::StatusOr<PushLayout> LayoutForPush(const LeaseContents& lease,
                                          absl::Span<const uint64_t> offsets);
 
-// Checks that `fd` can take a push of `layout`:
+// Checks that `fd` can take a push of `layout`, without calling into the
+// filesystem of anything but a memfd:
 //   INVALID_ARGUMENT: not an open fd, not a memfd (a file, pipe, socket),
 //     smaller than layout.size;
-//   FAILED_PRECONDITION: opened read-only, sealed against writes, not
-//     sealed against shrinking (F_SEAL_SHRINK: a destination that shrinks
-//     mid-push would have the daemon's writes grow it back), or with
-//     fewer pages allocated (st_blocks: written or fallocated) than the
-//     tensors' ranges cover — the destination's memory must be the
-//     client's, not pages the daemon's writes would allocate and its memory
-//     cgroup be charged for;
+//   FAILED_PRECONDITION: opened read-only, sealed against writes, not sealed
+//     against both shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW: a
+//     destination whose size may change mid-push would have the daemon's
+//     writes allocate pages), or not allocated whole (st_blocks: written or
+//     fallocated) — its memory must be the client's, not pages charged to
+//     the daemon's memory cgroup;
 //   UNIMPLEMENTED: a hugetlbfs memfd (it takes no pwrite).
 // Never maps the destination nor moves its file offset.
 absl::Status CheckHostDestination(int fd, const PushLayout& layout);

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -42,7 +43,7 @@ LeaseContents LeaseOf(const std::vector<uint64_t>& lengths) {
 
 // A memfd of `size` bytes, every byte 0xEE (so its pages are allocated),
 // sealed against shrinking as a push wants (`seals`).
-UniqueFd Destination(uint64_t size, int seals = F_SEAL_SHRINK) {
+UniqueFd Destination(uint64_t size, int seals = F_SEAL_SHRINK | F_SEAL_GROW) {
   UniqueFd fd(::memfd_create("dest", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   EXPECT_TRUE(fd.valid());
   std::string fill(size, '\xEE');
@@ -135,37 +136,57 @@ TEST(HostPushTest, RefusesWhatIsNotAWritableAllocatedMemfdLargeEnough) {
   EXPECT_EQ(read_only.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(read_only.message().find("read-only"), std::string::npos) << read_only;
 
-  UniqueFd sealed = Destination(layout->size, F_SEAL_SHRINK | F_SEAL_WRITE);
+  UniqueFd sealed = Destination(layout->size, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE);
   absl::Status write_sealed = PushToHost(lease, *layout, sealed.get(), nullptr);
   EXPECT_EQ(write_sealed.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(write_sealed.message().find("sealed against writes"), std::string::npos);
 
-  // Free to shrink mid-push: refused (the daemon's writes would grow it back).
+  // Free to shrink or grow mid-push: refused (the daemon's writes would
+  // allocate pages).
   UniqueFd shrinkable = Destination(layout->size, 0);
   absl::Status may_shrink = PushToHost(lease, *layout, shrinkable.get(), nullptr);
   EXPECT_EQ(may_shrink.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(may_shrink.message().find("F_SEAL_SHRINK"), std::string::npos) << may_shrink;
+  EXPECT_NE(may_shrink.message().find("F_SEAL_SHRINK | F_SEAL_GROW"), std::string::npos)
+      << may_shrink;
+  UniqueFd growable = Destination(layout->size, F_SEAL_SHRINK);
+  EXPECT_EQ(PushToHost(lease, *layout, growable.get(), nullptr).code(),
+            absl::StatusCode::kFailedPrecondition);
   UniqueFd unsealable(::memfd_create("no-sealing", MFD_CLOEXEC));  // F_SEAL_SEAL only
   ASSERT_EQ(::fallocate(unsealable.get(), 0, 0, static_cast<off_t>(layout->size)), 0);
   EXPECT_EQ(PushToHost(lease, *layout, unsealable.get(), nullptr).code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(ReadAll(shrinkable.get(), 16), std::string(16, '\xEE'));
 
+  // Allocated, but elsewhere than where the push writes: refused too.
+  UniqueFd half(::memfd_create("half", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(::ftruncate(half.get(), static_cast<off_t>(2 * layout->size)), 0);
+  ASSERT_EQ(::fallocate(half.get(), 0, static_cast<off_t>(layout->size),
+                        static_cast<off_t>(layout->size)), 0);
+  ASSERT_EQ(::fcntl(half.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  EXPECT_EQ(PushToHost(lease, *layout, half.get(), nullptr).code(),
+            absl::StatusCode::kFailedPrecondition);
+
   // Sized but never allocated: the daemon's writes would allocate its pages.
   UniqueFd sparse(::memfd_create("sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   ASSERT_EQ(::ftruncate(sparse.get(), static_cast<off_t>(layout->size)), 0);
-  ASSERT_EQ(::fcntl(sparse.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
   absl::Status hole = PushToHost(lease, *layout, sparse.get(), nullptr);
   EXPECT_EQ(hole.code(), absl::StatusCode::kFailedPrecondition) << hole;
   EXPECT_NE(hole.message().find("fallocate"), std::string::npos) << hole;
   EXPECT_EQ(ReadAll(sparse.get(), 16), std::string(16, '\0'));
   // fallocate()d pages are the client's: taken.
   ASSERT_EQ(::posix_fallocate(sparse.get(), 0, static_cast<off_t>(layout->size)), 0);
+  ASSERT_EQ(::fcntl(sparse.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
   EXPECT_TRUE(PushToHost(lease, *layout, sparse.get(), nullptr).ok());
 
-  // Grow-sealed is fine: the push never grows what is large enough.
-  UniqueFd no_grow = Destination(layout->size, F_SEAL_GROW | F_SEAL_SHRINK);
-  EXPECT_TRUE(PushToHost(lease, *layout, no_grow.get(), nullptr).ok());
+  // O_APPEND on the client's side of the file description cannot move the
+  // writes past the end: the size is sealed (EPERM), the push ends ABORTED.
+  UniqueFd append = Destination(layout->size);
+  ASSERT_EQ(::fcntl(append.get(), F_SETFL, O_APPEND), 0);
+  absl::Status appended = PushToHost(lease, *layout, append.get(), nullptr);
+  EXPECT_EQ(appended.code(), absl::StatusCode::kAborted) << appended;
+  struct stat st {};
+  ASSERT_EQ(::fstat(append.get(), &st), 0);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), layout->size);
 }
 
 TEST(HostPushTest, CancelEndsItUnavailableAndAnEmptyPushNeedsNoBytes) {

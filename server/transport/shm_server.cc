@@ -123,19 +123,24 @@ void QueueReply(Connection* c, const absl::Status& status, absl::Span<const int>
   }
 }
 
-// Receives what the socket has of `size` bytes into `buf` without blocking,
-// keeping any fds that ride along. Returns the bytes received; 0 with
-// `*closed` when the peer closed (or the connection broke), 0 otherwise when
-// nothing is there yet.
-size_t TryRecv(Connection* c, void* buf, size_t size, bool* closed) {
+// Receives what the socket has of `size` bytes into `buf` without blocking.
+// Fds are taken only with a request's first byte (`first`), where a push's
+// rides: any sent with later bytes are discarded by the kernel (no control
+// buffer: MSG_CTRUNC), so a client trickling bytes with fds cannot pile up
+// the daemon's fds. Returns the bytes received; 0 with `*closed` when the
+// peer closed (or the connection broke), 0 otherwise when nothing is there
+// yet.
+size_t TryRecv(Connection* c, void* buf, size_t size, bool first, bool* closed) {
   *closed = false;
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRequest)];
   iovec iov{buf, size};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
+  if (first) {
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+  }
   ssize_t got = ::recvmsg(c->fd.get(), &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
   if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
   for (cmsghdr* h = CMSG_FIRSTHDR(&msg); got >= 0 && h != nullptr; h = CMSG_NXTHDR(&msg, h)) {
@@ -204,6 +209,7 @@ absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options opti
       std::move(options), leases, std::move(listen_fd), std::move(wake), std::move(done)));
   try {
     server->push_pool_ = std::make_unique<ThreadPool>(server->options_.push_threads);
+    server->closer_ = std::make_unique<ThreadPool>(1);
     server->thread_ = std::thread([s = server.get()] { s->Run(); });
   } catch (const std::system_error& e) {
     ::unlink(server->options_.path.c_str());
@@ -228,15 +234,23 @@ void ShmDataServer::Stop() {
   if (stopping_.exchange(true)) {
     if (thread_.joinable()) thread_.join();
     push_pool_.reset();
+    closer_.reset();
     return;
   }
   uint64_t one = 1;
   (void)!::write(wake_fd_.get(), &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
-  // Pushes in flight see stopping_ between chunks and end UNAVAILABLE; their
-  // connections are closed already, so nobody is answered.
+  // Run() waited for the pushes in flight (they see stopping_ between
+  // copies and end UNAVAILABLE) before closing their connections.
   push_pool_.reset();
+  closer_.reset();
   ::unlink(options_.path.c_str());
+}
+
+void ShmDataServer::Discard(std::vector<UniqueFd> fds) {
+  if (fds.empty() || closer_ == nullptr) return;
+  auto owned = std::make_shared<std::vector<UniqueFd>>(std::move(fds));
+  closer_->Schedule([owned] { owned->clear(); });
 }
 
 void ShmDataServer::Push(int conn_fd, uint64_t connection,
@@ -255,7 +269,11 @@ void ShmDataServer::Push(int conn_fd, uint64_t connection,
     }
     return PushToHost(*lease, layout, dest, &stopping_);
   }();
-  if (dest >= 0) ::close(dest);
+  if (dest >= 0) {
+    std::vector<UniqueFd> done;
+    done.emplace_back(dest);
+    Discard(std::move(done));
+  }
   if (status.ok()) {
     pushes_.fetch_add(1);
     push_bytes_.fetch_add(bytes);
@@ -387,6 +405,7 @@ void ShmDataServer::Run() {
     c.reading_offsets = false;
     std::vector<UniqueFd> fds = std::move(c.fds_in);
     c.fds_in.clear();
+    if (fds.size() > 1) c.fds_truncated = true;  // one at most is ever wanted
     std::optional<CudaPushTarget> cuda;
     if (c.cuda_push) cuda = c.cuda_target;
     c.cuda_push = false;
@@ -399,9 +418,10 @@ void ShmDataServer::Run() {
                      cuda.has_value() ? "a CUDA push carries at most one fd (its VMM allocation's)"
                                       : "a push carries exactly one fd (its destination memfd)",
                      "; this one carried ",
-                     c.fds_truncated ? "too many" : absl::StrCat(fds.size()))),
+                     c.fds_truncated ? "more" : absl::StrCat(fds.size()))),
                  {});
       c.fds_truncated = false;
+      Discard(std::move(fds));
       return;
     }
     c.pushing = true;
@@ -439,6 +459,7 @@ void ShmDataServer::Run() {
                   {"lease", absl::StrCat(req.lease_id)},
                   {"error", std::string(status.message())}});
       }
+      Discard(std::move(c.fds_in));
       c.fds_in.clear();
       c.fds_truncated = false;
       QueueReply(&c, status, {});
@@ -461,7 +482,7 @@ void ShmDataServer::Run() {
     if (c.reading_target) {
       auto* buf = reinterpret_cast<uint8_t*>(&c.cuda_target);
       size_t got = TryRecv(&c, buf + c.target_received, sizeof(CudaPushTarget) - c.target_received,
-                           &closed);
+                           /*first=*/false, &closed);
       if (closed) return false;
       c.target_received += got;
       if (c.target_received == sizeof(CudaPushTarget)) {
@@ -475,14 +496,16 @@ void ShmDataServer::Run() {
     if (c.reading_offsets) {
       auto* buf = reinterpret_cast<uint8_t*>(c.offsets.data());
       const size_t want = c.offsets.size() * sizeof(uint64_t);
-      size_t got = TryRecv(&c, buf + c.offsets_received, want - c.offsets_received, &closed);
+      size_t got = TryRecv(&c, buf + c.offsets_received, want - c.offsets_received,
+                           /*first=*/false, &closed);
       if (closed) return false;
       c.offsets_received += got;
       if (c.offsets_received == want) start_push(c);
       return true;
     }
     auto* buf = reinterpret_cast<uint8_t*>(&c.request);
-    size_t got = TryRecv(&c, buf + c.received, sizeof(AttachRequest) - c.received, &closed);
+    size_t got = TryRecv(&c, buf + c.received, sizeof(AttachRequest) - c.received,
+                         /*first=*/c.received == 0, &closed);
     if (closed) return false;
     c.received += got;
     if (c.received < sizeof(AttachRequest)) return true;
@@ -498,6 +521,7 @@ void ShmDataServer::Run() {
       return true;
     }
     // Only a push carries fds.
+    Discard(std::move(c.fds_in));
     c.fds_in.clear();
     c.fds_truncated = false;
     if (std::memcmp(c.request.magic, kAttachMagic, 4) != 0 &&
@@ -595,6 +619,19 @@ void ShmDataServer::Run() {
       }
       if (c.out.empty() && c.close_after_reply) close_conn(it);
     }
+  }
+  // Pushes in flight end soon (they see stopping_ between copies): wait
+  // for them, answer what can be answered, then close — so no client sees
+  // its connection end while the daemon still writes its memory.
+  auto pushing = [&] {
+    for (auto& [fd, c] : conns) {
+      if (c.pushing) return true;
+    }
+    return false;
+  };
+  while (pushing()) {
+    pollfd done{done_fd_.get(), POLLIN, 0};
+    if (::poll(&done, 1, 100) > 0) answer_pushes();
   }
   while (!conns.empty()) close_conn(conns.begin());
 }

@@ -116,6 +116,11 @@ class ShmDataServer {
   absl::Mutex done_mu_;
   std::vector<PushDone> done_ ABSL_GUARDED_BY(done_mu_);
   std::unique_ptr<ThreadPool> push_pool_;  // joined by Stop() after thread_
+  // Closes fds clients sent that the daemon lets go of: close() of a file
+  // on a FUSE mount waits for its server, never on the polling thread or
+  // the push threads. Joined by Stop() last.
+  std::unique_ptr<ThreadPool> closer_;
+  void Discard(std::vector<UniqueFd> fds);
   std::thread thread_;
 };
 

@@ -206,7 +206,7 @@ TEST_F(ShmDataServerTest, PushWritesTheLeaseIntoTheClientsMemfd) {
   UniqueFd dest(::memfd_create("dest", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   ASSERT_EQ(::ftruncate(dest.get(), 2048), 0);
   ASSERT_EQ(::posix_fallocate(dest.get(), 0, 2048), 0);
-  ASSERT_EQ(::fcntl(dest.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  ASSERT_EQ(::fcntl(dest.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
   UniqueFd c = Connect(server_->path());
   // No fd: refused, and the connection reads the next request.
   absl::Status no_fd = Push(c.get(), grant.id, grant.token, {}, {}, 0);
@@ -318,6 +318,43 @@ TEST_F(ShmDataServerTest, AttachRequestsCarryNoFds) {
   AttachReply reply{};
   ASSERT_TRUE(RecvAll(c.get(), &reply, sizeof(reply)).ok());
   EXPECT_EQ(reply.code, static_cast<int32_t>(absl::StatusCode::kNotFound));
+}
+
+size_t OpenFds() {
+  size_t n = 0;
+  for (int fd = 0; fd < 65536; ++fd) n += ::fcntl(fd, F_GETFD) >= 0 ? 1 : 0;
+  return n;
+}
+
+TEST_F(ShmDataServerTest, FdsTrickledWithARequestsBytesAreNotKept) {
+  Start({});
+  UniqueFd c = Connect(server_->path());
+  std::vector<UniqueFd> mine;
+  std::vector<int> four;
+  for (int i = 0; i < 4; ++i) {
+    mine.emplace_back(::memfd_create("trickle", MFD_CLOEXEC));
+    four.push_back(mine.back().get());
+  }
+  // One round trip first: the daemon has accepted the connection.
+  ASSERT_EQ(Attach(c.get(), kUnknownLease).code(), absl::StatusCode::kNotFound);
+  AttachRequest req = RequestFor(kUnknownLease);
+  const char* bytes = reinterpret_cast<const char*>(&req);
+  const size_t before = OpenFds();
+  // Every byte but the last carries four fds: only the first byte's are
+  // taken (and dropped once the request is read); the kernel discards the
+  // rest.
+  for (size_t i = 0; i + 1 < sizeof(req); ++i) {
+    ASSERT_TRUE(SendWithFds(c.get(), absl::string_view(bytes + i, 1), four).ok());
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // the daemon reads what came
+  EXPECT_LE(OpenFds(), before + 4);
+  ASSERT_TRUE(SendAll(c.get(), bytes + sizeof(req) - 1, 1).ok());
+  AttachReply reply{};
+  ASSERT_TRUE(RecvAll(c.get(), &reply, sizeof(reply)).ok());
+  EXPECT_EQ(reply.code, static_cast<int32_t>(absl::StatusCode::kNotFound));
+  absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (OpenFds() > before && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(OpenFds(), before);
 }
 
 TEST_F(ShmDataServerTest, DefaultCapsFollowTheFdLimit) {

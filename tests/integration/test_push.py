@@ -14,7 +14,8 @@ reference.
   tensors taken from state_dict() before see the new values; a mismatched
   handle is refused with nothing written.
 * Every good destination is a memfd made with MFD_ALLOW_SEALING, sized,
-  fallocated and sealed against shrinking (F_SEAL_SHRINK), as the protocol
+  fallocated and sealed against shrinking and growing (F_SEAL_SHRINK |
+  F_SEAL_GROW), as the protocol
   asks; fetch(mode="push") seals its own.
 * Bad destinations, each with exactly one defect and its precise code on raw
   data-socket connections, the connection left open for a good push after it
@@ -258,16 +259,20 @@ def _release(client, resp):
 def _memfd(size, allocate=True, seal_shrink=True, allow_sealing=True, name="test-push"):
     """A push destination of `size` bytes as the protocol wants it: made with
     MFD_ALLOW_SEALING, sized, fallocated whole and sealed against shrinking
-    (F_SEAL_SHRINK). Each keyword drops one of those steps, for the tests of
-    bad destinations."""
+    and growing (F_SEAL_SHRINK | F_SEAL_GROW). Each keyword drops one of
+    those steps, for the tests of bad destinations."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if allow_sealing else 0))
     if size:
         os.ftruncate(fd, size)
         if allocate:
             os.posix_fallocate(fd, 0, size)
     if seal_shrink:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
     return fd
+
+
+# The daemon takes a destination only once its size is sealed.
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
 def _seals(fd):
@@ -380,7 +385,7 @@ def test_push_parity(daemon, client, world, dtype):
             assert os.fstat(fd).st_size >= size
             # sealed against shrinking (the daemon takes nothing else), not against writes
             seals = _seals(fd)
-            assert seals & fcntl.F_SEAL_SHRINK, what
+            assert seals & _SIZE_SEALS == _SIZE_SEALS, what
             assert not seals & (fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE), what
             ranges = h._segment_ranges()
             assert len(ranges) == 1, ranges
@@ -732,7 +737,7 @@ def test_destination_not_sealed_against_shrinking(daemon, client, allow_sealing)
         # The same connection takes a good push of the same lease: the same
         # memfd once sealed, or (when it cannot be) a new one.
         if allow_sealing:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
             good = fd
         else:
             good = _memfd(size)
@@ -1014,7 +1019,7 @@ _KILLED = textwrap.dedent("""
     fd = os.memfd_create("killed-push", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     os.posix_fallocate(fd, 0, size)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(resp.data_socket)
     _datasock.send_push(sock, resp.lease_id, bytes(resp.token), [fd])

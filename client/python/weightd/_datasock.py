@@ -12,9 +12,9 @@ answers RESOURCE_EXHAUSTED before any request and closes the connection.
 Push (DESIGN §6): instead of attaching, the client sends a 32-byte
 PushRequest {magic "WDP1", u32 num_offsets, u64 lease_id, 16-byte token} with
 exactly one fd riding on it (SCM_RIGHTS): a memfd the client allocated
-(fallocate'd over every tensor's range, writable, not write-sealed but
-sealed against shrinking with F_SEAL_SHRINK, at least as large as the
-layout), then num_offsets u64 little-endian byte offsets, one
+(allocated whole with fallocate, writable, not write-sealed but sealed
+against shrinking and growing with F_SEAL_SHRINK | F_SEAL_GROW, at least as
+large as the layout), then num_offsets u64 little-endian byte offsets, one
 per tensor of the FetchResponse in its order, or none for the default layout
 (default_layout). The daemon writes every tensor there and answers the same
 AttachReply with no fds once every byte is in place. The lease is attached to
@@ -178,15 +178,26 @@ def push(path, lease_id, token, fd, offsets=None, timeout=30.0):
     cannot be reached or goes away, DEADLINE_EXCEEDED after `timeout`
     seconds without the reply (None = wait for ever). `fd` stays open.
     """
-    if len(token) != 16:
-        raise Error("INTERNAL", "daemon sent a lease token of %d bytes (want 16)" % len(token))
-    if not path:
-        raise Error("FAILED_PRECONDITION", "daemon named no data socket; push needs a local "
-                    "daemon (transport \"shm\")")
     if offsets is not None:
         offsets = [int(o) for o in offsets]
         if not offsets:
             offsets = None  # no tensors: the default layout is the same
+    return push_request(path, token, timeout, "push",
+                        lambda sock: send_push(sock, lease_id, token, [fd], offsets))
+
+
+def push_request(path, token, timeout, what, send):
+    """One push on a fresh connection to the data socket at `path`: `send`
+    writes the request on the connected socket, then the reply is read.
+    Returns None once the daemon answered OK; raises Error otherwise (the
+    daemon's code; UNAVAILABLE, DEADLINE_EXCEEDED for the connection). The
+    connection is closed on return, which ends the lease. `what` names the
+    push in messages."""
+    if len(token) != 16:
+        raise Error("INTERNAL", "daemon sent a lease token of %d bytes (want 16)" % len(token))
+    if not path:
+        raise Error("FAILED_PRECONDITION", "daemon named no data socket; a %s needs a local "
+                    "daemon (transport \"shm\")" % what)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.settimeout(timeout)
@@ -194,9 +205,10 @@ def push(path, lease_id, token, fd, offsets=None, timeout=30.0):
             sock.connect(path)
         except OSError as e:
             raise Error("UNAVAILABLE", "cannot connect to the data socket %s: %s "
-                        "(a remote daemon? push needs a local one)" % (path, e.strerror or e))
+                        "(a remote daemon? a %s needs a local one)"
+                        % (path, e.strerror or e, what))
         try:
-            send_push(sock, lease_id, token, [fd], offsets)
+            send(sock)
         except (BrokenPipeError, ConnectionResetError):
             pass  # a daemon past its connection caps answers and closes first: read why
         code, msg, fds = read_reply(sock)
@@ -205,11 +217,11 @@ def push(path, lease_id, token, fd, offsets=None, timeout=30.0):
         if code != 0:
             raise Error(code, msg)
         if fds:
-            raise Error("INTERNAL", "daemon passed %d fds in reply to a push" % len(fds))
+            raise Error("INTERNAL", "daemon passed %d fds in reply to a %s" % (len(fds), what))
         return None
     except socket.timeout:
-        raise Error("DEADLINE_EXCEEDED", "no reply to the push on the data socket %s within "
-                    "%s s" % (path, timeout)) from None
+        raise Error("DEADLINE_EXCEEDED", "no reply to the %s on the data socket %s within "
+                    "%s s" % (what, path, timeout)) from None
     except Error:
         raise
     except OSError as e:

@@ -27,6 +27,24 @@ tensor at a multiple of 256 bytes. The daemon keeps no lease once the bytes
 are in place. handle.refresh() later has the daemon rewrite, in the same
 memory, only the tensors that changed in a newer generation (an adapter
 applied): tensors taken from the handle before see the new values.
+
+Into a GPU (fetch(..., device="cuda:N"), DESIGN §6; the daemon must be
+local, transport "shm"):
+  * mode="push" (the default with a device): the client allocates device
+    memory with CUDA's VMM API (cuMemCreate, exported as a POSIX fd), sends
+    the fd over the data socket, and the daemon copies the shard into it and
+    answers once its copies are synchronized. The tensors are CUDA tensors
+    over that one allocation at the default layout's offsets (multiples of
+    256 bytes); refresh() has the daemon rewrite the changed ones in place.
+    The allocation lives as long as the handle or any tensor or view made
+    from it: release() drops the handle's hold, and the memory is freed
+    (after the device's queued work) when the last tensor goes.
+  * mode="pull": the client maps the shm segments read-only, pins the
+    shard's pages read-only (cuMemHostRegister, CU_MEMHOSTREGISTER_READ_ONLY;
+    unpinned when CUDA refuses, see handle.pin_error), copies each tensor to
+    the GPU with torch, synchronizes and ends the lease at once. The tensors
+    are ordinary CUDA tensors owned by torch's allocator.
+  * mode="export" (daemon-owned device buffers) is not built yet.
 """
 import dataclasses
 import json
@@ -37,13 +55,14 @@ import random
 import re
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Tuple
 
 import grpc
 import numpy as np
 
-from . import _datasock, _dtypes
+from . import _cuda, _datasock, _dtypes
 from .errors import Error, from_grpc
 from .v1 import weightd_pb2 as pb
 from .v1 import weightd_pb2_grpc as pb_grpc
@@ -452,6 +471,11 @@ class _PushDest:
         self.size = size
         self.lock = threading.Lock()  # one refresh at a time; release waits for it
 
+    def push(self, resp, offsets, timeout):
+        """Has the daemon write lease `resp`'s tensors at `offsets`."""
+        _datasock.push(resp.data_socket, resp.lease_id, bytes(resp.token), self.fd, offsets,
+                       timeout)
+
     def close(self):
         fd, self.fd = self.fd, -1
         self.mapping = None  # the map lives on in tensors still using it
@@ -463,6 +487,41 @@ class _PushDest:
             self.close()
         except BaseException:
             pass
+
+
+class _CudaPushDest(_PushDest):
+    """A CUDA push handle's destination: the VMM allocation, the uint8 CUDA
+    tensor over all of it (every tensor of the handle is a view of it), the
+    device index and its UUID."""
+
+    def __init__(self, client, request, timeout, alloc, raw, index, uuid):
+        super().__init__(client, request, timeout, -1, None, alloc.size)
+        self.alloc = alloc
+        self.raw = raw
+        self.index = index
+        self.uuid = uuid
+
+    def push(self, resp, offsets, timeout):
+        if self.alloc is None:
+            raise Error("FAILED_PRECONDITION", "the shard handle was released")
+        import torch
+        # Work this process queued on the tensors finishes before the daemon
+        # overwrites them.
+        torch.cuda.synchronize(self.index)
+        fd = self.alloc.export_fd()
+        try:
+            _cuda.push_cuda(resp.data_socket, resp.lease_id, bytes(resp.token), fd, self.uuid,
+                            self.alloc.size, offsets, timeout)
+        finally:
+            os.close(fd)
+
+    def close(self):
+        # The allocation lives on in tensors still using it (they hold it).
+        self.alloc = None
+        self.raw = None
+
+    def __del__(self):
+        pass
 
 
 def _push_timeout(timeout, size):
@@ -478,14 +537,21 @@ class ShardHandle:
     (mode "export"), or in the client's own memory (mode "push": no lease
     is held; see refresh())."""
 
-    def __init__(self, lease, generation, transport, tensors, pieces, push=None):
+    def __init__(self, lease, generation, transport, tensors, pieces, push=None, device=None,
+                 mode=None):
         self._lease = lease
         self.generation = generation
         self.transport = transport
         self.tensors = tensors  # list of TensorMeta, in the daemon's order
-        self._pieces = pieces  # name -> (buffer object, byte offset in it) or None (empty)
+        # name -> (buffer object, byte offset in it) or None (empty); on a
+        # device: (the allocation's uint8 tensor, offset) for a push,
+        # (the tensor, None) for a pull.
+        self._pieces = pieces
         self._push = push  # _PushDest of a push handle
-        self.mode = "export" if push is None else "push"
+        self.mode = mode or ("export" if push is None else "push")
+        self.device = device  # None (host memory) or "cuda:N"
+        self.pinned = None  # pull: whether the copies ran from pinned memory
+        self.pin_error = ""  # pull: why not, when CUDA refused to pin
 
     @property
     def lease_id(self):
@@ -495,7 +561,7 @@ class ShardHandle:
 
     @property
     def released(self):
-        if self._push is not None:
+        if self._push is not None or self.mode == "pull":
             return self._pieces is None
         return self._lease.done
 
@@ -511,10 +577,10 @@ class ShardHandle:
         return len(self.tensors)
 
     def __repr__(self):
-        return "<weightd.ShardHandle lease=%d generation=%d tensors=%d bytes=%d %s%s%s>" % (
+        return "<weightd.ShardHandle lease=%d generation=%d tensors=%d bytes=%d %s%s%s%s>" % (
             self._lease.lease_id, self.generation, len(self.tensors), self.nbytes,
-            self.transport, " push" if self._push is not None else "",
-            " released" if self.released else "")
+            self.transport, "" if self.mode == "export" else " " + self.mode,
+            " " + self.device if self.device else "", " released" if self.released else "")
 
     def _check(self):
         if self._pieces is None:
@@ -523,6 +589,13 @@ class ShardHandle:
     def _tensor(self, torch, meta):
         dt = _dtypes.torch_dtype(meta.dtype)
         n = meta.numel
+        if self.device is not None:
+            if n == 0:
+                return torch.empty(meta.shape, dtype=dt, device=self.device)
+            buf, off = self._pieces[meta.name]
+            if off is None:  # pull: the tensor itself
+                return buf
+            return _cuda.view_bytes(buf, off, meta.length, dt, meta.shape)
         if n == 0:
             return torch.empty(meta.shape, dtype=dt)
         buf, off = self._pieces[meta.name]
@@ -532,6 +605,9 @@ class ShardHandle:
         return torch.frombuffer(buf, dtype=dt, count=n, offset=off).reshape(meta.shape)
 
     def _array(self, meta):
+        if self.device is not None:
+            raise Error("FAILED_PRECONDITION", "the shard is on %s: use state_dict() (torch "
+                        "tensors), not NumPy arrays" % self.device)
         dt = _dtypes.numpy_dtype(meta.dtype)
         n = meta.numel
         if n == 0:
@@ -541,7 +617,9 @@ class ShardHandle:
 
     def state_dict(self):
         """{name: torch.Tensor} of zero-copy views (NumPy arrays when torch is
-        not installed). F8 types are uint8 tensors on torch without float8."""
+        not installed). F8 types are uint8 tensors on torch without float8.
+        On a device: CUDA tensors (push: views of the handle's allocation,
+        made anew by each call; pull: the same tensors each call)."""
         self._check()
         torch = _torch_or_none()
         if torch is None:
@@ -563,8 +641,18 @@ class ShardHandle:
         raise KeyError(name)
 
     def _segment_ranges(self):
-        """[(start, end)] addresses of the mapped segments / received buffers."""
+        """[(start, end)] addresses of the mapped segments / received buffers
+        (on a device: device addresses of the allocation / the tensors)."""
         self._check()
+        if self.device is not None:
+            out = set()
+            for piece in self._pieces.values():
+                if piece is not None:
+                    t = piece[0]
+                    nbytes = t.numel() * t.element_size()
+                    if nbytes:
+                        out.add((t.data_ptr(), t.data_ptr() + nbytes))
+            return sorted(out)
         seen, out = set(), []
         for piece in self._pieces.values():
             if piece is None or id(piece[0]) in seen:
@@ -579,7 +667,10 @@ class ShardHandle:
         """Ends the lease (Release RPC, then closes the data connection) and
         drops the handle's maps. Idempotent. A push handle holds no lease:
         release() drops its map and closes its memfd (tensors kept stay
-        valid: they hold the map)."""
+        valid: they hold the map). On a GPU (push): drops the handle's hold
+        on the allocation, which is freed once no tensor or view made from
+        it is left (right away when none was kept). Pull: drops the
+        handle's tensors (its lease ended with the fetch)."""
         if self._push is not None:
             with self._push.lock:  # not under a refresh's feet
                 self._pieces = None
@@ -874,7 +965,7 @@ class Client:
 
     def fetch(self, model, world=None, rank=None, *, mesh=None, coord=None, placements=None,
               dtype=None, generation=0, changed_since=0, names=None, transport="shm",
-              populate=False, timeout=None, mode=None):
+              populate=False, timeout=None, mode=None, device=None, pin=True):
         """Fetches this rank's local shards of `model` and returns a ShardHandle.
 
         world/rank: a 1-D mesh (default 1/0); or mesh=(A, B, ...) with
@@ -896,6 +987,15 @@ class Client:
         tensor's offset in it, segment 0), and refresh() updates them in
         place. timeout= also bounds the wait for the push's reply (default
         30 s plus 1 s per 100 MiB).
+        device: None (host memory, as above) or a CUDA device ("cuda:N",
+        "cuda" = torch's current one, an int, a torch.device): the tensors
+        are CUDA tensors on it (module doc, "Into a GPU"); transport "shm"
+        only. mode with a device: "push" (the default) - the daemon copies
+        into a VMM allocation of this process; "pull" - this process copies
+        from the shm mapping, pinned read-only first when `pin` (and CUDA
+        allows: handle.pinned / handle.pin_error say); "export" -
+        UNIMPLEMENTED. FAILED_PRECONDITION when this process has no CUDA
+        (torch without it, no driver).
         """
         if mesh is not None or coord is not None:
             if world is not None or rank is not None:
@@ -917,11 +1017,25 @@ class Client:
         if transport not in _TRANSPORTS:
             raise Error("INVALID_ARGUMENT", "transport: expected shm or grpc, got %r"
                         % (transport,))
-        if mode == "pull":
-            raise Error("UNIMPLEMENTED", "mode \"pull\" copies into a GPU; this client has no "
-                        "device support yet")
-        if mode not in (None, "export", "push"):
-            raise Error("INVALID_ARGUMENT", "mode: expected export or push, got %r" % (mode,))
+        dev = _cuda.parse_device(device)
+        if dev is not None:
+            if mode is None:
+                mode = "push"
+            if mode == "export":
+                raise Error("UNIMPLEMENTED", "mode \"export\" into a GPU: daemon-owned device "
+                            "buffers are not built yet (use mode \"push\" or \"pull\")")
+            if mode not in ("push", "pull"):
+                raise Error("INVALID_ARGUMENT", "mode: expected push, pull or export, got %r"
+                            % (mode,))
+            if transport != "shm":
+                raise Error("INVALID_ARGUMENT", "a fetch into a GPU (mode \"%s\") needs "
+                            "transport \"shm\" (a local daemon), not %r" % (mode, transport))
+        elif mode == "pull":
+            raise Error("INVALID_ARGUMENT", "mode \"pull\" copies into a GPU: give "
+                        "device=\"cuda:N\"")
+        if mode not in (None, "export", "push", "pull"):
+            raise Error("INVALID_ARGUMENT", "mode: expected export, push or pull, got %r"
+                        % (mode,))
         if mode == "push" and transport != "shm":
             raise Error("INVALID_ARGUMENT", "mode \"push\" needs transport \"shm\" (the daemon "
                         "writes into a memfd passed over its data socket), not %r" % (transport,))
@@ -933,6 +1047,9 @@ class Client:
             changed_since=int(changed_since))
         if pl is not None:
             req.placements.extend(pb.Placement(shard_dim=d) for d in pl)
+        if dev is not None:
+            # Before any lease: this process must have the GPU.
+            _, dev = _cuda.require_torch_cuda(dev)
 
         # Retried whole on UNAVAILABLE: a Fetch the daemon never handled
         # granted no lease, and one granted by a daemon that then went away
@@ -942,6 +1059,10 @@ class Client:
             resp = self._call(self._shards.Fetch, req, timeout=timeout)
             lease = _Lease(self._shards, resp.lease_id, bytes(resp.token))
             try:
+                if dev is not None and mode == "push":
+                    return self._collect_cuda_push(resp, lease, req, timeout, dev)
+                if dev is not None:
+                    return self._collect_pull(resp, lease, timeout, dev, pin)
                 if mode == "push":
                     return self._collect_push(resp, lease, req, timeout, populate)
                 return self._collect(resp, lease, transport, timeout, populate)
@@ -1037,9 +1158,9 @@ class Client:
                 except OSError as e:
                     raise Error("RESOURCE_EXHAUSTED", "allocating the push's destination of %d "
                                 "bytes: %s" % (size, e.strerror or e)) from None
-            # The daemon takes only a destination that cannot shrink under
-            # its writes.
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            # The daemon takes only a destination whose size cannot change
+            # under its writes.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             _datasock.push(resp.data_socket, resp.lease_id, bytes(resp.token), fd, None,
                            _push_timeout(timeout, size))
             lease.done = True  # closing the push's connection ended the lease
@@ -1061,6 +1182,107 @@ class Client:
         copy.CopyFrom(req)
         dest = _PushDest(self, copy, timeout, fd, mapping, size)
         return ShardHandle(lease, resp.generation, "shm", metas, pieces, push=dest)
+
+    def _collect_cuda_push(self, resp, lease, req, timeout, index):
+        """mode="push" into CUDA device `index`: allocates the destination
+        (VMM, the default layout), has the daemon fill it (which ends the
+        lease) and wraps it in CUDA tensors."""
+        import torch
+        metas = self._metas(resp)
+        offsets, size = _datasock.default_layout([m.length for m in metas])
+        uuid = _cuda.gpu_uuid_bytes(index)
+        alloc = _cuda.vmm_alloc(index, size)
+        try:
+            try:
+                _cuda.push_cuda(resp.data_socket, resp.lease_id, bytes(resp.token), alloc.fd,
+                                uuid, alloc.size, None, _push_timeout(timeout, size))
+            finally:
+                alloc.close_fd()
+            lease.done = True  # closing the push's connection ended the lease
+            raw = _cuda.tensor_from_ptr(alloc.ptr, alloc.size, torch.uint8, (alloc.size,),
+                                        index, alloc)
+        except BaseException:
+            alloc.free(quiet=True)
+            raise
+        metas = [dataclasses.replace(m, segment=0, offset=at) for m, at in zip(metas, offsets)]
+        pieces = {m.name: (raw, m.offset) if m.length else None for m in metas}
+        copy = pb.FetchRequest()
+        copy.CopyFrom(req)
+        dest = _CudaPushDest(self, copy, timeout, alloc, raw, index, uuid)
+        del alloc  # the handle's hold is dest.alloc and raw (which holds it too)
+        return ShardHandle(lease, resp.generation, "shm", metas, pieces, push=dest,
+                           device="cuda:%d" % index)
+
+    def _collect_pull(self, resp, lease, timeout, index, pin):
+        """mode="pull" into CUDA device `index`: attaches the lease, maps its
+        segments read-only (shared), pins the shard's pages read-only when
+        `pin` (and CUDA allows), copies every tensor to the GPU, synchronizes
+        and ends the lease."""
+        import torch
+        sizes = list(resp.segment_sizes)
+        metas = self._metas(resp)
+        conn, fds = _datasock.attach(resp.data_socket, resp.lease_id, bytes(resp.token),
+                                     len(sizes))
+        lease.conn = conn
+        maps = []
+        try:
+            for fd, size in zip(fds, sizes):
+                maps.append(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                            if size else None)
+        except OSError as e:
+            raise Error("INTERNAL", "mapping a segment: %s" % e) from None
+        finally:
+            for fd in fds:  # mmap keeps its own reference
+                os.close(fd)
+        device = torch.device("cuda", index)
+        regs, pin_error, out = [], "", {}
+        try:
+            if pin:
+                try:
+                    for seg, lo, hi in _cuda.pin_ranges(
+                            [(m.segment, m.offset, m.length) for m in metas], sizes, _PAGE):
+                        regs.append(_cuda.host_register_read_only(
+                            index, _address_of(maps[seg]) + lo, hi - lo))
+                except Error as e:
+                    pin_error = e.message or e.code
+                    for r in regs:
+                        r.unregister()
+                    regs = []
+            with torch.cuda.device(index), warnings.catch_warnings():
+                # torch warns that the read-only map is not writable: it is
+                # only read from.
+                warnings.simplefilter("ignore")
+                for m in metas:
+                    dt = _dtypes.torch_dtype(m.dtype)
+                    if not m.length:
+                        out[m.name] = torch.empty(m.shape, dtype=dt, device=device)
+                        continue
+                    src = torch.frombuffer(maps[m.segment], dtype=torch.uint8, count=m.length,
+                                           offset=m.offset)
+                    dst = torch.empty(m.length, dtype=torch.uint8, device=device)
+                    dst.copy_(src, non_blocking=True)
+                    out[m.name] = _cuda.view_bytes(dst, 0, m.length, dt, m.shape)
+                    del src, dst
+                torch.cuda.synchronize(index)
+        finally:
+            if regs:
+                try:  # no copy may still read the pages when they are unpinned
+                    torch.cuda.synchronize(index)
+                except Exception:
+                    pass
+            for r in regs:
+                try:
+                    r.unregister()
+                except Error:
+                    pass
+        del maps  # unmapped once torch drops the source tensors
+        lease.release()  # the bytes are this process's now
+        pieces = {m.name: (out[m.name], None) if m.length else None for m in metas}
+        h = ShardHandle(lease, resp.generation, "shm", metas, pieces, device=str(device),
+                        mode="pull")
+        h.pinned = bool(pin) and not pin_error
+        h.pin_error = pin_error
+        return h
 
     def _refresh_push(self, handle, generation):
         """ShardHandle.refresh of a push handle (its lock held)."""
@@ -1092,8 +1314,8 @@ class Client:
                                     % (m.name, m.dtype, list(m.shape), resp.generation,
                                        old.dtype, list(old.shape)))
                     offsets.append(old.offset)
-                _datasock.push(resp.data_socket, resp.lease_id, bytes(resp.token), dest.fd,
-                               offsets, _push_timeout(dest.timeout, sum(m.length for m in metas)))
+                dest.push(resp, offsets,
+                          _push_timeout(dest.timeout, sum(m.length for m in metas)))
                 lease.done = True
                 return resp.generation, metas
             except BaseException:

@@ -1,0 +1,1003 @@
+#!/usr/bin/env python3
+"""GPU checks of the Python client's device paths against a real weightd
+(client/python/weightd/_cuda.py; fetch(device=...)). Run on a lent GPU
+machine by tests/gpu/run_on_device.sh:
+
+    python3 tests/gpu/gpu_checks.py --weightd PATH --weightctl PATH --out FILE.json
+
+Without a GPU (torch.cuda.is_available() False) it writes
+{"skipped": "no GPU: ..."} and exits 0. With one it starts its own weightd
+on temp sockets, writes checkpoints, loads them with weightctl and records
+every check as {name, ok, detail, seconds, metrics} in FILE.json (rewritten
+after each check, so a run cut short still reports), going on after a
+failure:
+
+  setup        checkpoints (torch, random): "mix" ~240 MiB of F32 and BF16
+               tensors with odd dims, a 0-dim and an empty tensor, ints and
+               bools; "llama" ~1.4 GiB of Llama-shaped BF16. Daemon, loads.
+  vmm          the client's CUDA side alone: vmm_alloc, a torch tensor over
+               it (no copy), written and read back by torch; the allocation
+               lives while a tensor or view of it does, and is freed after.
+  a push       fetch(device="cuda:0") for world 1/2/3, every rank, dtype
+               keep/bf16/f32 == torch.chunk(t.cuda().to(dtype), W, 0)[r] bit
+               for bit (DESIGN §2), every tensor inside the one allocation.
+  b pull       mode="pull" (pinned, and pin=False), the same parity on a
+               subset; no lease left.
+  c lora       a PEFT adapter (peft, save_pretrained) on a Linear-only
+               model: `weightctl adapter load` + `apply`, then a CUDA push
+               of the merged weights (f32 and bf16) vs peft's
+               merge_and_unload() in fp32, with the tolerance of
+               tests/parity/test_lora_parity.py (F32: allclose rtol 1e-5,
+               atol 1e-6*max|W'|; BF16: <= 1 ulp on <= 0.5% of the
+               elements, larger only within the F32 atol); untouched
+               tensors bit for bit; a push handle taken before `apply`
+               refresh()ed in place equals a fresh push.
+  d killed     a client SIGKILLed mid CUDA push of the ~2.8 GiB f32 shard:
+               the daemon serves on (health, no lease left, a new push
+               correct).
+  e bandwidth  push of the ~1.4 GiB BF16 shard into GPU memory (keep and
+               bf16->f32; the daemon's copy alone and the whole fetch) vs a
+               pinned torch H2D copy of as many bytes (and a pageable one),
+               measured in the same run: GB/s and the ratio (goal >= 0.9x,
+               reported, never failed on: the daemon copies from pageable
+               memory today, so a low ratio is expected).
+  f ready      time to a ready Llama-shaped BF16 shard on the GPU (world 1
+               and 2): push vs safetensors.torch.load_file(device="cuda")
+               + torch.chunk, same run, the two results compared bit for bit.
+
+The whole run stays under --budget seconds (default 280); each check has
+its own limit (SIGALRM). Exit 0 unless the script itself is broken. When
+$OUT/logs exists (run_on_device.sh), logs/gpu_checks.status says how many
+checks failed.
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCHEMA = "weightd-gpu-checks/1"
+ULP_FRACTION = 0.005  # tests/parity/test_lora_parity.py
+# Checkpoint sizes: "mix" (its two large tensors, F32 and BF16, odd dims) and
+# "llama" (hidden, intermediate, vocab, layers; BF16).
+MIX_LARGE = ((4097, 8191), (12289, 4095))  # ~134 MB + ~101 MB
+LLAMA_DIMS = (4096, 11008, 32000, 3)        # ~1.48 GB
+LORA_TOLERANCE = ("tests/parity/test_lora_parity.py: F32 allclose(rtol=1e-5, "
+                  "atol=1e-6*max|W'|); BF16 <= 1 ulp on <= 0.5% of the elements, more "
+                  "only within the F32 atol of the fp32 reference")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def chunk_ref(t, world, rank, dtype):
+    """DESIGN §2: torch.chunk(t.to(dtype), world, 0)[rank]; an empty piece
+    (its dim 0 sized 0) where torch.chunk returns fewer pieces; 0-dim
+    tensors whole; integer and bool tensors keep their dtype."""
+    import torch
+    table = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+    if dtype not in (None, "keep") and t.is_floating_point():
+        t = t.to(table[dtype])
+    if t.dim() == 0:
+        return t
+    chunks = torch.chunk(t, world, 0)
+    if rank < len(chunks):
+        return chunks[rank]
+    return t.narrow(0, t.shape[0], 0)
+
+
+def same_bits(a, b):
+    """Same dtype, shape and bytes (on a's device)."""
+    import torch
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.numel() == 0:
+        return True
+    b = b.to(a.device)
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def lora_close(got, ref32):
+    """(ok, detail): `got` (F32 or BF16/F16) against the fp32 reference with
+    the tolerance of tests/parity/test_lora_parity.py."""
+    import torch
+    ref32 = ref32.to(got.device, torch.float32)
+    if tuple(got.shape) != tuple(ref32.shape):
+        return False, "shape %s != %s" % (list(got.shape), list(ref32.shape))
+    if got.numel() == 0:
+        return True, "empty"
+    atol = 1e-6 * float(ref32.abs().max())
+    g32 = got.float()
+    maxdiff = float((g32 - ref32).abs().max())
+    if got.dtype == torch.float32:
+        ok = bool(torch.allclose(got, ref32, rtol=1e-5, atol=atol))
+        return ok, "f32 max|diff| %.3g (atol %.3g, rtol 1e-5)" % (maxdiff, atol)
+    want = ref32.to(got.dtype)
+    bits = lambda t: t.reshape(-1).view(torch.int16).int()  # noqa: E731
+    diff = (bits(got) - bits(want)).abs()
+    off = int((diff > 0).sum())
+    big = diff > 1
+    big &= (g32.reshape(-1) - ref32.reshape(-1)).abs() > atol
+    nbig = int(big.sum())
+    ok = nbig == 0 and off <= ULP_FRACTION * got.numel()
+    return ok, "%s max|diff| %.3g; %d of %d elements off (1 ulp allowed on <= %.1f%%), %d beyond " \
+        "1 ulp and the f32 atol" % (str(got.dtype).replace("torch.", ""), maxdiff, off,
+                                    got.numel(), ULP_FRACTION * 100, nbig)
+
+
+class CheckTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise CheckTimeout()
+
+
+class Recorder:
+    """Runs checks one by one, each under a time limit, recording
+    {name, ok, detail, seconds, metrics}; writes the document after each."""
+
+    def __init__(self, out, budget_s, doc=None, reserve_s=10.0):
+        self.out = out
+        self.start = time.monotonic()
+        self.budget = float(budget_s)
+        self.reserve = reserve_s
+        self.doc = doc if doc is not None else {}
+        self.checks = self.doc.setdefault("checks", [])
+
+    def left(self):
+        return self.budget - (time.monotonic() - self.start)
+
+    def write(self):
+        if not self.out:
+            return
+        self.doc["summary"] = {
+            "passed": sum(1 for c in self.checks if c["ok"] is True),
+            "failed": sum(1 for c in self.checks if c["ok"] is False),
+            "skipped": sum(1 for c in self.checks if c["ok"] is None)}
+        self.doc["ok"] = self.doc["summary"]["failed"] == 0 and "error" not in self.doc
+        self.doc["elapsed_s"] = round(time.monotonic() - self.start, 1)
+        tmp = self.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.doc, f, indent=1, default=str)
+        os.replace(tmp, self.out)
+
+    def skip(self, name, why):
+        self.checks.append({"name": name, "ok": None, "detail": "skipped: " + why,
+                            "seconds": 0.0, "metrics": {}})
+        self.write()
+
+    def run(self, name, fn, limit_s):
+        """fn() -> (ok, detail, metrics). Exceptions and timeouts fail the
+        check; SystemExit / KeyboardInterrupt end the run."""
+        limit = min(float(limit_s), self.left() - self.reserve)
+        if limit < 3:
+            self.skip(name, "the time budget (%ds) is spent" % self.budget)
+            return False
+        rec = {"name": name, "ok": False, "detail": "", "seconds": 0.0, "metrics": {},
+               "limit_s": round(limit, 1)}
+        t0 = time.monotonic()
+        use_alarm = hasattr(signal, "setitimer")
+        old = signal.signal(signal.SIGALRM, _alarm) if use_alarm else None
+        try:
+            if use_alarm:
+                signal.setitimer(signal.ITIMER_REAL, limit)
+            ok, detail, metrics = fn()
+            rec.update(ok=bool(ok), detail=str(detail), metrics=metrics or {})
+        except CheckTimeout:
+            rec["detail"] = "timed out after %.0f s" % limit
+        except Exception as e:
+            rec["detail"] = "%s: %s\n%s" % (type(e).__name__, e, traceback.format_exc()[-3000:])
+        finally:
+            if use_alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old)
+            rec["seconds"] = round(time.monotonic() - t0, 2)
+            self.checks.append(rec)
+            self.write()
+            print("gpu_checks: %-10s %-5s %6.1fs  %s" % (
+                name, {True: "PASS", False: "FAIL"}[rec["ok"]], rec["seconds"],
+                rec["detail"].splitlines()[0][:160] if rec["detail"] else ""), flush=True)
+        return rec["ok"]
+
+
+def _import_weightd():
+    try:
+        import weightd  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, os.path.join(REPO, "build", "python"))
+        try:
+            import weightd  # noqa: F401,F811
+        except Exception as e:
+            return None, "failed: %s: %s" % (type(e).__name__, e)
+    except Exception as e:
+        return None, "failed: %s: %s" % (type(e).__name__, e)
+    return weightd, "ok: " + weightd.__file__
+
+
+def _save_safetensors(tensors, path):
+    """safetensors.torch.save_file, or an equivalent writer without it."""
+    try:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+        return
+    except ImportError:
+        pass
+    import torch
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+             torch.int64: "I64", torch.bool: "BOOL"}
+    header, off, blobs = {}, 0, []
+    for k, v in tensors.items():
+        data = v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b""
+        header[k] = {"dtype": names[v.dtype], "shape": list(v.shape),
+                     "data_offsets": [off, off + len(data)]}
+        off += len(data)
+        blobs.append(data)
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as f:
+        f.write(len(hb).to_bytes(8, "little"))
+        f.write(hb)
+        for b in blobs:
+            f.write(b)
+
+
+# ---------------------------------------------------------------- the checks
+
+
+class Checks:
+    def __init__(self, args, weightd, torch, doc):
+        self.args, self.weightd, self.torch, self.doc = args, weightd, torch, doc
+        self.dev = torch.device("cuda", 0)
+        self.tmp = tempfile.mkdtemp(prefix="wdgc.", dir="/tmp")  # socket paths stay short
+        self.models = os.path.join(self.tmp, "models")
+        os.makedirs(self.models)
+        self.sock = os.path.join(self.tmp, "w.sock")
+        self.log_path = os.path.join(self.tmp, "weightd.log")
+        self.proc = None
+        self.client = None
+        self.mix = {}      # name -> tensor on the GPU (the reference)
+        self.llama_path = None
+        self.llama_bytes = 0
+        self.llama_ref = {}  # a few llama tensors on the GPU
+
+    # -- plumbing
+
+    def ctl(self, *args, timeout=120):
+        r = subprocess.run([self.args.weightctl, "--socket", self.sock] + [str(a) for a in args],
+                           capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0:
+            raise RuntimeError("weightctl %s: %s" % (" ".join(map(str, args)),
+                                                     (r.stderr or r.stdout).strip()[-800:]))
+        return r.stdout
+
+    def leases(self):
+        return self.client.stats()["leases_open"]
+
+    def wait_leases(self, want, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.leases() != want:
+            time.sleep(0.05)
+        return self.leases()
+
+    def sync(self):
+        self.torch.cuda.synchronize(0)
+
+    def close(self):
+        if self.client is not None:
+            try:
+                self.doc["daemon_stats_at_end"] = self.client.stats()
+            except Exception:
+                pass
+            try:
+                self.client.close()
+            except Exception:
+                pass
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self.doc["daemon_exit"] = self.proc.returncode
+            self._log.close()
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - 6000))
+                self.doc["daemon_log_tail"] = f.read().decode("utf-8", "replace")
+        except OSError:
+            pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- setup
+
+    def setup(self):
+        torch = self.torch
+        m = {}
+        t0 = time.monotonic()
+        g = torch.Generator(device="cuda")
+        g.manual_seed(20250101)
+
+        def rand(shape, dtype):
+            return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+        f32, bf16 = torch.float32, torch.bfloat16
+        self.mix = {
+            "a.weight": rand(MIX_LARGE[0], f32),
+            "b.weight": rand(MIX_LARGE[1], bf16),
+            "c.weight": rand((7, 3), bf16),
+            "d.weight": rand((2, 5), f32),           # fewer rows than ranks at world 3
+            "vec": rand((1001,), bf16),
+            "scalar": torch.tensor(0.625, device="cuda"),
+            "empty": torch.zeros((0, 4), device="cuda"),
+            "ids": torch.arange(13, device="cuda", dtype=torch.int64),
+            "mask": torch.tensor([True, False, True, True, False], device="cuda"),
+        }
+        path = os.path.join(self.models, "mix.safetensors")
+        _save_safetensors({k: v.cpu() for k, v in self.mix.items()}, path)
+        m["mix_bytes"] = sum(v.numel() * v.element_size() for v in self.mix.values())
+
+        hidden, inter, vocab, layers = LLAMA_DIMS
+        llama = {"model.embed_tokens.weight": (vocab, hidden)}
+        for i in range(layers):
+            p = "model.layers.%d." % i
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                llama[p + "self_attn.%s.weight" % name] = (hidden, hidden)
+            llama[p + "mlp.gate_proj.weight"] = (inter, hidden)
+            llama[p + "mlp.up_proj.weight"] = (inter, hidden)
+            llama[p + "mlp.down_proj.weight"] = (hidden, inter)
+            llama[p + "input_layernorm.weight"] = (hidden,)
+            llama[p + "post_attention_layernorm.weight"] = (hidden,)
+        llama["model.norm.weight"] = (hidden,)
+        cpu = {}
+        for k, shape in llama.items():
+            t = rand(shape, bf16)
+            if k in ("model.norm.weight", "model.layers.0.self_attn.v_proj.weight"):
+                self.llama_ref[k] = t
+            cpu[k] = t.cpu()
+            del t
+        self.llama_path = os.path.join(self.models, "llama.safetensors")
+        _save_safetensors(cpu, self.llama_path)
+        self.llama_bytes = sum(v.numel() * v.element_size() for v in cpu.values())
+        del cpu
+        m["llama_bytes"] = self.llama_bytes
+        m["checkpoints_s"] = round(time.monotonic() - t0, 2)
+
+        t0 = time.monotonic()
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([self.args.weightd, "--socket", self.sock, "--model-root",
+                                      self.models], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError("weightd exited with %s at start" % self.proc.returncode)
+            if os.path.exists(self.sock) and subprocess.run(
+                    [self.args.weightctl, "--socket", self.sock, "health"],
+                    capture_output=True, timeout=30).returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("weightd not healthy after 60 s")
+            time.sleep(0.1)
+        m["daemon_start_s"] = round(time.monotonic() - t0, 2)
+        try:
+            self.doc["daemon_gpus"] = self.ctl("gpus", timeout=30).strip()
+        except Exception as e:
+            self.doc["daemon_gpus"] = "weightctl gpus failed: %s" % e
+        self.client = self.weightd.Client(socket=self.sock, retry_deadline=5)
+        st = self.client.stats()
+        m["cuda_built"] = bool(st.get("cuda_built"))
+        m["daemon_gpus"] = [gpu.uuid for gpu in st["gpus"]] if "gpus" in st else None
+        m["gpus_unavailable"] = st.get("gpus_unavailable", "")
+        from weightd import _cuda
+        m["client_gpu_uuid"] = _cuda.format_gpu_uuid(_cuda.gpu_uuid_bytes(0))
+        t0 = time.monotonic()
+        self.ctl("load", "mix", path)
+        m["load_mix_s"] = round(time.monotonic() - t0, 2)
+        t0 = time.monotonic()
+        self.ctl("load", "llama", self.llama_path, timeout=180)
+        m["load_llama_s"] = round(time.monotonic() - t0, 2)
+        ok = m["cuda_built"] and bool(m["daemon_gpus"]) and \
+            m["client_gpu_uuid"] in (m["daemon_gpus"] or [])
+        detail = "daemon cuda_built=%s gpus=%s%s; client GPU %s" % (
+            m["cuda_built"], m["daemon_gpus"],
+            " (%s)" % m["gpus_unavailable"] if m["gpus_unavailable"] else "",
+            m["client_gpu_uuid"])
+        return ok, detail, m
+
+    # -- the client's VMM allocation and tensors, without the daemon
+
+    def vmm(self):
+        import gc
+        import weakref
+        torch = self.torch
+        from weightd import _cuda
+        a = _cuda.vmm_alloc(0, 3 << 20)
+        m = {"ptr": hex(a.ptr), "size": a.size, "granularity": a.granularity}
+        fails = []
+        if a.size % a.granularity or a.size < 3 << 20 or a.fd < 0:
+            fails.append("size %d, granularity %d, fd %d" % (a.size, a.granularity, a.fd))
+        t = _cuda.tensor_from_ptr(a.ptr, a.size, torch.float32, (a.size // 4,), 0, a)
+        if t.data_ptr() != a.ptr or t.device != self.dev:
+            fails.append("tensor at 0x%x on %s" % (t.data_ptr(), t.device))
+        t.fill_(1.5)
+        b = _cuda.view_bytes(t.view(torch.uint8), 256, 512, torch.bfloat16, (16, 16))
+        b.fill_(-2.0)
+        self.sync()
+        # floats [0, 64) and [192, n) untouched; bytes [256, 768) the bf16 view
+        n = a.size // 4
+        got = (float(t[:64].double().sum()), float(t[192:].double().sum()),
+               bool((b == -2.0).all()), b.data_ptr() - a.ptr)
+        if got != (1.5 * 64, 1.5 * (n - 192), True, 256):
+            fails.append("read back %r, want %r" % (got, (1.5 * 64, 1.5 * (n - 192), True, 256)))
+        a.close_fd()
+        ref = weakref.ref(a)
+        del a, b
+        gc.collect()
+        view = t[10:20]
+        del t
+        gc.collect()
+        if ref() is None or ref().freed:
+            fails.append("the allocation was freed under a live view")
+        if float(view.sum()) != 15.0:
+            fails.append("the view reads %r" % float(view.sum()))
+        del view
+        gc.collect()
+        if ref() is not None:
+            fails.append("the allocation outlived its last tensor")
+        return not fails, ("alloc %d bytes (granularity %d), tensor in place, freed with its "
+                           "last view" % (m["size"], m["granularity"])
+                           if not fails else "; ".join(fails)), m
+
+    # -- a / b: parity
+
+    def _compare(self, h, world, rank, dtype, fails, inside=True):
+        torch = self.torch
+        sd = h.state_dict()
+        ranges = h._segment_ranges() if inside else []
+        for name, t in self.mix.items():
+            want = chunk_ref(t, world, rank, dtype)
+            got = sd.get(name)
+            what = "W%d r%d %s %s" % (world, rank, dtype, name)
+            if got is None:
+                fails.append(what + ": missing")
+                continue
+            if got.device != self.dev:
+                fails.append(what + ": on %s" % got.device)
+                continue
+            if not same_bits(got, want):
+                if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+                    fails.append(what + ": %s %s, want %s %s" % (
+                        got.dtype, list(got.shape), want.dtype, list(want.shape)))
+                else:
+                    nb = int((got.reshape(-1).view(torch.uint8) !=
+                              want.reshape(-1).view(torch.uint8)).sum())
+                    fails.append(what + ": %d bytes differ" % nb)
+                continue
+            if inside and got.numel():
+                p, n = got.data_ptr(), got.numel() * got.element_size()
+                if not any(lo <= p and p + n <= hi for lo, hi in ranges):
+                    fails.append(what + ": not inside the push's allocation")
+        del sd
+
+    def push_parity(self):
+        fails, n, pushed = [], 0, 0
+        base = self.leases()
+        for world in (1, 2, 3):
+            for rank in range(world):
+                for dtype in ("keep", "bf16", "f32"):
+                    h = self.client.fetch("mix", world=world, rank=rank, device="cuda:0",
+                                          dtype=None if dtype == "keep" else dtype)
+                    try:
+                        if (h.mode, h.device) != ("push", "cuda:0") or \
+                                len(h._segment_ranges()) != 1:
+                            fails.append("W%d r%d %s: handle %r" % (world, rank, dtype, h))
+                        pushed += h.nbytes
+                        self._compare(h, world, rank, dtype, fails)
+                    finally:
+                        h.release()
+                    n += 1
+        self.torch.cuda.empty_cache()
+        if self.wait_leases(base) != base:
+            fails.append("leases_open %d after the pushes, %d before" % (self.leases(), base))
+        return not fails, ("%d pushes x %d tensors bit-exact (%.0f MiB pushed)"
+                           % (n, len(self.mix), pushed / 2**20) if not fails
+                           else "; ".join(fails[:12])), {"pushes": n, "failures": len(fails)}
+
+    def pull_parity(self):
+        fails, n, pinned = [], 0, []
+        base = self.leases()
+        for world, rank, dtype, pin in ((1, 0, "keep", True), (3, 2, "bf16", True),
+                                        (3, 0, "f32", True), (2, 1, "keep", False)):
+            h = self.client.fetch("mix", world=world, rank=rank, device="cuda:0", mode="pull",
+                                  dtype=None if dtype == "keep" else dtype, pin=pin)
+            try:
+                if (h.mode, h.device) != ("pull", "cuda:0"):
+                    fails.append("W%d r%d: handle %r" % (world, rank, h))
+                pinned.append({"pin": pin, "pinned": h.pinned, "pin_error": h.pin_error})
+                self._compare(h, world, rank, dtype, fails, inside=False)
+            finally:
+                h.release()
+            n += 1
+        if self.wait_leases(base) != base:
+            fails.append("leases_open %d after the pulls, %d before" % (self.leases(), base))
+        note = ""
+        if pinned[0]["pinned"] is not True:
+            # A device without read-only registration is a fact to report;
+            # any other refusal is a bug of the client's (flags, ranges).
+            note = " NOT PINNED: %s" % pinned[0]["pin_error"]
+            if "cannot register read-only host memory" not in pinned[0]["pin_error"]:
+                fails.append("the pinned pull did not pin: %s" % pinned[0]["pin_error"])
+        return not fails, ("%d pulls bit-exact; pinned: %s%s" % (
+            n, [p["pinned"] for p in pinned], note) if not fails else "; ".join(fails[:12])), \
+            {"pulls": pinned}
+
+    # -- c: LoRA
+
+    def lora(self):
+        torch = self.torch
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as e:
+            return False, "peft not installed: %s" % e, {}
+        torch.backends.cuda.matmul.allow_tf32 = False
+        nn = torch.nn
+        hidden, layers = 256, 2
+
+        class Attn(nn.Module):
+            def __init__(self):
+                super().__init__()
+                for name, out in (("q_proj", hidden), ("k_proj", hidden // 2),
+                                  ("v_proj", hidden // 2), ("o_proj", hidden)):
+                    setattr(self, name, nn.Linear(hidden, out, bias=False))
+
+        class Layer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.self_attn = Attn()
+
+        class Inner(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList([Layer() for _ in range(layers)])
+
+        class Tiny(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = Inner()
+
+            def forward(self, x):
+                for layer in self.model.layers:
+                    a = layer.self_attn
+                    x = a.o_proj(torch.cat([a.q_proj(x)[..., :hidden // 2], a.v_proj(x)], -1))
+                return x
+
+        torch.manual_seed(4242)
+        model = Tiny()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_((p * 4).to(torch.bfloat16).float())  # bf16-exact fp32 values
+        base16 = {k: v.detach().to(torch.bfloat16).contiguous()
+                  for k, v in model.state_dict().items()}
+        path = os.path.join(self.models, "lora.safetensors")
+        _save_safetensors(base16, path)
+        self.ctl("load", "lora", path)
+        targets = sorted(k for k in base16 if ".q_proj." in k or ".v_proj." in k)
+        fails, m = [], {"tolerance": LORA_TOLERANCE}
+
+        h0 = self.client.fetch("lora", device="cuda:0")  # before apply: refreshed below
+        before = h0.state_dict()
+        for k, v in base16.items():
+            if not same_bits(before[k], v):
+                fails.append("base push %s differs from the checkpoint" % k)
+
+        cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                         lora_dropout=0.0, bias="none")
+        pm = get_peft_model(model, cfg)
+        g = torch.Generator().manual_seed(77)
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_A" in n or "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        adir = os.path.join(self.models, "adapter_peft")
+        pm.save_pretrained(adir, safe_serialization=True)
+        m["adapter_files"] = sorted(os.listdir(adir))
+        try:
+            self.ctl("adapter", "load", "a", adir)
+        except RuntimeError as e:
+            fails.append("weightctl adapter load of peft's save_pretrained output: %s" % e)
+            # Go on with the minimal config the test suites write, to still
+            # check the merge.
+            from safetensors.torch import load_file
+            adir2 = os.path.join(self.models, "adapter_min")
+            os.makedirs(adir2)
+            with open(os.path.join(adir2, "adapter_config.json"), "w") as f:
+                json.dump({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                           "target_modules": ["q_proj", "v_proj"]}, f)
+            _save_safetensors(load_file(os.path.join(adir, "adapter_model.safetensors")),
+                              os.path.join(adir2, "adapter_model.safetensors"))
+            self.ctl("adapter", "load", "a", adir2)
+        gen0 = h0.generation
+        self.ctl("apply", "lora", "a")
+        gen1 = self.client.info("lora").generation
+        m["generations"] = [gen0, gen1]
+
+        merged = pm.to(self.dev).merge_and_unload()
+        ref32 = {k: v.detach().float() for k, v in merged.state_dict().items()}
+        if sorted(ref32) != sorted(base16):
+            fails.append("peft's merged names %s != the checkpoint's" % sorted(ref32)[:4])
+        details = {}
+        fresh = {}
+        for dtype in ("f32", "keep"):
+            h = self.client.fetch("lora", device="cuda:0", dtype=None if dtype == "keep" else dtype)
+            try:
+                sd = h.state_dict()
+                worst = ""
+                for k in base16:
+                    got = sd[k]
+                    if k in targets:
+                        ok, d = lora_close(got, ref32[k])
+                        worst = d if not worst or not ok else worst
+                        details["%s %s" % (dtype, k)] = d
+                        if not ok:
+                            fails.append("%s %s: %s" % (dtype, k, d))
+                    else:
+                        want = base16[k].float() if dtype == "f32" else base16[k]
+                        if not same_bits(got, want):
+                            fails.append("%s %s: an untouched tensor changed" % (dtype, k))
+                if dtype == "keep":
+                    fresh = {k: sd[k].clone() for k in base16}
+                m["max_abs_diff_" + dtype] = max(
+                    float((sd[k].float() - ref32[k]).abs().max()) for k in targets)
+                del sd
+            finally:
+                h.release()
+        m["per_tensor"] = details
+        # The handle pushed before `apply`, refreshed in place.
+        names = h0.refresh()
+        if sorted(names) != targets:
+            fails.append("refresh() rewrote %s, want %s" % (sorted(names), targets))
+        if h0.generation != gen1:
+            fails.append("refreshed handle at generation %d, want %d" % (h0.generation, gen1))
+        for k in base16:
+            if not same_bits(before[k], fresh[k]):
+                fails.append("refreshed %s (a view taken before) != a fresh push" % k)
+        h0.release()
+        del before
+        return not fails, ("peft merge parity: max|diff| f32 %.3g, bf16 %.3g (%s); refresh in "
+                           "place == fresh push" % (m["max_abs_diff_f32"], m["max_abs_diff_keep"],
+                                                    LORA_TOLERANCE)
+                           if not fails else "; ".join(fails[:10])), m
+
+    # -- d: a client killed mid-push
+
+    # The child says "pushing" once its allocation is made and the lease is
+    # about to be attached (a kill before that would leave a lease that only
+    # its idle TTL ends: not what is tested here).
+    CHILD = r"""
+import sys, time, torch, weightd
+from weightd import _cuda
+torch.zeros(1, device="cuda:0")
+c = weightd.Client(socket=sys.argv[1], retry_deadline=0)
+push = _cuda.push_cuda
+def pushing(*args, **kwargs):
+    print("pushing", flush=True)
+    return push(*args, **kwargs)
+_cuda.push_cuda = pushing
+print("ready", flush=True)
+sys.stdin.readline()
+h = c.fetch(sys.argv[2], device="cuda:0", dtype="f32")
+print("done", flush=True)
+time.sleep(120)
+"""
+
+    def killed(self):
+        torch = self.torch
+        m = {}
+        base = self.leases()
+        times = []
+        for _ in range(2):  # the first one also casts (the daemon keeps the result)
+            t0 = time.monotonic()
+            h = self.client.fetch("llama", device="cuda:0", dtype="f32")
+            self.sync()
+            times.append(time.monotonic() - t0)
+            m["bytes"] = h.nbytes
+            h.release()
+            del h
+        t_push = times[-1]
+        m["push_f32_s"] = [round(t, 3) for t in times]
+        torch.cuda.empty_cache()
+        child = subprocess.Popen([sys.executable, "-c", self.CHILD, self.sock, "llama"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            line = child.stdout.readline()
+            if line.strip() != "ready":
+                return False, "child did not start: %s %s" % (line, child.stderr.read()[-1500:]), m
+            child.stdin.write("\n")
+            child.stdin.flush()
+            line = child.stdout.readline()
+            if line.strip() != "pushing":
+                return False, "child: %s %s" % (line, child.stderr.read()[-1500:]), m
+            delay = max(0.02, 0.3 * t_push)
+            time.sleep(delay)
+            child.kill()
+            child.wait(timeout=30)
+            rest = child.stdout.read()
+            m["kill_after_s"] = round(delay, 3)
+            m["mid_push"] = "done" not in rest
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        fails = []
+        if self.proc.poll() is not None:
+            return False, "weightd died (exit %s)" % self.proc.returncode, m
+        if self.client.health() is not True:
+            fails.append("not healthy")
+        left = self.wait_leases(base, timeout=30)
+        if left != base:
+            fails.append("leases_open %d, %d before" % (left, base))
+        h = self.client.fetch("llama", world=2, rank=1, device="cuda:0")
+        try:
+            sd = h.state_dict()
+            for k, t in self.llama_ref.items():
+                if not same_bits(sd[k], chunk_ref(t, 2, 1, None)):
+                    fails.append("the push after the kill: %s differs" % k)
+            del sd
+        finally:
+            h.release()
+        detail = "killed %.2f s after the push began (a whole fetch takes %.2f s: %s); daemon " \
+            "serves, no lease left, a new push is right" % (
+                m["kill_after_s"], t_push, "mid-push" if m["mid_push"]
+                else "it had FINISHED: not a mid-push kill")
+        return not fails, detail if not fails else "; ".join(fails), m
+
+    # -- e: bandwidth
+
+    def bandwidth(self):
+        torch = self.torch
+        from weightd import _cuda, _datasock
+        from weightd.v1 import weightd_pb2 as pb
+        m = {}
+        nbytes = self.llama_bytes
+        reps = 3
+
+        def best(times):
+            return min(times), sorted(times)[len(times) // 2]
+
+        def fetch_times(dtype):
+            h = self.client.fetch("llama", device="cuda:0", dtype=dtype)  # warm (materialize)
+            out_bytes = h.nbytes
+            h.release()
+            del h
+            ts = []
+            for _ in range(reps):
+                t0 = time.monotonic()
+                h = self.client.fetch("llama", device="cuda:0", dtype=dtype)
+                self.sync()
+                ts.append(time.monotonic() - t0)
+                h.release()
+                del h
+            return out_bytes, ts
+
+        def push_only_times(dtype):
+            """The daemon's part alone: Fetch, then time push_cuda into an
+            allocation made beforehand."""
+            dt = self.weightd._dtypes
+            ts, alloc_ts = [], []
+            for _ in range(reps):
+                resp = self.client._shards.Fetch(pb.FetchRequest(
+                    model="llama", mesh_shape=[1], coord=[0], transport=pb.SHM,
+                    dtype=dt.enum_of_name(dt.parse_request_dtype(dtype)) if dtype
+                    else pb.DTYPE_UNSPECIFIED), timeout=60)
+                _, size = _datasock.default_layout([t.length for t in resp.tensors])
+                t0 = time.monotonic()
+                try:
+                    alloc = _cuda.vmm_alloc(0, size)
+                except BaseException:
+                    self.client._shards.Release(pb.ReleaseRequest(
+                        lease_id=resp.lease_id, token=resp.token), timeout=10)
+                    raise
+                alloc_ts.append(time.monotonic() - t0)
+                try:
+                    t0 = time.monotonic()
+                    _cuda.push_cuda(resp.data_socket, resp.lease_id, bytes(resp.token), alloc.fd,
+                                    _cuda.gpu_uuid_bytes(0), alloc.size, None, timeout=120)
+                    ts.append(time.monotonic() - t0)
+                finally:
+                    alloc.free()
+            return ts, alloc_ts
+
+        def h2d_times(pinned):
+            src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            src.fill_(7)
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
+            dst.copy_(src, non_blocking=True)  # warm
+            self.sync()
+            ts = []
+            for _ in range(reps):
+                t0 = time.monotonic()
+                dst.copy_(src, non_blocking=True)
+                self.sync()
+                ts.append(time.monotonic() - t0)
+            del src, dst
+            torch.cuda.empty_cache()
+            return ts
+
+        gbs = lambda n, t: n / t / 1e9  # noqa: E731
+        out_keep, t_keep = fetch_times(None)
+        out_f32, t_f32 = fetch_times("f32")
+        p_keep, a_keep = push_only_times(None)
+        p_f32, a_f32 = push_only_times("f32")
+        t_pinned = h2d_times(True)
+        t_pageable = h2d_times(False)
+        m["bytes_in"] = nbytes
+        m["bytes_out_keep"], m["bytes_out_f32"] = out_keep, out_f32
+        m["pinned_h2d_GBps"] = round(gbs(nbytes, best(t_pinned)[0]), 2)
+        m["pageable_h2d_GBps"] = round(gbs(nbytes, best(t_pageable)[0]), 2)
+        m["push_only_keep_GBps"] = round(gbs(out_keep, best(p_keep)[0]), 2)
+        m["push_only_f32_GBps_out"] = round(gbs(out_f32, best(p_f32)[0]), 2)
+        m["push_only_f32_GBps_in"] = round(gbs(nbytes, best(p_f32)[0]), 2)
+        m["fetch_keep_GBps"] = round(gbs(out_keep, best(t_keep)[0]), 2)
+        m["fetch_f32_GBps_out"] = round(gbs(out_f32, best(t_f32)[0]), 2)
+        m["vmm_alloc_keep_s"] = round(min(a_keep), 4)
+        m["vmm_alloc_f32_s"] = round(min(a_f32), 4)
+        m["ratio_push_only_keep_vs_pinned"] = round(m["push_only_keep_GBps"] /
+                                                    m["pinned_h2d_GBps"], 3)
+        m["ratio_fetch_keep_vs_pinned"] = round(m["fetch_keep_GBps"] / m["pinned_h2d_GBps"], 3)
+        m["ratio_push_only_f32_in_vs_pinned"] = round(m["push_only_f32_GBps_in"] /
+                                                      m["pinned_h2d_GBps"], 3)
+        m["times_s"] = {"fetch_keep": t_keep, "fetch_f32": t_f32, "push_keep": p_keep,
+                        "push_f32": p_f32, "pinned": t_pinned, "pageable": t_pageable}
+        m["goal"] = ">= 0.9x pinned (reported only; the daemon copies from pageable memory today)"
+        detail = ("push (daemon copy) %.1f GB/s keep, %.1f GB/s f32 out; whole fetch %.1f GB/s; "
+                  "pinned H2D %.1f GB/s, pageable %.1f GB/s: ratio %.2f (goal 0.9)" % (
+                      m["push_only_keep_GBps"], m["push_only_f32_GBps_out"], m["fetch_keep_GBps"],
+                      m["pinned_h2d_GBps"], m["pageable_h2d_GBps"],
+                      m["ratio_push_only_keep_vs_pinned"]))
+        return True, detail, m
+
+    # -- f: time to a ready shard
+
+    def ready(self):
+        torch = self.torch
+        m, fails = {}, []
+        try:
+            from safetensors.torch import load_file
+        except ImportError as e:
+            load_file = None
+            fails.append("safetensors not installed: %s" % e)
+        for world, rank in ((1, 0), (2, 0)):
+            key = "w%d" % world
+            for attempt in range(2):
+                t0 = time.monotonic()
+                h = self.client.fetch("llama", world=world, rank=rank, device="cuda:0")
+                push_sd = h.state_dict()
+                self.sync()
+                m.setdefault(key + "_push_s", []).append(round(time.monotonic() - t0, 3))
+                if load_file is not None:
+                    t0 = time.monotonic()
+                    full = load_file(self.llama_path, device="cuda:0")
+                    st_sd = {k: chunk_ref(v, world, rank, None) for k, v in full.items()}
+                    self.sync()
+                    m.setdefault(key + "_safetensors_s", []).append(round(time.monotonic() - t0, 3))
+                    if attempt == 0:
+                        for k, v in st_sd.items():
+                            if not same_bits(push_sd[k], v):
+                                fails.append("W%d %s: push != safetensors" % (world, k))
+                    del full, st_sd
+                m[key + "_bytes"] = h.nbytes
+                del push_sd
+                h.release()
+                del h
+                torch.cuda.empty_cache()
+        parts = []
+        for world in (1, 2):
+            key = "w%d" % world
+            p = min(m[key + "_push_s"])
+            s = min(m.get(key + "_safetensors_s") or [0.0])
+            m[key + "_speedup"] = round(s / p, 2) if p and s else None
+            parts.append("W%d (%.2f GiB): push %.3f s, safetensors %s" % (
+                world, m[key + "_bytes"] / 2**30, p, "%.3f s" % s if s else "-"))
+        m["note"] = "the checkpoint was just written: safetensors reads it from the page cache"
+        return not fails, "; ".join(parts) if not fails else "; ".join(fails[:8]), m
+
+
+# ---------------------------------------------------------------- main
+
+
+def _status(doc):
+    """logs/gpu_checks.status for run_on_device.sh (when run by it)."""
+    out = os.environ.get("OUT")
+    if not out or not os.path.isdir(os.path.join(out, "logs")):
+        return
+    checks = doc.get("checks", [])
+    failed = [c["name"] for c in checks if c["ok"] is False]
+    if "skipped" in doc:
+        line = "skipped\t%s" % doc["skipped"]
+    elif "error" in doc:
+        line = "fail\tgpu_checks.py broke: %s" % doc["error"].strip().splitlines()[-1][:200]
+    elif failed:
+        line = "fail\t%d of %d checks failed: %s" % (len(failed), len(checks), ", ".join(failed))
+    else:
+        line = "pass\t%d checks passed" % sum(1 for c in checks if c["ok"])
+    with open(os.path.join(out, "logs", "gpu_checks.status"), "w") as f:
+        f.write(line.replace("\n", " ") + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--weightd", required=True)
+    ap.add_argument("--weightctl", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget", type=float, default=280.0, help="seconds for the whole run")
+    args = ap.parse_args(argv)
+    args.out = os.path.abspath(args.out)
+    doc = {"schema": SCHEMA, "started_unix": int(time.time()), "checks": [],
+           "weightd": args.weightd, "weightctl": args.weightctl}
+    rec = Recorder(args.out, args.budget, doc)
+
+    def term(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, term)
+
+    checks = None
+    try:
+        try:
+            import torch
+        except Exception as e:
+            doc["skipped"] = "no GPU: torch cannot be imported (%s: %s)" % (type(e).__name__, e)
+            return 0
+        doc["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda}
+        weightd, doc["weightd_import"] = _import_weightd()
+        if not torch.cuda.is_available():
+            doc["skipped"] = "no GPU: torch.cuda.is_available() is False (torch %s, CUDA %s)" % (
+                torch.__version__, torch.version.cuda)
+            return 0
+        if weightd is None:
+            doc["error"] = "cannot import the weightd client: " + doc["weightd_import"]
+            return 0
+        p = torch.cuda.get_device_properties(0)
+        doc["device"] = {"name": p.name, "uuid": str(getattr(p, "uuid", "")),
+                         "total_memory": p.total_memory, "count": torch.cuda.device_count()}
+        checks = Checks(args, weightd, torch, doc)
+        if not rec.run("setup", checks.setup, 150):
+            if not checks.client:
+                for name in ("vmm", "push", "pull", "lora", "killed", "bandwidth", "ready"):
+                    rec.skip(name, "setup failed")
+                return 0
+        rec.run("vmm", checks.vmm, 30)
+        rec.run("push", checks.push_parity, 120)
+        rec.run("pull", checks.pull_parity, 60)
+        rec.run("lora", checks.lora, 90)
+        rec.run("killed", checks.killed, 90)
+        rec.run("bandwidth", checks.bandwidth, 90)
+        rec.run("ready", checks.ready, 90)
+        return 0
+    except BaseException as e:  # the script itself broke, or was told to stop
+        doc["error"] = "%s: %s\n%s" % (type(e).__name__, e, traceback.format_exc()[-3000:])
+        return 0 if not isinstance(e, (SystemExit, KeyboardInterrupt)) else 1
+    finally:
+        if checks is not None:
+            try:
+                checks.close()
+            except Exception as e:
+                doc["close_error"] = repr(e)
+        rec.write()
+        _status(doc)
+        print("gpu_checks: %s -> %s" % (
+            doc.get("skipped") or ("ERROR" if "error" in doc else doc.get("summary")), args.out),
+            flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1232 @@
+"""The Python client's GPU side, checked on a machine without a GPU
+(client/python/weightd/_cuda.py, client.py fetch(device=...)).
+
+What runs here:
+* ctypes layouts and enum values of CUmemLocation / CUmemAllocationProp /
+  CUmemAccessDesc / CUuuid equal the C compiler's for cuda.h (a helper
+  program compiled at test time; skipped without gcc or cuda.h).
+* The driver sequence of vmm_alloc / free / export_fd / host registration,
+  against a fake libcuda.so.1 compiled here from cuda.h's own prototypes
+  (so every symbol name and signature the client uses is checked against the
+  header): struct contents passed, size rounding, context push/pop and
+  retain/release balance, rollback when a step fails, error codes and texts,
+  the exported fd being the memory at .ptr.
+* Pure helpers: UUID parsing/formatting, device parsing, pull pin ranges,
+  byte views of every dtype (CPU tensors standing in for CUDA ones), the
+  CUDA push request bytes decoded field by field.
+* The device paths end to end with stand-ins for what needs CUDA (torch's
+  device check, the tensor over device memory -- a CPU tensor over the fake
+  allocation that holds it as torch's CUDA-array-interface path would --,
+  torch.cuda.synchronize, and the daemon's CUDA copy, done by the real
+  daemon as a host push of the same lease into the fake allocation's fd):
+  push handles (bytes, offsets, one allocation, lifetime: a tensor kept after
+  release() holds the allocation, the last one frees it), refresh() of a
+  CUDA push handle after `apply` (only the targets rewritten, in place), and
+  pull (read-only maps, pinned ranges registered read-only and unregistered,
+  pinning refused or off, the lease ended at once).
+* Against a real daemon (a CUDA build, no driver here): fetch(device=...)
+  argument errors and FAILED_PRECONDITION naming the missing CUDA, with no
+  lease taken; raw CUDA pushes (a memfd standing in for the VMM fd) answered
+  FAILED_PRECONDITION "the daemon has no GPU" (with our UUID as the daemon
+  prints it), bad targets INVALID_ARGUMENT, the connection serving a good
+  host push after each; and fetch(device="cuda:0") through the fake driver
+  up to the daemon's refusal, with the allocation and fds released.
+* tests/gpu/gpu_checks.py: its no-GPU path and its pure helpers.
+
+What cannot run here: the real driver, torch's CUDA tensors over VMM memory
+(tensor_from_ptr), the daemon's CUDA copies: tests/gpu/gpu_checks.py on a
+device.
+"""
+import ctypes
+import gc
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import BUILD, REPO, Daemon  # noqa: E402
+import st_io  # noqa: E402
+
+import weightd  # noqa: E402  (build/python, put on sys.path by harness)
+from weightd import _cuda, _datasock  # noqa: E402
+from weightd.v1 import weightd_pb2 as pb  # noqa: E402
+
+CUDA_INCLUDE = "/usr/local/cuda/include"
+OK, INVALID_ARGUMENT, FAILED_PRECONDITION, UNIMPLEMENTED = 0, 3, 9, 12
+UUID = bytes(range(0xA0, 0xB0))
+UUID_TEXT = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadaeaf"
+
+
+def _need_cc():
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc")
+    if not os.path.exists(os.path.join(CUDA_INCLUDE, "cuda.h")):
+        pytest.skip("no %s/cuda.h" % CUDA_INCLUDE)
+
+
+def _compile(tmp, name, source, shared=False):
+    src = os.path.join(tmp, name + ".c")
+    out = os.path.join(tmp, ("lib%s.so" % name) if shared else name)
+    with open(src, "w") as f:
+        f.write(source)
+    cmd = ["gcc", "-std=gnu11", "-Wall", "-Werror", "-I", CUDA_INCLUDE, "-o", out, src]
+    if shared:
+        cmd[1:1] = ["-shared", "-fPIC"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+# ---------------------------------------------------------------- layouts
+
+LAYOUT_C = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include <cuda.h>
+#define F(T, f) printf("\"%s.%s\": %zu,\n", #T, #f, offsetof(T, f))
+#define S(T) printf("\"%s\": %zu,\n", #T, sizeof(T))
+#define E(v) printf("\"%s\": %lld,\n", #v, (long long)(v))
+int main(void) {
+  printf("{\n");
+  S(CUmemLocation); F(CUmemLocation, type); F(CUmemLocation, id);
+  S(CUmemAllocationProp); F(CUmemAllocationProp, type);
+  F(CUmemAllocationProp, requestedHandleTypes); F(CUmemAllocationProp, location);
+  F(CUmemAllocationProp, win32HandleMetaData); F(CUmemAllocationProp, allocFlags);
+  F(CUmemAllocationProp, allocFlags.compressionType);
+  F(CUmemAllocationProp, allocFlags.gpuDirectRDMACapable);
+  F(CUmemAllocationProp, allocFlags.usage); F(CUmemAllocationProp, allocFlags.reserved);
+  S(CUmemAccessDesc); F(CUmemAccessDesc, location); F(CUmemAccessDesc, flags);
+  S(CUuuid); S(CUdeviceptr); S(CUmemGenericAllocationHandle); S(CUdevice);
+  S(CUmemAllocationType); S(CUmemAllocationHandleType); S(CUmemLocationType);
+  S(CUmemAccess_flags);
+  E(CU_MEM_ALLOCATION_TYPE_PINNED); E(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  E(CU_MEM_LOCATION_TYPE_DEVICE); E(CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  E(CU_MEM_ALLOC_GRANULARITY_MINIMUM); E(CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+  E(CU_MEMHOSTREGISTER_READ_ONLY);
+  E(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED);
+  E(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED);
+  E(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED);
+  E(CUDA_ERROR_OUT_OF_MEMORY); E(CUDA_ERROR_NOT_INITIALIZED); E(CUDA_ERROR_DEINITIALIZED);
+  E(CUDA_ERROR_STUB_LIBRARY); E(CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER);
+  E(CUDA_ERROR_DEVICE_UNAVAILABLE); E(CUDA_ERROR_NO_DEVICE); E(CUDA_ERROR_INVALID_DEVICE);
+  E(CUDA_ERROR_DEVICE_NOT_LICENSED); E(CUDA_ERROR_NOT_PERMITTED); E(CUDA_ERROR_NOT_SUPPORTED);
+  E(CUDA_ERROR_SYSTEM_DRIVER_MISMATCH); E(CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE);
+  printf("\"end\": 0}\n");
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def c_layout(tmp_path_factory):
+    _need_cc()
+    exe = _compile(str(tmp_path_factory.mktemp("layout")), "layout", LAYOUT_C)
+    return json.loads(subprocess.run([exe], capture_output=True, text=True, check=True).stdout)
+
+
+def test_struct_layouts_match_cuda_h(c_layout):
+    c = c_layout
+    structs = {"CUmemLocation": _cuda.CUmemLocation,
+               "CUmemAllocationProp": _cuda.CUmemAllocationProp,
+               "CUmemAccessDesc": _cuda.CUmemAccessDesc, "CUuuid": _cuda.CUuuid}
+    for name, cls in structs.items():
+        assert ctypes.sizeof(cls) == c[name], name
+        size, offsets = _cuda.LAYOUT[name]
+        assert size == c[name], name
+        for field, _ in cls._fields_:
+            key = "%s.%s" % (name, field)
+            if key in c:
+                assert getattr(cls, field).offset == c[key], key
+                assert offsets[field] == c[key], key
+    flags = _cuda.CUmemAllocFlags
+    base = _cuda.CUmemAllocationProp.allocFlags.offset
+    for field in ("compressionType", "gpuDirectRDMACapable", "usage", "reserved"):
+        assert base + getattr(flags, field).offset == \
+            c["CUmemAllocationProp.allocFlags.%s" % field], field
+    assert ctypes.sizeof(flags) == c["CUmemAllocationProp"] - base
+    # The scalar types the prototypes use.
+    assert ctypes.sizeof(ctypes.c_ulonglong) == c["CUdeviceptr"] == \
+        c["CUmemGenericAllocationHandle"]
+    assert ctypes.sizeof(ctypes.c_int) == c["CUdevice"] == c["CUmemAllocationType"] == \
+        c["CUmemAllocationHandleType"] == c["CUmemLocationType"] == c["CUmemAccess_flags"]
+
+
+def test_enum_values_match_cuda_h(c_layout):
+    for name in ("CU_MEM_ALLOCATION_TYPE_PINNED", "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR",
+                 "CU_MEM_LOCATION_TYPE_DEVICE", "CU_MEM_ACCESS_FLAGS_PROT_READWRITE",
+                 "CU_MEM_ALLOC_GRANULARITY_MINIMUM", "CU_MEM_ALLOC_GRANULARITY_RECOMMENDED",
+                 "CU_MEMHOSTREGISTER_READ_ONLY",
+                 "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+                 "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
+                 "CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED"):
+        assert getattr(_cuda, name) == c_layout[name], name
+    assert _cuda.HANDLE_VMM_POSIX_FD == c_layout["CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"]
+    assert _cuda._OOM == c_layout["CUDA_ERROR_OUT_OF_MEMORY"]
+    precondition = {c_layout[n] for n in (
+        "CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERROR_DEINITIALIZED", "CUDA_ERROR_STUB_LIBRARY",
+        "CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER", "CUDA_ERROR_DEVICE_UNAVAILABLE",
+        "CUDA_ERROR_NO_DEVICE", "CUDA_ERROR_INVALID_DEVICE", "CUDA_ERROR_DEVICE_NOT_LICENSED",
+        "CUDA_ERROR_NOT_PERMITTED", "CUDA_ERROR_NOT_SUPPORTED",
+        "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE")}
+    assert _cuda._PRECONDITION_ERRORS == precondition
+
+
+# ---------------------------------------------------------------- fake driver
+
+# Every entry point _cuda.py uses, defined through cuda.h's own prototypes
+# (its #defines give the _v2 symbols). "Device memory" is a memfd: cuMemMap
+# maps it at the reserved address (PROT_NONE until cuMemSetAccess), and the
+# exported fd is a dup of it, so the test can see the pointer and the fd
+# name the same bytes. The memfd is allocated and sealed against shrinking
+# and growing, as a host push wants: the end-to-end tests below have the real daemon
+# host-push into it in place of the CUDA push it cannot do here.
+FAKE_C = r"""
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define MAXA 64
+static struct { int used, memfd; size_t size; } allocs[MAXA];
+static int live, retained, depth, syncs, registered, reserved, mapped, bad;
+static char fail_name[64];
+static int fail_code;
+static char logbuf[1 << 16];
+static size_t loglen;
+static size_t gran_min = 2u << 20, gran_rec = 2u << 20;
+static int attrs[256];
+
+static void say(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  if (loglen < sizeof(logbuf) - 256) {
+    loglen += vsnprintf(logbuf + loglen, sizeof(logbuf) - loglen, fmt, ap);
+    logbuf[loglen++] = '\n';
+    logbuf[loglen] = 0;
+  }
+  va_end(ap);
+}
+static int failing(const char* name) {
+  if (fail_code && strcmp(name, fail_name) == 0) { int c = fail_code; fail_code = 0; return c; }
+  return 0;
+}
+#define FAIL(name) do { int c_ = failing(name); if (c_) { say("%s failed %d", name, c_); \
+  return (CUresult)c_; } } while (0)
+#define NEED_CTX() do { if (depth <= 0) { bad++; return CUDA_ERROR_INVALID_CONTEXT; } } while (0)
+
+void fake_reset(void) {
+  fail_code = 0; loglen = 0; logbuf[0] = 0; gran_min = gran_rec = 2u << 20;
+  for (int i = 0; i < 256; i++) attrs[i] = 1;
+}
+void fake_fail(const char* name, int code) {
+  strncpy(fail_name, name, sizeof(fail_name) - 1); fail_code = code;
+}
+void fake_granularity(size_t mn, size_t rec) { gran_min = mn; gran_rec = rec; }
+void fake_attr(int attr, int value) { attrs[attr] = value; }
+const char* fake_log(void) { return logbuf; }
+void fake_counters(int* out) {
+  out[0] = live; out[1] = retained; out[2] = depth; out[3] = syncs; out[4] = registered;
+  out[5] = reserved; out[6] = mapped; out[7] = bad;
+}
+
+CUresult CUDAAPI cuInit(unsigned int flags) { FAIL("cuInit"); say("cuInit %u", flags); return 0; }
+CUresult CUDAAPI cuGetErrorName(CUresult e, const char** s) {
+  *s = e == CUDA_ERROR_OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY" : "CUDA_ERROR_FAKE"; return 0;
+}
+CUresult CUDAAPI cuGetErrorString(CUresult e, const char** s) { *s = "fake error text"; return 0; }
+CUresult CUDAAPI cuDeviceGet(CUdevice* d, int ordinal) {
+  FAIL("cuDeviceGet");
+  if (ordinal < 0 || ordinal > 1) return CUDA_ERROR_INVALID_DEVICE;
+  *d = ordinal; return 0;
+}
+CUresult CUDAAPI cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice d) {
+  FAIL("cuDeviceGetAttribute");
+  if ((int)a < 0 || (int)a >= 256) return CUDA_ERROR_INVALID_VALUE;
+  say("attr %d dev %d", (int)a, d); *v = attrs[a]; return 0;
+}
+CUresult CUDAAPI cuDeviceGetUuid(CUuuid* u, CUdevice d) {
+  for (int i = 0; i < 16; i++) u->bytes[i] = (char)(0xa0 + i);
+  return 0;
+}
+CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
+  FAIL("cuDevicePrimaryCtxRetain");
+  *c = (CUcontext)(uintptr_t)(0x1000 + d); retained++; return 0;
+}
+CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice d) { retained--; return 0; }
+CUresult CUDAAPI cuCtxPushCurrent(CUcontext c) {
+  FAIL("cuCtxPushCurrent");
+  if ((uintptr_t)c < 0x1000 || (uintptr_t)c > 0x1001) { bad++; return CUDA_ERROR_INVALID_CONTEXT; }
+  depth++; return 0;
+}
+CUresult CUDAAPI cuCtxPopCurrent(CUcontext* c) {
+  if (depth <= 0) { bad++; return CUDA_ERROR_INVALID_CONTEXT; }
+  depth--; if (c) *c = (CUcontext)(uintptr_t)0x1000; return 0;
+}
+CUresult CUDAAPI cuCtxSynchronize(void) { NEED_CTX(); syncs++; say("sync"); return 0; }
+
+static int good_prop(const CUmemAllocationProp* p) {
+  say("prop type=%d handles=%d loc=%d/%d win32=%p flags=%d/%d/%d/%d%d%d%d", (int)p->type,
+      (int)p->requestedHandleTypes, (int)p->location.type, p->location.id,
+      p->win32HandleMetaData, p->allocFlags.compressionType,
+      p->allocFlags.gpuDirectRDMACapable, p->allocFlags.usage, p->allocFlags.reserved[0],
+      p->allocFlags.reserved[1], p->allocFlags.reserved[2], p->allocFlags.reserved[3]);
+  return p->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
+         p->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR &&
+         p->location.type == CU_MEM_LOCATION_TYPE_DEVICE && p->location.id >= 0 &&
+         p->location.id <= 1 && p->win32HandleMetaData == NULL &&
+         p->allocFlags.compressionType == 0 && p->allocFlags.gpuDirectRDMACapable == 0 &&
+         p->allocFlags.usage == 0;
+}
+CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* g, const CUmemAllocationProp* p,
+                                               CUmemAllocationGranularity_flags o) {
+  FAIL("cuMemGetAllocationGranularity"); NEED_CTX();
+  if (!good_prop(p)) { bad++; return CUDA_ERROR_INVALID_VALUE; }
+  *g = o == CU_MEM_ALLOC_GRANULARITY_RECOMMENDED ? gran_rec : gran_min; return 0;
+}
+CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* h, size_t size,
+                             const CUmemAllocationProp* p, unsigned long long flags) {
+  FAIL("cuMemCreate"); NEED_CTX();
+  if (!good_prop(p) || size == 0 || size % gran_min || flags) { bad++; return CUDA_ERROR_INVALID_VALUE; }
+  for (int i = 0; i < MAXA; i++) {
+    if (allocs[i].used) continue;
+    int fd = memfd_create("fake-vmm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0 || ftruncate(fd, size) != 0 || fallocate(fd, 0, 0, size) != 0 ||
+        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    allocs[i].used = 1; allocs[i].memfd = fd; allocs[i].size = size;
+    *h = (CUmemGenericAllocationHandle)(i + 1); live++;
+    say("create %zu -> %d", size, i + 1); return 0;
+  }
+  return CUDA_ERROR_OUT_OF_MEMORY;
+}
+static int slot(CUmemGenericAllocationHandle h) {
+  int i = (int)h - 1; return i >= 0 && i < MAXA && allocs[i].used ? i : -1;
+}
+CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle h) {
+  int i = slot(h); if (i < 0) { bad++; return CUDA_ERROR_INVALID_VALUE; }
+  close(allocs[i].memfd); allocs[i].used = 0; live--; say("release %d", i + 1); return 0;
+}
+CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t align,
+                                     CUdeviceptr addr, unsigned long long flags) {
+  FAIL("cuMemAddressReserve"); NEED_CTX();
+  void* p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  *ptr = (CUdeviceptr)(uintptr_t)p; reserved++; say("reserve %zu", size); return 0;
+}
+CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  NEED_CTX(); munmap((void*)(uintptr_t)ptr, size); reserved--; say("address free"); return 0;
+}
+CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                          CUmemGenericAllocationHandle h, unsigned long long flags) {
+  FAIL("cuMemMap"); NEED_CTX();
+  int i = slot(h);
+  if (i < 0 || size != allocs[i].size || offset || flags) { bad++; return CUDA_ERROR_INVALID_VALUE; }
+  void* p = mmap((void*)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, allocs[i].memfd, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_INVALID_VALUE;
+  mapped++; say("map"); return 0;
+}
+CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  NEED_CTX();
+  mmap((void*)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  mapped--; say("unmap"); return 0;
+}
+CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc,
+                                size_t count) {
+  FAIL("cuMemSetAccess"); NEED_CTX();
+  say("access loc=%d/%d flags=%d count=%zu", (int)desc->location.type, desc->location.id,
+      (int)desc->flags, count);
+  if (count != 1 || desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+      desc->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) { bad++; return CUDA_ERROR_INVALID_VALUE; }
+  return mprotect((void*)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE) == 0 ? 0
+                                                                          : CUDA_ERROR_INVALID_VALUE;
+}
+CUresult CUDAAPI cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle h,
+                                              CUmemAllocationHandleType type,
+                                              unsigned long long flags) {
+  FAIL("cuMemExportToShareableHandle"); NEED_CTX();
+  int i = slot(h);
+  if (i < 0 || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || flags) { bad++; return CUDA_ERROR_INVALID_VALUE; }
+  *(int*)out = fcntl(allocs[i].memfd, F_DUPFD_CLOEXEC, 0); say("export"); return 0;
+}
+CUresult CUDAAPI cuMemHostRegister(void* p, size_t n, unsigned int flags) {
+  FAIL("cuMemHostRegister"); NEED_CTX();
+  say("host register %zu flags %u aligned %d", n, flags, (int)((uintptr_t)p % 4096 == 0));
+  if (flags != CU_MEMHOSTREGISTER_READ_ONLY) { bad++; return CUDA_ERROR_INVALID_VALUE; }
+  registered++; return 0;
+}
+CUresult CUDAAPI cuMemHostUnregister(void* p) { NEED_CTX(); registered--; say("host unregister"); return 0; }
+"""
+
+
+class Fake:
+    def __init__(self, path):
+        self.path = path
+        self.lib = ctypes.CDLL(path)
+        self.lib.fake_log.restype = ctypes.c_char_p
+        self.lib.fake_fail.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        self.lib.fake_granularity.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+
+    def counters(self):
+        out = (ctypes.c_int * 8)()
+        self.lib.fake_counters(out)
+        return dict(zip(("live", "retained", "depth", "syncs", "registered", "reserved",
+                         "mapped", "bad"), list(out)))
+
+    def log(self):
+        return self.lib.fake_log().decode()
+
+    def fail(self, name, code):
+        self.lib.fake_fail(name.encode(), code)
+
+    def assert_clean(self):
+        c = self.counters()
+        assert (c["live"], c["retained"], c["depth"], c["registered"], c["reserved"],
+                c["mapped"], c["bad"]) == (0, 0, 0, 0, 0, 0, 0), (c, self.log())
+
+
+@pytest.fixture(scope="module")
+def fake_lib(tmp_path_factory):
+    _need_cc()
+    return _compile(str(tmp_path_factory.mktemp("fakecuda")), "fakecuda", FAKE_C, shared=True)
+
+
+@pytest.fixture
+def fake(fake_lib):
+    f = Fake(fake_lib)
+    f.lib.fake_reset()
+    _cuda._use_driver(fake_lib)
+    try:
+        yield f
+    finally:
+        gc.collect()
+        _cuda._use_driver("libcuda.so.1")
+
+
+def _open_fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_vmm_alloc_sequence_and_rounding(fake):
+    fds = _open_fds()
+    mib2 = 2 << 20
+    for want, got in ((0, mib2), (1, mib2), (mib2, mib2), (mib2 + 1, 2 * mib2)):
+        a = _cuda.vmm_alloc(0, want)
+        assert a.size == got and a.ptr and a.ptr % 4096 == 0 and a.fd >= 0, (want, a)
+        assert os.fstat(a.fd).st_size == got
+        # The pointer and the exported fd are the same memory.
+        ctypes.memset(a.ptr + 7, 0x5A, 3)
+        assert os.pread(a.fd, 5, 6) == b"\0ZZZ\0"
+        fd2 = a.export_fd()
+        assert fd2 != a.fd and os.pread(fd2, 3, 7) == b"ZZZ"
+        os.close(fd2)
+        a.close_fd()
+        assert a.fd == -1
+        a.close_fd()  # idempotent
+        a.free()
+        assert a.freed
+        a.free()  # idempotent
+        with pytest.raises(weightd.Error) as e:
+            a.export_fd()
+        assert e.value.code == "FAILED_PRECONDITION"
+    fake.assert_clean()
+    log = fake.log()
+    assert "prop type=1 handles=1 loc=1/0 win32=(nil) flags=0/0/0/0000" in log, log
+    assert "access loc=1/0 flags=3 count=1" in log, log
+    assert log.count("sync") == 4  # free() waits for the device before unmapping
+    assert _open_fds() == fds
+
+
+def test_vmm_alloc_recommended_granularity_and_device_1(fake):
+    fake.lib.fake_granularity(2 << 20, 8 << 20)
+    a = _cuda.vmm_alloc(1, 3 << 20)
+    assert a.size == 8 << 20 and a.granularity == 8 << 20 and a.ordinal == 1
+    assert "loc=1/1" in fake.log()
+    a.free()
+    # A recommended granularity that is not a multiple of the minimum: the minimum.
+    fake.lib.fake_granularity(2 << 20, 3 << 20)
+    a = _cuda.vmm_alloc(0, 3 << 20)
+    assert a.size == 4 << 20
+    a.free()
+    fake.assert_clean()
+
+
+def test_vmm_alloc_freed_when_collected(fake):
+    fds = _open_fds()
+    a = _cuda.vmm_alloc(0, 100)
+    assert fake.counters()["live"] == 1
+    del a
+    gc.collect()
+    fake.assert_clean()
+    assert _open_fds() == fds
+
+
+@pytest.mark.parametrize("step,code,want", [
+    ("cuMemGetAllocationGranularity", 1, "INTERNAL"),
+    ("cuMemCreate", 2, "RESOURCE_EXHAUSTED"),
+    ("cuMemAddressReserve", 2, "RESOURCE_EXHAUSTED"),
+    ("cuMemMap", 1, "INTERNAL"),
+    ("cuMemSetAccess", 1, "INTERNAL"),
+    ("cuMemExportToShareableHandle", 801, "FAILED_PRECONDITION"),
+    ("cuDevicePrimaryCtxRetain", 101, "FAILED_PRECONDITION"),
+    ("cuCtxPushCurrent", 201, "INTERNAL"),
+])
+def test_vmm_alloc_rolls_back_a_failed_step(fake, step, code, want):
+    fds = _open_fds()
+    fake.fail(step, code)
+    with pytest.raises(weightd.Error) as e:
+        _cuda.vmm_alloc(0, 5 << 20)
+    assert e.value.code == want, e.value
+    assert "fake error text" in e.value.message and "(%d)" % code in e.value.message, e.value
+    gc.collect()
+    fake.assert_clean()
+    assert _open_fds() == fds
+
+
+def test_vmm_alloc_refuses_a_device_without_vmm(fake):
+    fake.lib.fake_attr(_cuda.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 0)
+    with pytest.raises(weightd.Error) as e:
+        _cuda.vmm_alloc(0, 1)
+    assert e.value.code == "FAILED_PRECONDITION" and "virtual memory" in e.value.message
+    fake.lib.fake_reset()
+    fake.lib.fake_attr(_cuda.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, 0)
+    with pytest.raises(weightd.Error) as e:
+        _cuda.vmm_alloc(0, 1)
+    assert e.value.code == "FAILED_PRECONDITION" and "POSIX fd" in e.value.message
+    with pytest.raises(weightd.Error) as e:
+        _cuda.vmm_alloc(7, 1)
+    assert e.value.code == "FAILED_PRECONDITION" and "CUDA device 7" in e.value.message
+    gc.collect()
+    fake.assert_clean()
+
+
+def test_host_register_read_only(fake):
+    import mmap
+    fd = os.memfd_create("pin")
+    os.ftruncate(fd, 1 << 20)
+    m = mmap.mmap(fd, 1 << 20, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    os.close(fd)
+    import numpy as np
+    addr = np.frombuffer(m, dtype=np.uint8).__array_interface__["data"][0]
+    r = _cuda.host_register_read_only(0, addr + 4096, 8192)
+    assert fake.counters()["registered"] == 1
+    assert "host register 8192 flags 8 aligned 1" in fake.log()
+    r.unregister()
+    r.unregister()  # idempotent
+    fake.lib.fake_attr(_cuda.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, 0)
+    with pytest.raises(weightd.Error) as e:
+        _cuda.host_register_read_only(0, addr, 4096)
+    assert e.value.code == "FAILED_PRECONDITION"
+    fake.lib.fake_reset()
+    fake.fail("cuMemHostRegister", 712)
+    with pytest.raises(weightd.Error):
+        _cuda.host_register_read_only(0, addr, 4096)
+    gc.collect()
+    fake.assert_clean()
+    del m
+
+
+def test_gpu_uuid_from_the_driver(fake):
+    d = _cuda.driver()
+    out = _cuda.CUuuid()
+    d.call("cuDeviceGetUuid_v2", ctypes.byref(out), 0)
+    assert bytes(out.bytes) == UUID
+
+
+def test_missing_driver():
+    _cuda._use_driver("/nonexistent/libcuda.so.1")
+    try:
+        with pytest.raises(weightd.Error) as e:
+            _cuda.vmm_alloc(0, 1)
+        assert e.value.code == "FAILED_PRECONDITION"
+        assert "/nonexistent/libcuda.so.1" in e.value.message and "driver" in e.value.message
+    finally:
+        _cuda._use_driver("libcuda.so.1")
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        with pytest.raises(weightd.Error) as e:
+            _cuda.driver()
+        assert e.value.code == "FAILED_PRECONDITION" and "libcuda.so.1" in e.value.message
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def test_uuid_parsing():
+    assert _cuda.parse_gpu_uuid(UUID_TEXT) == UUID
+    assert _cuda.parse_gpu_uuid(UUID_TEXT[4:]) == UUID  # torch's str(props.uuid)
+    assert _cuda.parse_gpu_uuid(UUID_TEXT.upper().replace("GPU-", "GPU-")) == UUID
+    assert _cuda.parse_gpu_uuid("MIG-" + UUID_TEXT[4:]) == UUID
+    assert _cuda.parse_gpu_uuid(" %s\n" % UUID_TEXT) == UUID
+    assert _cuda.parse_gpu_uuid(UUID) == UUID
+    assert _cuda.parse_gpu_uuid(list(UUID)) == UUID
+    assert _cuda.format_gpu_uuid(UUID) == UUID_TEXT
+    for bad in ("", "GPU-", UUID_TEXT[:-1], UUID_TEXT + "0", UUID_TEXT.replace("a0", "g0"),
+                UUID_TEXT[4:].replace("-", ""), b"short", [1] * 15, [256] + [0] * 15):
+        with pytest.raises(weightd.Error) as e:
+            _cuda.parse_gpu_uuid(bad)
+        assert e.value.code == "INVALID_ARGUMENT", bad
+
+
+def test_parse_device():
+    P = _cuda.parse_device
+    assert P(None) is None and P("cpu") is None and P(torch.device("cpu")) is None
+    assert P(0) == 0 and P(3) == 3 and P("cuda:0") == 0 and P("CUDA:2") == 2
+    assert P(torch.device("cuda", 1)) == 1 and P("cuda") == -1 and P(torch.device("cuda")) == -1
+    for bad in (-1, True, "cuda:", "cuda:x", "cuda:-1", "mps", "meta", "cuda:0:1", 1.0, "cpu:1",
+                torch.device("meta")):
+        with pytest.raises(weightd.Error) as e:
+            P(bad)
+        assert e.value.code == "INVALID_ARGUMENT", bad
+
+
+def test_round_up_and_pin_ranges():
+    assert _cuda.round_up(0, 4) == 4 and _cuda.round_up(4, 4) == 4 and _cuda.round_up(5, 4) == 8
+    with pytest.raises(weightd.Error):
+        _cuda.round_up(1, 0)
+    P = _cuda.pin_ranges
+    assert P([], [100]) == []
+    assert P([(0, 10, 0)], [100]) == []  # empty tensors pin nothing
+    assert P([(0, 10, 20)], [1 << 20]) == [(0, 0, 4096)]
+    # Whole pages (the segment's map covers its last page); merged when
+    # close; separate segments apart.
+    assert P([(0, 4000, 200), (0, 5000, 100)], [6000]) == [(0, 0, 8192)]
+    assert P([(0, 5000, 100)], [5100]) == [(0, 4096, 8192)]
+    assert P([(0, 0, 10), (0, 10 << 20, 10), (1, 8192, 1)], [20 << 20, 1 << 20],
+             merge_gap=1 << 20) == [(0, 0, 4096), (0, 10 << 20, (10 << 20) + 4096),
+                                    (1, 8192, 12288)]
+    # Never two ranges on one page, however small the gap asked for.
+    rs = P([(0, 0, 10), (0, 4100, 10)], [1 << 20], merge_gap=1)
+    assert rs == [(0, 0, 8192)]
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint8, torch.bool] + \
+    [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+
+
+def test_view_bytes_every_dtype():
+    """view_bytes on a CPU uint8 tensor (the CUDA code path minus the device)."""
+    g = torch.Generator().manual_seed(5)
+    raw = torch.zeros(1 << 16, dtype=torch.uint8)
+    at = 0
+    for dt in DTYPES:
+        for shape in ((3, 5), (), (7,), (0, 4), (2, 0, 3)):
+            n = 1
+            for d in shape:
+                n *= d
+            if dt == torch.bool:
+                want = torch.rand(shape, generator=g) > 0.5
+            elif dt.is_floating_point:
+                want = torch.randn(shape, generator=g).to(dt)
+            else:
+                want = torch.randint(-100 if dt != torch.uint8 else 0, 100, shape,
+                                     generator=g).to(dt)
+            length = n * want.element_size()
+            if length:
+                raw[at:at + length] = want.contiguous().reshape(-1).view(torch.uint8)
+            got = _cuda.view_bytes(raw, at, length, dt, shape)
+            assert got.dtype == dt and tuple(got.shape) == shape, (dt, shape)
+            if length:
+                assert got.data_ptr() == raw.data_ptr() + at  # a view, no copy
+                assert torch.equal(got.reshape(-1).view(torch.uint8),
+                                   want.reshape(-1).view(torch.uint8)), (dt, shape)
+            at = -(-(at + length) // 256) * 256
+
+
+def test_device_array_interface():
+    """What torch.as_tensor is handed: CUDA array interface v3, one flat
+    writable uint8 range (bf16/fp8/bool are views of it), and the owner."""
+    owner = object()
+    a = _cuda._DeviceArray(0x7F0000001000, 4096, owner)
+    assert a.__cuda_array_interface__ == {"shape": (4096,), "typestr": "|u1",
+                                          "data": (0x7F0000001000, False), "version": 3,
+                                          "strides": None}
+    assert a.owner is owner
+
+
+def _decode_by_hand(data):
+    """CudaPushTarget et al. by byte offset, independent of _cuda's structs."""
+    le = lambda b: int.from_bytes(b, "little")  # noqa: E731
+    out = {"magic": data[0:4], "num_offsets": le(data[4:8]), "lease_id": le(data[8:16]),
+           "token": data[16:32], "gpu_uuid": data[32:48], "size": le(data[48:56]),
+           "handle_kind": le(data[56:60]), "reserved": le(data[60:64]),
+           "ipc_handle": data[64:128]}
+    rest = data[128:]
+    out["offsets"] = [le(rest[i:i + 8]) for i in range(0, len(rest), 8)]
+    return out
+
+
+def test_cuda_push_request_bytes():
+    token = bytes(range(16))
+    header, rest = _cuda.cuda_push_request(0x0102030405060708, token, UUID, 6 << 20,
+                                           [0, 256, 4096])
+    assert len(header) == 32 and len(rest) == 96 + 24
+    d = _decode_by_hand(header + rest)
+    assert d == {"magic": b"WDC1", "num_offsets": 3, "lease_id": 0x0102030405060708,
+                 "token": token, "gpu_uuid": UUID, "size": 6 << 20, "handle_kind": 1,
+                 "reserved": 0, "ipc_handle": bytes(64), "offsets": [0, 256, 4096]}
+    assert _cuda.decode_cuda_push_request(header + rest) == d
+    # The default layout: no offsets, count 0.
+    header, rest = _cuda.cuda_push_request(9, token, UUID, 2 << 20)
+    d = _decode_by_hand(header + rest)
+    assert (d["num_offsets"], d["offsets"], len(rest)) == (0, [], 96)
+    # A legacy handle and an explicit count (what the raw tests send).
+    header, rest = _cuda.cuda_push_request(9, token, UUID, 1, [5], num_offsets=7,
+                                           handle_kind=2, ipc_handle=b"\x01" * 64)
+    d = _decode_by_hand(header + rest)
+    assert (d["num_offsets"], d["handle_kind"], d["ipc_handle"], d["offsets"]) == \
+        (7, 2, b"\x01" * 64, [5])
+    # The same header layout as a host push.
+    assert header[4:] == _datasock._PUSH.pack(b"WDP1", 7, 9, token)[4:]
+    for bad in ({"token": b"x"}, {"gpu_uuid": b"x"}, {"ipc_handle": b"x" * 65}):
+        args = dict(lease_id=1, token=token, gpu_uuid=UUID, size=1)
+        args.update(bad)
+        with pytest.raises(weightd.Error):
+            _cuda.cuda_push_request(**args)
+
+
+def test_send_cuda_push_fd_rides_on_the_header():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = os.memfd_create("x")
+    try:
+        _cuda.send_cuda_push(a, 5, bytes(16), [fd], UUID, 1 << 21, [0, 512])
+        data, fds, _, _ = socket.recv_fds(b, 32, 4)
+        assert len(data) == 32 and len(fds) == 1
+        assert os.path.samestat(os.fstat(fds[0]), os.fstat(fd))
+        os.close(fds[0])
+        rest = b""
+        while len(rest) < 96 + 16:
+            rest += b.recv(4096)
+        d = _decode_by_hand(data + rest)
+        assert (d["magic"], d["num_offsets"], d["size"], d["offsets"]) == \
+            (b"WDC1", 2, 1 << 21, [0, 512])
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()
+
+
+# ---------------------------------------------------------------- real daemon
+
+
+def _checkpoint():
+    g = torch.Generator().manual_seed(99)
+    return {"w": torch.randn(37, 19, generator=g),
+            "h": torch.randn(10, 6, generator=g).to(torch.bfloat16),
+            "scalar": torch.tensor(0.5), "empty": torch.zeros(0, 4),
+            "ids": torch.arange(13, dtype=torch.int64)}
+
+
+H, R, ALPHA = 64, 8, 16
+LORA_TARGETS = ["model.layers.%d.self_attn.%s.weight" % (i, m) for i in range(2)
+                for m in ("q_proj", "v_proj")]
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Daemon()
+    d.start()
+    try:
+        path = os.path.join(d.model_root, "small.safetensors")
+        st_io.save(_checkpoint(), path)
+        d.ctl_ok("load", "small", path)
+        # A Llama-shaped BF16 model with a PEFT adapter on q/v (refresh).
+        g = torch.Generator().manual_seed(31)
+        ck = {"model.embed_tokens.weight": torch.randn(32, H, generator=g)}
+        for i in range(2):
+            for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                ck["model.layers.%d.self_attn.%s.weight" % (i, m)] = \
+                    torch.randn(H, H, generator=g) * 0.05
+        path = os.path.join(d.model_root, "lora.safetensors")
+        st_io.save({k: v.to(torch.bfloat16) for k, v in ck.items()}, path)
+        d.ctl_ok("load", "lora", path)
+        ad = os.path.join(d.model_root, "adapter_a")
+        os.makedirs(ad)
+        tensors = {}
+        for t in LORA_TARGETS:
+            m = t[:-len(".weight")]
+            tensors["base_model.model.%s.lora_A.weight" % m] = torch.randn(R, H, generator=g) * 0.2
+            tensors["base_model.model.%s.lora_B.weight" % m] = torch.randn(H, R, generator=g) * 0.2
+        with open(os.path.join(ad, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": R, "lora_alpha": ALPHA,
+                       "target_modules": ["q_proj", "v_proj"]}, f)
+        st_io.save(tensors, os.path.join(ad, "adapter_model.safetensors"))
+        d.ctl_ok("adapter", "load", "a", ad)
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    c = weightd.Client(socket=daemon.socket, retry_deadline=0)
+    yield c
+    c.close()
+
+
+def _leases(client):
+    return client.stats()["leases_open"]
+
+
+def _grant(client, world=2, rank=0):
+    resp = client._shards.Fetch(pb.FetchRequest(model="small", mesh_shape=[world], coord=[rank],
+                                                transport=pb.SHM), timeout=30)
+    return resp, [t.length for t in resp.tensors]
+
+
+def _memfd(size):
+    fd = os.memfd_create("stand-in", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    if size:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+    import fcntl
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+def _connect(resp):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(30)
+    sock.connect(resp.data_socket)
+    return sock
+
+
+def _reply(sock):
+    code, msg, fds = _datasock.read_reply(sock)
+    for fd in fds:
+        os.close(fd)
+    assert not fds
+    return code, msg
+
+
+def _good_host_push(client, sock, resp, lengths):
+    """A host push of the same lease on `sock`: OK, and the bytes are the
+    shm fetch's."""
+    offsets, size = _datasock.default_layout(lengths)
+    fd = _memfd(size)
+    try:
+        _datasock.send_push(sock, resp.lease_id, bytes(resp.token), [fd])
+        code, msg = _reply(sock)
+        assert code == OK, msg
+        with client.fetch("small", world=2, rank=0) as h:
+            for i, m in enumerate(h.tensors):
+                if m.length:
+                    assert os.pread(fd, m.length, offsets[i]) == \
+                        st_io.tensor_bytes(h[m.name]), m.name
+    finally:
+        os.close(fd)
+
+
+def _cuda_built(client):
+    return bool(client.stats().get("cuda_built"))
+
+
+def test_fetch_into_a_gpu_without_cuda(daemon, client):
+    if torch.cuda.is_available():
+        pytest.skip("this process has CUDA")
+    base = _leases(client)
+    for mode in (None, "push", "pull"):
+        for device in ("cuda:0", 0, "cuda", torch.device("cuda", 0)):
+            with pytest.raises(weightd.Error) as e:
+                client.fetch("small", device=device, mode=mode)
+            assert e.value.code == "FAILED_PRECONDITION", (mode, device, e.value)
+            assert "no CUDA device in this process" in e.value.message, e.value
+    assert _leases(client) == base  # refused before any lease
+    assert client.health() is True
+
+
+def test_fetch_device_argument_errors(daemon, client):
+    cases = [(dict(device="cuda:0", transport="grpc"), "INVALID_ARGUMENT", "transport"),
+             (dict(device="cuda:0", mode="pull", transport="grpc"), "INVALID_ARGUMENT",
+              "transport"),
+             (dict(device="cuda:0", mode="export"), "UNIMPLEMENTED", "not built yet"),
+             (dict(device="cuda:0", mode="bogus"), "INVALID_ARGUMENT", "mode"),
+             (dict(mode="pull"), "INVALID_ARGUMENT", "device="),
+             (dict(device="cuda:x"), "INVALID_ARGUMENT", "device"),
+             (dict(device="mps"), "INVALID_ARGUMENT", "device"),
+             (dict(mode="push", transport="grpc"), "INVALID_ARGUMENT", "transport")]
+    for kwargs, code, word in cases:
+        with pytest.raises(weightd.Error) as e:
+            client.fetch("small", **kwargs)
+        assert e.value.code == code and word in e.value.message, (kwargs, e.value)
+    # device="cpu" is host memory: today's fetch.
+    with client.fetch("small", device="cpu") as h:
+        assert h.device is None and h.mode == "export" and float(h["scalar"]) == 0.5
+    with client.fetch("small", device="cpu", mode="push") as h:
+        assert h.device is None and h.mode == "push" and h["ids"].tolist() == list(range(13))
+
+
+def test_raw_cuda_push_daemon_has_no_gpu(daemon, client):
+    base = _leases(client)
+    resp, lengths = _grant(client)
+    _, size = _datasock.default_layout(lengths)
+    stand_in = _memfd(2 << 20)
+    sock = _connect(resp)
+    try:
+        _cuda.send_cuda_push(sock, resp.lease_id, bytes(resp.token), [stand_in], UUID, 2 << 20)
+        code, msg = _reply(sock)
+        if _cuda_built(client):
+            assert code == FAILED_PRECONDITION, (code, msg)
+            assert msg.startswith("the daemon has no GPU to push to %s: " % UUID_TEXT), msg
+            assert client.stats().get("gpus_unavailable", "") in msg
+        else:
+            assert code == UNIMPLEMENTED and "without CUDA" in msg, (code, msg)
+        # The connection keeps serving: a host push of the same lease on it.
+        _good_host_push(client, sock, resp, lengths)
+    finally:
+        sock.close()
+        os.close(stand_in)
+    # The high-level call says the same (and keeps our fd open).
+    resp, lengths = _grant(client)
+    stand_in = _memfd(2 << 20)
+    try:
+        with pytest.raises(weightd.Error) as e:
+            _cuda.push_cuda(resp.data_socket, resp.lease_id, bytes(resp.token), stand_in, UUID,
+                            2 << 20, None, timeout=30)
+        assert e.value.code == ("FAILED_PRECONDITION" if _cuda_built(client) else
+                                "UNIMPLEMENTED"), e.value
+        os.fstat(stand_in)
+    finally:
+        os.close(stand_in)
+    assert _wait_leases(client, base) == base
+    assert client.health() is True and daemon.alive()
+
+
+def _wait_leases(client, want, timeout=10.0):
+    import time
+    deadline = time.time() + timeout
+    while time.time() < deadline and _leases(client) != want:
+        time.sleep(0.05)
+    return _leases(client)
+
+
+@pytest.mark.parametrize("case", ["unknown_kind", "too_small", "legacy_with_fd", "vmm_without_fd",
+                                  "two_fds"])
+def test_raw_cuda_push_bad_target(daemon, client, case):
+    if case != "two_fds" and not _cuda_built(client):
+        pytest.skip("a daemon built without CUDA checks no target")
+    base = _leases(client)
+    resp, lengths = _grant(client)
+    _, size = _datasock.default_layout(lengths)
+    assert size > 1
+    fds = [_memfd(2 << 20), _memfd(2 << 20)]
+    kind, n, target_size, want = {
+        "unknown_kind": (3, 1, 2 << 20, "unknown CUDA handle kind 3"),
+        "too_small": (1, 1, size - 1, "layout needs %d bytes" % size),
+        "legacy_with_fd": (2, 1, 2 << 20, "carries no fd"),
+        "vmm_without_fd": (1, 0, 2 << 20, "carries its exported fd"),
+        "two_fds": (1, 2, 2 << 20, "at most one fd"),
+    }[case]
+    sock = _connect(resp)
+    try:
+        _cuda.send_cuda_push(sock, resp.lease_id, bytes(resp.token), fds[:n], UUID, target_size,
+                             handle_kind=kind)
+        code, msg = _reply(sock)
+        assert code == INVALID_ARGUMENT and want in msg, (case, code, msg)
+        _good_host_push(client, sock, resp, lengths)
+    finally:
+        sock.close()
+        for fd in fds:
+            os.close(fd)
+    assert _wait_leases(client, base) == base
+    assert client.health() is True and daemon.alive()
+
+
+def test_fetch_cuda_push_through_a_fake_driver(daemon, client, fake, monkeypatch):
+    """fetch(device="cuda:0") with the CUDA side faked (torch's device check,
+    the UUID, the driver): the VMM allocation is made, its exported fd and
+    size go to the real daemon, which refuses (no GPU here); the fetch raises
+    the daemon's error and leaves no allocation, fd, context or lease."""
+    monkeypatch.setattr(_cuda, "require_torch_cuda", lambda index: (torch, max(index, 0)))
+    monkeypatch.setattr(_cuda, "gpu_uuid_bytes", lambda index: UUID)
+    base, fds = _leases(client), _open_fds()
+    for world in (1, 2):
+        with pytest.raises(weightd.Error) as e:
+            client.fetch("small", world=world, rank=0, device="cuda:0", dtype="f32")
+        if _cuda_built(client):
+            assert e.value.code == "FAILED_PRECONDITION", e.value
+            assert "the daemon has no GPU to push to %s" % UUID_TEXT in e.value.message
+        else:
+            assert e.value.code == "UNIMPLEMENTED", e.value
+        gc.collect()
+        fake.assert_clean()
+        log = fake.log()
+        assert "create %d" % (2 << 20) in log and "export" in log and "release" in log, log
+    assert _wait_leases(client, base) == base
+    assert _open_fds() == fds
+
+
+# ---------------------------------------------------------------- gpu_checks.py
+
+GPU_CHECKS = os.path.join(REPO, "tests", "gpu", "gpu_checks.py")
+
+
+def _gpu_checks_module():
+    spec = importlib.util.spec_from_file_location("gpu_checks_under_test", GPU_CHECKS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_checks_skips_without_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this process has CUDA")
+    out = tmp_path / "gc.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(BUILD, "python")
+    env.pop("OUT", None)
+    r = subprocess.run([sys.executable, GPU_CHECKS,
+                        "--weightd", os.path.join(BUILD, "bin", "weightd"),
+                        "--weightctl", os.path.join(BUILD, "bin", "weightctl"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    assert data["skipped"].startswith("no GPU: "), data
+    assert data.get("weightd_import", "").startswith("ok"), data
+
+
+def test_gpu_checks_helpers():
+    gc_mod = _gpu_checks_module()
+    # torch.chunk reference: uneven, empty and 0-dim pieces (DESIGN §2).
+    t = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3)
+    assert [tuple(gc_mod.chunk_ref(t, 4, r, None).shape) for r in range(4)] == \
+        [(3, 3), (3, 3), (3, 3), (1, 3)]
+    t = torch.arange(5.0)
+    assert [tuple(gc_mod.chunk_ref(t, 4, r, None).shape) for r in range(4)] == \
+        [(2,), (2,), (1,), (0,)]
+    assert [tuple(gc_mod.chunk_ref(torch.zeros(0, 4), 3, r, None).shape) for r in range(3)] == \
+        [(0, 4)] * 3
+    s = torch.tensor(1.5)
+    assert gc_mod.chunk_ref(s, 3, 2, "bf16").dtype == torch.bfloat16
+    assert gc_mod.chunk_ref(s, 3, 2, "bf16").shape == ()
+    # Bit equality, NaN-free data: a one-ulp change is caught.
+    a = torch.randn(7, 3).to(torch.bfloat16)
+    b = a.clone()
+    assert gc_mod.same_bits(a, b)
+    b.view(torch.int16)[2, 1] += 1
+    assert not gc_mod.same_bits(a, b)
+    assert gc_mod.same_bits(torch.zeros(0, 3), torch.zeros(0, 3))
+    assert not gc_mod.same_bits(torch.zeros(0, 3), torch.zeros(3, 0))
+    assert gc_mod.same_bits(torch.tensor(2.0), torch.tensor(2.0))
+    assert not gc_mod.same_bits(torch.tensor(2.0), torch.tensor(2.0, dtype=torch.float64))
+    # The LoRA tolerance of tests/parity/test_lora_parity.py.
+    ref32 = torch.randn(64, 32)
+    ok, detail = gc_mod.lora_close(ref32.clone(), ref32)
+    assert ok, detail
+    bad = ref32.clone()
+    bad[0, 0] += 1e-2
+    ok, detail = gc_mod.lora_close(bad, ref32)
+    assert not ok, detail
+    ref16 = ref32.to(torch.bfloat16)
+    got = ref16.clone()
+    ok, detail = gc_mod.lora_close(got, ref32)
+    assert ok, detail
+    got.view(torch.int16).view(-1)[:2] += 1  # 2 of 2048 = 0.1% off by one ulp: allowed
+    ok, detail = gc_mod.lora_close(got, ref32)
+    assert ok, detail
+    got.view(torch.int16).view(-1)[:40] += 1  # ~2%: too many
+    ok, detail = gc_mod.lora_close(got, ref32)
+    assert not ok, detail
+    # The per-check runner records failures and goes on.
+    rec = gc_mod.Recorder(None, budget_s=60)
+    rec.run("good", lambda: (True, "fine", {"x": 1}), limit_s=5)
+    rec.run("bad", lambda: (False, "not fine", {}), limit_s=5)
+    rec.run("raises", lambda: 1 / 0, limit_s=5)
+    names = [(c["name"], c["ok"]) for c in rec.checks]
+    assert names == [("good", True), ("bad", False), ("raises", False)], rec.checks
+    assert "ZeroDivisionError" in rec.checks[2]["detail"]
+    assert all(set(c) >= {"name", "ok", "detail", "seconds"} for c in rec.checks)
+
+
+# ------------------------------------------- the device paths, with stand-ins
+
+class _OwnedBytes:
+    """Makes a ctypes array type that carries an `owner` (what torch's CUDA
+    array interface path does with the object it consumed)."""
+    types = {}
+
+    @classmethod
+    def at(cls, ptr, nbytes, owner):
+        t = cls.types.get(nbytes)
+        if t is None:
+            t = cls.types[nbytes] = type("Owned%d" % nbytes, (ctypes.c_ubyte * nbytes,), {})
+        arr = t.from_address(ptr)
+        arr.owner = owner
+        return arr
+
+
+def _cpu_tensor_from_ptr(ptr, nbytes, dtype, shape, device_index, owner):
+    """tensor_from_ptr with the fake driver's "device memory" (host memory):
+    a CPU tensor over it that holds `owner` as torch's CAI path would."""
+    raw = torch.frombuffer(_OwnedBytes.at(ptr, nbytes, owner), dtype=torch.uint8)
+    assert raw.data_ptr() == ptr
+    return _cuda.view_bytes(raw, 0, nbytes, dtype, shape)
+
+
+@pytest.fixture
+def stand_ins(fake, monkeypatch, client):
+    """The CUDA-only pieces replaced: torch's device check, the UUID, the
+    tensor over device memory, torch.cuda.synchronize, and the daemon's CUDA
+    push — done by the real daemon as a host push of the same lease into the
+    fake allocation's exported fd (a sealed memfd mapped at .ptr), after the
+    request the client would send has been built and checked."""
+    calls = []
+
+    def push_cuda(path, lease_id, token, fd, gpu_uuid, size, offsets=None, timeout=30.0):
+        header, rest = _cuda.cuda_push_request(lease_id, token, gpu_uuid, size, offsets)
+        d = _decode_by_hand(header + rest)
+        assert d["magic"] == b"WDC1" and d["gpu_uuid"] == UUID and d["handle_kind"] == 1
+        assert d["num_offsets"] == len(offsets or [])
+        assert os.fstat(fd).st_size == size and size % (2 << 20) == 0
+        calls.append({"size": size, "offsets": list(offsets) if offsets else None})
+        _datasock.push(path, lease_id, token, fd, offsets, timeout)
+
+    monkeypatch.setattr(_cuda, "require_torch_cuda", lambda index: (torch, max(index, 0)))
+    monkeypatch.setattr(_cuda, "gpu_uuid_bytes", lambda index: UUID)
+    monkeypatch.setattr(_cuda, "tensor_from_ptr", _cpu_tensor_from_ptr)
+    monkeypatch.setattr(_cuda, "push_cuda", push_cuda)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    return calls
+
+
+def _same_bytes(a, b):
+    return st_io.tensor_bytes(a) == st_io.tensor_bytes(b)
+
+
+@pytest.mark.parametrize("world,rank,dtype", [(1, 0, None), (2, 1, "f32"), (3, 2, "bf16")])
+def test_cuda_push_handle_with_stand_ins(daemon, client, fake, stand_ins, world, rank, dtype):
+    base, fds = _leases(client), _open_fds()
+    h = client.fetch("small", world=world, rank=rank, device="cuda:0", dtype=dtype)
+    assert (h.mode, h.device, h.transport) == ("push", "cuda:0", "shm")
+    alloc = h._push.alloc
+    assert h._segment_ranges() == [(alloc.ptr, alloc.ptr + alloc.size)]
+    assert alloc.fd == -1  # the exported fd was closed after the push
+    offsets, size = _datasock.default_layout([m.length for m in h.tensors])
+    assert [m.offset for m in h.tensors] == offsets and alloc.size >= size
+    assert stand_ins == [{"size": alloc.size, "offsets": None}]
+    with client.fetch("small", world=world, rank=rank, dtype=dtype) as ref:
+        for m in h.tensors:
+            if not m.length:
+                continue
+            got = h[m.name]
+            assert got.data_ptr() == alloc.ptr + m.offset, m.name
+            assert (got.dtype, tuple(got.shape)) == (ref[m.name].dtype, tuple(ref[m.name].shape))
+            assert _same_bytes(got, ref[m.name]), m.name
+            del got  # (a view would hold the allocation)
+    with pytest.raises(weightd.Error) as e:
+        h.numpy_dict()
+    assert e.value.code == "FAILED_PRECONDITION" and "cuda:0" in e.value.message
+    del e
+    assert "push cuda:0" in repr(h)
+    # A tensor kept after release() holds the allocation; the last one frees it.
+    kept = h["w"] if any(m.name == "w" and m.length for m in h.tensors) else None
+    del alloc
+    h.release()
+    assert h.released
+    h.release()  # idempotent
+    with pytest.raises(weightd.Error):
+        h.state_dict()
+    with pytest.raises(weightd.Error):
+        h.refresh()
+    gc.collect()
+    if kept is not None:
+        assert fake.counters()["live"] == 1
+        assert kept.sum() == kept.sum()  # still readable
+        del kept
+    del h
+    gc.collect()
+    fake.assert_clean()
+    assert _wait_leases(client, base) == base
+    assert _open_fds() == fds
+
+
+def test_cuda_push_refresh_with_stand_ins(daemon, client, fake, stand_ins):
+    base = _leases(client)
+    h = client.fetch("lora", world=2, rank=1, device="cuda:0")
+    try:
+        alloc = h._push.alloc
+        before = {m.name: h[m.name] for m in h.tensors}
+        old = {name: st_io.tensor_bytes(before[name]) for name in before}
+        gen = h.generation
+        assert h.refresh() == []  # nothing changed yet
+        client.apply("lora", ["a"])
+        names = h.refresh()
+        assert sorted(names) == sorted(LORA_TARGETS)
+        assert h.generation > gen
+        assert stand_ins[-1]["size"] == alloc.size
+        assert sorted(stand_ins[-1]["offsets"]) == sorted(
+            m.offset for m in h.tensors if m.name in LORA_TARGETS)
+        with client.fetch("lora", world=2, rank=1) as ref:
+            for m in h.tensors:
+                assert _same_bytes(before[m.name], ref[m.name]), m.name  # views see it
+                assert _same_bytes(h[m.name], ref[m.name]), m.name
+        for name in before:  # only the adapter's targets changed
+            assert (st_io.tensor_bytes(before[name]) != old[name]) is (name in LORA_TARGETS), \
+                name
+    finally:
+        client.apply("lora", [])
+        del before
+        h.release()
+        del h, alloc
+    gc.collect()
+    fake.assert_clean()
+    assert _wait_leases(client, base) == base
+
+
+@pytest.fixture
+def cpu_as_cuda(monkeypatch):
+    """torch "CUDA" allocations and device scopes on the CPU (for the pull:
+    its copies are torch's own; what is checked is the client's logic)."""
+    import contextlib
+    real_empty = torch.empty
+
+    def empty(*args, device=None, **kwargs):
+        return real_empty(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+
+
+@pytest.mark.parametrize("pin", ["pinned", "refused", "off"])
+def test_pull_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, pin):
+    if pin == "refused":
+        fake.lib.fake_attr(_cuda.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, 0)
+    base, fds = _leases(client), _open_fds()
+    for world, rank, dtype in ((1, 0, None), (3, 1, "bf16"), (4, 3, "f32")):
+        h = client.fetch("small", world=world, rank=rank, device="cuda:0", mode="pull",
+                         dtype=dtype, pin=pin != "off")
+        assert (h.mode, h.device) == ("pull", "cuda:0") and not h.released
+        assert h.pinned is (pin == "pinned"), h.pin_error
+        assert (h.pin_error != "") is (pin == "refused"), h.pin_error
+        assert _leases(client) == base  # the lease ended with the fetch
+        with client.fetch("small", world=world, rank=rank, dtype=dtype) as ref:
+            for m in h.tensors:
+                got = h[m.name]
+                assert (got.dtype, tuple(got.shape)) == (ref[m.name].dtype,
+                                                         tuple(ref[m.name].shape)), m.name
+                assert _same_bytes(got, ref[m.name]), m.name
+                assert got is h[m.name] or not m.length  # torch owns it: the same one
+        h.release()
+        assert h.released
+    log = fake.log()
+    if pin == "pinned":
+        assert "host register" in log and "flags 8 aligned 1" in log, log
+        assert log.count("host register") == log.count("host unregister"), log
+    else:
+        assert "host register" not in log, log
+    gc.collect()
+    fake.assert_clean()
+    assert stand_ins == []  # a pull never pushes
+    assert _wait_leases(client, base) == base
+    assert _open_fds() == fds

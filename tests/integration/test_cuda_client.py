@@ -836,7 +836,7 @@ def _cuda_built(client):
 def test_fetch_into_a_gpu_without_cuda(daemon, client):
     if torch.cuda.is_available():
         pytest.skip("this process has CUDA")
-    base = _leases(client)
+    base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
     for mode in (None, "push", "pull"):
         for device in ("cuda:0", 0, "cuda", torch.device("cuda", 0)):
             with pytest.raises(weightd.Error) as e:
@@ -869,7 +869,7 @@ def test_fetch_device_argument_errors(daemon, client):
 
 
 def test_raw_cuda_push_daemon_has_no_gpu(daemon, client):
-    base = _leases(client)
+    base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
     resp, lengths = _grant(client)
     _, size = _datasock.default_layout(lengths)
     stand_in = _memfd(2 << 20)
@@ -917,7 +917,7 @@ def _wait_leases(client, want, timeout=10.0):
 def test_raw_cuda_push_bad_target(daemon, client, case):
     if case != "two_fds" and not _cuda_built(client):
         pytest.skip("a daemon built without CUDA checks no target")
-    base = _leases(client)
+    base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
     resp, lengths = _grant(client)
     _, size = _datasock.default_layout(lengths)
     assert size > 1
@@ -951,7 +951,8 @@ def test_fetch_cuda_push_through_a_fake_driver(daemon, client, fake, monkeypatch
     the daemon's error and leaves no allocation, fd, context or lease."""
     monkeypatch.setattr(_cuda, "require_torch_cuda", lambda index: (torch, max(index, 0)))
     monkeypatch.setattr(_cuda, "gpu_uuid_bytes", lambda index: UUID)
-    base, fds = _leases(client), _open_fds()
+    base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
+    fds = _open_fds()
     for world in (1, 2):
         with pytest.raises(weightd.Error) as e:
             client.fetch("small", world=world, rank=0, device="cuda:0", dtype="f32")
@@ -1107,7 +1108,8 @@ def _same_bytes(a, b):
 
 @pytest.mark.parametrize("world,rank,dtype", [(1, 0, None), (2, 1, "f32"), (3, 2, "bf16")])
 def test_cuda_push_handle_with_stand_ins(daemon, client, fake, stand_ins, world, rank, dtype):
-    base, fds = _leases(client), _open_fds()
+    base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
+    fds = _open_fds()
     h = client.fetch("small", world=world, rank=rank, device="cuda:0", dtype=dtype)
     assert (h.mode, h.device, h.transport) == ("push", "cuda:0", "shm")
     alloc = h._push.alloc
@@ -1153,7 +1155,7 @@ def test_cuda_push_handle_with_stand_ins(daemon, client, fake, stand_ins, world,
 
 
 def test_cuda_push_refresh_with_stand_ins(daemon, client, fake, stand_ins):
-    base = _leases(client)
+    base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
     h = client.fetch("lora", world=2, rank=1, device="cuda:0")
     try:
         alloc = h._push.alloc
@@ -1202,14 +1204,15 @@ def cpu_as_cuda(monkeypatch):
 def test_pull_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, pin):
     if pin == "refused":
         fake.lib.fake_attr(_cuda.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, 0)
-    base, fds = _leases(client), _open_fds()
+    base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
+    fds = _open_fds()
     for world, rank, dtype in ((1, 0, None), (3, 1, "bf16"), (4, 3, "f32")):
         h = client.fetch("small", world=world, rank=rank, device="cuda:0", mode="pull",
                          dtype=dtype, pin=pin != "off")
         assert (h.mode, h.device) == ("pull", "cuda:0") and not h.released
         assert h.pinned is (pin == "pinned"), h.pin_error
         assert (h.pin_error != "") is (pin == "refused"), h.pin_error
-        assert _leases(client) == base  # the lease ended with the fetch
+        assert _wait_leases(client, base) == base  # the lease ended with the fetch
         with client.fetch("small", world=world, rank=rank, dtype=dtype) as ref:
             for m in h.tensors:
                 got = h[m.name]

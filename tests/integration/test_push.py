@@ -228,6 +228,13 @@ def _wait_leases(client, want, timeout=10.0):
     return _leases(client)
 
 
+def _base_leases(client):
+    """The leases open when a test starts: those the tests before it ended
+    are gone by then (the daemon ends a lease when it sees its connection
+    close, a moment after the client closed it)."""
+    return _wait_leases(client, 0, timeout=5.0)
+
+
 def _serves(d, client):
     """The daemon is alive and a normal (shm) fetch succeeds."""
     assert d.alive(), "weightd died:\n" + d.log()[-4000:]
@@ -350,7 +357,7 @@ PARITY_CASES = [(1, None), (2, "f32"), (3, "bf16"), (4, "f16"), (5, None)]
 
 @pytest.mark.parametrize("world,dtype", PARITY_CASES)
 def test_push_parity(daemon, client, world, dtype):
-    base = _leases(client)
+    base = _base_leases(client)
     for rank in range(world):
         what = "world %d rank %d dtype %s" % (world, rank, dtype)
         with client.fetch("small", world=world, rank=rank, dtype=dtype) as shm:
@@ -415,7 +422,7 @@ def test_push_parity(daemon, client, world, dtype):
         with pytest.raises(weightd.Error) as e:
             h.refresh()
         assert e.value.code == "FAILED_PRECONDITION"
-    assert _leases(client) == base
+    assert _wait_leases(client, base) == base
 
 
 def test_push_tensors_outlive_release(client):
@@ -449,7 +456,7 @@ def _fill(mapping, start, end, byte):
 
 @pytest.mark.parametrize("world,rank,dtype", [(1, 0, None), (2, 1, "f32")])
 def test_refresh_in_place_after_apply(daemon, client, world, rank, dtype):
-    base = _leases(client)
+    base = _base_leases(client)
     client.apply("lora", [])
     g0 = client.info("lora").generation
     h = client.fetch("lora", world=world, rank=rank, dtype=dtype, mode="push")
@@ -540,7 +547,7 @@ def test_refresh_in_place_after_apply(daemon, client, world, rank, dtype):
 
 
 def test_refresh_refuses_a_mismatched_handle(daemon, client):
-    base = _leases(client)
+    base = _base_leases(client)
     client.apply("lora", [])
     h = client.fetch("lora", mode="push")
     try:
@@ -666,7 +673,7 @@ BAD_HINTS = {"too_small": "layout needs", "too_small_explicit": "layout needs",
 def test_bad_destination(daemon, client, kind):
     if kind == "tmpfs_file" and not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
-    base = _leases(client)
+    base = _base_leases(client)
     resp, lengths = _grant(client, world=2, rank=0)
     keep = []
     sock = _connect(resp)
@@ -709,7 +716,7 @@ def test_destination_not_sealed_against_shrinking(daemon, client, allow_sealing)
     default layout and with explicit offsets, nothing written; the
     connection stays open for a good push of the same lease after it; the
     close ends the lease; the daemon serves on."""
-    base = _leases(client)
+    base = _base_leases(client)
     resp, lengths = _grant(client, world=2, rank=0)
     offsets, size = _datasock.default_layout(lengths)
     fd = _memfd(size, seal_shrink=False, allow_sealing=allow_sealing)
@@ -764,7 +771,7 @@ def test_bad_destination_through_push(daemon, client):
     """_datasock.push raises the daemon's code, closes its connection, and
     succeeds into the same memfd once it is allocated (a new lease: the
     first one was attached to the closed connection)."""
-    base = _leases(client)
+    base = _base_leases(client)
     grants = []
     resp, lengths = _grant(client)
     grants.append(resp)
@@ -795,7 +802,7 @@ def test_bad_destination_through_push(daemon, client):
 def test_push_of_nothing(daemon, client):
     """A 0-byte layout (only empty tensors): no map, empty tensors, and
     refresh() has nothing to write."""
-    base = _leases(client)
+    base = _base_leases(client)
     with client.fetch("small", names=["empty"], mode="push") as h:
         assert h.names == ["empty"] and h._push.mapping is None and h._push.size == 0
         assert h["empty"].shape == (0, 4)
@@ -824,7 +831,7 @@ def test_concurrent_pushes(daemon, client):
 
 @pytest.mark.parametrize("delta", [-1, +1])
 def test_wrong_offsets_count_closes_the_connection(daemon, client, delta):
-    base = _leases(client)
+    base = _base_leases(client)
     resp, lengths = _grant(client, world=3, rank=1)
     offsets, size = _datasock.default_layout(lengths)
     fd = _memfd(size + 4096)
@@ -855,7 +862,7 @@ def test_wrong_offsets_count_closes_the_connection(daemon, client, delta):
 @pytest.mark.parametrize("explicit", [False, True])
 @pytest.mark.parametrize("kind,want", [("token", PERMISSION_DENIED), ("lease", NOT_FOUND)])
 def test_wrong_token_or_lease(daemon, client, kind, want, explicit):
-    base = _leases(client)
+    base = _base_leases(client)
     resp, lengths = _grant(client)
     offsets, size = _datasock.default_layout(lengths)
     fd = _memfd(size)
@@ -910,7 +917,7 @@ def test_write_sealed_mid_push(daemon, client, big):
     """The client seals its (shrink-sealed) destination against writes
     mid-push: OK (the push won the race) or ABORTED, never a crash; the
     daemon serves and pushes whole after it."""
-    base = _leases(client)
+    base = _base_leases(client)
     resp, lengths = _grant(client, big)
     _, size = _datasock.default_layout(lengths)
     assert size == BIG_BYTES
@@ -948,7 +955,7 @@ def test_sealed_destination_cannot_shrink_mid_push(daemon, client, big):
     allocation (the daemon allocated nothing) and the bytes of a shm fetch.
     Up to 3 pushes, until a truncate is seen to fail with the push's last
     bytes still unwritten (so truly mid-push)."""
-    base = _leases(client)
+    base = _base_leases(client)
     zero = bytes(4)
     during = []  # per push: truncates refused before the tail was written
     for attempt in range(3):
@@ -1031,7 +1038,7 @@ _KILLED = textwrap.dedent("""
 
 
 def test_client_killed_mid_push(daemon, client, big):
-    base = _leases(client)
+    base = _base_leases(client)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(BUILD, "python"),
                                          env.get("PYTHONPATH", "")])
@@ -1105,7 +1112,7 @@ def test_push_and_refresh_retry_across_a_restart(tmp_path):
         with client.fetch("m", world=2, rank=1, mode="push") as h:
             assert torch.equal(h["w"], tensors["w"][20:]) and torch.equal(h["b"], tensors["b"][12:])
         t.join(60)
-        assert client.stats()["leases_open"] == 0
+        assert _wait_leases(client, 0) == 0
     finally:
         client.close()
         for x in [d] + started:

@@ -83,16 +83,10 @@ def attach(path, lease_id, token, num_segments, timeout=30.0):
             sock.sendall(_ATTACH.pack(ATTACH_MAGIC, 0, lease_id, bytes(token)))
         except (BrokenPipeError, ConnectionResetError):
             pass  # a daemon past its connection caps answers and closes first: read why
-        magic, code, num_fds, message_len = _REPLY.unpack(_recv(sock, _REPLY.size, fds))
-        if magic != REPLY_MAGIC:
-            raise Error("INTERNAL", "bad reply magic on the data socket")
-        if message_len > MAX_REPLY_MESSAGE:
-            raise Error("INTERNAL", "oversized reply message on the data socket")
-        msg = _recv(sock, message_len, fds).decode("utf-8", "replace") if message_len else ""
+        code, msg, got = read_reply(sock)
+        fds.extend(got)
         if code != 0:
             raise Error(code, msg)
-        while len(fds) < num_fds:
-            _recv(sock, 1, fds)
         if len(fds) != num_segments:
             raise Error("INTERNAL", "daemon passed %d fds for %d segments"
                         % (len(fds), num_segments))

@@ -5,7 +5,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
+#include <functional>
+#include <type_traits>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -14,9 +18,13 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/client_interceptor.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/data_protocol.h"
+#ifdef WEIGHTD_CLIENT_CUDA
+#include <cuda.h>
+#endif
 #include "common/fd.h"
 #include "common/push_layout.h"
 #include "common/status_macros.h"
@@ -301,6 +309,176 @@ absl::Status PushIntoNewMemfd(const v1::FetchResponse& resp, UniqueFd* memfd, Ma
   return absl::OkStatus();
 }
 
+#ifdef WEIGHTD_CLIENT_CUDA
+// The CUDA driver, found at run time (never linked: a client built with
+// CUDA runs where there is none), its entry points through cuGetProcAddress.
+struct CudaDriver {
+  decltype(&::cuInit) init = nullptr;
+  decltype(&::cuDeviceGet) device_get = nullptr;
+  decltype(&::cuDeviceGetUuid) device_uuid = nullptr;
+  decltype(&::cuDevicePrimaryCtxRetain) ctx_retain = nullptr;
+  decltype(&::cuDevicePrimaryCtxRelease) ctx_release = nullptr;
+  decltype(&::cuCtxSetCurrent) ctx_set = nullptr;
+  decltype(&::cuMemGetAllocationGranularity) granularity = nullptr;
+  decltype(&::cuMemCreate) create = nullptr;
+  decltype(&::cuMemExportToShareableHandle) export_handle = nullptr;
+  decltype(&::cuMemAddressReserve) reserve = nullptr;
+  decltype(&::cuMemAddressFree) free_address = nullptr;
+  decltype(&::cuMemMap) map = nullptr;
+  decltype(&::cuMemUnmap) unmap = nullptr;
+  decltype(&::cuMemSetAccess) set_access = nullptr;
+  decltype(&::cuMemRelease) release = nullptr;
+  decltype(&::cuMemcpyDtoH) copy_to_host = nullptr;
+  decltype(&::cuGetErrorString) error_string = nullptr;
+  absl::Status status;
+};
+
+const CudaDriver& Cuda() {
+  static const CudaDriver driver = [] {
+    CudaDriver d;
+    void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* why = ::dlerror();
+      d.status = absl::FailedPreconditionError(
+          absl::StrCat("no CUDA driver in this process: libcuda.so.1 cannot be loaded (",
+                       why != nullptr ? why : "not found", ")"));
+      return d;
+    }
+    auto get_proc = reinterpret_cast<decltype(&::cuGetProcAddress)>(
+        ::dlsym(lib, "cuGetProcAddress_v2"));
+    if (get_proc == nullptr) {
+      d.status = absl::FailedPreconditionError("the CUDA driver is too old (no cuGetProcAddress_v2)");
+      return d;
+    }
+    auto resolve = [&](const char* name, auto* fn) {
+      void* p = nullptr;
+      CUdriverProcAddressQueryResult found{};
+      if (get_proc(name, &p, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &found) != CUDA_SUCCESS ||
+          p == nullptr) {
+        if (d.status.ok()) {
+          d.status = absl::FailedPreconditionError(absl::StrCat("the CUDA driver has no ", name));
+        }
+        return;
+      }
+      *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
+    };
+    resolve("cuInit", &d.init);
+    resolve("cuDeviceGet", &d.device_get);
+    resolve("cuDeviceGetUuid", &d.device_uuid);
+    resolve("cuDevicePrimaryCtxRetain", &d.ctx_retain);
+    resolve("cuDevicePrimaryCtxRelease", &d.ctx_release);
+    resolve("cuCtxSetCurrent", &d.ctx_set);
+    resolve("cuMemGetAllocationGranularity", &d.granularity);
+    resolve("cuMemCreate", &d.create);
+    resolve("cuMemExportToShareableHandle", &d.export_handle);
+    resolve("cuMemAddressReserve", &d.reserve);
+    resolve("cuMemAddressFree", &d.free_address);
+    resolve("cuMemMap", &d.map);
+    resolve("cuMemUnmap", &d.unmap);
+    resolve("cuMemSetAccess", &d.set_access);
+    resolve("cuMemRelease", &d.release);
+    resolve("cuMemcpyDtoH", &d.copy_to_host);
+    resolve("cuGetErrorString", &d.error_string);
+    if (d.status.ok() && d.init(0) != CUDA_SUCCESS) {
+      d.status = absl::FailedPreconditionError("the CUDA driver did not start (cuInit)");
+    }
+    return d;
+  }();
+  return driver;
+}
+
+absl::Status CudaCall(const CudaDriver& d, CUresult r, absl::string_view what) {
+  if (r == CUDA_SUCCESS) return absl::OkStatus();
+  const char* text = nullptr;
+  if (d.error_string != nullptr) d.error_string(r, &text);
+  return absl::UnavailableError(
+      absl::StrCat(what, ": ", text != nullptr ? text : "CUDA error", " (", static_cast<int>(r), ")"));
+}
+
+// kCuda: allocates a VMM allocation on `device`, has the daemon push the
+// shard into it (WDC1, the exported fd riding along), copies each tensor
+// back into `host` (one string per tensor) and frees the allocation.
+absl::Status PushIntoCudaAndCopyBack(const v1::FetchResponse& resp, int device,
+                                     std::vector<std::string>* host) {
+  const CudaDriver& d = Cuda();
+  if (!d.status.ok()) return d.status;
+  std::vector<uint64_t> lengths;
+  for (const v1::ShardTensor& t : resp.tensors()) lengths.push_back(t.length());
+  WD_ASSIGN_OR_RETURN(PushLayout layout, DefaultPushLayout(lengths));
+  CUdevice dev = 0;
+  WD_RETURN_IF_ERROR(CudaCall(d, d.device_get(&dev, device), absl::StrCat("CUDA device ", device)));
+  CUuuid uuid{};
+  WD_RETURN_IF_ERROR(CudaCall(d, d.device_uuid(&uuid, dev), "its UUID"));
+  CUcontext ctx = nullptr;
+  WD_RETURN_IF_ERROR(CudaCall(d, d.ctx_retain(&ctx, dev), "its primary context"));
+  std::vector<std::function<void()>> undo;
+  auto cleanup = absl::MakeCleanup([&] {
+    for (auto it = undo.rbegin(); it != undo.rend(); ++it) (*it)();
+  });
+  undo.push_back([&d, dev] { d.ctx_release(dev); });
+  WD_RETURN_IF_ERROR(CudaCall(d, d.ctx_set(ctx), "making it current"));
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t granularity = 0;
+  WD_RETURN_IF_ERROR(CudaCall(
+      d, d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity"));
+  const uint64_t size =
+      std::max<uint64_t>(1, (layout.size + granularity - 1) / granularity) * granularity;
+  CUmemGenericAllocationHandle handle{};
+  WD_RETURN_IF_ERROR(CudaCall(d, d.create(&handle, size, &prop, 0),
+                              absl::StrCat("allocating ", size, " bytes on the GPU")));
+  undo.push_back([&d, handle] { d.release(handle); });
+  int exported = -1;
+  WD_RETURN_IF_ERROR(CudaCall(d,
+                              d.export_handle(&exported, handle,
+                                              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                              "exporting the allocation"));
+  UniqueFd fd(exported);
+  CUdeviceptr va = 0;
+  WD_RETURN_IF_ERROR(CudaCall(d, d.reserve(&va, size, 0, 0, 0), "reserving address space"));
+  undo.push_back([&d, va, size] { d.free_address(va, size); });
+  WD_RETURN_IF_ERROR(CudaCall(d, d.map(va, size, 0, handle, 0), "mapping the allocation"));
+  undo.push_back([&d, va, size] { d.unmap(va, size); });
+  CUmemAccessDesc access{};
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  WD_RETURN_IF_ERROR(CudaCall(d, d.set_access(va, size, &access, 1), "granting access"));
+
+  WD_ASSIGN_OR_RETURN(UniqueFd conn, ConnectUnix(resp.data_socket()));
+  PushRequest req{};
+  std::memcpy(req.magic, kCudaPushMagic, 4);
+  req.num_offsets = 0;  // the default layout
+  req.lease_id = resp.lease_id();
+  if (resp.token().size() != sizeof(req.token)) {
+    return absl::InternalError("daemon sent a lease token of the wrong size");
+  }
+  std::memcpy(req.token, resp.token().data(), sizeof(req.token));
+  CudaPushTarget target{};
+  static_assert(sizeof(target.gpu_uuid) == sizeof(uuid.bytes));
+  std::memcpy(target.gpu_uuid, uuid.bytes, sizeof(target.gpu_uuid));
+  target.size = size;
+  target.handle_kind = kCudaVmmPosixFd;
+  std::string request(reinterpret_cast<const char*>(&req), sizeof(req));
+  request.append(reinterpret_cast<const char*>(&target), sizeof(target));
+  const int send_fd = fd.get();
+  uint32_t num_fds = 0;
+  std::vector<UniqueFd> stray;
+  WD_RETURN_IF_ERROR(Exchange(conn.get(), request, {&send_fd, 1}, &num_fds, &stray));
+  host->clear();
+  for (int i = 0; i < resp.tensors_size(); ++i) {
+    host->emplace_back(lengths[i], '\0');
+    if (lengths[i] == 0) continue;
+    WD_RETURN_IF_ERROR(CudaCall(
+        d, d.copy_to_host(host->back().data(), va + layout.offsets[i], lengths[i]),
+        absl::StrCat("copying tensor \"", resp.tensors(i).name(), "\" back")));
+  }
+  return absl::OkStatus();
+}
+#endif  // WEIGHTD_CLIENT_CUDA
+
 // Streams bytes [offset, offset + length) of segment `index` into `out`.
 absl::Status ReadRange(v1::Shards::Stub* stub, const v1::FetchResponse& resp, uint32_t index,
                        uint64_t offset, uint64_t length, std::string* out) {
@@ -571,7 +749,18 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
   }
   std::vector<const uint8_t*> bases(resp.segment_sizes_size(), nullptr);  // shm
   std::vector<const uint8_t*> data;  // grpc, push: each tensor's bytes
-  if (options.transport == Transport::kPush) {
+  if (options.transport == Transport::kCuda) {
+#ifdef WEIGHTD_CLIENT_CUDA
+    WD_RETURN_IF_ERROR(PushIntoCudaAndCopyBack(resp, options.cuda_device, &set->buffers_));
+    set->lease_id_ = 0;  // ended with the push's connection
+    for (const std::string& b : set->buffers_) {
+      data.push_back(reinterpret_cast<const uint8_t*>(b.data()));
+    }
+#else
+    return absl::UnimplementedError(
+        "this client was built without CUDA (no cuda.h): it cannot fetch into a GPU");
+#endif
+  } else if (options.transport == Transport::kPush) {
     std::vector<uint64_t> offsets;
     WD_RETURN_IF_ERROR(
         PushIntoNewMemfd(resp, &set->push_memfd_, &set->push_map_, &offsets));
@@ -602,7 +791,8 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
     v.global_offset.assign(t.global_offset().begin(), t.global_offset().end());
     if (options.transport == Transport::kShm) {
       v.data = bases[t.segment()] == nullptr ? nullptr : bases[t.segment()] + t.offset();
-    } else if (options.transport == Transport::kPush && t.length() == 0) {
+    } else if ((options.transport == Transport::kPush || options.transport == Transport::kCuda) &&
+               t.length() == 0) {
       v.data = nullptr;
     } else {
       v.data = data[i];

@@ -126,7 +126,13 @@ struct DaemonStats {
 //   daemon writes the shard into it over the data socket (DESIGN §6, the
 //   host twin of the CUDA push) and the lease ends once the bytes are in
 //   place; tensors lie at the default layout's offsets (common/push_layout.h).
-enum class Transport { kShm, kGrpc, kPush };
+// kCuda: the same into GPU memory: the client allocates a CUDA VMM
+//   allocation on FetchOptions::cuda_device (through the driver,
+//   libcuda.so.1, found at run time), the daemon pushes into it (the WDC1
+//   request), and the bytes are copied back to host memory for the views
+//   (so a file written from them can be compared with the CPU path; the
+//   GPU allocation is freed). Needs a client built with CUDA headers.
+enum class Transport { kShm, kGrpc, kPush, kCuda };
 
 struct FetchOptions {
   std::string model;
@@ -142,6 +148,8 @@ struct FetchOptions {
   // shm: fill the page tables of this shard's bytes before Fetch returns,
   // so first reads do not fault page by page.
   bool populate = true;
+  // kCuda: this process's CUDA device index.
+  int cuda_device = 0;
 };
 
 struct TensorView {

@@ -39,7 +39,7 @@ constexpr char kUsage[] =
     "  load NAME PATH [--profile FILE] [--readers uid:N,gid:N,token:NAME,cn:NAME]\n"
     "  unload NAME | list | info NAME | stats | verify NAME | gpus\n"
     "  fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
-    "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc|push]\n"
+    "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc|push|cuda [--device N]]\n"
     "        [--generation G] [--changed-since G] [--names a,b] [--verify] --out FILE\n"
     "  adapter load NAME PATH [--format auto|peft|kohya|dense] [--strict] [--readers LIST]\n"
     "  adapter list | adapter unload NAME\n"
@@ -321,9 +321,19 @@ absl::Status CmdFetch(Client& c, const Args& a) {
     opt.transport = Transport::kGrpc;
   } else if (transport == "push") {
     opt.transport = Transport::kPush;
+  } else if (transport == "cuda") {
+    opt.transport = Transport::kCuda;
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--transport: expected shm, grpc or push, got \"", transport, "\""));
+        "--transport: expected shm, grpc, push or cuda, got \"", transport, "\""));
+  }
+  if (a.Has("--device")) {
+    if (opt.transport != Transport::kCuda) {
+      return absl::InvalidArgumentError("--device goes with --transport cuda");
+    }
+    WD_ASSIGN_OR_RETURN(int64_t dev, ParseInt("--device", a.Get("--device")));
+    if (dev < 0 || dev > 1024) return absl::InvalidArgumentError("--device: a CUDA device index");
+    opt.cuda_device = static_cast<int>(dev);
   }
   if (a.Has("--generation")) {
     WD_ASSIGN_OR_RETURN(int64_t g, ParseInt("--generation", a.Get("--generation")));
@@ -573,7 +583,7 @@ absl::Status Run(int argc, char** argv) {
   if (verb == "fetch") {
     WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest,
                                           {"--world", "--rank", "--mesh", "--coord",
-                                           "--placements", "--dtype", "--transport",
+                                           "--placements", "--dtype", "--transport", "--device",
                                            "--generation", "--changed-since", "--names", "--out"},
                                           {"--verify"}));
     return CmdFetch(*client, a);

@@ -393,6 +393,50 @@ EOF
     record gpus_match_torch gpu skipped "" 0 "skipped: the daemon did not serve"
   fi
 
+  # ------------------------------ weightctl --transport cuda vs the CPU path
+  # The C++ client's CUDA push (a VMM allocation made through the driver,
+  # copied back to host for the file) against the shm fetch of the same
+  # request, byte for byte: a second client, independent of gpu_checks.py's.
+  weightctl_cuda() {
+    "$PY" - "$MODELS/wc" <<'EOF'
+import os, sys, torch
+from safetensors.torch import save_file
+root = sys.argv[1]
+os.makedirs(root, exist_ok=True)
+g = torch.Generator().manual_seed(3)
+save_file({"w": torch.randn(1000, 257, generator=g).to(torch.bfloat16),
+           "f": torch.randn(33, 7, generator=g), "s": torch.tensor(1.5),
+           "e": torch.zeros(0, 3)}, os.path.join(root, "wc.safetensors"))
+EOF
+    local C="$B/bin/weightctl --socket $SOCK" rc=0 n=0 bad=""
+    $C load wc "$MODELS/wc/wc.safetensors" >/dev/null || return 1
+    for dt in keep bf16 f32; do
+      for wr in "1 0" "2 1" "3 2"; do
+        set -- $wr
+        $C fetch wc --world "$1" --rank "$2" --dtype "$dt" --out "$work/shm.st" >/dev/null || return 1
+        if ! $C fetch wc --world "$1" --rank "$2" --dtype "$dt" --transport cuda --device 0 \
+             --out "$work/cuda.st"; then
+          bad="$bad $dt/$1/$2:error"; rc=1; continue
+        fi
+        n=$((n + 1))
+        cmp -s "$work/shm.st" "$work/cuda.st" || { bad="$bad $dt/$1/$2:differs"; rc=1; }
+      done
+    done
+    if ((rc == 0)); then
+      printf 'pass\t%d fetches through the GPU equal the shm path byte for byte\n' "$n" \
+        > "$OUT/logs/weightctl_cuda.status"
+    else
+      printf 'fail\t%s\n' "${bad# }" > "$OUT/logs/weightctl_cuda.status"
+    fi
+    return $rc
+  }
+  export -f weightctl_cuda
+  if [ "$daemon_ok" = 1 ]; then
+    step weightctl_cuda gpu 90 weightctl_cuda
+  else
+    record weightctl_cuda gpu skipped "" 0 "skipped: the daemon did not serve"
+  fi
+
   # ------------------------------ the Python client, bundled protobuf, shm path
   python_client() {
     with_client_env "$PY" - <<'EOF'
@@ -477,8 +521,8 @@ EOF
     step gpu_checks gpu "${WEIGHTD_GPU_CHECKS_TIMEOUT_S:-330}" gpu_checks
   fi
 else
-  for n in libraries binaries_start cuda_cast_test daemon gpus_match_torch python_client daemon_stop gpu_checks; do
-    case $n in cuda_cast_test|gpus_match_torch|gpu_checks) k=gpu ;; *) k=cpu ;; esac
+  for n in libraries binaries_start cuda_cast_test daemon gpus_match_torch weightctl_cuda python_client daemon_stop gpu_checks; do
+    case $n in cuda_cast_test|gpus_match_torch|weightctl_cuda|gpu_checks) k=gpu ;; *) k=cpu ;; esac
     record "$n" "$k" skipped "" 0 "skipped: the bundle was not unpacked"
   done
 fi

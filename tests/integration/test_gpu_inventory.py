@@ -116,3 +116,29 @@ def test_pin_host_memory_without_a_gpu_loads_and_says_why_nothing_is_pinned(tmp_
                           str(root), "--pin-host-memory", "maybe"], capture_output=True,
                          text=True, timeout=30)
     assert bad.returncode != 0 and "--pin-host-memory" in bad.stderr, bad.stderr
+
+
+def test_weightctl_cuda_without_a_gpu_says_why_and_leaves_no_lease(daemon, tmp_path):
+    """`weightctl fetch --transport cuda` needs the CUDA driver in the client:
+    without it, FAILED_PRECONDITION naming what is missing (a CPU-only build:
+    UNIMPLEMENTED), the fetch's lease released; --device without cuda is
+    INVALID_ARGUMENT."""
+    if _torch_gpus():
+        pytest.skip("this machine has a GPU: tests/gpu/run_on_device.sh checks the CUDA fetch")
+    import st_io
+    import torch
+    st_io.save({"w": torch.ones(4, 4)}, os.path.join(daemon.model_root, "cw.safetensors"))
+    daemon.ctl_ok("load", "cw", os.path.join(daemon.model_root, "cw.safetensors"))
+    r = daemon.ctl("fetch", "cw", "--transport", "cuda", "--device", "0",
+                   "--out", str(tmp_path / "o.st"))
+    assert r.returncode != 0
+    if _cuda_built():
+        assert r.error_code == "FAILED_PRECONDITION", r.stderr
+        assert "libcuda.so.1" in r.stderr or "CUDA driver" in r.stderr, r.stderr
+    else:
+        assert r.error_code == "UNIMPLEMENTED", r.stderr
+    assert not os.path.exists(tmp_path / "o.st")
+    stats = dict(l.split(": ", 1) for l in daemon.ctl_ok("stats").stdout.splitlines())
+    assert stats["leases_open"] == "0"
+    bad = daemon.ctl("fetch", "cw", "--device", "1", "--out", str(tmp_path / "o.st"))
+    assert bad.error_code == "INVALID_ARGUMENT", bad.stderr

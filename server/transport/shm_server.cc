@@ -208,8 +208,6 @@ absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options opti
   auto server = std::unique_ptr<ShmDataServer>(new ShmDataServer(
       std::move(options), leases, std::move(listen_fd), std::move(wake), std::move(done)));
   try {
-    server->push_pool_ = std::make_unique<ThreadPool>(server->options_.push_threads);
-    server->closer_ = std::make_unique<ThreadPool>(1);
     server->thread_ = std::thread([s = server.get()] { s->Run(); });
   } catch (const std::system_error& e) {
     ::unlink(server->options_.path.c_str());
@@ -234,6 +232,7 @@ void ShmDataServer::Stop() {
   if (stopping_.exchange(true)) {
     if (thread_.joinable()) thread_.join();
     push_pool_.reset();
+    absl::MutexLock lock(&closer_mu_);
     closer_.reset();
     return;
   }
@@ -243,12 +242,26 @@ void ShmDataServer::Stop() {
   // Run() waited for the pushes in flight (they see stopping_ between
   // copies and end UNAVAILABLE) before closing their connections.
   push_pool_.reset();
-  closer_.reset();
+  std::unique_ptr<ThreadPool> closer;
+  {
+    absl::MutexLock lock(&closer_mu_);
+    closer = std::move(closer_);
+  }
+  closer.reset();  // runs what is queued
   ::unlink(options_.path.c_str());
 }
 
 void ShmDataServer::Discard(std::vector<UniqueFd> fds) {
-  if (fds.empty() || closer_ == nullptr) return;
+  if (fds.empty()) return;
+  absl::MutexLock lock(&closer_mu_);
+  if (closer_ == nullptr && !stopping_.load()) {
+    try {
+      closer_ = std::make_unique<ThreadPool>(1);
+    } catch (const std::system_error&) {
+      // At the thread limit: closed here after all.
+    }
+  }
+  if (closer_ == nullptr) return;  // `fds` closes them
   auto owned = std::make_shared<std::vector<UniqueFd>>(std::move(fds));
   closer_->Schedule([owned] { owned->clear(); });
 }
@@ -423,6 +436,20 @@ void ShmDataServer::Run() {
       c.fds_truncated = false;
       Discard(std::move(fds));
       return;
+    }
+    if (push_pool_ == nullptr) {
+      try {
+        push_pool_ = std::make_unique<ThreadPool>(options_.push_threads);
+      } catch (const std::system_error& e) {
+        QueueReply(&c,
+                   absl::ResourceExhaustedError(absl::StrCat(
+                       "cannot start the push threads (", e.what(),
+                       "): the daemon is at its thread limit (pids cgroup, TasksMax, "
+                       "RLIMIT_NPROC)")),
+                   {});
+        Discard(std::move(fds));
+        return;
+      }
     }
     c.pushing = true;
     int dest = fds.empty() ? -1 : fds[0].release();

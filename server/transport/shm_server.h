@@ -115,12 +115,17 @@ class ShmDataServer {
   std::atomic<uint64_t> push_bytes_{0};
   absl::Mutex done_mu_;
   std::vector<PushDone> done_ ABSL_GUARDED_BY(done_mu_);
-  std::unique_ptr<ThreadPool> push_pool_;  // joined by Stop() after thread_
+  // Started with the first push (a daemon that never sees one starts no
+  // thread for it; under a thread limit that matters); joined by Stop()
+  // after thread_. Touched by the polling thread only, until Stop().
+  std::unique_ptr<ThreadPool> push_pool_;
   // Closes fds clients sent that the daemon lets go of: close() of a file
   // on a FUSE mount waits for its server, never on the polling thread or
-  // the push threads. Joined by Stop() last.
-  std::unique_ptr<ThreadPool> closer_;
-  void Discard(std::vector<UniqueFd> fds);
+  // the push threads. Started when first needed (without it, the fds are
+  // closed where they are let go of); joined by Stop() last.
+  absl::Mutex closer_mu_;
+  std::unique_ptr<ThreadPool> closer_ ABSL_GUARDED_BY(closer_mu_);
+  void Discard(std::vector<UniqueFd> fds) ABSL_LOCKS_EXCLUDED(closer_mu_);
   std::thread thread_;
 };
 

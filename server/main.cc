@@ -132,6 +132,10 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
             "data-socket connections per peer uid (0 = half the total)", K::kValue,
             NumberInto("max-data-connections-per-uid", &f->data.max_connections_per_uid, 0,
                        SIZE_MAX)})
+      .Add({"max-pushes-per-uid", "N",
+            "pushes into clients' memory queued or running per peer uid (0 = no limit, "
+            "default 8)",
+            K::kValue, NumberInto("max-pushes-per-uid", &f->data.max_pushes_per_uid, 0, SIZE_MAX)})
       .Add({"max-watch-streams", "N", "concurrent Watch streams (1..65536, default 256)",
             K::kValue, NumberInto("max-watch-streams", &f->grpc.max_watch_streams, 1, 65536)})
       .Add({"threads", "N", "materialization workers (1..256)", K::kValue,

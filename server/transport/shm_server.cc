@@ -266,7 +266,7 @@ void ShmDataServer::Discard(std::vector<UniqueFd> fds) {
   closer_->Schedule([owned] { owned->clear(); });
 }
 
-void ShmDataServer::Push(int conn_fd, uint64_t connection,
+void ShmDataServer::Push(int conn_fd, uint64_t connection, uid_t uid,
                          std::shared_ptr<const LeaseContents> lease,
                          std::vector<uint64_t> offsets, int dest,
                          std::optional<CudaPushTarget> cuda) {
@@ -304,7 +304,7 @@ void ShmDataServer::Push(int conn_fd, uint64_t connection,
   }
   {
     absl::MutexLock lock(&done_mu_);
-    done_.push_back(PushDone{conn_fd, connection, std::move(status)});
+    done_.push_back(PushDone{conn_fd, connection, uid, std::move(status)});
   }
   uint64_t one = 1;
   (void)!::write(done_fd_.get(), &one, sizeof(one));
@@ -313,6 +313,7 @@ void ShmDataServer::Push(int conn_fd, uint64_t connection,
 void ShmDataServer::Run() {
   std::map<int, Connection> conns;  // by fd
   absl::flat_hash_map<uid_t, size_t> per_uid;
+  absl::flat_hash_map<uid_t, size_t> pushes_by_uid;  // queued or running
   uint64_t next_id = 1;
   absl::Time accept_resume = absl::InfinitePast();
   absl::Duration accept_backoff = kAcceptBackoffMin;
@@ -437,6 +438,16 @@ void ShmDataServer::Run() {
       Discard(std::move(fds));
       return;
     }
+    size_t& mine = pushes_by_uid[c.peer.uid];
+    if (options_.max_pushes_per_uid != 0 && mine >= options_.max_pushes_per_uid) {
+      QueueReply(&c,
+                 absl::ResourceExhaustedError(absl::StrCat(
+                     "uid ", c.peer.uid, " has ", mine,
+                     " pushes queued or running, its limit (--max-pushes-per-uid)")),
+                 {});
+      Discard(std::move(fds));
+      return;
+    }
     if (push_pool_ == nullptr) {
       try {
         push_pool_ = std::make_unique<ThreadPool>(options_.push_threads);
@@ -452,10 +463,12 @@ void ShmDataServer::Run() {
       }
     }
     c.pushing = true;
+    ++mine;
     int dest = fds.empty() ? -1 : fds[0].release();
-    push_pool_->Schedule([this, fd = c.fd.get(), id = c.id, lease = std::move(lease),
-                          offsets = std::move(offsets), dest, cuda]() mutable {
-      Push(fd, id, std::move(lease), std::move(offsets), dest, cuda);
+    push_pool_->Schedule([this, fd = c.fd.get(), id = c.id, uid = c.peer.uid,
+                          lease = std::move(lease), offsets = std::move(offsets), dest,
+                          cuda]() mutable {
+      Push(fd, id, uid, std::move(lease), std::move(offsets), dest, cuda);
     });
   };
   // The header of a push arrived: checks it and its lease; reads its
@@ -591,6 +604,8 @@ void ShmDataServer::Run() {
       done.swap(done_);
     }
     for (PushDone& d : done) {
+      auto counted = pushes_by_uid.find(d.uid);
+      if (counted != pushes_by_uid.end() && --counted->second == 0) pushes_by_uid.erase(counted);
       auto it = conns.find(d.fd);
       if (it == conns.end() || it->second.id != d.connection) continue;
       Connection& c = it->second;

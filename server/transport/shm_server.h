@@ -61,6 +61,9 @@ class ShmDataServer {
     // Threads that copy pushes into clients' memory (pushes past them
     // queue, FIFO).
     int push_threads = 2;
+    // Pushes queued or running per peer uid; past it a push is answered
+    // RESOURCE_EXHAUSTED, so one tenant cannot fill the queue. 0 = none.
+    size_t max_pushes_per_uid = 8;
     // Optional: told of every push answered OK (its tensor bytes).
     std::function<void(uint64_t bytes)> on_push;
     // The GPUs a CUDA push may name (must outlive the server); null: none.
@@ -95,13 +98,15 @@ class ShmDataServer {
   struct PushDone {
     int fd;              // the connection's socket
     uint64_t connection;  // its id (the fd may have been reused)
+    uid_t uid;            // its peer's, whose count of pushes drops
     absl::Status status;
   };
   // Runs on a push thread: copies, then queues the answer.
   // `cuda`: a CUDA push's target (`dest` its VMM fd or -1); else `dest` is
   // the host memfd.
-  void Push(int conn_fd, uint64_t connection, std::shared_ptr<const LeaseContents> lease,
-            std::vector<uint64_t> offsets, int dest, std::optional<CudaPushTarget> cuda)
+  void Push(int conn_fd, uint64_t connection, uid_t uid,
+            std::shared_ptr<const LeaseContents> lease, std::vector<uint64_t> offsets, int dest,
+            std::optional<CudaPushTarget> cuda)
       ABSL_LOCKS_EXCLUDED(done_mu_);
 
   const Options options_;

@@ -252,6 +252,71 @@ TEST_F(ShmDataServerTest, PushWritesTheLeaseIntoTheClientsMemfd) {
   EXPECT_EQ(Attach(c.get(), kUnknownLease).code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(ShmDataServerTest, PushesPastTheirUidsLimitAreRefusedTheRestServed) {
+  ShmDataServer::Options options;
+  options.max_pushes_per_uid = 1;
+  options.push_threads = 1;
+  Start(std::move(options));
+  // Large enough that the first push is still being written when the
+  // second arrives (256 MiB: tens of milliseconds at the least).
+  constexpr uint64_t kBytes = uint64_t{256} << 20;
+  auto account = std::make_shared<MemoryAccount>(0);
+  auto seg = Segment::Create(account, "big", kBytes, /*prefault=*/true);
+  ASSERT_TRUE(seg.ok());
+  ASSERT_TRUE((*seg)->Seal().ok());
+  auto tensors = std::make_shared<std::vector<LeaseTensor>>(
+      std::vector<LeaseTensor>{{0, 0, kBytes}});
+  BufferPtr buffer = SegmentPtr(std::move(*seg));
+  LeaseGrant a = leases_.Grant(LeaseContents{.buffers = {buffer}, .tensors = tensors});
+  LeaseGrant b = leases_.Grant(LeaseContents{.buffers = {buffer}, .tensors = tensors});
+  auto destination = [&] {
+    UniqueFd fd(::memfd_create("dest", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    EXPECT_EQ(::fallocate(fd.get(), 0, 0, static_cast<off_t>(kBytes)), 0);
+    EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    return fd;
+  };
+  UniqueFd da = destination(), db = destination();
+  UniqueFd ca = Connect(server_->path());
+  UniqueFd cb = Connect(server_->path());
+  auto send = [](int sock, const LeaseGrant& g, int dest) {
+    PushRequest req{};
+    std::memcpy(req.magic, kPushMagic, 4);
+    req.lease_id = g.id;
+    std::memcpy(req.token, g.token.data(), sizeof(req.token));
+    return SendWithFds(sock, absl::string_view(reinterpret_cast<const char*>(&req), sizeof(req)),
+                       {&dest, 1});
+  };
+  auto answer = [](int sock) {
+    AttachReply reply{};
+    EXPECT_TRUE(RecvAll(sock, &reply, sizeof(reply)).ok());
+    std::string msg(reply.message_len, '\0');
+    if (!msg.empty()) {
+      EXPECT_TRUE(RecvAll(sock, msg.data(), msg.size()).ok());
+    }
+    return absl::Status(static_cast<absl::StatusCode>(reply.code), msg);
+  };
+  ASSERT_TRUE(send(ca.get(), a, da.get()).ok());
+  ASSERT_TRUE(send(cb.get(), b, db.get()).ok());
+  absl::Status first = answer(ca.get()), second = answer(cb.get());
+  // One of the two (whichever the daemon read second) is refused.
+  const bool a_refused = first.code() == absl::StatusCode::kResourceExhausted;
+  const absl::Status& refused = a_refused ? first : second;
+  const absl::Status& served = a_refused ? second : first;
+  EXPECT_TRUE(served.ok()) << served;
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("--max-pushes-per-uid"), std::string::npos) << refused;
+  // Once the first is answered, the limit has room again: the refused one,
+  // asked again on its connection, is served.
+  if (a_refused) {
+    ASSERT_TRUE(send(ca.get(), a, da.get()).ok());
+    EXPECT_TRUE(answer(ca.get()).ok());
+  } else {
+    ASSERT_TRUE(send(cb.get(), b, db.get()).ok());
+    EXPECT_TRUE(answer(cb.get()).ok());
+  }
+  EXPECT_EQ(server_->pushes(), 2u);
+}
+
 TEST_F(ShmDataServerTest, ACudaPushIsReadWholeAndAnsweredWhyNotWithoutAGpu) {
   GpuInventory none;
   none.unavailable = "no CUDA driver here";

@@ -1,7 +1,6 @@
 #include "server/transport/push_plan.h"
 
 #include <algorithm>
-#include <numeric>
 
 #include "absl/strings/str_cat.h"
 

@@ -287,11 +287,7 @@ void ShmDataServer::Push(int conn_fd, uint64_t connection, uid_t uid,
     done.emplace_back(dest);
     Discard(std::move(done));
   }
-  if (status.ok()) {
-    pushes_.fetch_add(1);
-    push_bytes_.fetch_add(bytes);
-    if (options_.on_push) options_.on_push(bytes);
-  }
+  if (status.ok() && options_.on_push) options_.on_push(bytes);
   if (LogEnabled(LogLevel::kDebug) || !status.ok()) {
     LogEvent(status.ok() ? LogLevel::kDebug : LogLevel::kWarning, "push",
              {{"connection", absl::StrCat(connection)},

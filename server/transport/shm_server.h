@@ -64,7 +64,8 @@ class ShmDataServer {
     // Pushes queued or running per peer uid; past it a push is answered
     // RESOURCE_EXHAUSTED, so one tenant cannot fill the queue. 0 = none.
     size_t max_pushes_per_uid = 8;
-    // Optional: told of every push answered OK (its tensor bytes).
+    // Optional: told of every push answered OK (its tensor bytes), before
+    // the client is answered; the daemon counts them in its stats.
     std::function<void(uint64_t bytes)> on_push;
     // The GPUs a CUDA push may name (must outlive the server); null: none.
     const GpuInventory* gpus = nullptr;
@@ -82,9 +83,6 @@ class ShmDataServer {
 
   const std::string& path() const { return options_.path; }
   uint64_t connections_open() const { return open_.load(); }
-  // Pushes answered OK, and the tensor bytes they wrote.
-  uint64_t pushes() const { return pushes_.load(); }
-  uint64_t push_bytes() const { return push_bytes_.load(); }
   // The caps in force (0 in Options resolved).
   size_t max_connections() const { return options_.max_connections; }
   size_t max_connections_per_uid() const { return options_.max_connections_per_uid; }
@@ -116,8 +114,6 @@ class ShmDataServer {
   UniqueFd done_fd_;  // eventfd: a push finished (see done_)
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> open_{0};
-  std::atomic<uint64_t> pushes_{0};
-  std::atomic<uint64_t> push_bytes_{0};
   absl::Mutex done_mu_;
   std::vector<PushDone> done_ ABSL_GUARDED_BY(done_mu_);
   // Started with the first push (a daemon that never sees one starts no

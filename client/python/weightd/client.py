@@ -1094,29 +1094,41 @@ class Client:
             metas.append(meta)
         return metas
 
+    @staticmethod
+    def _attach_and_map(resp, lease, private):
+        """Attaches the lease on the data socket (the connection then holds
+        it) and maps each of its segments: `private` - copy-on-write, each
+        map holding the lease (the export's zero-copy tensors); else shared
+        read-only (a pull's source). None for an empty segment."""
+        sizes = list(resp.segment_sizes)
+        conn, fds = _datasock.attach(resp.data_socket, resp.lease_id, bytes(resp.token),
+                                     len(sizes))
+        lease.conn = conn
+        maps = []
+        try:
+            for fd, size in zip(fds, sizes):
+                if size == 0:
+                    maps.append(None)
+                elif private:
+                    seg = _Segment(fd, size, flags=mmap.MAP_PRIVATE,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                    seg._lease = lease
+                    maps.append(seg)
+                else:
+                    maps.append(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+        except OSError as e:
+            raise Error("INTERNAL", "mapping a segment: %s" % e) from None
+        finally:
+            for fd in fds:  # mmap keeps its own reference
+                os.close(fd)
+        return maps
+
     def _collect(self, resp, lease, transport, timeout, populate=False):
         sizes = list(resp.segment_sizes)
         metas = self._metas(resp)
         pieces = {}
         if transport == "shm":
-            conn, fds = _datasock.attach(resp.data_socket, resp.lease_id, bytes(resp.token),
-                                         len(sizes))
-            lease.conn = conn
-            maps = []
-            try:
-                for fd, size in zip(fds, sizes):
-                    if size == 0:
-                        maps.append(None)
-                        continue
-                    seg = _Segment(fd, size, flags=mmap.MAP_PRIVATE,
-                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                    seg._lease = lease
-                    maps.append(seg)
-            except OSError as e:
-                raise Error("INTERNAL", "mapping a segment: %s" % e) from None
-            finally:
-                for fd in fds:  # mmap keeps its own reference
-                    os.close(fd)
+            maps = self._attach_and_map(resp, lease, private=True)
             for m in metas:
                 pieces[m.name] = (maps[m.segment], m.offset) if m.length else None
                 if m.length and populate:
@@ -1221,19 +1233,7 @@ class Client:
         import torch
         sizes = list(resp.segment_sizes)
         metas = self._metas(resp)
-        conn, fds = _datasock.attach(resp.data_socket, resp.lease_id, bytes(resp.token),
-                                     len(sizes))
-        lease.conn = conn
-        maps = []
-        try:
-            for fd, size in zip(fds, sizes):
-                maps.append(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-                            if size else None)
-        except OSError as e:
-            raise Error("INTERNAL", "mapping a segment: %s" % e) from None
-        finally:
-            for fd in fds:  # mmap keeps its own reference
-                os.close(fd)
+        maps = self._attach_and_map(resp, lease, private=False)
         device = torch.device("cuda", index)
         regs, pin_error, out = [], "", {}
         try:

@@ -50,6 +50,24 @@ def user_prefix(user):
     return cmd + ["--"]
 
 
+def leases_open(client):
+    """The daemon's open leases, through a weightd.Client."""
+    return client.stats()["leases_open"]
+
+
+def wait_leases(client, want, timeout=10.0):
+    """Waits (up to `timeout` s) for the daemon's open leases to be `want`
+    and returns the count then: the daemon ends a lease when it sees its data
+    connection close, a moment after the client closed it."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        n = leases_open(client)
+        if n == want:
+            return n
+        time.sleep(0.05)
+    return leases_open(client)
+
+
 class CtlResult:
     def __init__(self, proc):
         self.returncode = proc.returncode

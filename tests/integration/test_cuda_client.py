@@ -52,6 +52,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import BUILD, REPO, Daemon  # noqa: E402
+from harness import leases_open as _leases, wait_leases as _wait_leases  # noqa: E402
 import st_io  # noqa: E402
 
 import weightd  # noqa: E402  (build/python, put on sys.path by harness)
@@ -776,10 +777,6 @@ def client(daemon):
     c.close()
 
 
-def _leases(client):
-    return client.stats()["leases_open"]
-
-
 def _grant(client, world=2, rank=0):
     resp = client._shards.Fetch(pb.FetchRequest(model="small", mesh_shape=[world], coord=[rank],
                                                 transport=pb.SHM), timeout=30)
@@ -902,14 +899,6 @@ def test_raw_cuda_push_daemon_has_no_gpu(daemon, client):
         os.close(stand_in)
     assert _wait_leases(client, base) == base
     assert client.health() is True and daemon.alive()
-
-
-def _wait_leases(client, want, timeout=10.0):
-    import time
-    deadline = time.time() + timeout
-    while time.time() < deadline and _leases(client) != want:
-        time.sleep(0.05)
-    return _leases(client)
 
 
 @pytest.mark.parametrize("case", ["unknown_kind", "too_small", "legacy_with_fd", "vmm_without_fd",

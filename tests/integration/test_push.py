@@ -58,6 +58,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import BUILD, Daemon  # noqa: E402
+from harness import leases_open as _leases, wait_leases as _wait_leases  # noqa: E402
+from reference import assert_matches_torch as _assert_matches_torch  # noqa: E402
+from reference import cast_shard_ref  # noqa: E402
 import st_io  # noqa: E402
 
 import weightd  # noqa: E402  (build/python, put on sys.path by harness)
@@ -179,54 +182,6 @@ def big(daemon):
 
 
 # ---------------------------------------------------------------- helpers
-
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-         torch.bfloat16: torch.int16}
-
-
-def _assert_matches_torch(got, ref, what):
-    """Bit-exact, except that NaN is compared as NaN-ness (DESIGN §2)."""
-    assert sorted(got) == sorted(ref), what
-    for k, r in ref.items():
-        g = got[k]
-        assert (g.dtype, tuple(g.shape)) == (r.dtype, tuple(r.shape)), "%s: %s" % (what, k)
-        if r.dtype in _BITS:
-            nan = torch.isnan(r)
-            assert torch.equal(torch.isnan(g), nan), "%s: %s NaN-ness" % (what, k)
-            bits = _BITS[r.dtype]
-            assert torch.equal(g.contiguous().view(bits)[~nan], r.contiguous().view(bits)[~nan]), \
-                "%s: %s differs from PyTorch" % (what, k)
-        else:
-            assert torch.equal(g, r), "%s: %s differs from PyTorch" % (what, k)
-
-
-def _torch_ref(t, world, rank, dtype):
-    """DESIGN §2: torch.chunk(t.to(dtype), world, 0)[rank]; an empty piece
-    (with its 0-sized dim) where torch.chunk returns fewer pieces; 0-dim
-    tensors whole. Integer and bool tensors keep their dtype."""
-    if dtype is not None and t.is_floating_point():
-        t = t.to(_TORCH[dtype])
-    if t.dim() == 0:
-        return t
-    chunks = torch.chunk(t, world, 0)
-    if rank < len(chunks):
-        return chunks[rank]
-    return t.narrow(0, t.shape[0], 0)
-
-
-def _leases(client):
-    return client.stats()["leases_open"]
-
-
-def _wait_leases(client, want, timeout=10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        n = _leases(client)
-        if n == want:
-            return n
-        time.sleep(0.05)
-    return _leases(client)
-
 
 def _base_leases(client):
     """The leases open when a test starts: those the tests before it ended
@@ -374,7 +329,8 @@ def test_push_parity(daemon, client, world, dtype):
             # equal to the shm fetch, bit for bit, and to PyTorch
             got_raw = {k: (v.dtype, tuple(v.shape), st_io.tensor_bytes(v)) for k, v in sd.items()}
             assert got_raw == want_raw, what
-            ref = {k: _torch_ref(t, world, rank, dtype) for k, t in daemon.small.items()}
+            ref = {k: cast_shard_ref(t, world, rank, _TORCH[dtype] if dtype else None)
+                   for k, t in daemon.small.items()}
             _assert_matches_torch(sd, ref, what)
             for m in h.tensors:
                 w = want_meta[m.name]
@@ -515,7 +471,7 @@ def test_refresh_in_place_after_apply(daemon, client, world, rank, dtype):
                 assert m.digest == fmeta[m.name].digest, m.name  # metas follow the generation
         # the merge itself, against PyTorch's fp32 reference
         for name in names:
-            ref = _torch_ref(_merged_ref(daemon, name, 0.5), world, rank, None)
+            ref = cast_shard_ref(_merged_ref(daemon, name, 0.5), world, rank)
             got = sd[name].float()
             atol = 1e-6 * float(ref.abs().max())
             if sd[name].dtype == torch.float32:

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -16,6 +15,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import BUILD, Daemon  # noqa: E402
+from harness import leases_open as _leases, wait_leases as _wait_leases  # noqa: E402
+from reference import assert_matches_torch as _assert_matches_torch  # noqa: E402
 import st_io  # noqa: E402
 
 import weightd  # noqa: E402  (build/python, put on sys.path by harness)
@@ -121,46 +122,12 @@ def _raw(sd):
             for k, v in sd.items()}
 
 
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-         torch.bfloat16: torch.int16}
-
-
-def _assert_matches_torch(got, ref, what):
-    """Bit-exact, except that NaN is compared as NaN-ness (DESIGN §2)."""
-    assert sorted(got) == sorted(ref), what
-    for k, r in ref.items():
-        g = got[k]
-        assert (g.dtype, tuple(g.shape)) == (r.dtype, tuple(r.shape)), "%s: %s" % (what, k)
-        if r.dtype in _BITS:
-            nan = torch.isnan(r)
-            assert torch.equal(torch.isnan(g), nan), "%s: %s NaN-ness" % (what, k)
-            bits = _BITS[r.dtype]
-            assert torch.equal(g.contiguous().view(bits)[~nan], r.contiguous().view(bits)[~nan]), \
-                "%s: %s differs from PyTorch" % (what, k)
-        else:
-            assert torch.equal(g, r), "%s: %s differs from PyTorch" % (what, k)
-
-
 def _ctl_fetch(d, model, args):
     out = os.path.join(d.workdir, "ctl-%d.safetensors" % os.getpid())
     d.ctl_ok("fetch", model, *args, "--out", out)
     got = st_io.load_raw(out)
     os.unlink(out)
     return {k: (v[0], list(v[1]), v[2]) for k, v in got.items()}
-
-
-def _leases(client):
-    return client.stats()["leases_open"]
-
-
-def _wait_leases(client, want, timeout=5.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        n = _leases(client)
-        if n == want:
-            return n
-        time.sleep(0.05)
-    return _leases(client)
 
 
 def _rss_kib():
@@ -517,7 +484,7 @@ def test_lease_follows_tensors_on_gc(client):
     assert _leases(client) == base + 1, "tensors alive: lease must stay"
     assert float(sd["scalar"]) == 0.625
     del sd
-    assert _wait_leases(client, base) == base
+    assert _wait_leases(client, base, timeout=5.0) == base
 
 
 _HOLDER = textwrap.dedent("""

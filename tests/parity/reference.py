@@ -1,5 +1,6 @@
 """Independent references shared by the parity suites: a bit-level port of
-PyTorch's FP8 conversions and the DTensor sharding rule (torch.chunk)."""
+PyTorch's FP8 conversions, the DTensor sharding rule (torch.chunk), and the
+comparison of fetched tensors with PyTorch's."""
 import numpy as np
 import torch
 
@@ -103,3 +104,34 @@ def shard_ref(t, mesh, coord, placements):
     return piece
 
 
+
+
+def cast_shard_ref(t, world, rank, dtype=None):
+    """DESIGN §2 on a 1-D mesh: torch.chunk(t.to(dtype), world, 0)[rank] (an
+    empty piece where torch.chunk returns fewer pieces; 0-dim tensors whole).
+    Integer and bool tensors keep their dtype; `dtype` is a torch dtype or
+    None (keep)."""
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return shard_ref(t, [world], [rank], ["S0"])
+
+
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+         torch.bfloat16: torch.int16}
+
+
+def assert_matches_torch(got, ref, what):
+    """{name: tensor} `got` equals `ref` bit for bit, except that NaN is
+    compared as NaN-ness (DESIGN §2)."""
+    assert sorted(got) == sorted(ref), what
+    for k, r in ref.items():
+        g = got[k]
+        assert (g.dtype, tuple(g.shape)) == (r.dtype, tuple(r.shape)), "%s: %s" % (what, k)
+        if r.dtype in _BITS:
+            nan = torch.isnan(r)
+            assert torch.equal(torch.isnan(g), nan), "%s: %s NaN-ness" % (what, k)
+            bits = _BITS[r.dtype]
+            assert torch.equal(g.contiguous().view(bits)[~nan], r.contiguous().view(bits)[~nan]), \
+                "%s: %s differs from PyTorch" % (what, k)
+        else:
+            assert torch.equal(g, r), "%s: %s differs from PyTorch" % (what, k)

@@ -2,8 +2,10 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 
@@ -13,6 +15,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+
+#ifndef MFD_HUGE_2MB
+#define MFD_HUGE_2MB (21U << 26)  // MFD_HUGE_SHIFT = 26, log2(2 MiB) = 21
+#endif
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010  // Linux 5.1
@@ -54,13 +60,68 @@ void UniqueFd::Reset(int fd) {
   fd_ = fd;
 }
 
+const char* PageKindName(PageKind kind) {
+  switch (kind) {
+    case PageKind::kSmall:
+      return "4k";
+    case PageKind::kTransparentHuge:
+      return "thp";
+    case PageKind::kHugetlb:
+      return "2m_hugetlb";
+  }
+  return "?";
+}
+
+namespace {
+
+// mmap()s `length` bytes of `fd` at a 2 MiB-aligned address when `length`
+// is at least 2 MiB (a PROT_NONE reservation one huge page larger, the file
+// mapped over its aligned part with MAP_FIXED, the slack unmapped), else
+// wherever the kernel puts it. Returns MAP_FAILED with errno set.
+void* MmapAligned(size_t length, int prot, int flags, int fd) {
+  if (length < kHugePageBytes) return ::mmap(nullptr, length, prot, flags, fd, 0);
+  const size_t span = length + kHugePageBytes;
+  void* raw = ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return MAP_FAILED;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (base + kHugePageBytes - 1) & ~(uintptr_t{kHugePageBytes} - 1);
+  void* addr = ::mmap(reinterpret_cast<void*>(aligned), length, prot, flags | MAP_FIXED, fd, 0);
+  if (addr == MAP_FAILED) {
+    const int err = errno;
+    ::munmap(raw, span);
+    errno = err;
+    return MAP_FAILED;
+  }
+  if (aligned > base) ::munmap(raw, aligned - base);
+  const uintptr_t end = aligned + length, raw_end = base + span;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t tail = (end + page - 1) & ~(page - 1);
+  if (raw_end > tail) ::munmap(reinterpret_cast<void*>(tail), raw_end - tail);
+  return addr;
+}
+
+// The page size of a hugetlbfs file; 0 for any other file.
+size_t HugetlbPageSize(int fd) {
+  struct statfs fs;
+  if (::fstatfs(fd, &fs) != 0 || fs.f_type != HUGETLBFS_MAGIC) return 0;
+  return static_cast<size_t>(fs.f_bsize);
+}
+
+}  // namespace
+
 absl::StatusOr<MappedRegion> MappedRegion::Map(int fd, size_t size, Mode mode,
                                                bool populate) {
   if (size == 0) return MappedRegion();
   int prot = mode == Mode::kReadOnly ? PROT_READ : PROT_READ | PROT_WRITE;
   int flags = mode == Mode::kCopyOnWrite ? MAP_PRIVATE : MAP_SHARED;
   if (populate) flags |= MAP_POPULATE;
-  void* addr = ::mmap(nullptr, size, prot, flags, fd, 0);
+  // A hugetlbfs mapping spans whole huge pages (munmap of a part fails);
+  // a private one would reserve a pool page per page of it up front.
+  if (const size_t huge = HugetlbPageSize(fd); huge != 0) {
+    size = (size + huge - 1) / huge * huge;
+    if (mode == Mode::kCopyOnWrite) flags |= MAP_NORESERVE;
+  }
+  void* addr = MmapAligned(size, prot, flags, fd);
   if (addr == MAP_FAILED) return ErrnoStatus(errno, "mmap");
   return MappedRegion(addr, size);
 }
@@ -90,31 +151,70 @@ void MappedRegion::Reset() {
   size_ = 0;
 }
 
-absl::StatusOr<MemfdSegment> MemfdSegment::Create(absl::string_view name,
-                                                  size_t size, bool prefault) {
+absl::StatusOr<MemfdSegment> MemfdSegment::Create(absl::string_view name, size_t size,
+                                                  bool prefault, PageKind pages) {
   std::string cname(name);
-  int raw = ::memfd_create(cname.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (raw < 0) return ErrnoStatus(errno, "memfd_create");
+  unsigned flags = MFD_CLOEXEC | MFD_ALLOW_SEALING;
+  if (pages == PageKind::kHugetlb) flags |= MFD_HUGETLB | MFD_HUGE_2MB;
+  if (pages != PageKind::kSmall) size = RoundUpToHugePage(size);
+  int raw = ::memfd_create(cname.c_str(), flags);
+  if (raw < 0) {
+    return ErrnoStatus(errno, pages == PageKind::kHugetlb ? "memfd_create(MFD_HUGETLB)"
+                                                          : "memfd_create");
+  }
   MemfdSegment seg;
   seg.fd_.Reset(raw);
   seg.size_ = size;
+  seg.pages_ = pages;
   if (::ftruncate(raw, static_cast<off_t>(size)) != 0) {
     return ErrnoStatus(errno, absl::StrCat("ftruncate memfd to ", size, " bytes"));
   }
-  if (size > 0) {
-    // Allocating the pages with fallocate and then filling the page tables
-    // in one call is about twice as fast here as MAP_POPULATE, and several
-    // times faster than faulting them in one by one while writing.
-    if (prefault && ::fallocate(raw, 0, 0, static_cast<off_t>(size)) != 0) {
-      return ErrnoStatus(errno, absl::StrCat("allocating ", size, " bytes of shared memory"));
+  if (size == 0) return seg;
+  switch (pages) {
+    case PageKind::kSmall: {
+      // Allocating the pages with fallocate and then filling the page tables
+      // in one call is about twice as fast here as MAP_POPULATE, and several
+      // times faster than faulting them in one by one while writing.
+      if (prefault && ::fallocate(raw, 0, 0, static_cast<off_t>(size)) != 0) {
+        return ErrnoStatus(errno, absl::StrCat("allocating ", size, " bytes of shared memory"));
+      }
+      void* addr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, raw, 0);
+      if (addr == MAP_FAILED) return ErrnoStatus(errno, "mmap memfd");
+      seg.map_ = MappedRegion(addr, size);
+      break;
     }
-    void* addr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, raw, 0);
-    if (addr == MAP_FAILED) return ErrnoStatus(errno, "mmap memfd");
-    seg.map_ = MappedRegion(addr, size);
-#ifdef MADV_POPULATE_WRITE
-    if (prefault) (void)::madvise(addr, size, MADV_POPULATE_WRITE);  // best effort
-#endif
+    case PageKind::kHugetlb: {
+      // A shared hugetlb mapping reserves all its pages from the pool now
+      // (ENOMEM when the pool is short), so touching them later never
+      // faults without a page (SIGBUS).
+      void* addr = MmapAligned(size, PROT_READ | PROT_WRITE, MAP_SHARED, raw);
+      if (addr == MAP_FAILED) {
+        const int err = errno;
+        if (err == ENOMEM || err == ENOSPC) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "the hugetlb pool has fewer than ", size / kHugePageBytes,
+              " free 2 MiB pages (", size, " bytes)"));
+        }
+        return ErrnoStatus(err, "mmap hugetlb memfd");
+      }
+      seg.map_ = MappedRegion(addr, size);
+      break;
+    }
+    case PageKind::kTransparentHuge: {
+      void* addr = MmapAligned(size, PROT_READ | PROT_WRITE, MAP_SHARED, raw);
+      if (addr == MAP_FAILED) return ErrnoStatus(errno, "mmap memfd");
+      seg.map_ = MappedRegion(addr, size);
+      // The pages come huge when faulted through an advised mapping
+      // (fallocate would allocate them small).
+      if (::madvise(addr, size, MADV_HUGEPAGE) != 0) {
+        return ErrnoStatus(errno, "madvise(MADV_HUGEPAGE)");
+      }
+      break;
+    }
   }
+#ifdef MADV_POPULATE_WRITE
+  if (prefault) (void)::madvise(seg.map_.data(), size, MADV_POPULATE_WRITE);  // best effort
+#endif
   return seg;
 }
 
@@ -179,6 +279,7 @@ absl::Status MemfdSegment::Truncate(size_t new_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("truncating a memfd of ", size_, " bytes to ", new_size));
   }
+  if (pages_ != PageKind::kSmall) new_size = RoundUpToHugePage(new_size);
   if (new_size == size_) return absl::OkStatus();
   if (::ftruncate(fd_.get(), static_cast<off_t>(new_size)) != 0) {
     return ErrnoStatus(errno, absl::StrCat("ftruncate memfd to ", new_size, " bytes"));

@@ -13,6 +13,21 @@
 
 namespace weightd {
 
+// The pages behind a memfd segment. Huge kinds use 2 MiB pages and round
+// the segment's size up to a multiple of them.
+enum class PageKind : uint8_t {
+  kSmall = 0,            // 4 KiB shmem pages
+  kTransparentHuge = 1,  // shmem advised MADV_HUGEPAGE: the kernel's THP, when it has them
+  kHugetlb = 2,          // memfd_create(MFD_HUGETLB): 2 MiB pages from the hugetlb pool
+};
+inline constexpr int kPageKinds = 3;
+inline constexpr uint64_t kHugePageBytes = uint64_t{2} << 20;
+// "4k", "thp", "2m_hugetlb": the label stats and metrics use.
+const char* PageKindName(PageKind kind);
+inline uint64_t RoundUpToHugePage(uint64_t n) {
+  return (n + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+}
+
 // An errno as an absl::Status with the matching code, e.g. ENOENT ->
 // NOT_FOUND, EACCES -> PERMISSION_DENIED, ENOMEM -> RESOURCE_EXHAUSTED.
 absl::Status ErrnoStatus(int err, absl::string_view what);
@@ -65,7 +80,11 @@ class MappedRegion {
   enum class Mode { kReadOnly, kReadWrite, kCopyOnWrite };
   // Maps `size` bytes of `fd` from offset 0. size 0 gives an empty region.
   // `populate` fills the page tables now (MAP_POPULATE), far cheaper than
-  // one fault per page on first touch.
+  // one fault per page on first touch. Regions of 2 MiB or more start at a
+  // 2 MiB-aligned address, so that huge pages behind them (hugetlb, shmem
+  // THP) can be mapped whole (PMD mappings). A hugetlbfs file's mapping is
+  // rounded up to its page size; its copy-on-write maps reserve nothing
+  // (MAP_NORESERVE: a write to such a page copies it from the pool then).
   static absl::StatusOr<MappedRegion> Map(int fd, size_t size, Mode mode,
                                           bool populate = false);
 
@@ -95,8 +114,14 @@ class MemfdSegment {
   // Creates a segment of `size` bytes named `name` (shown in /proc/pid/fd).
   // `prefault` touches every page now (MAP_POPULATE) so later writes do not
   // fault one page at a time.
+  // `pages`: kSmall, or a huge kind (size rounded up to 2 MiB). kHugetlb
+  // reserves its pages from the hugetlb pool when mapped: RESOURCE_EXHAUSTED
+  // when the pool is short (never a SIGBUS later); kTransparentHuge is
+  // mapped 2 MiB-aligned and advised MADV_HUGEPAGE (the kernel's shmem THP
+  // setting decides).
   static absl::StatusOr<MemfdSegment> Create(absl::string_view name,
-                                             size_t size, bool prefault);
+                                             size_t size, bool prefault,
+                                             PageKind pages = PageKind::kSmall);
 
   MemfdSegment() = default;
   MemfdSegment(MemfdSegment&&) = default;
@@ -107,8 +132,8 @@ class MemfdSegment {
   // of it (a checkpoint), and one call is far cheaper than a fault per page.
   absl::Status Seal(bool populate = true);
 
-  // Shrinks an unsealed segment to `new_size` bytes (<= size()), returning
-  // the pages past it to the kernel. The mapping keeps its length; bytes
+  // Shrinks an unsealed segment to `new_size` bytes (<= size(); huge kinds
+  // round it up to 2 MiB), returning the pages past it to the kernel. The mapping keeps its length; bytes
   // past new_size must not be touched again.
   absl::Status Truncate(size_t new_size);
 
@@ -117,7 +142,9 @@ class MemfdSegment {
   // it before sealing are still mapped, and reading them takes no faults.
   bool kept_mapping() const { return kept_mapping_; }
   int fd() const { return fd_.get(); }
+  // Bytes of the memfd: what was asked for, rounded up to 2 MiB for huge kinds.
   size_t size() const { return size_; }
+  PageKind pages() const { return pages_; }
   // Writable only before Seal().
   uint8_t* mutable_data() const { return sealed_ ? nullptr : map_.data(); }
   const uint8_t* data() const { return map_.data(); }
@@ -126,6 +153,7 @@ class MemfdSegment {
   UniqueFd fd_;
   MappedRegion map_;
   size_t size_ = 0;
+  PageKind pages_ = PageKind::kSmall;
   bool sealed_ = false;
   bool kept_mapping_ = false;
 };

@@ -149,4 +149,122 @@ TEST(ReadFileToStringTest, FifoIsRefusedWithoutBlocking) {
   ::rmdir(tmpl);
 }
 
+namespace {
+
+// Free pages of the host's 2 MiB hugetlb pool (free less reserved).
+uint64_t FreeHugePages() {
+  auto read = [](const char* name) -> uint64_t {
+    std::ifstream f(std::string("/sys/kernel/mm/hugepages/hugepages-2048kB/") + name);
+    uint64_t n = 0;
+    return (f >> n) ? n : 0;
+  };
+  const uint64_t free = read("free_hugepages"), rsvd = read("resv_hugepages");
+  return free > rsvd ? free - rsvd : 0;
+}
+
+// The kernel page size /proc/self/smaps reports for the mapping holding
+// `addr`, in KiB; 0 when not found.
+uint64_t KernelPageKiB(const void* addr) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  const auto a = reinterpret_cast<uintptr_t>(addr);
+  bool in = false;
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;
+    char dash = 0;
+    if (std::sscanf(line.c_str(), "%lx%c%lx ", &lo, &dash, &hi) == 3 && dash == '-') {
+      in = a >= lo && a < hi;
+      continue;
+    }
+    unsigned long kib = 0;
+    if (in && std::sscanf(line.c_str(), "KernelPageSize: %lu kB", &kib) == 1) return kib;
+  }
+  return 0;
+}
+
+bool HugeAligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kHugePageBytes == 0; }
+
+TEST(MemfdSegmentTest, HugetlbSegmentIsWholePagesAlignedSealedAndSharedWithoutReserving) {
+  if (FreeHugePages() < 3) GTEST_SKIP() << "needs 3 free 2 MiB hugetlb pages (vm.nr_hugepages)";
+  const uint64_t before = FreeHugePages();
+  {
+    // 3 MiB + 5 bytes rounds up to two pages.
+    auto seg = MemfdSegment::Create("huge", (3u << 20) + 5, /*prefault=*/false, PageKind::kHugetlb);
+    ASSERT_TRUE(seg.ok()) << seg.status();
+    EXPECT_EQ(seg->size(), 2 * kHugePageBytes);
+    EXPECT_EQ(seg->pages(), PageKind::kHugetlb);
+    EXPECT_TRUE(HugeAligned(seg->data()));
+    EXPECT_EQ(FreeHugePages(), before - 2);  // reserved by the mapping up front
+    std::memset(seg->mutable_data(), 0x3C, seg->size());
+    EXPECT_EQ(KernelPageKiB(seg->data()), 2048u);
+    ASSERT_TRUE(seg->Seal().ok());
+    EXPECT_EQ(::pwrite(seg->fd(), "x", 1, 0), -1);
+    EXPECT_FALSE(MappedRegion::Map(seg->fd(), seg->size(), MappedRegion::Mode::kReadWrite).ok());
+    // A client's read-only map of a length that is not whole pages.
+    auto ro = MappedRegion::Map(seg->fd(), (3u << 20) + 5, MappedRegion::Mode::kReadOnly);
+    ASSERT_TRUE(ro.ok()) << ro.status();
+    EXPECT_EQ(ro->size(), 2 * kHugePageBytes);
+    EXPECT_TRUE(HugeAligned(ro->data()));
+    EXPECT_EQ(ro->data()[(3u << 20) + 4], 0x3C);
+    EXPECT_EQ(KernelPageKiB(ro->data()), 2048u);
+    // Copy-on-write maps reserve nothing from the pool up front.
+    auto cow = MappedRegion::Map(seg->fd(), seg->size(), MappedRegion::Mode::kCopyOnWrite);
+    ASSERT_TRUE(cow.ok()) << cow.status();
+    EXPECT_EQ(FreeHugePages(), before - 2);
+    EXPECT_EQ(cow->data()[0], 0x3C);
+    cow->data()[0] = 1;  // copies one page from the pool
+    EXPECT_EQ(seg->data()[0], 0x3C);
+  }
+  EXPECT_EQ(FreeHugePages(), before);  // all given back
+}
+
+TEST(MemfdSegmentTest, HugetlbSegmentLargerThanThePoolIsResourceExhausted) {
+  const uint64_t pages = FreeHugePages() + 1;
+  auto seg = MemfdSegment::Create("too-big", pages * kHugePageBytes, false, PageKind::kHugetlb);
+  ASSERT_FALSE(seg.ok());
+  EXPECT_EQ(seg.status().code(), absl::StatusCode::kResourceExhausted) << seg.status();
+  EXPECT_NE(seg.status().message().find("hugetlb pool"), std::string::npos) << seg.status();
+}
+
+TEST(MemfdSegmentTest, HugetlbTruncateKeepsWholePages) {
+  if (FreeHugePages() < 3) GTEST_SKIP() << "needs 3 free 2 MiB hugetlb pages (vm.nr_hugepages)";
+  auto seg = MemfdSegment::Create("huge", 3 * kHugePageBytes, true, PageKind::kHugetlb);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  ASSERT_TRUE(seg->Truncate(kHugePageBytes + 1).ok());
+  EXPECT_EQ(seg->size(), 2 * kHugePageBytes);
+  struct stat st;
+  ASSERT_EQ(::fstat(seg->fd(), &st), 0);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), 2 * kHugePageBytes);
+}
+
+TEST(MemfdSegmentTest, TransparentHugeSegmentIsRoundedAlignedAndAdvised) {
+  // Whether the kernel then backs it with huge pages is the host's shmem
+  // THP setting; the rounding, alignment and seals are ours.
+  auto seg = MemfdSegment::Create("thp", kHugePageBytes + 1, true, PageKind::kTransparentHuge);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_EQ(seg->size(), 2 * kHugePageBytes);
+  EXPECT_TRUE(HugeAligned(seg->data()));
+  std::memset(seg->mutable_data(), 7, seg->size());
+  ASSERT_TRUE(seg->Seal().ok());
+  EXPECT_EQ(::pwrite(seg->fd(), "x", 1, 0), -1);
+  auto ro = MappedRegion::Map(seg->fd(), seg->size(), MappedRegion::Mode::kReadOnly);
+  ASSERT_TRUE(ro.ok()) << ro.status();
+  EXPECT_TRUE(HugeAligned(ro->data()));
+  EXPECT_EQ(ro->data()[seg->size() - 1], 7);
+}
+
+TEST(MappedRegionTest, LargeMapsStartOnA2MiBBoundaryAndSmallOnesAnywhere) {
+  auto seg = MemfdSegment::Create("plain", 5 * kHugePageBytes / 2, true);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_EQ(seg->size(), 5 * kHugePageBytes / 2);  // 4 KiB pages: not rounded
+  for (int i = 0; i < 4; ++i) {
+    auto map = MappedRegion::Map(seg->fd(), seg->size(), MappedRegion::Mode::kReadOnly);
+    ASSERT_TRUE(map.ok()) << map.status();
+    EXPECT_TRUE(HugeAligned(map->data()));
+    EXPECT_EQ(map->size(), seg->size());
+  }
+}
+
+}  // namespace
+
 }  // namespace weightd

@@ -9,7 +9,8 @@ namespace weightd {
 
 HostMemoryManager::HostMemoryManager(Options options)
     : options_(std::move(options)),
-      account_(std::make_shared<MemoryAccount>(options_.limit_bytes)),
+      account_(std::make_shared<MemoryAccount>(options_.limit_bytes, options_.huge_pages,
+                                               ShmemThpHonoured(ReadHostPages().shmem_thp))),
       disposer_(options_.dispose_min_bytes) {
   // A reservation short of budget first waits for the drops the disposer
   // still holds (rank 0), then takes the warm reserve back (the pool's own
@@ -88,6 +89,10 @@ HostMemoryStats HostMemoryManager::stats() const {
   s.used_bytes = account_->used();
   s.segments = account_->segments();
   if (pool_ != nullptr) s.reserve = pool_->stats();
+  s.huge_pages = account_->huge_pages();
+  for (int k = 0; k < kPageKinds; ++k) s.page_bytes[k] = account_->page_bytes(PageKind(k));
+  s.page_fallbacks = account_->page_fallbacks();
+  s.host = ReadHostPages();
   return s;
 }
 

@@ -38,6 +38,10 @@ struct HostMemoryStats {
   uint64_t used_bytes = 0;      // segments and charges
   uint64_t segments = 0;        // live segments
   SegmentPoolStats reserve;     // zeros without a reserve
+  HugePageMode huge_pages = HugePageMode::kOff;
+  uint64_t page_bytes[kPageKinds] = {};  // live segments' bytes by PageKind
+  uint64_t page_fallbacks = 0;           // huge segments that got a smaller kind
+  HostPages host;                        // what the host offers now
 };
 
 class HostMemoryManager {
@@ -49,6 +53,9 @@ class HostMemoryManager {
     uint64_t reserve_chunk_bytes = uint64_t{256} << 20;
     // Retired holders smaller than this are freed on the caller's thread.
     uint64_t dispose_min_bytes = uint64_t{16} << 20;
+    // --huge-pages: the pages of every segment allocated here, the warm
+    // reserve's chunks included (huge_pages.h).
+    HugePageMode huge_pages = HugePageMode::kOff;
   };
 
   struct AllocateOptions {

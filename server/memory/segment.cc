@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status_macros.h"
 
 namespace weightd {
@@ -91,14 +92,56 @@ absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(
     std::shared_ptr<MemoryAccount> account, absl::string_view purpose,
     uint64_t size, bool prefault, bool reclaim) {
   const std::string what = absl::StrCat("segment for ", purpose);
-  WD_RETURN_IF_ERROR(reclaim ? account->Reserve(size, what)
-                             : account->ReserveNoReclaim(size, what));
-  auto memfd = MemfdSegment::Create(absl::StrCat("weightd:", purpose), size, prefault);
-  if (!memfd.ok()) {
-    account->Return(size);
-    return memfd.status();
+  const std::vector<PageKind> kinds =
+      PageKindsToTry(account->huge_pages(), account->shmem_thp(), size);
+  absl::Status huge_failed;
+  for (PageKind kind : kinds) {
+    const uint64_t bytes = kind == PageKind::kSmall ? size : RoundUpToHugePage(size);
+    if (kind == PageKind::kHugetlb) {
+      // Past a hugetlb cgroup's limit (a pod's hugepages-2Mi) a mapping may
+      // still succeed and the first touch of a page then kills the process
+      // (SIGBUS, where the limit is charged at fault): never go there.
+      const HostPages host = ReadHostPages();
+      if (host.cgroup_free.has_value() && *host.cgroup_free < bytes / kHugePageBytes) {
+        huge_failed = absl::ResourceExhaustedError(absl::StrCat(
+            "the hugetlb cgroup allows ", *host.cgroup_free, " more 2 MiB pages, not ",
+            bytes / kHugePageBytes));
+        continue;
+      }
+    }
+    WD_RETURN_IF_ERROR(reclaim ? account->Reserve(bytes, what)
+                               : account->ReserveNoReclaim(bytes, what));
+    auto memfd = MemfdSegment::Create(absl::StrCat("weightd:", purpose), size, prefault, kind);
+    if (memfd.ok()) {
+      if (!huge_failed.ok()) NoteHugePageFallback(*account, purpose, huge_failed, kind);
+      return std::unique_ptr<Segment>(new Segment(std::move(account), std::move(*memfd)));
+    }
+    account->Return(bytes);
+    if (kind == PageKind::kSmall) return memfd.status();
+    if (huge_failed.ok()) huge_failed = memfd.status();
   }
-  return std::unique_ptr<Segment>(new Segment(std::move(account), std::move(*memfd)));
+  // --huge-pages=require, and hugetlb could not be had.
+  const HostPages host = ReadHostPages();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "--huge-pages=require: ", what, " needs ", RoundUpToHugePage(size) / kHugePageBytes,
+      " 2 MiB huge pages (", size, " bytes) but the hugetlb pool has ", host.hugetlb_free,
+      " free of ", host.hugetlb_total,
+      host.cgroup_free.has_value() ? absl::StrCat(" and the cgroup allows ", *host.cgroup_free)
+                                   : std::string(),
+      " (raise vm.nr_hugepages on the node, or the pod's hugepages-2Mi limit): ",
+      huge_failed.message()));
+}
+
+void Segment::NoteHugePageFallback(MemoryAccount& account, absl::string_view purpose,
+                                   const absl::Status& why, PageKind got) {
+  // Counted always (stats), logged the first time: a pool too small for the
+  // daemon's working set would otherwise log on every allocation.
+  if (account.page_fallbacks_.fetch_add(1, std::memory_order_relaxed) != 0) return;
+  LogEvent(LogLevel::kWarning, "huge_pages_fallback",
+           {{"purpose", std::string(purpose)},
+            {"pages", PageKindName(got)},
+            {"reason", std::string(why.message())},
+            {"note", "counted in stats page_fallbacks; logged once"}});
 }
 
 Segment::Segment(std::shared_ptr<MemoryAccount> account, MemfdSegment memfd)
@@ -106,12 +149,14 @@ Segment::Segment(std::shared_ptr<MemoryAccount> account, MemfdSegment memfd)
       memfd_(std::move(memfd)),
       id_(next_segment_id.fetch_add(1)) {
   account_->segments_.fetch_add(1, std::memory_order_relaxed);
+  account_->AddPages(memfd_.pages(), memfd_.size());
 }
 
 absl::Status Segment::Truncate(uint64_t new_size) {
   const uint64_t old_size = memfd_.size();
   WD_RETURN_IF_ERROR(memfd_.Truncate(new_size));
-  account_->Return(old_size - new_size);
+  account_->Return(old_size - memfd_.size());
+  account_->SubPages(memfd_.pages(), old_size - memfd_.size());
   return absl::OkStatus();
 }
 
@@ -136,6 +181,7 @@ Segment::~Segment() {
   }
   for (auto it = hooks.rbegin(); it != hooks.rend(); ++it) std::move (*it)();
   account_->Return(memfd_.size());
+  account_->SubPages(memfd_.pages(), memfd_.size());
   account_->segments_.fetch_sub(1, std::memory_order_relaxed);
 }
 

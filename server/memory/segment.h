@@ -22,14 +22,19 @@
 #include "absl/strings/string_view.h"
 #include "common/fd.h"
 #include "server/memory/buffer.h"
+#include "server/memory/huge_pages.h"
 
 namespace weightd {
 
 // Bytes held by live segments, against an optional limit. Thread-safe.
 class MemoryAccount {
  public:
-  // limit 0 = unlimited.
-  explicit MemoryAccount(uint64_t limit) : limit_(limit) {}
+  // limit 0 = unlimited. `huge_pages` and `shmem_thp` (whether the host's
+  // shmem THP setting honours MADV_HUGEPAGE) choose the pages of the
+  // segments charged here (huge_pages.h).
+  explicit MemoryAccount(uint64_t limit, HugePageMode huge_pages = HugePageMode::kOff,
+                         bool shmem_thp = false)
+      : limit_(limit), huge_pages_(huge_pages), shmem_thp_(shmem_thp) {}
 
   // Reserves `bytes` or fails with RESOURCE_EXHAUSTED naming `what`. When
   // the budget is short, the reclaimers are asked to free memory first, in
@@ -56,6 +61,15 @@ class MemoryAccount {
   uint64_t used() const { return used_.load(std::memory_order_relaxed); }
   uint64_t limit() const { return limit_; }
   uint64_t segments() const { return segments_.load(std::memory_order_relaxed); }
+  HugePageMode huge_pages() const { return huge_pages_; }
+  bool shmem_thp() const { return shmem_thp_; }
+  // Bytes of live segments by the pages behind them.
+  uint64_t page_bytes(PageKind kind) const {
+    return page_bytes_[static_cast<int>(kind)].load(std::memory_order_relaxed);
+  }
+  // Segments --huge-pages=auto wanted huge that got a smaller kind (the
+  // hugetlb pool was short, or hugetlb failed).
+  uint64_t page_fallbacks() const { return page_fallbacks_.load(std::memory_order_relaxed); }
 
  private:
   friend class Segment;
@@ -64,7 +78,18 @@ class MemoryAccount {
     int rank;
     std::function<uint64_t(uint64_t)> fn;
   };
+  void AddPages(PageKind kind, uint64_t bytes) {
+    page_bytes_[static_cast<int>(kind)].fetch_add(bytes, std::memory_order_relaxed);
+  }
+  void SubPages(PageKind kind, uint64_t bytes) {
+    page_bytes_[static_cast<int>(kind)].fetch_sub(bytes, std::memory_order_relaxed);
+  }
+
   const uint64_t limit_;
+  const HugePageMode huge_pages_;
+  const bool shmem_thp_;
+  std::atomic<uint64_t> page_bytes_[kPageKinds] = {};
+  std::atomic<uint64_t> page_fallbacks_{0};
   absl::Mutex mu_;
   // Replaced, never modified: a Reserve calls a snapshot without the lock.
   std::shared_ptr<const std::vector<Reclaimer>> reclaimers_ ABSL_GUARDED_BY(mu_);
@@ -102,6 +127,8 @@ class Segment final : public Buffer {
   // must outlive the segment). `purpose` names it in /proc
   // ("weightd:<purpose>") and in the budget's messages.
   // `reclaim` = false charges the account without asking its reclaimer.
+  // The account's --huge-pages mode picks the pages (huge_pages.h); a huge
+  // segment's size() is `size` rounded up to 2 MiB, and that is charged.
   static absl::StatusOr<std::unique_ptr<Segment>> Create(
       std::shared_ptr<MemoryAccount> account, absl::string_view purpose,
       uint64_t size, bool prefault, bool reclaim = true);
@@ -116,7 +143,8 @@ class Segment final : public Buffer {
   // See MemfdSegment::kept_mapping.
   bool kept_mapping() const { return memfd_.kept_mapping(); }
 
-  // Shrinks an unsealed segment, returning the tail's bytes to the account.
+  // Shrinks an unsealed segment, returning the tail's bytes to the account
+  // (huge segments keep whole 2 MiB pages).
   absl::Status Truncate(uint64_t new_size);
 
   // Runs `hook` when the segment is destroyed, before its mapping goes
@@ -127,6 +155,7 @@ class Segment final : public Buffer {
   uint64_t id() const override { return id_; }
   uint64_t size() const override { return memfd_.size(); }
   MemoryLocation location() const override { return MemoryLocation{}; }
+  PageKind pages() const { return memfd_.pages(); }
   const uint8_t* host_data() const override { return memfd_.data(); }
   absl::StatusOr<int> ShareableFd() const override;
 
@@ -138,6 +167,8 @@ class Segment final : public Buffer {
 
  private:
   Segment(std::shared_ptr<MemoryAccount> account, MemfdSegment memfd);
+  static void NoteHugePageFallback(MemoryAccount& account, absl::string_view purpose,
+                                   const absl::Status& why, PageKind got);
 
   std::shared_ptr<MemoryAccount> account_;
   MemfdSegment memfd_;

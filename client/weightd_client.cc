@@ -190,6 +190,9 @@ ModelInfo ToModelInfo(const v1::ModelInfo& m) {
   out.generation = m.generation();
   out.tensor_count = m.tensor_count();
   out.total_bytes = m.total_bytes();
+  out.segment_bytes_4k = m.segment_bytes_4k();
+  out.segment_bytes_thp = m.segment_bytes_thp();
+  out.segment_bytes_hugetlb = m.segment_bytes_hugetlb();
   out.files.assign(m.files().begin(), m.files().end());
   out.adapters.assign(m.adapters().begin(), m.adapters().end());
   out.report.assign(m.report().begin(), m.report().end());
@@ -697,6 +700,14 @@ absl::StatusOr<DaemonStats> Client::Stats() {
   s.pushes = r.pushes();
   s.push_bytes = r.push_bytes();
   s.pinned_bytes = r.pinned_bytes();
+  s.segment_bytes_4k = r.segment_bytes_4k();
+  s.segment_bytes_thp = r.segment_bytes_thp();
+  s.segment_bytes_hugetlb = r.segment_bytes_hugetlb();
+  s.huge_page_fallbacks = r.huge_page_fallbacks();
+  s.huge_pages = r.huge_pages();
+  s.hugetlb_pages_total = r.hugetlb_pages_total();
+  s.hugetlb_pages_free = r.hugetlb_pages_free();
+  s.shmem_thp = r.shmem_thp();
   s.cuda_built = r.cuda_built();
   s.gpus_unavailable = r.gpus_unavailable();
   for (const v1::GpuDevice& g : r.gpus()) {

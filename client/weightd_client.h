@@ -73,6 +73,8 @@ struct ModelInfo {
   std::vector<std::string> report;    // profile report lines
   std::vector<ModelTensor> tensors;   // filled by GetModel only
   std::vector<std::string> readers;   // empty = public
+  // The checkpoint's segments by page kind (4 KiB, THP, 2 MiB hugetlb).
+  uint64_t segment_bytes_4k = 0, segment_bytes_thp = 0, segment_bytes_hugetlb = 0;
 };
 
 struct AdapterInfo {
@@ -115,6 +117,12 @@ struct DaemonStats {
   uint64_t bytes_read = 0;  // asked for by grpc-transport Reads
   uint64_t pushes = 0, push_bytes = 0;  // pushes into clients' memory
   uint64_t pinned_bytes = 0;            // host memory registered with CUDA
+  // Live segments' bytes by pages (--huge-pages), and the host's 2 MiB pool.
+  uint64_t segment_bytes_4k = 0, segment_bytes_thp = 0, segment_bytes_hugetlb = 0;
+  uint64_t huge_page_fallbacks = 0;
+  std::string huge_pages;  // the daemon's --huge-pages mode
+  uint64_t hugetlb_pages_total = 0, hugetlb_pages_free = 0;
+  std::string shmem_thp;
   bool cuda_built = false;
   std::vector<GpuInfo> gpus;     // found by the daemon at start-up
   std::string gpus_unavailable;  // why none

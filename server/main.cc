@@ -27,6 +27,7 @@
 #include "common/status_macros.h"
 #include "server/grpc/call_auth.h"
 #include "server/gpu/gpu_devices.h"
+#include "server/memory/huge_pages.h"
 #include "server/grpc/grpc_server.h"
 #include "server/metrics/prometheus_exporter.h"
 #include "server/service/weight_service.h"
@@ -153,6 +154,23 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
               f->service.pin_host_memory = it->second;
               return true;
             })})
+      .Add({"huge-pages", "auto|off|require",
+            "2 MiB pages for segments of 2 MiB or more: auto - hugetlb while the pool has room, "
+            "else shmem THP where the host honours it, else 4 KiB; require - hugetlb or the load "
+            "fails RESOURCE_EXHAUSTED (default auto)",
+            K::kValue,
+            OneOf("huge-pages", "auto, off or require", [f](const std::string& v) {
+              std::optional<HugePageMode> mode = ParseHugePageMode(v);
+              if (!mode.has_value()) return false;
+              f->service.huge_pages = *mode;
+              return true;
+            })})
+      .Add({"checkpoint-segment-bytes", "N",
+            "pack a checkpoint's files into segments of up to N bytes (>= 2 MiB, default 1 "
+            "GiB; a larger file gets its own)",
+            K::kValue,
+            Uint64Into("checkpoint-segment-bytes", &f->service.checkpoint_segment_bytes,
+                       kHugePageBytes)})
       .Add({"log-format", "text|json", "log lines", K::kValue,
             OneOf("log-format", "text or json", [](const std::string& v) {
               if (v != "json" && v != "text") return false;
@@ -280,6 +298,7 @@ int Main(int argc, char** argv) {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 #endif
   DaemonFlags flags;
+  flags.service.huge_pages = HugePageMode::kAuto;  // the daemon's default (the struct's is off)
   // SO_PEERCRED reports effective ids; the daemon's own is always allowed.
   flags.service.access.daemon_uid = ::geteuid();
   FlagTable table = DaemonFlagTable(&flags);
@@ -314,6 +333,23 @@ int Main(int argc, char** argv) {
     LogEvent(LogLevel::kInfo, "gpus",
              {{"found", absl::StrJoin(found, ",")},
               {"unavailable", flags.service.gpus.unavailable}});
+  }
+  // What the host offers for --huge-pages (the pool as seen now; a pod's
+  // hugetlb cgroup limit may allow less).
+  {
+    const HostPages host = ReadHostPages();
+    LogEvent(LogLevel::kInfo, "host_pages",
+             {{"huge_pages", HugePageModeName(flags.service.huge_pages)},
+              {"hugetlb_2m_free", absl::StrCat(host.hugetlb_free)},
+              {"hugetlb_2m_total", absl::StrCat(host.hugetlb_total)},
+              {"shmem_thp", host.shmem_thp.empty() ? "unknown" : host.shmem_thp},
+              {"shmem_thp_honoured", ShmemThpHonoured(host.shmem_thp) ? "yes" : "no"}});
+    if (flags.service.huge_pages == HugePageMode::kRequire && host.hugetlb_free == 0) {
+      LogEvent(LogLevel::kWarning, "huge_pages_short",
+               {{"reason", "--huge-pages=require and the 2 MiB hugetlb pool has no free page: "
+                           "every load of 2 MiB or more will fail until vm.nr_hugepages is "
+                           "raised"}});
+    }
   }
   auto service = WeightService::Create(flags.service);
   if (!service.ok()) return Fail(service.status());

@@ -191,6 +191,10 @@ absl::Status CmdInfo(Client& c, const Args& a) {
               m.name.c_str(), m.path.c_str(), static_cast<unsigned long long>(m.generation),
               static_cast<unsigned long long>(m.tensor_count),
               static_cast<unsigned long long>(m.total_bytes));
+  std::printf("segment_bytes: 4k=%llu thp=%llu hugetlb=%llu\n",
+              static_cast<unsigned long long>(m.segment_bytes_4k),
+              static_cast<unsigned long long>(m.segment_bytes_thp),
+              static_cast<unsigned long long>(m.segment_bytes_hugetlb));
   for (const std::string& f : m.files) std::printf("file: %s\n", f.c_str());
   std::printf("adapters: %s\n", m.adapters.empty() ? "(none)" : absl::StrJoin(m.adapters, " ").c_str());
   for (const std::string& line : m.report) std::printf("report: %s\n", line.c_str());
@@ -227,6 +231,14 @@ absl::Status CmdStats(Client& c, const Args& a) {
   std::printf("pushes: %llu\npush_bytes: %llu\npinned_bytes: %llu\ngpus: %zu\n",
               (unsigned long long)s.pushes, (unsigned long long)s.push_bytes,
               (unsigned long long)s.pinned_bytes, s.gpus.size());
+  std::printf(
+      "huge_pages: %s\nsegment_bytes_4k: %llu\nsegment_bytes_thp: %llu\n"
+      "segment_bytes_hugetlb: %llu\nhuge_page_fallbacks: %llu\nhugetlb_pages_total: %llu\n"
+      "hugetlb_pages_free: %llu\nshmem_thp: %s\n",
+      s.huge_pages.c_str(), (unsigned long long)s.segment_bytes_4k,
+      (unsigned long long)s.segment_bytes_thp, (unsigned long long)s.segment_bytes_hugetlb,
+      (unsigned long long)s.huge_page_fallbacks, (unsigned long long)s.hugetlb_pages_total,
+      (unsigned long long)s.hugetlb_pages_free, s.shmem_thp.c_str());
   return absl::OkStatus();
 }
 

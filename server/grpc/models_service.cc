@@ -141,6 +141,14 @@ class ModelsImpl final : public v1::Models::CallbackService {
     resp->set_pushes(s.pushes);
     resp->set_push_bytes(s.push_bytes);
     resp->set_pinned_bytes(s.pinned_bytes);
+    resp->set_segment_bytes_4k(s.page_bytes[static_cast<int>(PageKind::kSmall)]);
+    resp->set_segment_bytes_thp(s.page_bytes[static_cast<int>(PageKind::kTransparentHuge)]);
+    resp->set_segment_bytes_hugetlb(s.page_bytes[static_cast<int>(PageKind::kHugetlb)]);
+    resp->set_huge_page_fallbacks(s.page_fallbacks);
+    resp->set_huge_pages(HugePageModeName(s.huge_pages));
+    resp->set_hugetlb_pages_total(s.host_pages.hugetlb_total);
+    resp->set_hugetlb_pages_free(s.host_pages.hugetlb_free);
+    resp->set_shmem_thp(s.host_pages.shmem_thp);
     const GpuInventory& gpus = service_->gpus();
     resp->set_cuda_built(gpus.cuda_built);
     resp->set_gpus_unavailable(gpus.unavailable);

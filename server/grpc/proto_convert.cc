@@ -17,6 +17,9 @@ void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_generation(s.generation);
   out->set_tensor_count(s.tensor_count);
   out->set_total_bytes(s.total_bytes);
+  out->set_segment_bytes_4k(s.page_bytes[static_cast<size_t>(PageKind::kSmall)]);
+  out->set_segment_bytes_thp(s.page_bytes[static_cast<size_t>(PageKind::kTransparentHuge)]);
+  out->set_segment_bytes_hugetlb(s.page_bytes[static_cast<size_t>(PageKind::kHugetlb)]);
   for (const std::string& f : s.files) out->add_files(f);
   for (const std::string& a : s.adapters) out->add_adapters(a);
   for (const std::string& r : s.report) out->add_report(r);

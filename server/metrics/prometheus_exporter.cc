@@ -100,6 +100,25 @@ class StatsCollectable : public prometheus::Collectable {
     latency.metric.push_back(HistogramMetric(s.fetch_latency_shm, "shm"));
     latency.metric.push_back(HistogramMetric(s.fetch_latency_grpc, "grpc"));
     out.push_back(std::move(latency));
+    prometheus::MetricFamily pages;
+    pages.name = "weightd_segment_bytes";
+    pages.help =
+        "Live segments' bytes by the pages behind them (--huge-pages): 4k, thp (shmem advised "
+        "MADV_HUGEPAGE), 2m_hugetlb.";
+    pages.type = MetricType::Gauge;
+    for (int k = 0; k < kPageKinds; ++k) {
+      prometheus::ClientMetric m;
+      m.label.push_back({"pages", PageKindName(PageKind(k))});
+      m.gauge.value = static_cast<double>(s.page_bytes[k]);
+      pages.metric.push_back(std::move(m));
+    }
+    out.push_back(std::move(pages));
+    out.push_back(Scalar("weightd_huge_page_fallbacks_total",
+                         "Segments --huge-pages=auto wanted huge that got smaller pages.",
+                         MetricType::Counter, s.page_fallbacks));
+    out.push_back(Scalar("weightd_hugetlb_free_pages",
+                         "Free 2 MiB pages in the host's hugetlb pool (less reserved).",
+                         MetricType::Gauge, s.host_pages.hugetlb_free));
     return out;
   }
 

@@ -50,7 +50,8 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
       roots_(std::move(roots)),
       memory_(HostMemoryManager::Options{.limit_bytes = options_.host_memory_bytes,
                                          .warm_reserve_bytes = options_.warm_reserve_bytes,
-                                         .reserve_chunk_bytes = options_.reserve_chunk_bytes}),
+                                         .reserve_chunk_bytes = options_.reserve_chunk_bytes,
+                                         .huge_pages = options_.huge_pages}),
       materializer_(Materializer::Options{&memory_, options_.worker_threads}),
       leases_(options_.lease_idle_ttl, memory_.disposer()),
       access_(options_.access) {
@@ -129,6 +130,7 @@ ModelSummary WeightService::Summarize(const Model& model) {
   s.generation = model.current->number;
   s.tensor_count = model.served->size() + model.current->added.size();
   s.total_bytes = model.checkpoint->total_bytes();
+  s.page_bytes = model.checkpoint->page_bytes();
   s.files = model.checkpoint->files();
   for (const AdapterRef& r : model.current->stack) s.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
   s.report = model.layout->report.Summary();
@@ -285,6 +287,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
   auto build = [&]() -> absl::StatusOr<std::shared_ptr<Model>> {
     CheckpointLoadOptions opts;
     opts.memory = &memory_;
+    opts.segment_target_bytes = options_.checkpoint_segment_bytes;
     opts.read_threads = options_.worker_threads;
     opts.progress = progress;
     opts.files = &roots_;
@@ -978,6 +981,10 @@ ServiceStats WeightService::Stats() const {
   s.bytes_resident = memory.used_bytes;
   s.memory_limit = memory.limit_bytes;
   s.reserve = memory.reserve;
+  s.huge_pages = memory.huge_pages;
+  std::copy(std::begin(memory.page_bytes), std::end(memory.page_bytes), std::begin(s.page_bytes));
+  s.page_fallbacks = memory.page_fallbacks;
+  s.host_pages = memory.host;
   s.materializer = materializer_.stats();
   s.leases_open = leases_.size();
   s.bytes_served = bytes_served_.load();

@@ -58,6 +58,14 @@ struct WeightServiceOptions {
   // Failures are logged, never fatal.
   enum class Pin { kAuto, kOn, kOff };
   Pin pin_host_memory = Pin::kAuto;
+  // --huge-pages: the pages of host segments (server/memory/huge_pages.h).
+  // Off here (tests and embedders); the daemon's flag defaults to auto.
+  HugePageMode huge_pages = HugePageMode::kOff;
+  // --checkpoint-segment-bytes: a checkpoint's files are packed into
+  // segments of up to this size (a larger file gets one of its own). With
+  // huge pages each segment is hugetlb or falls back whole: smaller ones
+  // fill a pool smaller than the checkpoint more fully.
+  uint64_t checkpoint_segment_bytes = uint64_t{1} << 30;
 };
 
 struct ModelSummary {
@@ -66,6 +74,8 @@ struct ModelSummary {
   uint64_t generation = 0;
   uint64_t tensor_count = 0;  // served tensors
   uint64_t total_bytes = 0;   // checkpoint bytes
+  // The checkpoint's segments by page kind (PageKind order), rounding included.
+  std::array<uint64_t, kPageKinds> page_bytes{};
   std::vector<std::string> files;
   std::vector<std::string> adapters;  // current stack, "name:strength"
   std::vector<std::string> report;    // profile report, names summarized
@@ -160,6 +170,10 @@ struct ServiceStats {
   double load_seconds = 0;
   uint64_t fetch_errors = 0;
   uint64_t pinned_bytes = 0;  // host memory registered with CUDA now
+  HugePageMode huge_pages = HugePageMode::kOff;
+  uint64_t page_bytes[kPageKinds] = {};  // live segments' bytes by PageKind
+  uint64_t page_fallbacks = 0;
+  HostPages host_pages;
   uint64_t pushes = 0;      // pushes into clients' memory answered OK
   uint64_t push_bytes = 0;  // the tensor bytes they wrote
   LatencyHistogram::Snapshot fetch_latency_shm;

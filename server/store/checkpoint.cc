@@ -247,6 +247,12 @@ Checkpoint::Checkpoint(std::string path, std::vector<std::string> files,
     by_name_[tensors_[i].name] = i;
     total_bytes_ += tensors_[i].length;
   }
+  absl::flat_hash_set<const Segment*> seen;
+  for (const StoredTensor& t : tensors_) {
+    if (t.segment != nullptr && seen.insert(t.segment.get()).second) {
+      page_bytes_[static_cast<size_t>(t.segment->pages())] += t.segment->size();
+    }
+  }
 }
 
 const StoredTensor* Checkpoint::Find(absl::string_view name) const {

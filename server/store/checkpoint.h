@@ -4,6 +4,7 @@
 #ifndef WEIGHTD_SERVER_STORE_CHECKPOINT_H_
 #define WEIGHTD_SERVER_STORE_CHECKPOINT_H_
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -59,6 +60,9 @@ class Checkpoint {
   // nullptr when absent.
   const StoredTensor* Find(absl::string_view name) const;
   uint64_t total_bytes() const { return total_bytes_; }
+  // Bytes of the checkpoint's segments by the pages behind them (indexed by
+  // PageKind: 4 KiB, THP-advised shmem, 2 MiB hugetlb), rounding included.
+  const std::array<uint64_t, kPageKinds>& page_bytes() const { return page_bytes_; }
   // Budget bytes held for the tensors' metadata (0 without a charge).
   uint64_t metadata_bytes() const { return metadata_charge_ ? metadata_charge_->bytes() : 0; }
 
@@ -68,6 +72,7 @@ class Checkpoint {
   std::vector<StoredTensor> tensors_;
   absl::flat_hash_map<std::string, size_t> by_name_;
   uint64_t total_bytes_ = 0;
+  std::array<uint64_t, kPageKinds> page_bytes_{};
   std::unique_ptr<MemoryCharge> metadata_charge_;
 };
 

@@ -12,6 +12,15 @@ process's private pages; the daemon's sealed segment, other workers and
 later fetches never see it. On the grpc transport the bytes are streamed
 into private buffers and the tensors are views of those.
 
+Huge pages (the daemon's --huge-pages): segments of 2 MiB hugetlb pages are
+mapped the same way, at 2 MiB-aligned addresses (the kernel's PMD mappings,
+one page-table entry per 2 MiB), and reserve nothing from the node's pool
+(MAP_NORESERVE). Reading them costs nothing extra; the first write into a
+tensor there copies its 2 MiB page from the hugetlb pool, and if the pool
+is empty at that moment the process gets SIGBUS. Workers that modify
+weights in place on such a node clone() them first, or leave room in the
+pool.
+
 Lifetime: a ShardHandle holds a lease. release() (or leaving a `with`
 block) ends it at once. Otherwise the lease lives as long as the handle or
 any tensor/array made from it is alive, and ends when the last one is
@@ -130,6 +139,10 @@ class ModelInfo:
     adapters: Tuple[str, ...] = ()  # current stack, "name:strength"
     report: Tuple[str, ...] = ()  # profile report lines
     readers: Tuple[str, ...] = ()  # who may read it ("uid:N", ...); empty = public
+    # The checkpoint's segments by the pages behind them (--huge-pages).
+    segment_bytes_4k: int = 0
+    segment_bytes_thp: int = 0
+    segment_bytes_hugetlb: int = 0
 
 
 @dataclass(frozen=True)
@@ -209,7 +222,10 @@ def _model_info(m):
         tensors=tuple(TensorInfo(t.name, _dtypes.name_of_enum(t.dtype), tuple(t.shape),
                                  bytes(t.digest), _opt(t, "sources"), _opt(t, "patched_by"))
                       for t in m.tensors),
-        adapters=_opt(m, "adapters"), report=_opt(m, "report"), readers=_opt(m, "readers"))
+        adapters=_opt(m, "adapters"), report=_opt(m, "report"), readers=_opt(m, "readers"),
+        segment_bytes_4k=_opt(m, "segment_bytes_4k", 0),
+        segment_bytes_thp=_opt(m, "segment_bytes_thp", 0),
+        segment_bytes_hugetlb=_opt(m, "segment_bytes_hugetlb", 0))
 
 
 def _readers(readers):
@@ -428,6 +444,7 @@ class _Lease:
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
 _PAGE = mmap.PAGESIZE
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Python 3.12+ names it; Linux value
 
 
 def _populate(seg, offset, length):
@@ -1110,7 +1127,11 @@ class Client:
                 if size == 0:
                     maps.append(None)
                 elif private:
-                    seg = _Segment(fd, size, flags=mmap.MAP_PRIVATE,
+                    # MAP_NORESERVE: a private map of a hugetlb segment
+                    # would otherwise reserve a pool page for each of its
+                    # pages up front (for plain shmem it only skips the
+                    # overcommit charge of a map written rarely, if ever).
+                    seg = _Segment(fd, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
                     seg._lease = lease
                     maps.append(seg)

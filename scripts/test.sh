@@ -2,6 +2,7 @@
 # The one test command (README): installs what is missing, builds, and runs
 # every test — C++ unit tests and the Python suites against the real daemon.
 #   scripts/test.sh [--sanitize address,undefined|thread] [ctest args...]
+#   WEIGHTD_TEST_HUGEPAGES=N: reserve N 2 MiB hugetlb pages for the run (below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
@@ -38,6 +39,21 @@ if [[ "$sanitize" == *thread* ]]; then
   tsan_reports="$PWD/$BUILD_DIR/tsan-reports"
   rm -rf "$tsan_reports" && mkdir -p "$tsan_reports"
   export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp log_path=$tsan_reports/report ${TSAN_OPTIONS:-}"
+fi
+# Huge pages: WEIGHTD_TEST_HUGEPAGES=N (root, a writable vm.nr_hugepages)
+# adds a pool of N 2 MiB hugetlb pages for this run, given back on exit
+# whatever happens; the daemons under test (--huge-pages auto by default)
+# then use it, and the huge-page tests run instead of skipping.
+hp_sysfs=/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages
+if [ "${WEIGHTD_TEST_HUGEPAGES:-0}" != 0 ]; then
+  if [ -w "$hp_sysfs" ] && hp_old=$(cat "$hp_sysfs"); then
+    trap 'echo "$hp_old" > "$hp_sysfs" 2>/dev/null || true; echo "huge pages: vm.nr_hugepages back to $hp_old" >&2' EXIT
+    trap 'exit 130' INT TERM
+    echo $((hp_old + WEIGHTD_TEST_HUGEPAGES)) > "$hp_sysfs" || true
+    echo "huge pages: asked for $WEIGHTD_TEST_HUGEPAGES more 2 MiB pages; pool now $(cat "$hp_sysfs") (was $hp_old)" >&2
+  else
+    echo "huge pages: WEIGHTD_TEST_HUGEPAGES set but $hp_sysfs is not writable here; the huge-page tests skip" >&2
+  fi
 fi
 # Our tests must run; ctest fails when it finds none.
 rc=0

@@ -68,7 +68,9 @@ def _net_checkpoint():
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon()
+    # 4 KiB segments: the RSS figures below (VmRSS, RssShmem) do not count
+    # hugetlb pages; test_huge_pages has the huge-page twins of these tests.
+    d = Daemon(extra_args=["--huge-pages", "off"])
     d.start()
     try:
         d.small = _small_checkpoint()

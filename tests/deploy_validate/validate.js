@@ -12,6 +12,13 @@
 //      that struct (a typo such as `readOnlyRootFileSystem` would otherwise pass
 //      and be rejected only by the API server's strict field validation).
 //      The field lists come from the package's TypeScript declarations.
+//   3. the API server's rules on a container's resources, which are not in
+//      the OpenAPI schemas (ValidateResourceRequirements in
+//      k8s.io/kubernetes pkg/apis/core/validation): a request is at most its
+//      limit; for resources that cannot be overcommitted (hugepages-<size>
+//      and extended resources such as nvidia.com/gpu) a request needs a limit
+//      and equals it; a container with hugepages requests or limits cpu or
+//      memory too ("HugePages require cpu or memory").
 // Prints a JSON array [{kind, name, ok, errors: [...]}, ...] on stdout, one
 // human line per object on stderr, and exits 0 when every object is valid,
 // 1 when any is not, 2 when the input cannot be read or names an unknown kind.
@@ -102,6 +109,77 @@ function unknownFields(value, typeName, table, where, errors) {
   }
 }
 
+// ---- resource rules ----------------------------------------------------------
+const QUANTITY_SUFFIX = {
+  "": 1, n: 1e-9, u: 1e-6, m: 1e-3, k: 1e3, M: 1e6, G: 1e9, T: 1e12, P: 1e15, E: 1e18,
+  Ki: 2 ** 10, Mi: 2 ** 20, Gi: 2 ** 30, Ti: 2 ** 40, Pi: 2 ** 50, Ei: 2 ** 60,
+};
+
+// A resource.Quantity ("4Gi", "500m", "1e3", 2) as a number; null if malformed.
+function quantity(q) {
+  if (typeof q === "number") return q;
+  const m = /^([+-]?(?:\d+\.?\d*|\.\d+))(?:[eE]([+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]))?$/.exec(String(q));
+  if (!m) return null;
+  return Number(m[1]) * (m[2] !== undefined ? 10 ** Number(m[2]) : QUANTITY_SUFFIX[m[3] ?? ""]);
+}
+
+const isHugePages = (name) => name.startsWith("hugepages-");
+// helper.IsOvercommitAllowed: native (no domain, or *kubernetes.io/) and not hugepages.
+const overcommitAllowed = (name) =>
+  (!name.includes("/") || name.includes("kubernetes.io/")) && !isHugePages(name);
+
+function resourceRules(resources, where, errors) {
+  if (!resources || typeof resources !== "object") return;
+  const requests = resources.requests ?? {};
+  const limits = resources.limits ?? {};
+  for (const [kind, list] of [["requests", requests], ["limits", limits]]) {
+    for (const [name, q] of Object.entries(list)) {
+      if (quantity(q) === null) errors.push(`${where}/${kind}/${name}: invalid quantity ${JSON.stringify(q)}`);
+    }
+  }
+  for (const [name, q] of Object.entries(requests)) {
+    const at = `${where}/requests/${name}`;
+    if (name in limits) {
+      const req = quantity(q), lim = quantity(limits[name]);
+      if (req === null || lim === null) continue;
+      if (!overcommitAllowed(name) && req !== lim) {
+        errors.push(`${at}: must be equal to ${name} limit of ${limits[name]}`);
+      } else if (req > lim) {
+        errors.push(`${at}: must be less than or equal to ${name} limit of ${limits[name]}`);
+      }
+    } else if (!overcommitAllowed(name)) {
+      errors.push(`${where}/limits/${name}: Limit must be set for non overcommitable resources`);
+    }
+  }
+  const names = [...Object.keys(requests), ...Object.keys(limits)];
+  if (names.some(isHugePages) && !names.some((n) => n === "cpu" || n === "memory")) {
+    errors.push(`${where}: HugePages require cpu or memory`);
+  }
+}
+
+// The pod spec of a Pod, a workload's pod template, or a CronJob's job template.
+function podSpecOf(obj) {
+  const spec = obj && obj.spec;
+  if (!spec || typeof spec !== "object") return null;
+  if (obj.kind === "Pod") return { spec, at: "/spec" };
+  if (spec.template && spec.template.spec) return { spec: spec.template.spec, at: "/spec/template/spec" };
+  const job = spec.jobTemplate && spec.jobTemplate.spec;
+  if (job && job.template && job.template.spec) {
+    return { spec: job.template.spec, at: "/spec/jobTemplate/spec/template/spec" };
+  }
+  return null;
+}
+
+function podResourceRules(obj, errors) {
+  const pod = podSpecOf(obj);
+  if (!pod) return;
+  for (const list of ["initContainers", "containers"]) {
+    const containers = pod.spec[list];
+    if (!Array.isArray(containers)) continue;
+    containers.forEach((c, i) => resourceRules(c && c.resources, `${pod.at}/${list}/${i}/resources`, errors));
+  }
+}
+
 // ---- model classes ---------------------------------------------------------
 async function modelClass(apiVersion, kind) {
   if (typeof apiVersion !== "string" || typeof kind !== "string") return null;
@@ -169,6 +247,7 @@ async function main() {
     const top = `${kind}@${file}`;
     if (!table.has(top)) errors.push(`no field list for ${group}/${kind}`);
     else unknownFields(obj, top, table, "", errors);
+    podResourceRules(obj, errors);
     results.push({ kind, name, ok: errors.length === 0, errors });
     if (errors.length && status === 0) status = 1;
   }

@@ -3,8 +3,9 @@ kustomize` and validate offline against the Kubernetes schemas (npm
 kubernetes-models, through tests/deploy_validate/validate.js, plus an
 unknown-field check); they have the shape weightd needs (grpc probes on the
 --listen port, a socket directory shared with the workers, native sidecar,
-IPC_LOCK, memory sized with the budget); the flags they pass start the real
-daemon; the systemd unit verifies and its ExecStart starts the daemon too; the
+IPC_LOCK, memory sized with the budget; the huge-pages overlay's hugepages-2Mi
+request equal to its limit, with memory, and --huge-pages=require); the flags
+they pass start the real daemon; the systemd unit verifies and its ExecStart starts the daemon too; the
 Dockerfile (not built here: no Docker engine) is checked statically.
 
 Needs kubectl (with its embedded kustomize), node and npm; the first run
@@ -38,8 +39,10 @@ OVERLAYS = {
     "daemonset": "overlays/daemonset",
     "sidecar": "overlays/sidecar",
     "large-model": "examples/daemonset-large-model",
+    "hugepages": "overlays/daemonset-hugepages",
 }
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 # ---- tools -----------------------------------------------------------------
@@ -155,6 +158,7 @@ def test_overlay_renders_and_validates(overlay, validator):
     expected = {
         "daemonset": ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "PriorityClass"],
         "large-model": ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "PriorityClass"],
+        "hugepages": ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "PriorityClass"],
         "sidecar": ["ConfigMap", "Deployment", "NetworkPolicy"],
     }[overlay]
     assert kinds == expected
@@ -228,6 +232,41 @@ spec:
         restartPolicy: Always
         securityContext: {readOnlyRootFileSystem: true}
 """, 'unknown field "readOnlyRootFileSystem"'),
+    # validate.js's resource rules (the API server's, not in the schemas).
+    "hugepages-request-below-limit": ("""
+apiVersion: v1
+kind: Pod
+metadata: {name: p}
+spec:
+  containers:
+  - name: c
+    image: i
+    resources:
+      requests: {memory: 1Gi, hugepages-2Mi: 2Gi}
+      limits: {memory: 1Gi, hugepages-2Mi: 4Gi}
+""", "requests/hugepages-2Mi: must be equal to hugepages-2Mi limit of 4Gi"),
+    "hugepages-without-cpu-or-memory": ("""
+apiVersion: apps/v1
+kind: DaemonSet
+metadata: {name: d}
+spec:
+  selector: {matchLabels: {a: b}}
+  template:
+    metadata: {labels: {a: b}}
+    spec:
+      containers:
+      - name: c
+        image: i
+        resources: {limits: {hugepages-2Mi: 4Gi}}
+""", "/spec/template/spec/containers/0/resources: HugePages require cpu or memory"),
+    "request-over-limit": ("""
+apiVersion: v1
+kind: Pod
+metadata: {name: p}
+spec:
+  containers:
+  - {name: c, image: i, resources: {requests: {memory: 2Gi}, limits: {memory: 1Gi}}}
+""", "must be less than or equal to memory limit of 1Gi"),
 }
 
 
@@ -258,6 +297,19 @@ def test_validator_rejects_broken_rendered_daemonset(validator):
     bad = [r for r in results if not r["ok"]]
     assert [r["kind"] for r in bad] == ["DaemonSet"]
     assert any("startupProbe/grpc/port" in e for e in bad[0]["errors"])
+
+
+def test_validator_rejects_hugepages_daemonset_with_request_not_limit(validator):
+    """The huge-pages overlay with its hugepages-2Mi request lowered fails the
+    API server's rule (requests == limits), as validate.js applies it."""
+    objs = render(OVERLAYS["hugepages"])
+    weightd_container(one(objs, "DaemonSet"))["resources"]["requests"]["hugepages-2Mi"] = "2Gi"
+    rc, results, err = validator(yaml.safe_dump_all(objs))
+    assert rc == 1, err
+    bad = [r for r in results if not r["ok"]]
+    assert [r["kind"] for r in bad] == ["DaemonSet"]
+    assert any("requests/hugepages-2Mi: must be equal to hugepages-2Mi limit" in e
+               for e in bad[0]["errors"]), bad[0]["errors"]
 
 
 # ---- what weightd needs ------------------------------------------------------
@@ -300,7 +352,7 @@ def _mount(container, volume_name):
     return found[0]
 
 
-@pytest.mark.parametrize("overlay", ["daemonset", "large-model"])
+@pytest.mark.parametrize("overlay", ["daemonset", "large-model", "hugepages"])
 def test_daemonset_shape(overlay):
     objs = render(OVERLAYS[overlay])
     ds = one(objs, "DaemonSet")
@@ -346,6 +398,44 @@ def test_large_model_example_resizes_budget_and_limit_together():
     assert c["resources"]["limits"]["memory"] == "138Gi"
     assert c["resources"]["limits"] != weightd_container(small)["resources"]["limits"]
     assert flags(c)["--preload"] == ["llama-70b=/models/llama-3-70b"]
+
+
+def test_hugepages_overlay():
+    """overlays/daemonset-hugepages: the base DaemonSet plus 2 MiB huge pages
+    (hugepages-2Mi request == limit, memory requested too), --huge-pages=require,
+    and a budget that fits in the hugetlb limit."""
+    base = weightd_container(one(render(OVERLAYS["daemonset"]), "DaemonSet"))
+    objs = render(OVERLAYS["hugepages"])
+    ds = one(objs, "DaemonSet")
+    c = weightd_container(ds)
+    req, lim = c["resources"]["requests"], c["resources"]["limits"]
+    # Kubernetes: a hugepages request equals its limit, and a container with
+    # hugepages requests cpu or memory as well; this one requests memory.
+    assert "hugepages-2Mi" in req and "hugepages-2Mi" in lim
+    assert req["hugepages-2Mi"] == lim["hugepages-2Mi"]
+    huge = quantity_bytes(lim["hugepages-2Mi"])
+    assert huge > 0 and huge % (2 * MiB) == 0
+    assert "memory" in req and req["memory"] == lim["memory"]
+    assert req["cpu"] == base["resources"]["requests"]["cpu"]
+    assert not [k for k in list(req) + list(lim) if k.startswith("hugepages-") and k != "hugepages-2Mi"]
+    # The flag, from the ConfigMap, appended to the base overlay's args.
+    env = dict(config_data(objs, c))
+    assert [expand(v, env) for v in flags(c)["--huge-pages"]] == ["require"]
+    assert c["args"] == base["args"] + ["--huge-pages=$(WEIGHTD_HUGE_PAGES)"]
+    assert env["WEIGHTD_HUGE_PAGES"] == "require"
+    # require: every segment of 2 MiB or more comes from the hugetlb cgroup's
+    # limit, so the budget fits in it (the daemon refuses a load before the
+    # cgroup would).
+    assert int(env["WEIGHTD_HOST_MEMORY_BYTES"]) <= huge
+    # memfd_create(MFD_HUGETLB) needs no hugetlbfs volume.
+    for v in pod_spec(ds)["volumes"]:
+        assert not str(v.get("emptyDir", {}).get("medium", "")).startswith("HugePages"), v
+    # Only this overlay asks for huge pages.
+    for other in ("daemonset", "large-model", "sidecar"):
+        o = [x for x in render(OVERLAYS[other]) if x["kind"] in ("DaemonSet", "Deployment")][0]
+        oc = weightd_container(o)
+        assert "--huge-pages" not in flags(oc), other
+        assert not any(k.startswith("hugepages-") for part in oc["resources"].values() for k in part), other
 
 
 def test_sidecar_shape():
@@ -407,9 +497,12 @@ def _write_safetensors(path):
 
 
 def _run_daemon(argv, socket_path, port):
+    """Starts the daemon with argv, checks health on the socket and over TCP,
+    stops it; returns (`weightctl list` output, socket mode, the daemon's log)."""
     assert os.path.exists(harness.WEIGHTD), f"{harness.WEIGHTD} is not built"
     proc = subprocess.Popen([harness.WEIGHTD] + argv, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    log = ""
     try:
         deadline = time.time() + 20
         while True:
@@ -428,12 +521,27 @@ def _run_daemon(argv, socket_path, port):
         listed = subprocess.run([harness.WEIGHTCTL, "--socket", socket_path, "list"],
                                 capture_output=True, text=True)
         assert listed.returncode == 0, listed.stderr
-        return listed.stdout, os.stat(socket_path).st_mode & 0o777
+        mode = os.stat(socket_path).st_mode & 0o777
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        log = proc.stdout.read()
+        return listed.stdout, mode, log
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=20) == 0
+            proc.wait(timeout=20)
         proc.stdout.close()
+
+
+def _log_events(log, event):
+    """The JSON log lines (--log-format=json) of one event."""
+    out = []
+    for line in log.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("event") == event:
+                out.append(rec)
+    return out
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
@@ -455,10 +563,18 @@ def test_manifest_flags_start_the_daemon(overlay, tmp_path):
             a = f"--listen=127.0.0.1:{port}"
         argv.append(a)
     socket_path = flags({"args": argv})["--socket"][0]
-    listed, mode = _run_daemon(argv, socket_path, port)
+    listed, mode, log = _run_daemon(argv, socket_path, port)
     if "--preload" in flags(c):
         assert listed.startswith("llama-70b\t"), listed
     assert mode == int(env["WEIGHTD_SOCKET_MODE"], 8)
+    # The daemon took the --huge-pages mode the manifest passes: its start-up
+    # host_pages event names it, with the pool and the THP setting it sees.
+    if "--huge-pages" in flags(c):
+        assert env["WEIGHTD_LOG_FORMAT"] == "json"
+        [host_pages] = _log_events(log, "host_pages")
+        assert host_pages["huge_pages"] == expand(flags(c)["--huge-pages"][-1], env), host_pages
+        for key in ("hugetlb_2m_free", "hugetlb_2m_total", "shmem_thp"):
+            assert key in host_pages, host_pages
 
 
 # ---- systemd -------------------------------------------------------------------
@@ -560,7 +676,7 @@ def test_systemd_exec_start_starts_the_daemon(tmp_path):
     env.update(WEIGHTD_MODEL_ROOT=str(models), WEIGHTD_LISTEN=f"127.0.0.1:{port}",
                WEIGHTD_EXTRA_ARGS="--threads 2")
     argv = [a.replace("/run/weightd", str(run_dir)) for a in _exec_start(env)[1:]]
-    _, mode = _run_daemon(argv, str(run_dir / "weightd.sock"), port)
+    _, mode, _ = _run_daemon(argv, str(run_dir / "weightd.sock"), port)
     assert mode == int(env["WEIGHTD_SOCKET_MODE"], 8)
 
 

@@ -20,6 +20,7 @@ CONFIGS = {
                       kv_heads=4),
     "0.3g": dict(vocab=32000, hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=4),
     "1g": dict(vocab=32000, hidden=2048, intermediate=5632, layers=9, heads=32, kv_heads=4),
+    "2g": dict(vocab=32000, hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4),
     "4g": dict(vocab=32000, hidden=2560, intermediate=6912, layers=28, heads=20, kv_heads=4),
 }
 

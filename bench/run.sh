@@ -4,7 +4,8 @@
 # adapters), runs every figure against its baseline in the same run, prints a
 # markdown table and writes bench/results.json and bench/results.png.
 #
-#   bench/run.sh [--quick] [--no-build] [--repeats N] [--only load,fetch,cast,lora,control]
+#   bench/run.sh [--quick] [--no-build] [--repeats N]
+#                [--only load,fetch,cast,lora,control,hugepages] [--merge]
 #                [--out FILE] [--plot FILE] [--table FILE]
 #
 #   --quick     tiny checkpoints (10/37/167 MiB), 1 repeat: a smoke run (< 3 min)
@@ -19,10 +20,10 @@ args=()
 while (($#)); do
   case "$1" in
     --no-build) build=0 ;;
-    --quick) args+=("$1") ;;
+    --quick|--merge) args+=("$1") ;;
     --repeats|--only|--out|--plot|--table) args+=("$1" "$2"); shift ;;
     *) echo "usage: bench/run.sh [--quick] [--no-build] [--repeats N] [--only LIST]" \
-            "[--out FILE] [--plot FILE] [--table FILE]" >&2; exit 2 ;;
+            "[--merge] [--out FILE] [--plot FILE] [--table FILE]" >&2; exit 2 ;;
   esac
   shift
 done

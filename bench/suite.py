@@ -20,10 +20,19 @@ machine spreads over all of them; medians and min/max are reported.
      closed loop with blocking and with callback-API clients, and at 64
      clients open loop at the target's 5,000 Fetch/s (latency at that load);
   6. scaling: figures 1 and 2 at three model sizes, fitted to
-     t = fixed + bytes / rate.
+     t = fixed + bytes / rate;
+  7. huge pages: figure 2 on a ~2 GiB bf16 checkpoint with 4 KiB segments
+     (--huge-pages off) and 2 MiB hugetlb segments (--huge-pages require)
+     side by side, 1/2/4/8 ranks, Python and C++ clients, each against the
+     same in-process PyTorch baseline, plus the page-population floor
+     (populate_floor.py) for both page sizes. It reserves the hugetlb pool
+     it needs (root, a writable vm.nr_hugepages) and gives it back.
 
   bench/suite.py [--quick] [--build DIR] [--repeats N] [--out FILE] [--plot FILE]
-                 [--only load,fetch,cast,lora,control]
+                 [--only load,fetch,cast,lora,control,hugepages] [--merge]
+
+  --merge: keep the other figures of an existing --out file (a run of some
+  figures updates those only).
 """
 import argparse
 import datetime
@@ -43,10 +52,10 @@ OUT_DIR = os.path.join(HERE, "out")
 
 FULL = dict(sizes=["0.3g", "1g", "4g"], main="1g", ranks=[1, 2, 4, 8], scale_ranks=2,
             repeats=3, cast="f16", lora_ranks=[8, 16, 64], control_clients=[1, 4, 16, 64],
-            control_seconds=2.0)
+            control_seconds=2.0, huge_size="2g")
 QUICK = dict(sizes=["10m", "37m", "167m"], main="37m", ranks=[1, 2, 4], scale_ranks=2,
              repeats=1, cast="f16", lora_ranks=[8, 16, 64], control_clients=[1, 4, 16, 64],
-             control_seconds=0.5)
+             control_seconds=0.5, huge_size="167m")
 
 
 def log(*a):
@@ -244,7 +253,9 @@ def figure_fetch(ctx):
     results = []
     try:
         with tempfile.TemporaryDirectory(prefix="weightd-bench-fetch-") as tmp:
-            d = harness.Daemon(model_root=OUT_DIR, workdir=tmp)
+            # 4 KiB segments: figure 7 has the huge-page twin of this figure.
+            d = harness.Daemon(model_root=OUT_DIR, workdir=tmp,
+                               extra_args=["--huge-pages", "off"])
             d.start()
             try:
                 for size in cfg["sizes"]:
@@ -302,6 +313,115 @@ def figure_fetch(ctx):
     finally:
         workers.close()
     return results
+
+
+# ----------------------------------------------------------------- figure 7
+
+HP_SYSFS = "/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"
+
+
+class HugetlbPool:
+    """Adds `pages` 2 MiB pages to the host's hugetlb pool for the figure and
+    restores the old size afterwards; `granted` = what the kernel gave."""
+
+    def __init__(self, pages):
+        self.pages, self.old, self.granted = pages, None, 0
+
+    def __enter__(self):
+        with open(HP_SYSFS) as f:
+            self.old = int(f.read())
+        with open(HP_SYSFS, "w") as f:
+            f.write(str(self.old + self.pages))
+        with open(HP_SYSFS) as f:
+            self.granted = int(f.read()) - self.old
+        return self
+
+    def __exit__(self, *exc):
+        with open(HP_SYSFS, "w") as f:
+            f.write(str(self.old))
+
+
+def figure_hugepages(ctx):
+    import harness
+    import populate_floor
+    cfg, repeats = ctx.cfg, ctx.repeats
+    size, cast = cfg["huge_size"], cfg["cast"]
+    path = checkpoint(size)
+    nbytes = os.path.getsize(path)
+    # The checkpoint, the cast's packed shards (2 ranks) and the floor's 512 MiB.
+    need = 2 * (-(-nbytes // (2 << 20))) + 256 + 64
+    if os.geteuid() != 0 or not os.access(HP_SYSFS, os.W_OK):
+        return {"skipped": "needs root and a writable %s" % HP_SYSFS}
+    out = {"size": size, "checkpoint_bytes": nbytes, "pool_pages_asked": need,
+           "shmem_thp": populate_floor.shmem_thp(), "floor": {}, "fetch": []}
+    with HugetlbPool(need) as pool:
+        out["pool_pages_granted"] = pool.granted
+        if pool.granted < need:
+            return dict(out, skipped="the kernel gave %d of %d 2 MiB pages (memory too "
+                                     "fragmented or too small)" % (pool.granted, need))
+        for pages, huge in (("4k", False), ("2m", True)):
+            out["floor"][pages] = populate_floor.floor(512 << 20, hugetlb=huge)
+        workers = Workers(ctx.build, max(cfg["ranks"]))
+        daemons = {}
+        try:
+            with tempfile.TemporaryDirectory(prefix="weightd-bench-huge-") as tmp:
+                for pages, mode in (("4k", "off"), ("2m", "require")):
+                    d = daemons[pages] = harness.Daemon(
+                        model_root=OUT_DIR, workdir=os.path.join(tmp, pages),
+                        extra_args=["--huge-pages", mode])
+                    d.start()
+                warm_cache(path)
+                for pages, d in daemons.items():
+                    d.ctl_ok("load", "m", path, timeout=600)
+                    info = d.ctl_ok("info", "m").stdout
+                    out["segments_" + pages] = [l for l in info.splitlines()
+                                                if l.startswith("segment_bytes:")][0]
+                # (pages, client, dtype, ranks); pages "-" with client "torch" is the baseline.
+                configs = [(p, c, "keep", n) for p in daemons for c in ("python", "cpp")
+                           for n in cfg["ranks"]]
+                configs += [(p, c, cast, 2) for p in daemons for c in ("python", "cpp")]
+                configs += [("-", "torch", "keep", n) for n in cfg["ranks"]]
+                configs += [("-", "torch", cast, 2)]
+
+                def one(c):
+                    pages, client, dtype, n = c
+                    if client == "python":
+                        return workers.round([{"op": "weightd", "socket": daemons[pages].socket,
+                                               "model": "m", "world": n, "rank": r,
+                                               "dtype": dtype, "transport": "shm"}
+                                              for r in range(n)])[0]
+                    if client == "cpp":
+                        return cpp_round(ctx.build, daemons[pages].socket, n, dtype, "shm")
+                    return workers.round([{"op": "torch", "path": path, "world": n, "rank": r,
+                                           "dtype": dtype} for r in range(n)])[0]
+
+                log("  hugepages %s: %d configs x (1 + %d) rounds" % (size, len(configs),
+                                                                     repeats))
+                times = {c: [] for c in configs}
+                for c in configs:  # warm-up; with a cast the first fetch packs the shard
+                    if c[1] != "torch":
+                        one(c)
+                for _ in range(repeats):
+                    for c in configs:
+                        times[c].append(one(c))
+                for c in configs:
+                    pages, client, dtype, n = c
+                    out["fetch"].append({"pages": pages, "client": client, "dtype": dtype,
+                                         "ranks": n, "ready_s": summary(times[c])})
+                with weightd_client(daemons["2m"]) as cl:
+                    st = cl.stats()
+                out["stats_2m"] = {k: st[k] for k in ("segment_bytes_4k", "segment_bytes_hugetlb",
+                                                      "huge_page_fallbacks")}
+        finally:
+            for d in daemons.values():
+                d.stop()
+            workers.close()
+    return out
+
+
+def weightd_client(d):
+    import weightd
+    return weightd.Client(socket=d.socket)
 
 
 # ----------------------------------------------------------------- figure 3
@@ -548,6 +668,29 @@ def table(figs, cfg):
                 r["transport"], who), fmt_s(r["ready_s"]) + extra,
                 "PyTorch %s" % fmt_s(bl) if bl else "-",
                 ratio(bl["median"] / r["ready_s"]["median"]) if bl else "-"))
+    hp = figs.get("hugepages")
+    if hp and "skipped" not in hp:
+        base = {(r["dtype"], r["ranks"]): r["ready_s"] for r in hp["fetch"]
+                if r["client"] == "torch"}
+        for r in hp["fetch"]:
+            if r["client"] == "torch":
+                continue
+            bl = base.get((r["dtype"], r["ranks"]))
+            dt = "bf16" if r["dtype"] == "keep" else "bf16→" + r["dtype"]
+            rows.append(("7 warm fetch, %s pages" % ("2 MiB hugetlb" if r["pages"] == "2m"
+                                                     else "4 KiB"),
+                         "%s, %d rank%s, %s, shm %s" % (
+                             gib(hp["checkpoint_bytes"]), r["ranks"], "s" if r["ranks"] > 1 else "",
+                             dt, "py" if r["client"] == "python" else "C++"),
+                         fmt_s(r["ready_s"]), "PyTorch %s" % fmt_s(bl) if bl else "-",
+                         ratio(bl["median"] / r["ready_s"]["median"]) if bl else "-"))
+        fl = hp["floor"]
+        rows.append(("7 page-population floor", "512 MiB resident, MADV_POPULATE_READ",
+                     "2 MiB: %.2f ms" % (fl["2m"]["populate_read"] * 1e3),
+                     "4 KiB: %.1f ms" % (fl["4k"]["populate_read"] * 1e3),
+                     ratio(fl["4k"]["populate_read"] / fl["2m"]["populate_read"])))
+    elif hp:
+        rows.append(("7 huge pages", "skipped", hp["skipped"], "-", "-"))
     cast = figs.get("cast")
     if cast and "skipped" not in cast:
         mc = cast.get("Memcpy")
@@ -726,7 +869,9 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "results.png"))
     ap.add_argument("--table", default=None, help="also write the markdown table here")
-    ap.add_argument("--only", default="load,fetch,cast,lora,control")
+    ap.add_argument("--only", default="load,fetch,cast,lora,control,hugepages")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other figures of an existing --out file")
     ap.add_argument("--replot", metavar="RESULTS_JSON",
                     help="only redraw --plot from an earlier results file")
     args = ap.parse_args()
@@ -750,7 +895,8 @@ def main():
     t_all = time.time()
     figs, timing = {}, {}
     for name, fn in (("load", figure_load), ("fetch", figure_fetch), ("cast", figure_cast),
-                     ("lora", figure_lora), ("control", figure_control)):
+                     ("lora", figure_lora), ("control", figure_control),
+                     ("hugepages", figure_hugepages)):
         if name not in args.only.split(","):
             continue
         log("figure %s" % name)
@@ -758,6 +904,13 @@ def main():
         figs[name] = fn(ctx)
         timing[name] = round(time.time() - t, 1)
         log("  %.1f s" % timing[name])
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
+        for k, v in old.get("figures", {}).items():
+            if k not in figs and k != "scaling":
+                figs[k] = v
+        facts["merged_from"] = {"machine": old.get("machine"), "mode": old.get("mode")}
     figs["scaling"] = scaling(figs, ctx.cfg)
     facts["loadavg_end"] = os.getloadavg()
     facts["suite_seconds"] = round(time.time() - t_all, 1)

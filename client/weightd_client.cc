@@ -8,6 +8,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <functional>
 #include <type_traits>
 #include <cstring>
@@ -47,6 +48,7 @@ class ClientChannel {
         health(grpc::health::v1::Health::NewStub(channel)) {}
 
   std::shared_ptr<grpc::Channel> channel;
+  std::string socket_path;  // the Unix socket connected to ("" over TCP)
   std::unique_ptr<v1::Models::Stub> models;
   std::unique_ptr<v1::Shards::Stub> shards;
   std::unique_ptr<v1::Adapters::Stub> adapters;
@@ -595,8 +597,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
                      ? grpc::CreateCustomChannel(target, creds, args)
                      : grpc::experimental::CreateCustomChannelWithInterceptors(
                            target, creds, args, std::move(interceptors));
-  return std::unique_ptr<Client>(
-      new Client(std::make_shared<ClientChannel>(channel), options.retry_deadline));
+  auto client_channel = std::make_shared<ClientChannel>(channel);
+  client_channel->socket_path = options.socket;
+  return std::unique_ptr<Client>(new Client(std::move(client_channel), options.retry_deadline));
 }
 
 Client::Client(std::shared_ptr<ClientChannel> channel, absl::Duration retry_deadline)
@@ -746,6 +749,19 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
   }
   auto set = std::unique_ptr<ShardSet>(new ShardSet());
   set->channel_ = channel_;
+  // A data socket beside the daemon's gRPC socket is looked for beside the
+  // socket this client connected to: the directory may be mounted at another
+  // path here than in the daemon's container.
+  if (!channel_->socket_path.empty() && !resp.data_socket_name().empty()) {
+    std::string dir = channel_->socket_path;
+    if (char* real = ::realpath(channel_->socket_path.c_str(), nullptr); real != nullptr) {
+      dir = real;
+      std::free(real);
+    }
+    const size_t slash = dir.rfind('/');
+    dir = slash == std::string::npos ? "." : dir.substr(0, slash);
+    resp.set_data_socket(absl::StrCat(dir, "/", resp.data_socket_name()));
+  }
   set->lease_id_ = resp.lease_id();
   set->token_ = resp.token();
   set->generation_ = resp.generation();

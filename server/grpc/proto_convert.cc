@@ -82,6 +82,7 @@ const std::string& EncodedTable(const FetchTable& table) {
     v1::FetchResponse body;
     body.set_generation(table.generation);
     body.set_data_socket(table.data_socket);
+    body.set_data_socket_name(table.data_socket_name);
     for (uint64_t s : table.segment_sizes) body.add_segment_sizes(s);
     for (const FetchedTensor& t : table.tensors) {
       v1::ShardTensor* st = body.add_tensors();

@@ -606,6 +606,7 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   auto table = std::make_shared<FetchTable>();
   table->generation = gen->number;
   table->data_socket = options_.data_socket_path;
+  table->data_socket_name = options_.data_socket_name;
   std::vector<BufferPtr> buffers;
   absl::flat_hash_map<uint64_t, uint32_t> segment_index;
   auto ranges = std::make_shared<std::vector<LeaseTensor>>();

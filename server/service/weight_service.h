@@ -44,6 +44,7 @@ struct WeightServiceOptions {
   std::vector<std::string> model_roots;
   uint64_t host_memory_bytes = 0;  // 0 = unlimited
   std::string data_socket_path;    // reported to shm clients
+  std::string data_socket_name;    // its file name when beside the gRPC Unix socket, else ""
   absl::Duration lease_idle_ttl = absl::Seconds(60);
   int worker_threads = 2;
   // Warm reserve of pre-faulted output segments (SegmentPool); 0 = none.

@@ -459,6 +459,16 @@ def _populate(seg, offset, length):
         pass
 
 
+def _data_socket_of(socket, resp):
+    """Where to collect a lease's fds: beside the Unix socket this client
+    connected to when the daemon's data socket lies beside its own (the
+    directory may be mounted at another path here than in the daemon's
+    container), else the path the daemon gave."""
+    if socket is not None and resp.data_socket_name:
+        return os.path.join(os.path.dirname(os.path.realpath(socket)), resp.data_socket_name)
+    return resp.data_socket
+
+
 class _Segment(mmap.mmap):
     """A copy-on-write map of one memfd segment; holds the lease alive."""
 
@@ -490,8 +500,8 @@ class _PushDest:
 
     def push(self, resp, offsets, timeout):
         """Has the daemon write lease `resp`'s tensors at `offsets`."""
-        _datasock.push(resp.data_socket, resp.lease_id, bytes(resp.token), self.fd, offsets,
-                       timeout)
+        _datasock.push(_data_socket_of(self.client.socket, resp), resp.lease_id,
+                       bytes(resp.token), self.fd, offsets, timeout)
 
     def close(self):
         fd, self.fd = self.fd, -1
@@ -527,8 +537,8 @@ class _CudaPushDest(_PushDest):
         torch.cuda.synchronize(self.index)
         fd = self.alloc.export_fd()
         try:
-            _cuda.push_cuda(resp.data_socket, resp.lease_id, bytes(resp.token), fd, self.uuid,
-                            self.alloc.size, offsets, timeout)
+            _cuda.push_cuda(_data_socket_of(self.client.socket, resp), resp.lease_id,
+                            bytes(resp.token), fd, self.uuid, self.alloc.size, offsets, timeout)
         finally:
             os.close(fd)
 
@@ -798,6 +808,8 @@ class Client:
             raise Error("INVALID_ARGUMENT", "give socket= or target=, not both")
         if socket is None and target is None:
             socket = os.environ.get("WEIGHTD_SOCKET")
+        # The Unix socket's path, where shm clients also find the data socket.
+        self.socket = os.fspath(socket) if socket is not None else None
         if socket is not None:
             self.target = "unix:" + os.fspath(socket)
         elif target is not None:
@@ -1112,14 +1124,13 @@ class Client:
         return metas
 
     @staticmethod
-    def _attach_and_map(resp, lease, private):
+    def _attach_and_map(data_socket, resp, lease, private):
         """Attaches the lease on the data socket (the connection then holds
         it) and maps each of its segments: `private` - copy-on-write, each
         map holding the lease (the export's zero-copy tensors); else shared
         read-only (a pull's source). None for an empty segment."""
         sizes = list(resp.segment_sizes)
-        conn, fds = _datasock.attach(resp.data_socket, resp.lease_id, bytes(resp.token),
-                                     len(sizes))
+        conn, fds = _datasock.attach(data_socket, resp.lease_id, bytes(resp.token), len(sizes))
         lease.conn = conn
         maps = []
         try:
@@ -1149,7 +1160,8 @@ class Client:
         metas = self._metas(resp)
         pieces = {}
         if transport == "shm":
-            maps = self._attach_and_map(resp, lease, private=True)
+            maps = self._attach_and_map(_data_socket_of(self.socket, resp), resp, lease,
+                                        private=True)
             for m in metas:
                 pieces[m.name] = (maps[m.segment], m.offset) if m.length else None
                 if m.length and populate:
@@ -1194,8 +1206,8 @@ class Client:
             # The daemon takes only a destination whose size cannot change
             # under its writes.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-            _datasock.push(resp.data_socket, resp.lease_id, bytes(resp.token), fd, None,
-                           _push_timeout(timeout, size))
+            _datasock.push(_data_socket_of(self.socket, resp), resp.lease_id,
+                           bytes(resp.token), fd, None, _push_timeout(timeout, size))
             lease.done = True  # closing the push's connection ended the lease
             mapping = None
             if size:
@@ -1227,8 +1239,9 @@ class Client:
         alloc = _cuda.vmm_alloc(index, size)
         try:
             try:
-                _cuda.push_cuda(resp.data_socket, resp.lease_id, bytes(resp.token), alloc.fd,
-                                uuid, alloc.size, None, _push_timeout(timeout, size))
+                _cuda.push_cuda(_data_socket_of(self.socket, resp), resp.lease_id,
+                                bytes(resp.token), alloc.fd, uuid, alloc.size, None,
+                                _push_timeout(timeout, size))
             finally:
                 alloc.close_fd()
             lease.done = True  # closing the push's connection ended the lease
@@ -1254,7 +1267,8 @@ class Client:
         import torch
         sizes = list(resp.segment_sizes)
         metas = self._metas(resp)
-        maps = self._attach_and_map(resp, lease, private=False)
+        maps = self._attach_and_map(_data_socket_of(self.socket, resp), resp, lease,
+                                    private=False)
         device = torch.device("cuda", index)
         regs, pin_error, out = [], "", {}
         try:

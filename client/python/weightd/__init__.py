@@ -13,10 +13,14 @@ details, _dtypes.py for dtype mapping (BF16 -> uint16 in NumPy mode;
 F8_E4M3/F8_E5M2 -> uint8 on torch without float8 dtypes).
 """
 from .errors import Error
+try:
+    from ._version import __version__  # written by the build (the CMake project version)
+except ImportError:  # the source tree, not built
+    __version__ = "0+unknown"
 from .client import (AdapterInfo, Client, GenerationEvent, LoadProgress, ModelInfo,
                      ShardHandle, TensorInfo, TensorMeta, WatchStream)
 from .torch_utils import load_into_module
 
-__all__ = ["Client", "Error", "ShardHandle", "TensorMeta", "TensorInfo", "ModelInfo",
+__all__ = ["__version__", "Client", "Error", "ShardHandle", "TensorMeta", "TensorInfo", "ModelInfo",
            "LoadProgress", "GenerationEvent", "AdapterInfo", "WatchStream",
            "load_into_module"]

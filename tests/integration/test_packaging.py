@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import zipfile
 
 import pytest
@@ -243,13 +244,31 @@ def test_wheel_in_a_venv(served, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = textwrap.dedent("""
         import sys, torch, weightd
+        assert not [p for p in sys.path if p.startswith(sys.argv[3])], sys.path
         print(weightd.__file__)
         print(weightd.__version__)
+
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.empty(4, 5, device="meta"))
+                self.b = torch.nn.Parameter(torch.empty(4, device="meta"))
+
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layer = Layer()
+                self.emb = torch.nn.Parameter(torch.empty(2, 4, 2, device="meta"))
+
+        model = Model()
         with weightd.Client(socket=sys.argv[1]) as c:
             with c.fetch("m", world=2, rank=0, dtype="f16") as h:
-                torch.save({k: v.clone() for k, v in h.state_dict().items()}, sys.argv[2])
+                weightd.load_into_module(model, h)
+                torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                           sys.argv[2])
     """)
-    r = _run([py, "-c", code, d.socket, str(tmp_path / "sd.pt")], cwd=str(tmp_path), env=env)
+    r = _run([py, "-c", code, d.socket, str(tmp_path / "sd.pt"), REPO], cwd=str(tmp_path),
+             env=env)
     where, version = r.stdout.split()
     assert where.startswith(str(venv)) and version == VERSION, r.stdout
     sd = torch.load(str(tmp_path / "sd.pt"))
@@ -285,7 +304,7 @@ def _contents(deb):
 
 
 def test_deb_daemon_package(debs, served, tmp_path):
-    d, _ = served
+    d, tensors = served
     deb = debs["weightd"]
     files = _contents(deb)
     for f in ["/usr/bin/weightd", "/usr/bin/weightctl", "/lib/systemd/system/weightd.service",
@@ -314,6 +333,27 @@ def test_deb_daemon_package(debs, served, tmp_path):
     # The packaged (stripped) weightctl talks to a real daemon.
     r = _run([str(root / "usr/bin/weightctl"), "--socket", d.socket, "list"])
     assert r.stdout.startswith("m\t")
+    # The packaged daemon serves: loaded and fetched with the packaged weightctl.
+    models = tmp_path / "models"
+    models.mkdir()
+    st_io.save(tensors, str(models / "m.safetensors"))
+    sock = str(tmp_path / "pkg.sock")
+    ctl = [str(root / "usr/bin/weightctl"), "--socket", sock]
+    proc = subprocess.Popen([str(root / "usr/bin/weightd"), "--socket", sock,
+                             "--model-root", str(models)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and subprocess.run(ctl + ["health"],
+                                                         capture_output=True).returncode:
+            time.sleep(0.1)
+        _run(ctl + ["load", "m", str(models / "m.safetensors")])
+        _run(ctl + ["fetch", "m", "--world", "3", "--rank", "1", "--dtype", "f16",
+                    "--out", str(tmp_path / "f.st")])
+        got = st_io.load(str(tmp_path / "f.st"))
+        _assert_shard(got, tensors, 3, 1, "packaged daemon and weightctl")
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
 
 
 def test_deb_client_packages(debs, served, tmp_path):

@@ -31,6 +31,8 @@
 #include "server/grpc/grpc_server.h"
 #include "server/metrics/prometheus_exporter.h"
 #include "server/service/weight_service.h"
+#include "server/state/restore.h"
+#include "server/state/state_journal.h"
 #include "server/transport/shm_server.h"
 
 namespace weightd {
@@ -52,6 +54,8 @@ struct DaemonFlags {
   absl::Duration shutdown_grace = absl::Seconds(10);
   mode_t socket_mode = 0660;
   bool allow_insecure_token = false;
+  std::string state_dir;
+  bool serve_during_restore = false;
 };
 
 using Apply = std::function<absl::Status(const std::string&)>;
@@ -116,6 +120,14 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
                 p.path = p.path.substr(0, at);
               }
               f->preloads.push_back(std::move(p));
+              return absl::OkStatus();
+            }})
+      .Add({"state-dir", "DIR",
+            "journal what is served there; restore it at start-up (README: Restarts)",
+            K::kValue, StringInto(&f->state_dir)})
+      .Add({"serve-during-restore", "", "answer calls while the state is restored", K::kSwitch,
+            [f](const std::string& v) {
+              f->serve_during_restore = v == "true";
               return absl::OkStatus();
             }})
       .Add({"warm-reserve-bytes", "N", "pre-faulted output segments kept ready (0 = off)",
@@ -362,17 +374,59 @@ int Main(int argc, char** argv) {
                            "raised"}});
     }
   }
+  // --state-dir: the journal of what was served, replayed into a restore
+  // plan; from here on every change is journaled (into journal.new until
+  // the restore is done).
+  std::unique_ptr<StateJournal> journal;
+  RestorePlan plan;
+  if (!flags.state_dir.empty()) {
+    auto opened = StateJournal::Open(flags.state_dir);
+    if (!opened.ok()) return Fail(opened.status());
+    journal = std::move(*opened);
+    for (const JournalProblem& p : journal->previous().problems) {
+      LogEvent(LogLevel::kWarning, "state_journal_damaged",
+               {{"dir", flags.state_dir}, {"offset", absl::StrCat(p.offset)}, {"what", p.what}});
+    }
+    plan = PlanRestore(journal->previous().records);
+    StateJournal* j = journal.get();
+    flags.service.on_state_change = [j](const StateRecord& r) {
+      if (absl::Status s = j->Append(r); !s.ok()) {
+        LogEvent(LogLevel::kError, "state_journal_failed",
+                 {{"entry", DescribeRecord(r)}, {"error", s.ToString()}});
+      }
+    };
+  }
+  const bool restoring = plan.entries() > 0;
+  if (restoring && !flags.serve_during_restore) {
+    flags.grpc.closed_at_start = absl::UnavailableError(absl::StrCat(
+        "weightd is restoring its state from ", flags.state_dir,
+        " (--state-dir); retry when health says SERVING"));
+  }
   auto service = WeightService::Create(flags.service);
   if (!service.ok()) return Fail(service.status());
-  for (const Preload& p : flags.preloads) {
-    std::string profile;
-    if (!p.profile.empty()) {
-      auto text = ReadFileToString(p.profile, kMaxProfileBytes);
-      if (!text.ok()) return Fail(text.status());
-      profile = std::move(*text);
+  // Preloads of names a restore brought back are skipped (the journal's
+  // entry is newer than the command line's).
+  auto preload = [&]() -> absl::Status {
+    for (const Preload& p : flags.preloads) {
+      if ((*service)->GetModel(p.name).ok()) {
+        LogEvent(LogLevel::kInfo, "preload_skipped",
+                 {{"model", p.name}, {"reason", "restored from --state-dir"}});
+        continue;
+      }
+      std::string profile;
+      if (!p.profile.empty()) {
+        WD_ASSIGN_OR_RETURN(profile, ReadFileToString(p.profile, kMaxProfileBytes));
+      }
+      auto loaded = (*service)->LoadModel(p.name, p.path, profile, nullptr);
+      if (!loaded.ok()) return loaded.status();
     }
-    auto loaded = (*service)->LoadModel(p.name, p.path, profile, nullptr);
-    if (!loaded.ok()) return Fail(loaded.status());
+    return absl::OkStatus();
+  };
+  if (!restoring) {
+    if (absl::Status s = preload(); !s.ok()) return Fail(s);
+    if (journal != nullptr) {
+      if (absl::Status s = journal->Commit(); !s.ok()) return Fail(s);
+    }
   }
   WeightService* svc = service->get();
   flags.data.authorize = [svc](const PeerIdentity& peer) {
@@ -392,6 +446,14 @@ int Main(int argc, char** argv) {
     auto started = MetricsServer::Start(flags.metrics_listen, service->get());
     if (!started.ok()) return Fail(started.status());
     metrics = std::move(*started);
+  }
+  if (restoring) {
+    // Serving (health NOT_SERVING, calls refused UNAVAILABLE unless
+    // --serve-during-restore) while the models come back.
+    RestoreState(**service, plan, journal.get());
+    if (absl::Status s = preload(); !s.ok()) return Fail(s);
+    if (absl::Status s = journal->Commit(); !s.ok()) return Fail(s);
+    (*grpc)->Restored();
   }
   LogEvent(LogLevel::kInfo, "serving",
            {{"socket", flags.grpc.unix_socket},

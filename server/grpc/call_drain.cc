@@ -23,13 +23,19 @@ absl::Status CallDrain::DrainingError() {
 absl::StatusOr<CallDrain::Hold> CallDrain::Enter() {
   absl::MutexLock lock(&mu_);
   if (draining_) return DrainingError();
+  if (!closed_.ok()) return closed_;
   ++in_flight_;
   return Hold(this);
 }
 
 absl::Status CallDrain::CheckOpen() const {
   absl::MutexLock lock(&mu_);
-  return draining_ ? DrainingError() : absl::OkStatus();
+  return draining_ ? DrainingError() : closed_;
+}
+
+void CallDrain::SetClosed(absl::Status closed) {
+  absl::MutexLock lock(&mu_);
+  closed_ = std::move(closed);
 }
 
 void CallDrain::BeginDrain() {

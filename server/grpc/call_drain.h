@@ -44,6 +44,9 @@ class CallDrain {
   // From now on Enter() and CheckOpen() refuse. Idempotent.
   void BeginDrain() ABSL_LOCKS_EXCLUDED(mu_);
   bool draining() const ABSL_LOCKS_EXCLUDED(mu_);
+  // While `closed` is not OK, Enter() and CheckOpen() refuse with it (the
+  // daemon restoring its state); OK reopens. Draining takes precedence.
+  void SetClosed(absl::Status closed) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until no hold is left or `deadline` passes; returns how many are
   // left (0 = drained).
   int64_t WaitIdle(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
@@ -56,6 +59,7 @@ class CallDrain {
 
   mutable absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status closed_ ABSL_GUARDED_BY(mu_);
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -34,6 +34,24 @@ TEST(CallDrainTest, CountsHoldsAndRefusesOnceDraining) {
   EXPECT_EQ(drain.WaitIdle(absl::Now()), 0);
 }
 
+TEST(CallDrainTest, ClosedRefusesWithItsStatusUntilReopened) {
+  CallDrain drain;
+  drain.SetClosed(absl::UnavailableError("restoring"));
+  auto refused = drain.Enter();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(refused.status().message(), "restoring");
+  EXPECT_EQ(drain.CheckOpen().message(), "restoring");
+  EXPECT_EQ(drain.in_flight(), 0);
+  drain.SetClosed(absl::OkStatus());
+  auto admitted = drain.Enter();
+  EXPECT_TRUE(admitted.ok());
+  EXPECT_EQ(drain.in_flight(), 1);
+  // Draining wins over a closed gate.
+  drain.SetClosed(absl::UnavailableError("restoring"));
+  drain.BeginDrain();
+  EXPECT_NE(drain.CheckOpen().message().find("shutting down"), absl::string_view::npos);
+}
+
 TEST(CallDrainTest, WaitIdleReturnsWhenTheLastHoldEnds) {
   CallDrain drain;
   auto hold = drain.Enter();

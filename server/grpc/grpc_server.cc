@@ -66,6 +66,7 @@ class GrpcServer::Impl {
   }
 
   absl::Status Start() {
+    drain_.SetClosed(options_.closed_at_start);
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
@@ -97,8 +98,17 @@ class GrpcServer::Impl {
                                        acceptor.status().message()));
     }
     acceptor_ = std::move(*acceptor);
-    server_->GetHealthCheckService()->SetServingStatus(true);
+    server_->GetHealthCheckService()->SetServingStatus(options_.closed_at_start.ok());
     return absl::OkStatus();
+  }
+
+  void SetRestoring(absl::Status why) {
+    const bool open = why.ok();
+    drain_.SetClosed(std::move(why));
+    absl::MutexLock lock(&mu_);
+    if (!shut_down_ && server_ != nullptr) {
+      server_->GetHealthCheckService()->SetServingStatus(open);
+    }
   }
 
   void Shutdown(absl::Duration grace) {
@@ -173,5 +183,7 @@ GrpcServer::GrpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 GrpcServer::~GrpcServer() { Shutdown(absl::Seconds(5)); }
 void GrpcServer::Shutdown(absl::Duration grace) { impl_->Shutdown(grace); }
 void GrpcServer::Wait() { impl_->Wait(); }
+void GrpcServer::Restoring(absl::Status why) { impl_->SetRestoring(std::move(why)); }
+void GrpcServer::Restored() { impl_->SetRestoring(absl::OkStatus()); }
 
 }  // namespace weightd

@@ -33,6 +33,9 @@ struct GrpcServerOptions {
   std::string tls_key_file;
   std::string tls_client_ca_file;
   std::string auth_token_file;
+  // Not OK: start as Restoring(closed_at_start) would leave it (no window
+  // in which a call gets through before the restore).
+  absl::Status closed_at_start;
 };
 
 class GrpcServer {
@@ -46,6 +49,10 @@ class GrpcServer {
   void Shutdown(absl::Duration grace);
   // Blocks until Shutdown() completes.
   void Wait();
+  // While restoring (--state-dir): health NOT_SERVING and every call but
+  // Health answered `why` (UNAVAILABLE); Restored() opens the service.
+  void Restoring(absl::Status why);
+  void Restored();
 
   class Impl;
 

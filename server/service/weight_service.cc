@@ -136,7 +136,27 @@ ModelSummary WeightService::Summarize(const Model& model) {
   s.report = model.layout->report.Summary();
   s.readers = model.readers.ToStrings();
   s.guards = GuardsOf(model, *model.current);
+  s.content = model.current->identity;
   return s;
+}
+
+Digest WeightService::ContentIdentity(const ContentMap& content) {
+  std::vector<std::pair<absl::string_view, const Digest*>> entries;
+  entries.reserve(content.size());
+  for (const auto& [name, digest] : content) entries.emplace_back(name, &digest);
+  std::sort(entries.begin(), entries.end());
+  DigestBuilder b;
+  for (const auto& [name, digest] : entries) {
+    const uint64_t n = name.size();
+    b.Update(&n, sizeof(n));
+    b.Update(name.data(), name.size());
+    b.Update(digest->bytes.data(), digest->bytes.size());
+  }
+  return b.Finish();
+}
+
+void WeightService::EmitState(const StateRecord& record) const {
+  if (options_.on_state_change) options_.on_state_change(record);
 }
 
 absl::StatusOr<std::shared_ptr<const WeightService::Model>> WeightService::FindModel(
@@ -257,6 +277,7 @@ absl::StatusOr<std::shared_ptr<WeightService::Generation>> WeightService::BuildG
     }
     (*content)[s->plan.name] = b.Finish();
   }
+  gen->identity = ContentIdentity(*content);
   gen->content = std::move(content);
   return gen;
 }
@@ -337,15 +358,27 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
     return model;
   };
   auto built = build();
-  absl::MutexLock lock(&mu_);
+  StateRecord record;
+  absl::ReleasableMutexLock lock(&mu_);
   loading_.erase(name);
   if (!built.ok()) {
+    lock.Release();
     LogEvent(LogLevel::kWarning, "load_failed",
              {{"model", name}, {"path", path}, {"error", built.status().ToString()}});
     return Annotate(built.status(), absl::StrCat("loading model \"", name, "\""));
   }
   ModelSummary summary = Summarize(**built);
   models_[name] = std::move(*built);
+  record.kind = StateRecord::Kind::kModelLoad;
+  record.seq = ++state_seq_;
+  lock.Release();
+  record.name = name;
+  record.path = path;
+  record.profile_json = profile_json;
+  record.readers = readers;
+  record.generation = 1;
+  record.content = summary.content.Hex();
+  EmitState(record);
   double secs = absl::ToDoubleSeconds(absl::Now() - start);
   loads_.fetch_add(1);
   load_bytes_.fetch_add(summary.total_bytes);
@@ -364,6 +397,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
 
 absl::Status WeightService::UnloadModel(const std::string& name) {
   std::shared_ptr<const Model> dropped;
+  StateRecord unload_record;
   {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(name);
@@ -373,7 +407,11 @@ absl::Status WeightService::UnloadModel(const std::string& name) {
     dropped = std::move(it->second);
     models_.erase(it);
     generation_changed_.SignalAll();
+    unload_record.seq = ++state_seq_;
   }
+  unload_record.kind = StateRecord::Kind::kModelUnload;
+  unload_record.name = name;
+  EmitState(unload_record);
   for (const auto& g : dropped->history) materializer_.RetireTag(absl::StrCat(name, "#", g->number));
   dropped.reset();
   materializer_.Sweep();
@@ -772,12 +810,22 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
         "adapter \"", name, "\": ", (*adapter)->ignored_keys.size(), " keys not understood: ",
         absl::StrJoin(info.ignored, "; ")));
   }
-  absl::MutexLock lock(&mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   if (!adapters_.emplace(name, *adapter).second) {
     return absl::AlreadyExistsError(absl::StrCat("adapter \"", name, "\" is already loaded"));
   }
   adapter_info_[name] = info;
   adapter_readers_[name] = std::move(reader_list);
+  StateRecord record;
+  record.kind = StateRecord::Kind::kAdapterLoad;
+  record.seq = ++state_seq_;
+  lock.Release();
+  record.name = name;
+  record.path = path;
+  record.readers = readers;
+  record.format = format;
+  record.strict = strict;
+  EmitState(record);
   LogEvent(LogLevel::kInfo, "adapter_load",
            {{"adapter", name}, {"path", resolved}, {"format", info.format},
             {"targets", absl::StrCat(info.tensor_count)},
@@ -786,12 +834,19 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
 }
 
 absl::Status WeightService::UnloadAdapter(const std::string& name) {
-  absl::MutexLock lock(&mu_);
-  if (adapters_.erase(name) == 0) {
-    return absl::NotFoundError(absl::StrCat("adapter ", QuoteForMessage(name), " is not loaded"));
+  StateRecord record;
+  record.kind = StateRecord::Kind::kAdapterUnload;
+  record.name = name;
+  {
+    absl::MutexLock lock(&mu_);
+    if (adapters_.erase(name) == 0) {
+      return absl::NotFoundError(absl::StrCat("adapter ", QuoteForMessage(name), " is not loaded"));
+    }
+    adapter_info_.erase(name);
+    adapter_readers_.erase(name);
+    record.seq = ++state_seq_;
   }
-  adapter_info_.erase(name);
-  adapter_readers_.erase(name);
+  EmitState(record);
   LogEvent(LogLevel::kInfo, "adapter_unload", {{"adapter", name}});
   return absl::OkStatus();
 }
@@ -808,6 +863,39 @@ std::vector<AdapterSummary> WeightService::ListAdapters() const {
 absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_name,
                                                     const std::vector<AdapterRef>& stack,
                                                     uint64_t expect_generation) {
+  return ApplyImpl(model_name, stack, expect_generation, 0);
+}
+
+absl::StatusOr<GenerationInfo> WeightService::RestoreApply(const std::string& model_name,
+                                                           const std::vector<AdapterRef>& stack,
+                                                           uint64_t number) {
+  return ApplyImpl(model_name, stack, 0, number);
+}
+
+absl::Status WeightService::SetGenerationFloor(const std::string& model_name, uint64_t floor) {
+  StateRecord record;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = models_.find(model_name);
+    if (it == models_.end()) {
+      return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
+    }
+    auto next = std::make_shared<Model>(*it->second);
+    next->generation_floor = std::max(next->generation_floor, floor);
+    record.generation = next->generation_floor;
+    it->second = std::move(next);
+    record.seq = ++state_seq_;
+  }
+  record.kind = StateRecord::Kind::kFloor;
+  record.name = model_name;
+  EmitState(record);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model_name,
+                                                        const std::vector<AdapterRef>& stack,
+                                                        uint64_t expect_generation,
+                                                        uint64_t number_at_least) {
   std::shared_ptr<const Model> model;
   std::vector<std::shared_ptr<const Adapter>> adapters;
   std::vector<ReadGuard> adapter_guards;
@@ -838,12 +926,14 @@ absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_nam
                                            model->current->number, ", not ", expect_generation));
   }
   // Built outside the lock; published only if nobody moved the model on.
-  uint64_t number = model->current->number + 1;
+  uint64_t number = std::max({model->current->number + 1, model->generation_floor,
+                              number_at_least});
   WD_ASSIGN_OR_RETURN(std::shared_ptr<Generation> gen,
                       BuildGeneration(*model, number, stack, std::move(adapters)));
   gen->adapter_guards = std::move(adapter_guards);
   std::vector<uint64_t> retired;
   GenerationInfo info;
+  StateRecord apply_record;
   {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(model_name);
@@ -872,8 +962,16 @@ absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_nam
     info.generation = number;
     for (const AdapterRef& r : stack) info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
     info.guards = GuardsOf(*next, *gen);
+    info.content = gen->identity;
     generation_changed_.SignalAll();
+    apply_record.seq = ++state_seq_;
   }
+  apply_record.kind = StateRecord::Kind::kApply;
+  apply_record.name = model_name;
+  for (const AdapterRef& r : stack) apply_record.stack.emplace_back(r.name, r.strength);
+  apply_record.generation = number;
+  apply_record.content = info.content.Hex();
+  EmitState(apply_record);
   applies_.fetch_add(1);
   for (uint64_t g : retired) materializer_.RetireTag(absl::StrCat(model_name, "#", g));
   LogEvent(LogLevel::kInfo, "apply",

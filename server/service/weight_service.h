@@ -8,6 +8,7 @@
 #define WEIGHTD_SERVER_SERVICE_WEIGHT_SERVICE_H_
 
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -35,6 +36,7 @@
 #include "server/service/fetch_plan.h"
 #include "server/service/fetch_table_cache.h"
 #include "server/service/latency_histogram.h"
+#include "server/state/state_journal.h"
 #include "server/memory/host_memory.h"
 #include "server/memory/segment.h"
 
@@ -67,6 +69,11 @@ struct WeightServiceOptions {
   // huge pages each segment is hugetlb or falls back whole: smaller ones
   // fill a pool smaller than the checkpoint more fully.
   uint64_t checkpoint_segment_bytes = uint64_t{1} << 30;
+  // --state-dir: called with every committed change of what is served
+  // (loads, unloads, applies), in commit order by StateRecord::seq, before
+  // the change is answered, outside the service's locks. Failures are the
+  // sink's to report; the change stands.
+  std::function<void(const StateRecord&)> on_state_change;
 };
 
 struct ModelSummary {
@@ -84,6 +91,9 @@ struct ModelSummary {
   // What a read of the current generation must pass: the model and every
   // private adapter in its stack.
   std::vector<ReadGuard> guards;
+  // Identity of the current generation's served content: a digest over the
+  // (served name, tensor digest) pairs in name order.
+  Digest content;
 };
 
 struct TensorSummary {
@@ -120,6 +130,7 @@ struct GenerationInfo {
   uint64_t generation = 0;
   std::vector<std::string> adapters;  // "name:strength"
   std::vector<ReadGuard> guards;      // what reading this generation must pass
+  Digest content;                     // as ModelSummary::content
 };
 
 enum class TransportKind { kShm, kGrpc, kCuda };
@@ -273,6 +284,15 @@ class WeightService {
   absl::StatusOr<GenerationInfo> Apply(const std::string& model,
                                        const std::vector<AdapterRef>& stack,
                                        uint64_t expect_generation) ABSL_LOCKS_EXCLUDED(mu_);
+  // For a restore (--state-dir): Apply, numbering the new generation at
+  // least `number` (a restored model serves its stack under the number it
+  // had); and the lowest number `model`'s next generation may get (numbers
+  // already given out are never given to other content). Both journaled.
+  absl::StatusOr<GenerationInfo> RestoreApply(const std::string& model,
+                                              const std::vector<AdapterRef>& stack,
+                                              uint64_t number) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status SetGenerationFloor(const std::string& model, uint64_t floor)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks until `model` has a generation > `after`, or `timeout` passes
   // (then nullopt). NOT_FOUND when the model is unloaded.
   absl::StatusOr<std::optional<GenerationInfo>> WaitForGeneration(const std::string& model,
@@ -306,6 +326,7 @@ class WeightService {
     // Served tensors added by .set_weight (absent from the checkpoint).
     std::vector<Served> added;
     std::shared_ptr<const ContentMap> content;  // served name -> identity
+    Digest identity;                            // ContentIdentity(*content)
     // Private adapters of the stack, with their readers as of the apply.
     std::vector<ReadGuard> adapter_guards;
     // FP8 scales (amax / 448) computed on first use, per served tensor.
@@ -328,7 +349,15 @@ class WeightService {
     // Content identities of the last kDigestHistory generations, leased or
     // not: all --changed-since needs.
     std::vector<std::pair<uint64_t, std::shared_ptr<const ContentMap>>> digests;
+    // The next generation's number is at least this (SetGenerationFloor).
+    uint64_t generation_floor = 0;
   };
+  static Digest ContentIdentity(const ContentMap& content);
+  absl::StatusOr<GenerationInfo> ApplyImpl(const std::string& model,
+                                           const std::vector<AdapterRef>& stack,
+                                           uint64_t expect_generation, uint64_t number_at_least)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void EmitState(const StateRecord& record) const;
   static constexpr size_t kDigestHistory = 256;
 
   WeightService(WeightServiceOptions options, ModelRoots roots);
@@ -369,6 +398,8 @@ class WeightService {
   absl::flat_hash_map<std::string, AdapterSummary> adapter_info_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, ReaderList> adapter_readers_ ABSL_GUARDED_BY(mu_);
   absl::CondVar generation_changed_;
+  // Orders the changes reported to options_.on_state_change.
+  uint64_t state_seq_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::atomic<uint64_t> bytes_served_{0};
   std::atomic<uint64_t> bytes_read_{0};

@@ -1,0 +1,38 @@
+// Restoring what a daemon served before its restart (--state-dir), from the
+// plan its journal replays to (state_journal.h).
+#ifndef WEIGHTD_SERVER_STATE_RESTORE_H_
+#define WEIGHTD_SERVER_STATE_RESTORE_H_
+
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "server/service/weight_service.h"
+#include "server/state/state_journal.h"
+
+namespace weightd {
+
+struct RestoreReport {
+  size_t entries = 0;   // models and adapters in the plan
+  size_t restored = 0;  // of those, restored as they were
+  // Entries not restored (or restored at another generation), with why:
+  // "model load \"m\" (seq 3)" -> "its files changed since it was loaded".
+  std::vector<std::pair<std::string, std::string>> skipped;
+};
+
+// Models first (each at the stack and generation number it had; its bytes
+// checked against the identity journaled when it was loaded and applied),
+// then the adapters loaded at the end. An entry that cannot be restored —
+// a file gone or changed, a path now outside the roots, an adapter of its
+// stack missing — is logged (restore_skipped), written to the journal's
+// skipped.log and skipped; a model whose bytes differ is unloaded, never
+// served. A model whose stack cannot be re-applied serves its base (the
+// same bytes as its generation 1) and its next generation is numbered past
+// every number it had. Progress: restore_begin, restore_entry, restore_done.
+RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
+                           StateJournal* journal);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_STATE_RESTORE_H_

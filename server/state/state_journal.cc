@@ -1,0 +1,311 @@
+#include "server/state/state_journal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "common/digest.h"
+#include "nlohmann/json.hpp"
+
+namespace weightd {
+namespace {
+
+constexpr char kMagic[4] = {'W', 'D', 'J', '1'};
+constexpr size_t kHeader = 4 + 4 + 16;
+// A record is a few paths and a profile; anything larger is damage.
+constexpr uint32_t kMaxPayload = 16u << 20;
+
+absl::Status Errno(int err, const std::string& what) {
+  return absl::Status(err == ENOSPC || err == EDQUOT ? absl::StatusCode::kResourceExhausted
+                                                     : absl::StatusCode::kInternal,
+                      absl::StrCat(what, ": ", std::strerror(err)));
+}
+
+absl::Status WriteAll(int fd, const std::string& bytes, const std::string& what) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Errno(errno, what);
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SyncDir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Errno(errno, absl::StrCat("opening ", dir));
+  int rc = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  return rc == 0 ? absl::OkStatus() : Errno(err, absl::StrCat("fsync ", dir));
+}
+
+const char* const kKindNames[] = {"model_load", "model_unload", "adapter_load",
+                                  "adapter_unload", "apply", "generation_floor"};
+
+}  // namespace
+
+const char* StateRecordKindName(StateRecord::Kind kind) {
+  return kKindNames[static_cast<int>(kind)];
+}
+
+std::string DescribeRecord(const StateRecord& r) {
+  std::string what = StateRecordKindName(r.kind);
+  std::replace(what.begin(), what.end(), '_', ' ');
+  return absl::StrCat(what, " \"", r.name, "\" (seq ", r.seq, ")");
+}
+
+std::string EncodeStateRecord(const StateRecord& r) {
+  nlohmann::json j;
+  j["kind"] = StateRecordKindName(r.kind);
+  j["seq"] = r.seq;
+  j["name"] = r.name;
+  if (!r.path.empty()) j["path"] = r.path;
+  if (!r.profile_json.empty()) j["profile"] = r.profile_json;
+  if (!r.readers.empty()) j["readers"] = r.readers;
+  if (!r.format.empty()) j["format"] = r.format;
+  if (r.strict) j["strict"] = true;
+  if (r.kind == StateRecord::Kind::kApply) {
+    nlohmann::json stack = nlohmann::json::array();
+    for (const auto& [name, strength] : r.stack) stack.push_back({name, strength});
+    j["stack"] = stack;
+  }
+  if (r.generation != 0) j["generation"] = r.generation;
+  if (!r.content.empty()) j["content"] = r.content;
+  const std::string payload = j.dump();
+  const Digest d = DigestBytes(payload.data(), payload.size());
+  std::string out(kMagic, 4);
+  const uint32_t n = static_cast<uint32_t>(payload.size());
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  out.append(reinterpret_cast<const char*>(d.bytes.data()), d.bytes.size());
+  out += payload;
+  return out;
+}
+
+absl::StatusOr<StateRecord> DecodeStatePayload(const std::string& payload) {
+  nlohmann::json j = nlohmann::json::parse(payload, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return absl::DataLossError("not a JSON object");
+  StateRecord r;
+  try {
+    const std::string kind = j.at("kind").get<std::string>();
+    auto it = std::find(std::begin(kKindNames), std::end(kKindNames), kind);
+    if (it == std::end(kKindNames)) {
+      return absl::DataLossError(absl::StrCat("unknown kind \"", kind.substr(0, 40), "\""));
+    }
+    r.kind = static_cast<StateRecord::Kind>(it - std::begin(kKindNames));
+    r.seq = j.at("seq").get<uint64_t>();
+    r.name = j.at("name").get<std::string>();
+    r.path = j.value("path", "");
+    r.profile_json = j.value("profile", "");
+    r.readers = j.value("readers", std::vector<std::string>{});
+    r.format = j.value("format", "");
+    r.strict = j.value("strict", false);
+    if (j.contains("stack")) {
+      for (const auto& e : j.at("stack")) {
+        r.stack.emplace_back(e.at(0).get<std::string>(), e.at(1).get<float>());
+      }
+    }
+    r.generation = j.value("generation", uint64_t{0});
+    r.content = j.value("content", "");
+  } catch (const nlohmann::json::exception& e) {
+    return absl::DataLossError(absl::StrCat("malformed record: ", e.what()));
+  }
+  return r;
+}
+
+JournalContents ParseJournal(const std::string& bytes) {
+  JournalContents out;
+  size_t pos = 0;
+  auto resync = [&](size_t from) {
+    // The next record start after a damaged one.
+    size_t next = bytes.find(std::string(kMagic, 4), from);
+    return next == std::string::npos ? bytes.size() : next;
+  };
+  while (pos < bytes.size()) {
+    if (bytes.size() - pos < kHeader || std::memcmp(bytes.data() + pos, kMagic, 4) != 0) {
+      const bool tail = bytes.size() - pos < kHeader;
+      size_t next = resync(pos + 1);
+      out.problems.push_back({pos, tail ? "a record cut short (the journal ends inside its header)"
+                                        : absl::StrCat(next - pos, " bytes that are no record")});
+      pos = next;
+      continue;
+    }
+    uint32_t n = 0;
+    for (int i = 0; i < 4; ++i) n |= static_cast<uint32_t>(static_cast<uint8_t>(bytes[pos + 4 + i])) << (8 * i);
+    if (n > kMaxPayload || bytes.size() - pos - kHeader < n) {
+      size_t next = resync(pos + 4);
+      out.problems.push_back(
+          {pos, n > kMaxPayload ? absl::StrCat("a record with an impossible length ", n)
+                                : "a record cut short (the journal ends inside it)"});
+      pos = next;
+      continue;
+    }
+    const std::string payload = bytes.substr(pos + kHeader, n);
+    const Digest d = DigestBytes(payload.data(), payload.size());
+    if (std::memcmp(d.bytes.data(), bytes.data() + pos + 8, 16) != 0) {
+      // Named when what is left of it still reads as a record.
+      auto guess = DecodeStatePayload(payload);
+      out.problems.push_back(
+          {pos, absl::StrCat("a record whose digest does not match its bytes",
+                             guess.ok() ? absl::StrCat(" (it reads as ", DescribeRecord(*guess),
+                                                       ", not restored)")
+                                        : "")});
+      pos = resync(pos + 4);
+      continue;
+    }
+    auto rec = DecodeStatePayload(payload);
+    if (!rec.ok()) {
+      out.problems.push_back({pos, std::string(rec.status().message())});
+    } else {
+      out.records.push_back(std::move(*rec));
+    }
+    pos += kHeader + n;
+  }
+  return out;
+}
+
+RestorePlan PlanRestore(std::vector<StateRecord> records) {
+  std::stable_sort(records.begin(), records.end(),
+                   [](const StateRecord& a, const StateRecord& b) { return a.seq < b.seq; });
+  std::map<std::string, RestorePlan::ModelEntry> models;
+  std::map<std::string, uint64_t> model_order;
+  std::map<std::string, StateRecord> adapters;          // loaded now
+  std::map<std::string, StateRecord> last_adapter_load;  // as of the replay point
+  for (const StateRecord& r : records) {
+    switch (r.kind) {
+      case StateRecord::Kind::kModelLoad: {
+        RestorePlan::ModelEntry e;
+        e.load = r;
+        models[r.name] = std::move(e);
+        model_order[r.name] = r.seq;
+        break;
+      }
+      case StateRecord::Kind::kModelUnload:
+        models.erase(r.name);
+        break;
+      case StateRecord::Kind::kAdapterLoad:
+        adapters[r.name] = r;
+        last_adapter_load[r.name] = r;
+        break;
+      case StateRecord::Kind::kAdapterUnload:
+        adapters.erase(r.name);
+        break;
+      case StateRecord::Kind::kApply: {
+        auto it = models.find(r.name);
+        if (it == models.end()) break;
+        it->second.has_apply = true;
+        it->second.apply = r;
+        it->second.max_generation = std::max(it->second.max_generation, r.generation);
+        it->second.stack_adapters.clear();
+        for (const auto& [adapter, strength] : r.stack) {
+          auto a = last_adapter_load.find(adapter);
+          it->second.stack_adapters.push_back(a == last_adapter_load.end() ? StateRecord{}
+                                                                           : a->second);
+        }
+        break;
+      }
+      case StateRecord::Kind::kFloor: {
+        auto it = models.find(r.name);
+        if (it != models.end()) {
+          it->second.max_generation = std::max(it->second.max_generation, r.generation - 1);
+        }
+        break;
+      }
+    }
+  }
+  RestorePlan plan;
+  for (auto& [name, e] : models) plan.models.push_back(std::move(e));
+  std::sort(plan.models.begin(), plan.models.end(),
+            [](const RestorePlan::ModelEntry& a, const RestorePlan::ModelEntry& b) {
+              return a.load.seq < b.load.seq;
+            });
+  for (auto& [name, r] : adapters) plan.adapters.push_back(std::move(r));
+  std::sort(plan.adapters.begin(), plan.adapters.end(),
+            [](const StateRecord& a, const StateRecord& b) { return a.seq < b.seq; });
+  return plan;
+}
+
+absl::StatusOr<std::unique_ptr<StateJournal>> StateJournal::Open(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return Errno(errno, absl::StrCat("--state-dir: creating ", dir));
+  }
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat("--state-dir: ", dir, " is not a directory"));
+  }
+  JournalContents previous;
+  const std::string path = dir + "/journal";
+  int in = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in >= 0) {
+    std::string bytes;
+    char buf[1 << 16];
+    ssize_t n;
+    while ((n = ::read(in, buf, sizeof(buf))) != 0) {
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        int err = errno;
+        ::close(in);
+        return Errno(err, absl::StrCat("reading ", path));
+      }
+      bytes.append(buf, static_cast<size_t>(n));
+    }
+    ::close(in);
+    previous = ParseJournal(bytes);
+  } else if (errno != ENOENT) {
+    return Errno(errno, absl::StrCat("opening ", path));
+  }
+  const std::string next = dir + "/journal.new";
+  int fd = ::open(next.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
+  if (fd < 0) return Errno(errno, absl::StrCat("--state-dir: creating ", next));
+  return std::unique_ptr<StateJournal>(new StateJournal(dir, fd, std::move(previous)));
+}
+
+StateJournal::~StateJournal() {
+  absl::MutexLock lock(&mu_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::Status StateJournal::Append(const StateRecord& record) {
+  const std::string bytes = EncodeStateRecord(record);
+  absl::MutexLock lock(&mu_);
+  const std::string what = absl::StrCat("appending to ", dir_, committed_ ? "/journal" : "/journal.new");
+  if (absl::Status s = WriteAll(fd_, bytes, what); !s.ok()) return s;
+  if (::fdatasync(fd_) != 0) return Errno(errno, absl::StrCat("fdatasync ", what));
+  return absl::OkStatus();
+}
+
+absl::Status StateJournal::Commit() {
+  absl::MutexLock lock(&mu_);
+  if (committed_) return absl::OkStatus();
+  if (::fdatasync(fd_) != 0) return Errno(errno, "fdatasync journal.new");
+  const std::string from = dir_ + "/journal.new", to = dir_ + "/journal";
+  if (::rename(from.c_str(), to.c_str()) != 0) {
+    return Errno(errno, absl::StrCat("renaming ", from, " to ", to));
+  }
+  if (absl::Status s = SyncDir(dir_); !s.ok()) return s;
+  committed_ = true;
+  return absl::OkStatus();
+}
+
+void StateJournal::RecordSkipped(const StateRecord& record, const std::string& reason) {
+  nlohmann::json j;
+  j["entry"] = DescribeRecord(record);
+  j["path"] = record.path;
+  j["reason"] = reason;
+  const std::string line = j.dump() + "\n";
+  const std::string path = dir_ + "/skipped.log";
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  if (fd < 0) return;
+  (void)WriteAll(fd, line, path);
+  ::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace weightd

@@ -1,0 +1,123 @@
+// What the daemon serves, recorded so that a restarted daemon (--state-dir)
+// serves it again: a journal of the changes the operators made (model and
+// adapter loads and unloads, applies), and its replay into a restore plan.
+//
+// The journal is an append-only file of records, each
+//   "WDJ1" | u32 payload length (LE) | 16-byte digest of the payload | payload (JSON)
+// written with one write() and fdatasync()ed before the change is answered,
+// so a crash at any instant leaves every answered change whole and at most
+// one partial record at the end. Reading checks every record on its own: a
+// damaged one (bad digest, bad JSON, cut short) is reported with its offset
+// and skipped, and reading resumes at the next "WDJ1" — the records after it
+// are still restored.
+//
+// A restore writes a fresh journal beside the old one (journal.new: the
+// records of what it restored, and of what clients change meanwhile) and
+// replaces the old one with it atomically (rename + directory fsync) when
+// it is done; a crash during a restore leaves the old journal in place.
+#ifndef WEIGHTD_SERVER_STATE_STATE_JOURNAL_H_
+#define WEIGHTD_SERVER_STATE_STATE_JOURNAL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace weightd {
+
+struct StateRecord {
+  enum class Kind { kModelLoad, kModelUnload, kAdapterLoad, kAdapterUnload, kApply, kFloor };
+  Kind kind = Kind::kModelLoad;
+  uint64_t seq = 0;  // the order the service committed the changes in
+  std::string name;  // the model (kApply, kFloor too) or adapter
+  // Loads.
+  std::string path;
+  std::string profile_json;          // model loads
+  std::vector<std::string> readers;  // ReaderList syntax
+  std::string format;                // adapter loads
+  bool strict = false;               // adapter loads
+  // kApply: the stack; kApply/kModelLoad: the generation made (1 for a load);
+  // kFloor: the lowest number the model's next generation may have.
+  std::vector<std::pair<std::string, float>> stack;
+  uint64_t generation = 0;
+  // kModelLoad/kApply: the served content's identity (hex), checked on restore.
+  std::string content;
+};
+
+const char* StateRecordKindName(StateRecord::Kind kind);
+// "model load \"m\" (seq 3)", for messages.
+std::string DescribeRecord(const StateRecord& record);
+
+std::string EncodeStateRecord(const StateRecord& record);  // header + payload
+absl::StatusOr<StateRecord> DecodeStatePayload(const std::string& payload);
+
+struct JournalProblem {
+  uint64_t offset = 0;  // of the damaged bytes in the file
+  std::string what;
+};
+
+struct JournalContents {
+  std::vector<StateRecord> records;  // intact ones, in file order
+  std::vector<JournalProblem> problems;
+};
+
+// Parses journal bytes (any damage reported, never fatal).
+JournalContents ParseJournal(const std::string& bytes);
+
+// The state the records leave, and what a restore must do to reach it.
+struct RestorePlan {
+  struct ModelEntry {
+    StateRecord load;
+    bool has_apply = false;
+    StateRecord apply;            // the current stack, if any apply came after the load
+    uint64_t max_generation = 1;  // the highest number the model had
+    // The adapter loads its stack needs, as they were when it was applied
+    // (one per stack entry, same order; empty name = no load record found).
+    std::vector<StateRecord> stack_adapters;
+  };
+  std::vector<ModelEntry> models;      // in load order
+  std::vector<StateRecord> adapters;   // loaded at the end, in load order
+  size_t entries() const { return models.size() + adapters.size(); }
+};
+
+// Replays `records` in seq order.
+RestorePlan PlanRestore(std::vector<StateRecord> records);
+
+class StateJournal {
+ public:
+  // Creates `dir` (0700) if missing; reads `dir`/journal when present; opens
+  // `dir`/journal.new for the records to come.
+  static absl::StatusOr<std::unique_ptr<StateJournal>> Open(const std::string& dir);
+  ~StateJournal();
+
+  // What the existing journal held (empty for a new state directory).
+  const JournalContents& previous() const { return previous_; }
+  const std::string& dir() const { return dir_; }
+
+  // Appends and fdatasync()s. Thread-safe.
+  absl::Status Append(const StateRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
+  // journal.new becomes the journal (rename, directory fsync); appends
+  // continue into it. Idempotent.
+  absl::Status Commit() ABSL_LOCKS_EXCLUDED(mu_);
+  // Appends one line (JSON) to `dir`/skipped.log: an entry a restore could
+  // not restore, with the reason, for the operator.
+  void RecordSkipped(const StateRecord& record, const std::string& reason);
+
+ private:
+  StateJournal(std::string dir, int fd, JournalContents previous)
+      : dir_(std::move(dir)), fd_(fd), previous_(std::move(previous)) {}
+
+  const std::string dir_;
+  absl::Mutex mu_;
+  int fd_ ABSL_GUARDED_BY(mu_) = -1;
+  bool committed_ ABSL_GUARDED_BY(mu_) = false;
+  const JournalContents previous_;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_STATE_STATE_JOURNAL_H_

@@ -370,6 +370,11 @@ def test_daemonset_shape(overlay):
     model_mount = [m for m in c["volumeMounts"] if m["mountPath"] == f["--model-root"][0]][0]
     assert model_mount["readOnly"] is True
     assert "hostPath" in volumes[model_mount["name"]]
+    # --state-dir on the node, writable: a replaced pod restores from it.
+    state_mount = [m for m in c["volumeMounts"] if m["mountPath"] == f["--state-dir"][0]][0]
+    assert not state_mount.get("readOnly", False)
+    assert volumes[state_mount["name"]]["hostPath"] == {"path": "/var/lib/weightd/state",
+                                                        "type": "DirectoryOrCreate"}
     # Pinned memory on GPU nodes; an added capability acts only for UID 0.
     assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
     assert c["securityContext"]["runAsUser"] == 0
@@ -462,6 +467,9 @@ def test_sidecar_shape():
     assert f["--socket"] == ["/run/weightd/weightd.sock"]
     assert _mount(sidecar, [m["name"] for m in sidecar["volumeMounts"]
                             if m["mountPath"] == f["--model-root"][0]][0])["readOnly"] is True
+    # --state-dir on an emptyDir: the pod's container restarts keep it.
+    state = [m for m in sidecar["volumeMounts"] if m["mountPath"] == f["--state-dir"][0]][0]
+    assert "emptyDir" in volumes[state["name"]] and not state.get("readOnly", False)
     # Pod Security "restricted": non-root, no escalation, drop ALL, RuntimeDefault.
     psc = spec["securityContext"]
     assert psc["runAsNonRoot"] is True and psc["seccompProfile"]["type"] == "RuntimeDefault"
@@ -559,6 +567,7 @@ def test_manifest_flags_start_the_daemon(overlay, tmp_path):
     argv = []
     for a in c["args"]:
         a = expand(a, env).replace("/run/weightd", str(run_dir)).replace("=/models", f"={models}")
+        a = a.replace("/var/lib/weightd/state", str(tmp_path / "state"))
         if a.startswith("--listen="):
             a = f"--listen=127.0.0.1:{port}"
         argv.append(a)
@@ -673,6 +682,7 @@ def test_systemd_exec_start_starts_the_daemon(tmp_path):
     run_dir.mkdir()
     models.mkdir()
     port = _free_port()
+    env.update(WEIGHTD_STATE_DIR=str(tmp_path / "state"))
     env.update(WEIGHTD_MODEL_ROOT=str(models), WEIGHTD_LISTEN=f"127.0.0.1:{port}",
                WEIGHTD_EXTRA_ARGS="--threads 2")
     argv = [a.replace("/run/weightd", str(run_dir)) for a in _exec_start(env)[1:]]

@@ -96,18 +96,25 @@ class ShardsImpl final : public ShardsBase {
     v1::WatchRequest copy = *req;
     absl::Status started = StartDetachedThread([this, writer, ctx, copy = std::move(copy),
                                                 who = std::move(*who),
-                                                slot = std::move(*slot)] {
+                                                slot = std::move(*slot)]() mutable {
+      // The slot (a counter of this service) is given back before the
+      // stream closes: Close() lets the call's drain hold go, after which
+      // shutdown may destroy the service while this thread still runs.
+      auto close = [&writer, &slot](const grpc::Status& status) {
+        { StreamSlots::Slot done = std::move(slot); }
+        writer->Close(status);
+      };
       // Not a reader of the current generation: refused now, not on the
       // next event.
       if (absl::Status s = service_->CheckCanRead(copy.model(), who); !s.ok()) {
-        writer->Close(ToGrpcStatus(s));
+        close(ToGrpcStatus(s));
         return;
       }
       uint64_t after = copy.after();
       if (after == 0) {
         auto current = service_->WaitForGeneration(copy.model(), 0, absl::ZeroDuration());
         if (!current.ok()) {
-          writer->Close(ToGrpcStatus(current.status()));
+          close(ToGrpcStatus(current.status()));
           return;
         }
         after = (*current)->generation;
@@ -117,19 +124,19 @@ class ShardsImpl final : public ShardsBase {
         // A draining daemon ends its watches (within 500 ms) with
         // UNAVAILABLE: watch again once it is back.
         if (drain_->draining()) {
-          writer->Close(ToGrpcStatus(CallDrain::DrainingError()));
+          close(ToGrpcStatus(CallDrain::DrainingError()));
           return;
         }
         auto event = service_->WaitForGeneration(copy.model(), after, absl::Milliseconds(500));
         if (!event.ok()) {
-          writer->Close(ToGrpcStatus(event.status()));
+          close(ToGrpcStatus(event.status()));
           return;
         }
         if (!event->has_value()) continue;
         // A generation the caller may not read (a private adapter applied)
         // ends the stream.
         if (absl::Status s = auth_->policy().CheckRead(who, (*event)->guards); !s.ok()) {
-          writer->Close(ToGrpcStatus(s));
+          close(ToGrpcStatus(s));
           return;
         }
         v1::GenerationEvent msg;
@@ -139,7 +146,7 @@ class ShardsImpl final : public ShardsBase {
         after = (*event)->generation;
         writer->Push(std::move(msg), /*replaceable=*/false);
       }
-      writer->Close(grpc::Status::CANCELLED);
+      close(grpc::Status::CANCELLED);
     });
     if (!started.ok()) writer->Close(ToGrpcStatus(started));
     return writer;

@@ -40,6 +40,9 @@ namespace {
 
 // Profiles are small JSON documents; anything larger is a mistake.
 constexpr uint64_t kMaxProfileBytes = 64ull << 20;
+// Added to restored models' next generation numbers when the journal had a
+// damaged record (which may have held a higher number than any intact one).
+constexpr uint64_t kDamagedJournalMargin = 1u << 20;
 
 struct Preload {
   std::string name, path, profile;
@@ -397,20 +400,33 @@ int Main(int argc, char** argv) {
     };
   }
   const bool restoring = plan.entries() > 0;
-  if (restoring && !flags.serve_during_restore) {
-    flags.grpc.closed_at_start = absl::UnavailableError(absl::StrCat(
+  if (restoring) {
+    const absl::Status why = absl::UnavailableError(absl::StrCat(
         "weightd is restoring its state from ", flags.state_dir,
         " (--state-dir); retry when health says SERVING"));
+    // Loads, unloads and applies wait for the restore in any case (they
+    // would race with it); with --serve-during-restore the rest is served.
+    flags.grpc.changes_closed_at_start = why;
+    if (!flags.serve_during_restore) flags.grpc.closed_at_start = why;
   }
   auto service = WeightService::Create(flags.service);
   if (!service.ok()) return Fail(service.status());
   // Preloads of names a restore brought back are skipped (the journal's
   // entry is newer than the command line's).
+  RestoreReport restored;
   auto preload = [&]() -> absl::Status {
     for (const Preload& p : flags.preloads) {
       if ((*service)->GetModel(p.name).ok()) {
         LogEvent(LogLevel::kInfo, "preload_skipped",
                  {{"model", p.name}, {"reason", "restored from --state-dir"}});
+        continue;
+      }
+      if (restored.skipped_names.contains(p.name)) {
+        // The restore refused it (e.g. its files changed): not loaded
+        // behind its back.
+        LogEvent(LogLevel::kWarning, "preload_skipped",
+                 {{"model", p.name},
+                  {"reason", "the restore skipped its journal entry (restore_skipped)"}});
         continue;
       }
       std::string profile;
@@ -449,11 +465,25 @@ int Main(int argc, char** argv) {
   }
   if (restoring) {
     // Serving (health NOT_SERVING, calls refused UNAVAILABLE unless
-    // --serve-during-restore) while the models come back.
-    RestoreState(**service, plan, journal.get());
-    if (absl::Status s = preload(); !s.ok()) return Fail(s);
-    if (absl::Status s = journal->Commit(); !s.ok()) return Fail(s);
-    (*grpc)->Restored();
+    // --serve-during-restore) while the models come back. A SIGTERM ends it
+    // between two entries, and the old journal stays as it was.
+    auto term_pending = [&signals]() {
+      sigset_t pending;
+      if (sigpending(&pending) != 0) return false;
+      for (int s : {SIGTERM, SIGINT}) {
+        if (sigismember(&signals, s) && sigismember(&pending, s)) return true;
+      }
+      return false;
+    };
+    // A damaged journal may have lost a record of a higher generation
+    // number: restored models number past a wide margin then.
+    const uint64_t margin = journal->previous().problems.empty() ? 0 : kDamagedJournalMargin;
+    restored = RestoreState(**service, plan, journal.get(), term_pending, margin);
+    if (!restored.interrupted) {
+      if (absl::Status s = preload(); !s.ok()) return Fail(s);
+      if (absl::Status s = journal->Commit(); !s.ok()) return Fail(s);
+      (*grpc)->Restored();
+    }
   }
   LogEvent(LogLevel::kInfo, "serving",
            {{"socket", flags.grpc.unix_socket},

@@ -35,7 +35,7 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
       if (!info.ok()) return info.status();
       FillAdapterInfo(*info, resp);
       return absl::OkStatus();
-    });
+    }, /*change=*/true);
   }
 
   grpc::ServerUnaryReactor* Unload(grpc::CallbackServerContext* ctx,
@@ -43,7 +43,9 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
                                    v1::UnloadAdapterResponse*) override {
     auto who = auth_->AuthenticateAdmin(ctx, "unload adapters");
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, drain_, [this, req] { return service_->UnloadAdapter(req->name()); });
+    return RunOnPool(
+        ctx, pool_, drain_, [this, req] { return service_->UnloadAdapter(req->name()); },
+        /*change=*/true);
   }
 
   grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx,
@@ -77,7 +79,7 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
       resp->set_generation(info->generation);
       for (const std::string& a : info->adapters) resp->add_adapters(a);
       return absl::OkStatus();
-    });
+    }, /*change=*/true);
   }
 
  private:

@@ -20,10 +20,11 @@ absl::Status CallDrain::DrainingError() {
   return absl::UnavailableError("weightd is shutting down; retry against the restarted daemon");
 }
 
-absl::StatusOr<CallDrain::Hold> CallDrain::Enter() {
+absl::StatusOr<CallDrain::Hold> CallDrain::Enter(bool change) {
   absl::MutexLock lock(&mu_);
   if (draining_) return DrainingError();
   if (!closed_.ok()) return closed_;
+  if (change && !changes_closed_.ok()) return changes_closed_;
   ++in_flight_;
   return Hold(this);
 }
@@ -36,6 +37,11 @@ absl::Status CallDrain::CheckOpen() const {
 void CallDrain::SetClosed(absl::Status closed) {
   absl::MutexLock lock(&mu_);
   closed_ = std::move(closed);
+}
+
+void CallDrain::SetChangesClosed(absl::Status closed) {
+  absl::MutexLock lock(&mu_);
+  changes_closed_ = std::move(closed);
 }
 
 void CallDrain::BeginDrain() {

@@ -38,7 +38,9 @@ class CallDrain {
   };
 
   // A hold on a new call, or UNAVAILABLE once BeginDrain() has been called.
-  absl::StatusOr<Hold> Enter() ABSL_LOCKS_EXCLUDED(mu_);
+  // `change`: the call changes what is served (loads, unloads, applies);
+  // refused while SetChangesClosed holds a status.
+  absl::StatusOr<Hold> Enter(bool change = false) ABSL_LOCKS_EXCLUDED(mu_);
   // UNAVAILABLE once draining, else OK: for calls that finish at once.
   absl::Status CheckOpen() const ABSL_LOCKS_EXCLUDED(mu_);
   // From now on Enter() and CheckOpen() refuse. Idempotent.
@@ -47,6 +49,8 @@ class CallDrain {
   // While `closed` is not OK, Enter() and CheckOpen() refuse with it (the
   // daemon restoring its state); OK reopens. Draining takes precedence.
   void SetClosed(absl::Status closed) ABSL_LOCKS_EXCLUDED(mu_);
+  // The same for calls that change what is served only.
+  void SetChangesClosed(absl::Status closed) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until no hold is left or `deadline` passes; returns how many are
   // left (0 = drained).
   int64_t WaitIdle(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
@@ -60,6 +64,7 @@ class CallDrain {
   mutable absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status closed_ ABSL_GUARDED_BY(mu_);
+  absl::Status changes_closed_ ABSL_GUARDED_BY(mu_);
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -67,6 +67,7 @@ class GrpcServer::Impl {
 
   absl::Status Start() {
     drain_.SetClosed(options_.closed_at_start);
+    drain_.SetChangesClosed(options_.changes_closed_at_start);
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
@@ -104,6 +105,7 @@ class GrpcServer::Impl {
 
   void SetRestoring(absl::Status why) {
     const bool open = why.ok();
+    drain_.SetChangesClosed(why);
     drain_.SetClosed(std::move(why));
     absl::MutexLock lock(&mu_);
     if (!shut_down_ && server_ != nullptr) {

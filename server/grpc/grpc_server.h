@@ -36,6 +36,10 @@ struct GrpcServerOptions {
   // Not OK: start as Restoring(closed_at_start) would leave it (no window
   // in which a call gets through before the restore).
   absl::Status closed_at_start;
+  // Not OK: calls that change what is served (loads, unloads, applies) are
+  // refused with it until Restored() (--serve-during-restore serves the
+  // rest meanwhile).
+  absl::Status changes_closed_at_start;
 };
 
 class GrpcServer {

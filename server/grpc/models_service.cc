@@ -27,7 +27,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
                                                    const v1::LoadRequest* req) override {
     auto who = auth_->AuthenticateAdmin(ctx, "load models");
     if (!who.ok()) return RefuseStream<v1::LoadProgress>(who.status());
-    auto hold = drain_->Enter();
+    auto hold = drain_->Enter(/*change=*/true);
     if (!hold.ok()) return RefuseStream<v1::LoadProgress>(hold.status());
     // Deletes itself in OnDone, which is after the thread's Close().
     auto* writer = new QueuedWriter<v1::LoadProgress>(std::move(*hold));
@@ -66,7 +66,9 @@ class ModelsImpl final : public v1::Models::CallbackService {
                                    v1::UnloadResponse*) override {
     auto who = auth_->AuthenticateAdmin(ctx, "unload models");
     if (!who.ok()) return Refuse(ctx, who.status());
-    return RunOnPool(ctx, pool_, drain_, [this, req] { return service_->UnloadModel(req->name()); });
+    return RunOnPool(
+        ctx, pool_, drain_, [this, req] { return service_->UnloadModel(req->name()); },
+        /*change=*/true);
   }
 
   grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx, const v1::ListModelsRequest*,

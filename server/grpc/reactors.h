@@ -179,9 +179,11 @@ class HeldUnaryReactor : public grpc::ServerUnaryReactor {
 // Runs `fn` on the worker pool (or, with a null pool, at once on gRPC's
 // callback thread: for work of microseconds) and finishes the unary call
 // with its status; UNAVAILABLE once the daemon drains.
+// `change`: a call that changes what is served (CallDrain::Enter).
 inline grpc::ServerUnaryReactor* RunOnPool(grpc::CallbackServerContext* ctx, ThreadPool* pool,
-                                           CallDrain* drain, std::function<absl::Status()> fn) {
-  auto hold = drain->Enter();
+                                           CallDrain* drain, std::function<absl::Status()> fn,
+                                           bool change = false) {
+  auto hold = drain->Enter(change);
   if (!hold.ok()) return Refuse(ctx, hold.status());
   auto* reactor = new HeldUnaryReactor(std::move(*hold));  // deletes itself in OnDone
   if (pool == nullptr) {

@@ -159,6 +159,8 @@ void WeightService::EmitState(const StateRecord& record) const {
   if (options_.on_state_change) options_.on_state_change(record);
 }
 
+uint64_t WeightService::NextStateSeq() { return ++state_seq_; }
+
 absl::StatusOr<std::shared_ptr<const WeightService::Model>> WeightService::FindModel(
     const std::string& name) const {
   absl::MutexLock lock(&mu_);
@@ -287,6 +289,19 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
                                                       const std::string& profile_json,
                                                       const LoadProgressFn& progress,
                                                       const std::vector<std::string>& readers) {
+  return LoadModelImpl(name, path, profile_json, progress, readers, nullptr);
+}
+
+absl::StatusOr<ModelSummary> WeightService::RestoreLoadModel(
+    const std::string& name, const std::string& path, const std::string& profile_json,
+    const std::vector<std::string>& readers, const RestoreExpect& expect) {
+  return LoadModelImpl(name, path, profile_json, nullptr, readers, &expect);
+}
+
+absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
+    const std::string& name, const std::string& path, const std::string& profile_json,
+    const LoadProgressFn& progress, const std::vector<std::string>& readers,
+    const RestoreExpect* expect) {
   WD_RETURN_IF_ERROR(ValidateModelName(name));
   WD_ASSIGN_OR_RETURN(ReaderList reader_list, ReaderList::Parse(readers));
   std::shared_ptr<const Profile> profile;
@@ -358,27 +373,38 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
     return model;
   };
   auto built = build();
-  StateRecord record;
-  absl::ReleasableMutexLock lock(&mu_);
-  loading_.erase(name);
+  if (built.ok() && expect != nullptr && (*built)->current->identity != expect->content) {
+    built = absl::DataLossError(
+        "its files changed since it was loaded (the served content differs); not served");
+  }
+  if (built.ok() && expect != nullptr) (*built)->generation_floor = expect->generation_floor;
   if (!built.ok()) {
-    lock.Release();
+    {
+      absl::MutexLock lock(&mu_);
+      loading_.erase(name);
+    }
     LogEvent(LogLevel::kWarning, "load_failed",
              {{"model", name}, {"path", path}, {"error", built.status().ToString()}});
     return Annotate(built.status(), absl::StrCat("loading model \"", name, "\""));
   }
   ModelSummary summary = Summarize(**built);
-  models_[name] = std::move(*built);
+  StateRecord record;
   record.kind = StateRecord::Kind::kModelLoad;
-  record.seq = ++state_seq_;
-  lock.Release();
   record.name = name;
   record.path = path;
   record.profile_json = profile_json;
   record.readers = readers;
   record.generation = 1;
   record.content = summary.content.Hex();
-  EmitState(record);
+  {
+    // Journaled before anyone can see it (the name is reserved in loading_).
+    absl::MutexLock state(&state_mu_);
+    record.seq = NextStateSeq();
+    EmitState(record);
+    absl::MutexLock lock(&mu_);
+    loading_.erase(name);
+    models_[name] = std::move(*built);
+  }
   double secs = absl::ToDoubleSeconds(absl::Now() - start);
   loads_.fetch_add(1);
   load_bytes_.fetch_add(summary.total_bytes);
@@ -398,20 +424,25 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
 absl::Status WeightService::UnloadModel(const std::string& name) {
   std::shared_ptr<const Model> dropped;
   StateRecord unload_record;
+  unload_record.kind = StateRecord::Kind::kModelUnload;
+  unload_record.name = name;
   {
+    absl::MutexLock state(&state_mu_);
+    {
+      absl::MutexLock lock(&mu_);
+      if (!models_.contains(name)) {
+        return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(name), " is not loaded"));
+      }
+    }
+    unload_record.seq = NextStateSeq();
+    EmitState(unload_record);
+    // Only state changes (all under state_mu_) add or remove models.
     absl::MutexLock lock(&mu_);
     auto it = models_.find(name);
-    if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(name), " is not loaded"));
-    }
     dropped = std::move(it->second);
     models_.erase(it);
     generation_changed_.SignalAll();
-    unload_record.seq = ++state_seq_;
   }
-  unload_record.kind = StateRecord::Kind::kModelUnload;
-  unload_record.name = name;
-  EmitState(unload_record);
   for (const auto& g : dropped->history) materializer_.RetireTag(absl::StrCat(name, "#", g->number));
   dropped.reset();
   materializer_.Sweep();
@@ -810,22 +841,27 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
         "adapter \"", name, "\": ", (*adapter)->ignored_keys.size(), " keys not understood: ",
         absl::StrJoin(info.ignored, "; ")));
   }
-  absl::ReleasableMutexLock lock(&mu_);
-  if (!adapters_.emplace(name, *adapter).second) {
-    return absl::AlreadyExistsError(absl::StrCat("adapter \"", name, "\" is already loaded"));
-  }
-  adapter_info_[name] = info;
-  adapter_readers_[name] = std::move(reader_list);
   StateRecord record;
   record.kind = StateRecord::Kind::kAdapterLoad;
-  record.seq = ++state_seq_;
-  lock.Release();
   record.name = name;
   record.path = path;
   record.readers = readers;
   record.format = format;
   record.strict = strict;
+  absl::MutexLock state(&state_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (adapters_.contains(name)) {
+      return absl::AlreadyExistsError(absl::StrCat("adapter \"", name, "\" is already loaded"));
+    }
+  }
+  record.seq = NextStateSeq();
   EmitState(record);
+  absl::MutexLock lock(&mu_);
+  adapters_.emplace(name, *adapter);
+  adapter_seq_[name] = record.seq;
+  adapter_info_[name] = info;
+  adapter_readers_[name] = std::move(reader_list);
   LogEvent(LogLevel::kInfo, "adapter_load",
            {{"adapter", name}, {"path", resolved}, {"format", info.format},
             {"targets", absl::StrCat(info.tensor_count)},
@@ -838,15 +874,21 @@ absl::Status WeightService::UnloadAdapter(const std::string& name) {
   record.kind = StateRecord::Kind::kAdapterUnload;
   record.name = name;
   {
-    absl::MutexLock lock(&mu_);
-    if (adapters_.erase(name) == 0) {
-      return absl::NotFoundError(absl::StrCat("adapter ", QuoteForMessage(name), " is not loaded"));
+    absl::MutexLock state(&state_mu_);
+    {
+      absl::MutexLock lock(&mu_);
+      if (!adapters_.contains(name)) {
+        return absl::NotFoundError(absl::StrCat("adapter ", QuoteForMessage(name), " is not loaded"));
+      }
     }
+    record.seq = NextStateSeq();
+    EmitState(record);
+    absl::MutexLock lock(&mu_);
+    adapters_.erase(name);
+    adapter_seq_.erase(name);
     adapter_info_.erase(name);
     adapter_readers_.erase(name);
-    record.seq = ++state_seq_;
   }
-  EmitState(record);
   LogEvent(LogLevel::kInfo, "adapter_unload", {{"adapter", name}});
   return absl::OkStatus();
 }
@@ -863,42 +905,50 @@ std::vector<AdapterSummary> WeightService::ListAdapters() const {
 absl::StatusOr<GenerationInfo> WeightService::Apply(const std::string& model_name,
                                                     const std::vector<AdapterRef>& stack,
                                                     uint64_t expect_generation) {
-  return ApplyImpl(model_name, stack, expect_generation, 0);
+  return ApplyImpl(model_name, stack, expect_generation, 0, nullptr);
 }
 
 absl::StatusOr<GenerationInfo> WeightService::RestoreApply(const std::string& model_name,
                                                            const std::vector<AdapterRef>& stack,
-                                                           uint64_t number) {
-  return ApplyImpl(model_name, stack, 0, number);
+                                                           uint64_t number,
+                                                           const Digest& expect_content) {
+  return ApplyImpl(model_name, stack, 0, number, &expect_content);
 }
 
 absl::Status WeightService::SetGenerationFloor(const std::string& model_name, uint64_t floor) {
   StateRecord record;
+  record.kind = StateRecord::Kind::kFloor;
+  record.name = model_name;
+  absl::MutexLock state(&state_mu_);
   {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(model_name);
     if (it == models_.end()) {
       return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
     }
-    auto next = std::make_shared<Model>(*it->second);
-    next->generation_floor = std::max(next->generation_floor, floor);
-    record.generation = next->generation_floor;
-    it->second = std::move(next);
-    record.seq = ++state_seq_;
+    record.generation = std::max(it->second->generation_floor, floor);
   }
-  record.kind = StateRecord::Kind::kFloor;
-  record.name = model_name;
+  record.seq = NextStateSeq();
   EmitState(record);
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(model_name);
+  auto next = std::make_shared<Model>(*it->second);
+  next->generation_floor = record.generation;
+  it->second = std::move(next);
   return absl::OkStatus();
 }
 
 absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model_name,
                                                         const std::vector<AdapterRef>& stack,
                                                         uint64_t expect_generation,
-                                                        uint64_t number_at_least) {
+                                                        uint64_t number_at_least,
+                                                        const Digest* expect_content) {
   std::shared_ptr<const Model> model;
   std::vector<std::shared_ptr<const Adapter>> adapters;
   std::vector<ReadGuard> adapter_guards;
+  StateRecord apply_record;
+  apply_record.kind = StateRecord::Kind::kApply;
+  apply_record.name = model_name;
   {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(model_name);
@@ -912,6 +962,9 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
         return absl::NotFoundError(absl::StrCat("adapter ", QuoteForMessage(ref.name), " is not loaded"));
       }
       adapters.push_back(a->second);
+      // Which load of the adapter this apply merges (the journal names it).
+      auto seq = adapter_seq_.find(ref.name);
+      apply_record.stack_seqs.push_back(seq == adapter_seq_.end() ? 0 : seq->second);
       auto r = adapter_readers_.find(ref.name);
       bool listed = std::any_of(adapter_guards.begin(), adapter_guards.end(),
                                 [&](const ReadGuard& g) { return g.what == ref.name; });
@@ -926,23 +979,47 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
                                            model->current->number, ", not ", expect_generation));
   }
   // Built outside the lock; published only if nobody moved the model on.
-  uint64_t number = std::max({model->current->number + 1, model->generation_floor,
-                              number_at_least});
+  // A restore re-applies under the number the generation had, below the
+  // floor it set for whatever comes next.
+  const uint64_t number =
+      number_at_least != 0 ? std::max(model->current->number + 1, number_at_least)
+                           : std::max(model->current->number + 1, model->generation_floor);
   WD_ASSIGN_OR_RETURN(std::shared_ptr<Generation> gen,
                       BuildGeneration(*model, number, stack, std::move(adapters)));
   gen->adapter_guards = std::move(adapter_guards);
+  if (expect_content != nullptr && gen->identity != *expect_content) {
+    return absl::DataLossError(
+        "the stack merges to other bytes than before (an adapter file changed?)");
+  }
+  for (const AdapterRef& r : stack) apply_record.stack.emplace_back(r.name, r.strength);
+  apply_record.generation = number;
+  apply_record.content = gen->identity.Hex();
   std::vector<uint64_t> retired;
   GenerationInfo info;
-  StateRecord apply_record;
-  {
-    absl::MutexLock lock(&mu_);
+  absl::MutexLock state(&state_mu_);
+  auto unchanged = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     auto it = models_.find(model_name);
     // Only another apply (or unload/reload) loses us the race; a prune of
-    // old generations leaves `current` as it was.
-    if (it == models_.end() || it->second->current != model->current) {
+    // old generations leaves `current` as it was. A floor raised meanwhile
+    // (a restore) is above the number picked: retry too.
+    if (it == models_.end() || it->second->current != model->current ||
+        (number_at_least == 0 && number < it->second->generation_floor)) {
       return absl::AbortedError(absl::StrCat("model \"", model_name,
                                              "\" changed while the apply was prepared; retry"));
     }
+    return absl::OkStatus();
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    WD_RETURN_IF_ERROR(unchanged());
+  }
+  // Journaled before anyone can see the generation (state changes are
+  // serialized by state_mu_, so the model cannot move meanwhile).
+  apply_record.seq = NextStateSeq();
+  EmitState(apply_record);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = models_.find(model_name);
     model = it->second;
     auto next = std::make_shared<Model>(*model);
     next->current = gen;
@@ -964,14 +1041,7 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
     info.guards = GuardsOf(*next, *gen);
     info.content = gen->identity;
     generation_changed_.SignalAll();
-    apply_record.seq = ++state_seq_;
   }
-  apply_record.kind = StateRecord::Kind::kApply;
-  apply_record.name = model_name;
-  for (const AdapterRef& r : stack) apply_record.stack.emplace_back(r.name, r.strength);
-  apply_record.generation = number;
-  apply_record.content = info.content.Hex();
-  EmitState(apply_record);
   applies_.fetch_add(1);
   for (uint64_t g : retired) materializer_.RetireTag(absl::StrCat(model_name, "#", g));
   LogEvent(LogLevel::kInfo, "apply",

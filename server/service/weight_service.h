@@ -207,6 +207,19 @@ class WeightService {
                                          const LoadProgressFn& progress,
                                          const std::vector<std::string>& readers = {})
       ABSL_LOCKS_EXCLUDED(mu_);
+  // For a restore (--state-dir): LoadModel that publishes the model only if
+  // its served content is `content` (DATA_LOSS otherwise: nothing served,
+  // nothing journaled), with its next generation numbered at least
+  // `generation_floor`.
+  struct RestoreExpect {
+    Digest content;
+    uint64_t generation_floor = 0;
+  };
+  absl::StatusOr<ModelSummary> RestoreLoadModel(const std::string& name, const std::string& path,
+                                                const std::string& profile_json,
+                                                const std::vector<std::string>& readers,
+                                                const RestoreExpect& expect)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Leased bytes stay readable until their leases end.
   absl::Status UnloadModel(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<ModelSummary> ListModels() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -286,11 +299,14 @@ class WeightService {
                                        uint64_t expect_generation) ABSL_LOCKS_EXCLUDED(mu_);
   // For a restore (--state-dir): Apply, numbering the new generation at
   // least `number` (a restored model serves its stack under the number it
-  // had); and the lowest number `model`'s next generation may get (numbers
-  // already given out are never given to other content). Both journaled.
+  // had), published only if its content is `expect_content` (DATA_LOSS
+  // otherwise); and the lowest number `model`'s next generation may get
+  // (numbers already given out are never given to other content). Both
+  // journaled.
   absl::StatusOr<GenerationInfo> RestoreApply(const std::string& model,
                                               const std::vector<AdapterRef>& stack,
-                                              uint64_t number) ABSL_LOCKS_EXCLUDED(mu_);
+                                              uint64_t number, const Digest& expect_content)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status SetGenerationFloor(const std::string& model, uint64_t floor)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks until `model` has a generation > `after`, or `timeout` passes
@@ -355,9 +371,20 @@ class WeightService {
   static Digest ContentIdentity(const ContentMap& content);
   absl::StatusOr<GenerationInfo> ApplyImpl(const std::string& model,
                                            const std::vector<AdapterRef>& stack,
-                                           uint64_t expect_generation, uint64_t number_at_least)
+                                           uint64_t expect_generation, uint64_t number_at_least,
+                                           const Digest* expect_content)
+      ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
+  absl::StatusOr<ModelSummary> LoadModelImpl(const std::string& name, const std::string& path,
+                                             const std::string& profile_json,
+                                             const LoadProgressFn& progress,
+                                             const std::vector<std::string>& readers,
+                                             const RestoreExpect* expect)
+      ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
+  // Reports a change to options_.on_state_change (the journal: durable when
+  // it returns). Called under state_mu_, before the change is published.
+  void EmitState(const StateRecord& record) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
-  void EmitState(const StateRecord& record) const;
+  uint64_t NextStateSeq() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   static constexpr size_t kDigestHistory = 256;
 
   WeightService(WeightServiceOptions options, ModelRoots roots);
@@ -391,15 +418,22 @@ class WeightService {
   mutable absl::Mutex owners_mu_;
   absl::flat_hash_map<uint64_t, LeaseOwner> lease_owners_ ABSL_GUARDED_BY(owners_mu_);
 
+  // Serializes the changes of what is served (loads, unloads, applies,
+  // adapter loads and unloads, floors) from their journal record to their
+  // publication: the journal's order is the order clients saw them in, and
+  // no client sees a change that a crash could lose. Fetches never take it.
+  absl::Mutex state_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<const Model>> models_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> loading_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<const Adapter>> adapters_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, AdapterSummary> adapter_info_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, ReaderList> adapter_readers_ ABSL_GUARDED_BY(mu_);
+  // The journal seq of each loaded adapter's load (apply records name it).
+  absl::flat_hash_map<std::string, uint64_t> adapter_seq_ ABSL_GUARDED_BY(mu_);
   absl::CondVar generation_changed_;
   // Orders the changes reported to options_.on_state_change.
-  uint64_t state_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t state_seq_ ABSL_GUARDED_BY(state_mu_) = 0;
 
   std::atomic<uint64_t> bytes_served_{0};
   std::atomic<uint64_t> bytes_read_{0};

@@ -168,3 +168,79 @@ TEST_F(WeightServiceTest, EachBadRequestGetsItsCode) {
 
 }  // namespace
 }  // namespace weightd
+
+namespace weightd {
+namespace {
+
+// --state-dir's contract with the service: every change reaches the sink
+// before any client can see it (so a crash never loses a change somebody
+// saw), in the order clients see them, with consecutive sequence numbers.
+TEST_F(WeightServiceTest, StateChangesReachTheSinkBeforeTheyAreVisible) {
+  WeightService* svc = nullptr;
+  std::vector<StateRecord> seen;
+  std::vector<std::string> visible_at_sink;  // what List() showed inside the sink
+  WeightServiceOptions options;
+  options.model_roots = {root_};
+  options.data_socket_path = "/nonexistent/data.sock";
+  options.on_state_change = [&](const StateRecord& r) {
+    seen.push_back(r);
+    std::string models;
+    for (const ModelSummary& m : svc->ListModels()) {
+      models += m.name + "@" + std::to_string(m.generation) + " ";
+    }
+    visible_at_sink.push_back(models);
+  };
+  auto service = WeightService::Create(std::move(options));
+  ASSERT_TRUE(service.ok()) << service.status();
+  svc = service->get();
+  auto loaded = svc->LoadModel("m", path_, "", nullptr);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  auto applied = svc->Apply("m", {}, 0);  // a new generation, same content
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  ASSERT_TRUE(svc->SetGenerationFloor("m", 10).ok());
+  ASSERT_TRUE(svc->UnloadModel("m").ok());
+  ASSERT_EQ(seen.size(), 4u);
+  EXPECT_EQ(seen[0].kind, StateRecord::Kind::kModelLoad);
+  EXPECT_EQ(seen[0].content, loaded->content.Hex());
+  EXPECT_EQ(visible_at_sink[0], "");     // not listed yet when journaled
+  EXPECT_EQ(seen[1].kind, StateRecord::Kind::kApply);
+  EXPECT_EQ(seen[1].generation, 2u);
+  EXPECT_EQ(visible_at_sink[1], "m@1 ");  // generation 2 not served yet
+  EXPECT_EQ(seen[2].kind, StateRecord::Kind::kFloor);
+  EXPECT_EQ(seen[2].generation, 10u);
+  EXPECT_EQ(visible_at_sink[3], "m@2 ");  // still listed while the unload is journaled
+  for (size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i].seq, i + 1);
+  // A failed change reaches no sink.
+  EXPECT_FALSE(svc->UnloadModel("m").ok());
+  EXPECT_EQ(seen.size(), 4u);
+}
+
+TEST_F(WeightServiceTest, RestoreLoadPublishesOnlyTheJournaledContent) {
+  WeightService::RestoreExpect expect;
+  expect.generation_floor = 7;
+  // Wrong identity: refused, nothing served.
+  auto refused = service_->RestoreLoadModel("m", path_, "", {}, expect);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << refused.status();
+  EXPECT_TRUE(service_->ListModels().empty());
+  // The right one: served, and the next generation is numbered past the floor.
+  auto probe = service_->LoadModel("probe", path_, "", nullptr);
+  ASSERT_TRUE(probe.ok());
+  expect.content = probe->content;
+  auto loaded = service_->RestoreLoadModel("m", path_, "", {}, expect);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  auto next = service_->Apply("m", {}, 0);
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next->generation, 7u);
+  // A restore apply re-creates a number below the floor, if its content matches.
+  auto again = service_->RestoreApply("probe", {}, 5, probe->content);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->generation, 5u);
+  Digest other = probe->content;
+  other.bytes[0] ^= 1;
+  auto mismatch = service_->RestoreApply("probe", {}, 9, other);
+  EXPECT_EQ(mismatch.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(service_->GetModel("probe")->summary.generation, 5u);  // nothing published
+}
+
+}  // namespace
+}  // namespace weightd

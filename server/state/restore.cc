@@ -7,9 +7,29 @@
 #include "common/log.h"
 
 namespace weightd {
+namespace {
+
+// The content identity a record carries (32 hex digits).
+bool ParseIdentity(const std::string& hex, Digest* out) {
+  if (hex.size() != 2 * out->bytes.size()) return false;
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < out->bytes.size(); ++i) {
+    int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    out->bytes[i] = static_cast<uint8_t>(hi << 4 | lo);
+  }
+  return true;
+}
+
+}  // namespace
 
 RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
-                           StateJournal* journal) {
+                           StateJournal* journal, const std::function<bool()>& stop,
+                           uint64_t floor_margin) {
   RestoreReport report;
   report.entries = plan.entries();
   const absl::Time start = absl::Now();
@@ -28,6 +48,12 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
              {{"entry", DescribeRecord(r)}, {"path", r.path}, {"reason", reason}});
     if (journal != nullptr) journal->RecordSkipped(r, reason);
     report.skipped.emplace_back(DescribeRecord(r), reason);
+    report.skipped_names.insert(r.name);
+  };
+  auto stopped = [&]() {
+    if (!stop || !stop()) return false;
+    report.interrupted = true;
+    return true;
   };
   std::map<std::string, uint64_t> adapters;  // loaded now: name -> record seq
   auto load_adapter = [&](const StateRecord& r) -> absl::Status {
@@ -44,25 +70,31 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
   };
 
   for (const RestorePlan::ModelEntry& e : plan.models) {
+    if (stopped()) break;
     const std::string& name = e.load.name;
     progress(e.load);
-    auto loaded = service.LoadModel(name, e.load.path, e.load.profile_json, nullptr,
-                                    e.load.readers);
+    // Next numbers past every number the model had (and past any a damaged
+    // record may have held: floor_margin).
+    const uint64_t floor = e.max_generation + 1 + floor_margin;
+    WeightService::RestoreExpect expect;
+    expect.generation_floor = floor;
+    if (!ParseIdentity(e.load.content, &expect.content)) {
+      skip(e.load, "the record has no valid content identity");
+      continue;
+    }
+    // Published only if its content is what the record describes.
+    auto loaded = service.RestoreLoadModel(name, e.load.path, e.load.profile_json,
+                                           e.load.readers, expect);
     if (!loaded.ok()) {
       skip(e.load, std::string(loaded.status().message()));
       continue;
     }
-    if (!e.load.content.empty() && loaded->content.Hex() != e.load.content) {
-      (void)service.UnloadModel(name);
-      skip(e.load, "its files changed since it was loaded (the served content differs); "
-                   "not served");
-      continue;
-    }
-    uint64_t current = 1;
     bool as_was = true;
     if (e.has_apply) {
       std::string why;
       std::vector<AdapterRef> stack;
+      Digest content;
+      if (!ParseIdentity(e.apply.content, &content)) why = "the record has no valid content identity";
       for (size_t i = 0; i < e.apply.stack.size() && why.empty(); ++i) {
         const auto& [adapter, strength] = e.apply.stack[i];
         stack.push_back(AdapterRef{adapter, strength});
@@ -74,26 +106,17 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
         }
       }
       if (why.empty()) {
-        auto applied = service.RestoreApply(name, stack, e.apply.generation);
-        if (!applied.ok()) {
-          why = std::string(applied.status().message());
-        } else if (!e.apply.content.empty() && applied->content.Hex() != e.apply.content) {
-          why = "the stack merges to other bytes than before (an adapter file changed?)";
-          // Back to the base (its own bytes), under a number never used.
-          auto base = service.RestoreApply(name, {}, e.max_generation + 1);
-          current = base.ok() ? base->generation : applied->generation;
-        } else {
-          current = applied->generation;
-        }
+        // Published only if it merges to the bytes it had.
+        auto applied = service.RestoreApply(name, stack, e.apply.generation, content);
+        if (!applied.ok()) why = std::string(applied.status().message());
       }
       if (!why.empty()) {
         as_was = false;
         skip(e.apply, absl::StrCat(why, "; model \"", name, "\" serves its base"));
       }
     }
-    if (current <= e.max_generation) {
-      (void)service.SetGenerationFloor(name, e.max_generation + 1);
-    }
+    // Journaled, so that the next restart keeps it.
+    (void)service.SetGenerationFloor(name, floor);
     if (as_was) ++report.restored;
   }
   // The adapters loaded at the end (a stack may have needed older ones).
@@ -109,6 +132,7 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
     }
   }
   for (const StateRecord& r : plan.adapters) {
+    if (stopped()) break;
     progress(r);
     if (absl::Status s = load_adapter(r); !s.ok()) {
       skip(r, std::string(s.message()));
@@ -116,9 +140,10 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
       ++report.restored;
     }
   }
-  LogEvent(LogLevel::kInfo, "restore_done",
+  LogEvent(report.interrupted ? LogLevel::kWarning : LogLevel::kInfo, "restore_done",
            {{"restored", absl::StrCat(report.restored)},
             {"skipped", absl::StrCat(report.skipped.size())},
+            {"interrupted", report.interrupted ? "yes (a signal)" : "no"},
             {"seconds", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - start))}});
   return report;
 }

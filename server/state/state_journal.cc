@@ -19,7 +19,8 @@ namespace {
 constexpr char kMagic[4] = {'W', 'D', 'J', '1'};
 constexpr size_t kHeader = 4 + 4 + 16;
 // A record is a few paths and a profile; anything larger is damage.
-constexpr uint32_t kMaxPayload = 16u << 20;
+// Profiles may be up to 64 MiB (kMaxProfileBytes), escaped in JSON.
+constexpr uint32_t kMaxPayload = 512u << 20;
 
 absl::Status Errno(int err, const std::string& what) {
   return absl::Status(err == ENOSPC || err == EDQUOT ? absl::StatusCode::kResourceExhausted
@@ -74,12 +75,18 @@ std::string EncodeStateRecord(const StateRecord& r) {
   if (r.strict) j["strict"] = true;
   if (r.kind == StateRecord::Kind::kApply) {
     nlohmann::json stack = nlohmann::json::array();
-    for (const auto& [name, strength] : r.stack) stack.push_back({name, strength});
+    for (size_t i = 0; i < r.stack.size(); ++i) {
+      const uint64_t seq = i < r.stack_seqs.size() ? r.stack_seqs[i] : 0;
+      stack.push_back({r.stack[i].first, r.stack[i].second, seq});
+    }
     j["stack"] = stack;
   }
   if (r.generation != 0) j["generation"] = r.generation;
   if (!r.content.empty()) j["content"] = r.content;
-  const std::string payload = j.dump();
+  // Paths are bytes; one that is not UTF-8 is written with U+FFFD in place
+  // of the bad bytes (that entry then fails to restore, reported) instead
+  // of throwing.
+  const std::string payload = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   const Digest d = DigestBytes(payload.data(), payload.size());
   std::string out(kMagic, 4);
   const uint32_t n = static_cast<uint32_t>(payload.size());
@@ -110,6 +117,7 @@ absl::StatusOr<StateRecord> DecodeStatePayload(const std::string& payload) {
     if (j.contains("stack")) {
       for (const auto& e : j.at("stack")) {
         r.stack.emplace_back(e.at(0).get<std::string>(), e.at(1).get<float>());
+        r.stack_seqs.push_back(e.size() > 2 ? e.at(2).get<uint64_t>() : 0);
       }
     }
     r.generation = j.value("generation", uint64_t{0});
@@ -178,6 +186,7 @@ RestorePlan PlanRestore(std::vector<StateRecord> records) {
   std::map<std::string, uint64_t> model_order;
   std::map<std::string, StateRecord> adapters;          // loaded now
   std::map<std::string, StateRecord> last_adapter_load;  // as of the replay point
+  std::map<uint64_t, StateRecord> adapter_loads;         // by seq
   for (const StateRecord& r : records) {
     switch (r.kind) {
       case StateRecord::Kind::kModelLoad: {
@@ -193,6 +202,7 @@ RestorePlan PlanRestore(std::vector<StateRecord> records) {
       case StateRecord::Kind::kAdapterLoad:
         adapters[r.name] = r;
         last_adapter_load[r.name] = r;
+        adapter_loads[r.seq] = r;
         break;
       case StateRecord::Kind::kAdapterUnload:
         adapters.erase(r.name);
@@ -204,17 +214,29 @@ RestorePlan PlanRestore(std::vector<StateRecord> records) {
         it->second.apply = r;
         it->second.max_generation = std::max(it->second.max_generation, r.generation);
         it->second.stack_adapters.clear();
-        for (const auto& [adapter, strength] : r.stack) {
-          auto a = last_adapter_load.find(adapter);
-          it->second.stack_adapters.push_back(a == last_adapter_load.end() ? StateRecord{}
-                                                                           : a->second);
+        for (size_t i = 0; i < r.stack.size(); ++i) {
+          // The load the apply merged, by its seq; records without one: the
+          // last load of the name before the apply.
+          const uint64_t seq = i < r.stack_seqs.size() ? r.stack_seqs[i] : 0;
+          auto by_seq = adapter_loads.find(seq);
+          auto last = last_adapter_load.find(r.stack[i].first);
+          if (seq != 0) {
+            it->second.stack_adapters.push_back(
+                by_seq != adapter_loads.end() && by_seq->second.name == r.stack[i].first
+                    ? by_seq->second
+                    : StateRecord{});
+          } else {
+            it->second.stack_adapters.push_back(last == last_adapter_load.end() ? StateRecord{}
+                                                                                : last->second);
+          }
         }
         break;
       }
       case StateRecord::Kind::kFloor: {
         auto it = models.find(r.name);
         if (it != models.end()) {
-          it->second.max_generation = std::max(it->second.max_generation, r.generation - 1);
+          it->second.max_generation =
+              std::max(it->second.max_generation, std::max<uint64_t>(r.generation, 1) - 1);
         }
         break;
       }
@@ -299,7 +321,8 @@ void StateJournal::RecordSkipped(const StateRecord& record, const std::string& r
   j["entry"] = DescribeRecord(record);
   j["path"] = record.path;
   j["reason"] = reason;
-  const std::string line = j.dump() + "\n";
+  const std::string line =
+      j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   const std::string path = dir_ + "/skipped.log";
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
   if (fd < 0) return;

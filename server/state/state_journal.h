@@ -4,9 +4,10 @@
 //
 // The journal is an append-only file of records, each
 //   "WDJ1" | u32 payload length (LE) | 16-byte digest of the payload | payload (JSON)
-// written with one write() and fdatasync()ed before the change is answered,
-// so a crash at any instant leaves every answered change whole and at most
-// one partial record at the end. Reading checks every record on its own: a
+// written with one write() and fdatasync()ed before the change is visible
+// to any client (WeightService publishes it after the sink returns), so a
+// crash at any instant loses no change anybody saw, and leaves at most one
+// partial record at the end. Reading checks every record on its own: a
 // damaged one (bad digest, bad JSON, cut short) is reported with its offset
 // and skipped, and reading resumes at the next "WDJ1" — the records after it
 // are still restored.
@@ -43,6 +44,8 @@ struct StateRecord {
   // kApply: the stack; kApply/kModelLoad: the generation made (1 for a load);
   // kFloor: the lowest number the model's next generation may have.
   std::vector<std::pair<std::string, float>> stack;
+  // kApply: the seq of the load record of each stack adapter (0: unknown).
+  std::vector<uint64_t> stack_seqs;
   uint64_t generation = 0;
   // kModelLoad/kApply: the served content's identity (hex), checked on restore.
   std::string content;

@@ -134,6 +134,42 @@ TEST(StateJournalTest, PlanFollowsLoadsUnloadsAndAppliesInSeqOrder) {
   EXPECT_EQ(plan.adapters[0].path, "/ad/a-v2");
 }
 
+TEST(StateJournalTest, AnApplyNamesTheAdapterLoadItMerged) {
+  // The apply looked its adapter up (load seq 2); the adapter was unloaded
+  // and loaded again from another file (seqs 3, 4) before the apply was
+  // published (seq 5): the plan re-applies the file it merged.
+  StateRecord apply = Apply(5, "m", 2, {{"a", 1.0f}});
+  apply.stack_seqs = {2};
+  std::string bytes;
+  for (const auto& r : {ModelLoad(1, "m"), AdapterLoad(2, "a", "/ad/v1"),
+                        Rec(StateRecord::Kind::kAdapterUnload, 3, "a"),
+                        AdapterLoad(4, "a", "/ad/v2"), apply}) {
+    bytes += EncodeStateRecord(r);
+  }
+  JournalContents read = ParseJournal(bytes);
+  ASSERT_TRUE(read.problems.empty());
+  EXPECT_EQ(read.records[4].stack_seqs, std::vector<uint64_t>{2});
+  RestorePlan plan = PlanRestore(read.records);
+  ASSERT_EQ(plan.models.size(), 1u);
+  ASSERT_EQ(plan.models[0].stack_adapters.size(), 1u);
+  EXPECT_EQ(plan.models[0].stack_adapters[0].path, "/ad/v1");
+  ASSERT_EQ(plan.adapters.size(), 1u);
+  EXPECT_EQ(plan.adapters[0].path, "/ad/v2");
+  // A seq that names no intact load of that adapter: no record (reported).
+  apply.stack_seqs = {3};
+  plan = PlanRestore({ModelLoad(1, "m"), AdapterLoad(2, "a", "/ad/v1"),
+                      Rec(StateRecord::Kind::kAdapterUnload, 3, "a"), apply});
+  EXPECT_TRUE(plan.models[0].stack_adapters[0].name.empty());
+}
+
+TEST(StateJournalTest, APathThatIsNotUtf8IsWrittenNotThrown) {
+  StateRecord r = ModelLoad(1, "m");
+  r.path = std::string("/models/\xff\xfe.safetensors");
+  JournalContents read = ParseJournal(EncodeStateRecord(r));
+  ASSERT_EQ(read.records.size(), 1u);
+  EXPECT_NE(read.records[0].path, r.path);  // replaced bytes: that entry fails to restore
+}
+
 TEST(StateJournalTest, OpenAppendCommitAndReopen) {
   char tmpl[] = "/tmp/weightd-journal-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);

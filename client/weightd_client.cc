@@ -195,6 +195,7 @@ ModelInfo ToModelInfo(const v1::ModelInfo& m) {
   out.segment_bytes_4k = m.segment_bytes_4k();
   out.segment_bytes_thp = m.segment_bytes_thp();
   out.segment_bytes_hugetlb = m.segment_bytes_hugetlb();
+  out.weights_id = m.weights_id();
   out.files.assign(m.files().begin(), m.files().end());
   out.adapters.assign(m.adapters().begin(), m.adapters().end());
   out.report.assign(m.report().begin(), m.report().end());
@@ -765,6 +766,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
   set->lease_id_ = resp.lease_id();
   set->token_ = resp.token();
   set->generation_ = resp.generation();
+  set->weights_id_ = resp.weights_id();
   // From here on the ShardSet's destructor releases the lease on any error.
   for (const v1::ShardTensor& t : resp.tensors()) {
     if (t.segment() >= static_cast<uint32_t>(resp.segment_sizes_size()) ||
@@ -908,6 +910,7 @@ absl::StatusOr<GenerationEvent> Client::Apply(const std::string& model,
   ev.model = model;
   ev.generation = resp.generation();
   ev.adapters.assign(resp.adapters().begin(), resp.adapters().end());
+  ev.weights_id = resp.weights_id();
   return ev;
 }
 
@@ -924,6 +927,7 @@ absl::Status Client::Watch(const std::string& model, bool include_current,
     ev.model = msg.model();
     ev.generation = msg.generation();
     ev.adapters.assign(msg.adapters().begin(), msg.adapters().end());
+    ev.weights_id = msg.weights_id();
     if (!on_event(ev)) {
       ctx.TryCancel();
       reader->Finish();

@@ -75,6 +75,10 @@ struct ModelInfo {
   std::vector<std::string> readers;   // empty = public
   // The checkpoint's segments by page kind (4 KiB, THP, 2 MiB hugetlb).
   uint64_t segment_bytes_4k = 0, segment_bytes_thp = 0, segment_bytes_hugetlb = 0;
+  // Identity of the current generation's weights (hex): a digest over
+  // (served name, tensor digest) of every served tensor; the same on every
+  // daemon serving the same checkpoint, profile and adapter stack.
+  std::string weights_id;
 };
 
 struct AdapterInfo {
@@ -93,6 +97,7 @@ struct GenerationEvent {
   std::string model;
   uint64_t generation = 0;
   std::vector<std::string> adapters;
+  std::string weights_id;  // as ModelInfo::weights_id
 };
 
 struct LoadProgressUpdate {
@@ -182,6 +187,7 @@ class ShardSet {
   ShardSet& operator=(const ShardSet&) = delete;
 
   uint64_t generation() const { return generation_; }
+  const std::string& weights_id() const { return weights_id_; }  // the generation's
   // 0 once no lease is held (kPush: the lease ends when the push is done).
   uint64_t lease_id() const { return lease_id_; }
   // kPush: the memfd the tensors live in (the ShardSet keeps it open);
@@ -200,6 +206,7 @@ class ShardSet {
   uint64_t lease_id_ = 0;
   std::string token_;
   uint64_t generation_ = 0;
+  std::string weights_id_;
   std::vector<TensorView> tensors_;
   UniqueFd data_connection_;               // shm: holds the lease
   std::vector<MappedRegion> maps_;         // shm: read-only segment maps

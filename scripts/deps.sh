@@ -8,7 +8,7 @@ WEIGHTD_PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev libre2-dev libxxhash-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev prometheus-cpp-dev
-  python3 python3-torch python3-numpy python3-grpcio python3-protobuf python3-pytest
+  python3 python3-torch python3-numpy python3-grpcio python3-protobuf python3-pytest python3-xxhash
   python3-venv python3-setuptools python3-wheel python3-pip dpkg-dev fakeroot lintian
   podman runc containernetworking-plugins iptables debootstrap
 )

@@ -195,6 +195,7 @@ absl::Status CmdInfo(Client& c, const Args& a) {
               static_cast<unsigned long long>(m.segment_bytes_4k),
               static_cast<unsigned long long>(m.segment_bytes_thp),
               static_cast<unsigned long long>(m.segment_bytes_hugetlb));
+  std::printf("weights_id: %s\n", m.weights_id.c_str());
   for (const std::string& f : m.files) std::printf("file: %s\n", f.c_str());
   std::printf("adapters: %s\n", m.adapters.empty() ? "(none)" : absl::StrJoin(m.adapters, " ").c_str());
   for (const std::string& line : m.report) std::printf("report: %s\n", line.c_str());

@@ -78,6 +78,7 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
       if (!info.ok()) return info.status();
       resp->set_generation(info->generation);
       for (const std::string& a : info->adapters) resp->add_adapters(a);
+      resp->set_weights_id(info->content.Hex());
       return absl::OkStatus();
     }, /*change=*/true);
   }

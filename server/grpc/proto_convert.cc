@@ -20,6 +20,7 @@ void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_segment_bytes_4k(s.page_bytes[static_cast<size_t>(PageKind::kSmall)]);
   out->set_segment_bytes_thp(s.page_bytes[static_cast<size_t>(PageKind::kTransparentHuge)]);
   out->set_segment_bytes_hugetlb(s.page_bytes[static_cast<size_t>(PageKind::kHugetlb)]);
+  out->set_weights_id(s.content.Hex());
   for (const std::string& f : s.files) out->add_files(f);
   for (const std::string& a : s.adapters) out->add_adapters(a);
   for (const std::string& r : s.report) out->add_report(r);
@@ -83,6 +84,7 @@ const std::string& EncodedTable(const FetchTable& table) {
     body.set_generation(table.generation);
     body.set_data_socket(table.data_socket);
     body.set_data_socket_name(table.data_socket_name);
+    body.set_weights_id(table.weights_id);
     for (uint64_t s : table.segment_sizes) body.add_segment_sizes(s);
     for (const FetchedTensor& t : table.tensors) {
       v1::ShardTensor* st = body.add_tensors();

@@ -143,6 +143,7 @@ class ShardsImpl final : public ShardsBase {
         msg.set_model((*event)->model);
         msg.set_generation((*event)->generation);
         for (const std::string& a : (*event)->adapters) msg.add_adapters(a);
+        msg.set_weights_id((*event)->content.Hex());
         after = (*event)->generation;
         writer->Push(std::move(msg), /*replaceable=*/false);
       }

@@ -51,6 +51,7 @@ struct FetchTable {
   std::vector<FetchedTensor> tensors;
   std::string data_socket;
   std::string data_socket_name;  // see FetchResponse.data_socket_name
+  std::string weights_id;        // the generation's identity (hex)
   uint64_t bytes = 0;  // sum of the tensors' lengths
   // Where each of `tensors` lies, as leases carry it.
   std::shared_ptr<const std::vector<LeaseTensor>> ranges;

@@ -674,6 +674,7 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
 
   auto table = std::make_shared<FetchTable>();
   table->generation = gen->number;
+  table->weights_id = gen->identity.Hex();
   table->data_socket = options_.data_socket_path;
   table->data_socket_name = options_.data_socket_name;
   std::vector<BufferPtr> buffers;
@@ -1091,6 +1092,7 @@ absl::StatusOr<std::optional<GenerationInfo>> WeightService::WaitForGeneration(
       info.generation = gen.number;
       for (const AdapterRef& r : gen.stack) info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
       info.guards = GuardsOf(*it->second, gen);
+      info.content = gen.identity;
       return std::optional<GenerationInfo>(std::move(info));
     }
     if (generation_changed_.WaitWithDeadline(&mu_, deadline)) {

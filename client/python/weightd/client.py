@@ -143,6 +143,10 @@ class ModelInfo:
     segment_bytes_4k: int = 0
     segment_bytes_thp: int = 0
     segment_bytes_hugetlb: int = 0
+    # Identity of the current generation's weights (hex): a digest over
+    # (served name, tensor digest) of every served tensor; the same on every
+    # daemon serving the same checkpoint, profile and adapter stack.
+    weights_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,7 @@ class GenerationEvent:
     model: str
     generation: int
     adapters: Tuple[str, ...] = field(default_factory=tuple)
+    weights_id: str = ""  # as ModelInfo.weights_id
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,12 @@ def _adapter_info(a):
                        _opt(a, "ignored"), _opt(a, "readers"))
 
 
+def _identified(resp, handle):
+    """The handle with the generation's weights_id (FetchResponse)."""
+    handle.weights_id = getattr(resp, "weights_id", "")
+    return handle
+
+
 def _model_info(m):
     return ModelInfo(
         name=m.name, path=m.path, generation=m.generation, tensor_count=m.tensor_count,
@@ -225,7 +236,8 @@ def _model_info(m):
         adapters=_opt(m, "adapters"), report=_opt(m, "report"), readers=_opt(m, "readers"),
         segment_bytes_4k=_opt(m, "segment_bytes_4k", 0),
         segment_bytes_thp=_opt(m, "segment_bytes_thp", 0),
-        segment_bytes_hugetlb=_opt(m, "segment_bytes_hugetlb", 0))
+        segment_bytes_hugetlb=_opt(m, "segment_bytes_hugetlb", 0),
+        weights_id=_opt(m, "weights_id", ""))
 
 
 def _readers(readers):
@@ -568,6 +580,9 @@ class ShardHandle:
                  mode=None):
         self._lease = lease
         self.generation = generation
+        # Identity of the generation's weights (hex; ModelInfo.weights_id),
+        # "" from daemons that do not send it.
+        self.weights_id = ""
         self.transport = transport
         self.tensors = tensors  # list of TensorMeta, in the daemon's order
         # name -> (buffer object, byte offset in it) or None (empty); on a
@@ -760,7 +775,8 @@ class WatchStream:
             if e.code() == grpc.StatusCode.CANCELLED and self._call.cancelled():
                 raise StopIteration from None
             raise from_grpc(e) from None
-        return GenerationEvent(ev.model, ev.generation, tuple(ev.adapters))
+        return GenerationEvent(ev.model, ev.generation, tuple(ev.adapters),
+                               _opt(ev, "weights_id", ""))
 
     def cancel(self):
         self._call.cancel()
@@ -1187,7 +1203,7 @@ class Client:
                             break
             for m in metas:
                 pieces.setdefault(m.name, None)
-        return ShardHandle(lease, resp.generation, transport, metas, pieces)
+        return _identified(resp, ShardHandle(lease, resp.generation, transport, metas, pieces))
 
     def _collect_push(self, resp, lease, req, timeout, populate=False):
         """mode="push": allocates the destination, has the daemon fill it
@@ -1226,7 +1242,8 @@ class Client:
         copy = pb.FetchRequest()
         copy.CopyFrom(req)
         dest = _PushDest(self, copy, timeout, fd, mapping, size)
-        return ShardHandle(lease, resp.generation, "shm", metas, pieces, push=dest)
+        return _identified(resp, ShardHandle(lease, resp.generation, "shm", metas, pieces,
+                                             push=dest))
 
     def _collect_cuda_push(self, resp, lease, req, timeout, index):
         """mode="push" into CUDA device `index`: allocates the destination
@@ -1256,8 +1273,8 @@ class Client:
         copy.CopyFrom(req)
         dest = _CudaPushDest(self, copy, timeout, alloc, raw, index, uuid)
         del alloc  # the handle's hold is dest.alloc and raw (which holds it too)
-        return ShardHandle(lease, resp.generation, "shm", metas, pieces, push=dest,
-                           device="cuda:%d" % index)
+        return _identified(resp, ShardHandle(lease, resp.generation, "shm", metas, pieces,
+                                             push=dest, device="cuda:%d" % index))
 
     def _collect_pull(self, resp, lease, timeout, index, pin):
         """mode="pull" into CUDA device `index`: attaches the lease, maps its
@@ -1313,8 +1330,8 @@ class Client:
         del maps  # unmapped once torch drops the source tensors
         lease.release()  # the bytes are this process's now
         pieces = {m.name: (out[m.name], None) if m.length else None for m in metas}
-        h = ShardHandle(lease, resp.generation, "shm", metas, pieces, device=str(device),
-                        mode="pull")
+        h = _identified(resp, ShardHandle(lease, resp.generation, "shm", metas, pieces,
+                                          device=str(device), mode="pull"))
         h.pinned = bool(pin) and not pin_error
         h.pin_error = pin_error
         return h
@@ -1352,14 +1369,14 @@ class Client:
                 dest.push(resp, offsets,
                           _push_timeout(dest.timeout, sum(m.length for m in metas)))
                 lease.done = True
-                return resp.generation, metas
+                return resp.generation, metas, getattr(resp, "weights_id", "")
             except BaseException:
                 try:
                     lease.release(timeout=1.0)
                 except Exception:
                     pass
                 raise
-        gen, metas = self._retrying(attempt)
+        gen, metas, weights_id = self._retrying(attempt)
         changed = {m.name: m for m in metas}
         handle.tensors = [
             dataclasses.replace(t, digest=changed[t.name].digest,
@@ -1367,6 +1384,7 @@ class Client:
                                 global_offset=changed[t.name].global_offset)
             if t.name in changed else t for t in handle.tensors]
         handle.generation = gen
+        handle.weights_id = weights_id
         return [m.name for m in metas]
 
     def _read(self, lease, segment, offset, length, timeout):

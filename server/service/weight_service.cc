@@ -294,8 +294,9 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
 
 absl::StatusOr<ModelSummary> WeightService::RestoreLoadModel(
     const std::string& name, const std::string& path, const std::string& profile_json,
-    const std::vector<std::string>& readers, const RestoreExpect& expect) {
-  return LoadModelImpl(name, path, profile_json, nullptr, readers, &expect);
+    const std::vector<std::string>& readers, const RestoreExpect& expect,
+    const LoadProgressFn& progress) {
+  return LoadModelImpl(name, path, profile_json, progress, readers, &expect);
 }
 
 absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(

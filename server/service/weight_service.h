@@ -218,7 +218,8 @@ class WeightService {
   absl::StatusOr<ModelSummary> RestoreLoadModel(const std::string& name, const std::string& path,
                                                 const std::string& profile_json,
                                                 const std::vector<std::string>& readers,
-                                                const RestoreExpect& expect)
+                                                const RestoreExpect& expect,
+                                                const LoadProgressFn& progress = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Leased bytes stay readable until their leases end.
   absl::Status UnloadModel(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);

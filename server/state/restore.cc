@@ -1,6 +1,8 @@
 #include "server/state/restore.h"
 
+#include <atomic>
 #include <map>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -82,9 +84,24 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
       skip(e.load, "the record has no valid content identity");
       continue;
     }
-    // Published only if its content is what the record describes.
+    // Published only if its content is what the record describes. Long
+    // loads say how far they are, every tenth of the bytes.
+    auto tenth = std::make_shared<std::atomic<int>>(0);
+    LoadProgressFn on_progress = [tenth, &name](const LoadProgressInfo& p) {
+      if (p.bytes_total == 0) return;
+      const int now = static_cast<int>(10 * p.bytes_done / p.bytes_total);
+      int was = tenth->load();
+      while (now > was && !tenth->compare_exchange_weak(was, now)) {
+      }
+      if (now > was && now < 10) {
+        LogEvent(LogLevel::kInfo, "restore_progress",
+                 {{"model", name}, {"percent", absl::StrCat(10 * now)},
+                  {"bytes_done", absl::StrCat(p.bytes_done)},
+                  {"bytes_total", absl::StrCat(p.bytes_total)}});
+      }
+    };
     auto loaded = service.RestoreLoadModel(name, e.load.path, e.load.profile_json,
-                                           e.load.readers, expect);
+                                           e.load.readers, expect, on_progress);
     if (!loaded.ok()) {
       skip(e.load, std::string(loaded.status().message()));
       continue;

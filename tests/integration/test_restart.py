@@ -303,6 +303,9 @@ def test_not_serving_until_the_restore_is_done(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+    log = proc.stderr.read()
+    # A long load says how far it is.
+    assert "restore_progress" in log and "percent=50" in log, log
     print("restore window:", seen)
     assert seen["served"] == 1 and seen["not_serving"] >= 1 and seen["refused"] >= 1, seen
 

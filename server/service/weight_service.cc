@@ -155,11 +155,20 @@ Digest WeightService::ContentIdentity(const ContentMap& content) {
   return b.Finish();
 }
 
-void WeightService::EmitState(const StateRecord& record) const {
+absl::Status WeightService::CommitState(StateRecord& record,
+                                       absl::FunctionRef<absl::Status()> check,
+                                       absl::FunctionRef<void()> publish) {
+  absl::MutexLock state(&state_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    WD_RETURN_IF_ERROR(check());
+  }
+  record.seq = ++state_seq_;
   if (options_.on_state_change) options_.on_state_change(record);
+  absl::MutexLock lock(&mu_);
+  publish();
+  return absl::OkStatus();
 }
-
-uint64_t WeightService::NextStateSeq() { return ++state_seq_; }
 
 absl::StatusOr<std::shared_ptr<const WeightService::Model>> WeightService::FindModel(
     const std::string& name) const {
@@ -397,15 +406,13 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
   record.readers = readers;
   record.generation = 1;
   record.content = summary.content.Hex();
-  {
-    // Journaled before anyone can see it (the name is reserved in loading_).
-    absl::MutexLock state(&state_mu_);
-    record.seq = NextStateSeq();
-    EmitState(record);
-    absl::MutexLock lock(&mu_);
-    loading_.erase(name);
-    models_[name] = std::move(*built);
-  }
+  // Nothing to check: the name is reserved in loading_.
+  (void)CommitState(
+      record, [] { return absl::OkStatus(); },
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        loading_.erase(name);
+        models_[name] = std::move(*built);
+      });
   double secs = absl::ToDoubleSeconds(absl::Now() - start);
   loads_.fetch_add(1);
   load_bytes_.fetch_add(summary.total_bytes);
@@ -427,23 +434,20 @@ absl::Status WeightService::UnloadModel(const std::string& name) {
   StateRecord unload_record;
   unload_record.kind = StateRecord::Kind::kModelUnload;
   unload_record.name = name;
-  {
-    absl::MutexLock state(&state_mu_);
-    {
-      absl::MutexLock lock(&mu_);
-      if (!models_.contains(name)) {
-        return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(name), " is not loaded"));
-      }
-    }
-    unload_record.seq = NextStateSeq();
-    EmitState(unload_record);
-    // Only state changes (all under state_mu_) add or remove models.
-    absl::MutexLock lock(&mu_);
-    auto it = models_.find(name);
-    dropped = std::move(it->second);
-    models_.erase(it);
-    generation_changed_.SignalAll();
-  }
+  WD_RETURN_IF_ERROR(CommitState(
+      unload_record,
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return models_.contains(name)
+                   ? absl::OkStatus()
+                   : absl::NotFoundError(
+                         absl::StrCat("model ", QuoteForMessage(name), " is not loaded"));
+      },
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        auto it = models_.find(name);
+        dropped = std::move(it->second);
+        models_.erase(it);
+        generation_changed_.SignalAll();
+      }));
   for (const auto& g : dropped->history) materializer_.RetireTag(absl::StrCat(name, "#", g->number));
   dropped.reset();
   materializer_.Sweep();
@@ -850,20 +854,20 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
   record.readers = readers;
   record.format = format;
   record.strict = strict;
-  absl::MutexLock state(&state_mu_);
-  {
-    absl::MutexLock lock(&mu_);
-    if (adapters_.contains(name)) {
-      return absl::AlreadyExistsError(absl::StrCat("adapter \"", name, "\" is already loaded"));
-    }
-  }
-  record.seq = NextStateSeq();
-  EmitState(record);
-  absl::MutexLock lock(&mu_);
-  adapters_.emplace(name, *adapter);
-  adapter_seq_[name] = record.seq;
-  adapter_info_[name] = info;
-  adapter_readers_[name] = std::move(reader_list);
+  WD_RETURN_IF_ERROR(CommitState(
+      record,
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return adapters_.contains(name)
+                   ? absl::AlreadyExistsError(
+                         absl::StrCat("adapter \"", name, "\" is already loaded"))
+                   : absl::OkStatus();
+      },
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        adapters_.emplace(name, *adapter);
+        adapter_seq_[name] = record.seq;
+        adapter_info_[name] = info;
+        adapter_readers_[name] = std::move(reader_list);
+      }));
   LogEvent(LogLevel::kInfo, "adapter_load",
            {{"adapter", name}, {"path", resolved}, {"format", info.format},
             {"targets", absl::StrCat(info.tensor_count)},
@@ -875,22 +879,20 @@ absl::Status WeightService::UnloadAdapter(const std::string& name) {
   StateRecord record;
   record.kind = StateRecord::Kind::kAdapterUnload;
   record.name = name;
-  {
-    absl::MutexLock state(&state_mu_);
-    {
-      absl::MutexLock lock(&mu_);
-      if (!adapters_.contains(name)) {
-        return absl::NotFoundError(absl::StrCat("adapter ", QuoteForMessage(name), " is not loaded"));
-      }
-    }
-    record.seq = NextStateSeq();
-    EmitState(record);
-    absl::MutexLock lock(&mu_);
-    adapters_.erase(name);
-    adapter_seq_.erase(name);
-    adapter_info_.erase(name);
-    adapter_readers_.erase(name);
-  }
+  WD_RETURN_IF_ERROR(CommitState(
+      record,
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return adapters_.contains(name)
+                   ? absl::OkStatus()
+                   : absl::NotFoundError(
+                         absl::StrCat("adapter ", QuoteForMessage(name), " is not loaded"));
+      },
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        adapters_.erase(name);
+        adapter_seq_.erase(name);
+        adapter_info_.erase(name);
+        adapter_readers_.erase(name);
+      }));
   LogEvent(LogLevel::kInfo, "adapter_unload", {{"adapter", name}});
   return absl::OkStatus();
 }
@@ -921,23 +923,23 @@ absl::Status WeightService::SetGenerationFloor(const std::string& model_name, ui
   StateRecord record;
   record.kind = StateRecord::Kind::kFloor;
   record.name = model_name;
-  absl::MutexLock state(&state_mu_);
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = models_.find(model_name);
-    if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
-    }
-    record.generation = std::max(it->second->generation_floor, floor);
-  }
-  record.seq = NextStateSeq();
-  EmitState(record);
-  absl::MutexLock lock(&mu_);
-  auto it = models_.find(model_name);
-  auto next = std::make_shared<Model>(*it->second);
-  next->generation_floor = record.generation;
-  it->second = std::move(next);
-  return absl::OkStatus();
+  return CommitState(
+      record,
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        auto it = models_.find(model_name);
+        if (it == models_.end()) {
+          return absl::NotFoundError(
+              absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
+        }
+        record.generation = std::max(it->second->generation_floor, floor);
+        return absl::OkStatus();
+      },
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        auto it = models_.find(model_name);
+        auto next = std::make_shared<Model>(*it->second);
+        next->generation_floor = record.generation;
+        it->second = std::move(next);
+      });
 }
 
 absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model_name,
@@ -998,52 +1000,46 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
   apply_record.content = gen->identity.Hex();
   std::vector<uint64_t> retired;
   GenerationInfo info;
-  absl::MutexLock state(&state_mu_);
-  auto unchanged = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-    auto it = models_.find(model_name);
-    // Only another apply (or unload/reload) loses us the race; a prune of
-    // old generations leaves `current` as it was. A floor raised meanwhile
-    // (a restore) is above the number picked: retry too.
-    if (it == models_.end() || it->second->current != model->current ||
-        (number_at_least == 0 && number < it->second->generation_floor)) {
-      return absl::AbortedError(absl::StrCat("model \"", model_name,
-                                             "\" changed while the apply was prepared; retry"));
-    }
-    return absl::OkStatus();
-  };
-  {
-    absl::MutexLock lock(&mu_);
-    WD_RETURN_IF_ERROR(unchanged());
-  }
-  // Journaled before anyone can see the generation (state changes are
-  // serialized by state_mu_, so the model cannot move meanwhile).
-  apply_record.seq = NextStateSeq();
-  EmitState(apply_record);
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = models_.find(model_name);
-    model = it->second;
-    auto next = std::make_shared<Model>(*model);
-    next->current = gen;
-    next->history.clear();
-    for (const auto& g : model->history) {
-      if (IsLeased(*g)) {
-        next->history.push_back(g);
-      } else {
-        retired.push_back(g->number);
-      }
-    }
-    next->history.push_back(gen);
-    next->digests.emplace_back(number, gen->content);
-    if (next->digests.size() > kDigestHistory) next->digests.erase(next->digests.begin());
-    it->second = next;
-    info.model = model_name;
-    info.generation = number;
-    for (const AdapterRef& r : stack) info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
-    info.guards = GuardsOf(*next, *gen);
-    info.content = gen->identity;
-    generation_changed_.SignalAll();
-  }
+  WD_RETURN_IF_ERROR(CommitState(
+      apply_record,
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        auto it = models_.find(model_name);
+        // Only another apply (or unload/reload) loses us the race; a prune
+        // of old generations leaves `current` as it was. A floor raised
+        // meanwhile (a restore) is above the number picked: retry too.
+        if (it == models_.end() || it->second->current != model->current ||
+            (number_at_least == 0 && number < it->second->generation_floor)) {
+          return absl::AbortedError(absl::StrCat(
+              "model \"", model_name, "\" changed while the apply was prepared; retry"));
+        }
+        return absl::OkStatus();
+      },
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        auto it = models_.find(model_name);
+        model = it->second;
+        auto next = std::make_shared<Model>(*model);
+        next->current = gen;
+        next->history.clear();
+        for (const auto& g : model->history) {
+          if (IsLeased(*g)) {
+            next->history.push_back(g);
+          } else {
+            retired.push_back(g->number);
+          }
+        }
+        next->history.push_back(gen);
+        next->digests.emplace_back(number, gen->content);
+        if (next->digests.size() > kDigestHistory) next->digests.erase(next->digests.begin());
+        it->second = next;
+        info.model = model_name;
+        info.generation = number;
+        for (const AdapterRef& r : stack) {
+          info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
+        }
+        info.guards = GuardsOf(*next, *gen);
+        info.content = gen->identity;
+        generation_changed_.SignalAll();
+      }));
   applies_.fetch_add(1);
   for (uint64_t g : retired) materializer_.RetireTag(absl::StrCat(model_name, "#", g));
   LogEvent(LogLevel::kInfo, "apply",

@@ -19,6 +19,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -381,11 +382,13 @@ class WeightService {
                                              const std::vector<std::string>& readers,
                                              const RestoreExpect* expect)
       ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
-  // Reports a change to options_.on_state_change (the journal: durable when
-  // it returns). Called under state_mu_, before the change is published.
-  void EmitState(const StateRecord& record) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  uint64_t NextStateSeq() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // One change of what is served, from its journal record to its
+  // publication, under state_mu_: `check` (under mu_) may refuse it, and
+  // then nothing is journaled; else the record gets the next seq and reaches
+  // options_.on_state_change (the journal: durable when it returns), and
+  // `publish` (under mu_; no other change ran meanwhile) makes it visible.
+  absl::Status CommitState(StateRecord& record, absl::FunctionRef<absl::Status()> check,
+                           absl::FunctionRef<void()> publish) ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
   static constexpr size_t kDigestHistory = 256;
 
   WeightService(WeightServiceOptions options, ModelRoots roots);

@@ -10,6 +10,8 @@ changed on disk is not served and is named in skipped.log.
 import json
 import os
 import re
+import subprocess
+import time
 
 import pytest
 import torch
@@ -254,31 +256,46 @@ def test_a_checkpoint_changed_on_disk_is_not_served(files, tmp_path):
                     assert torch.equal(got[k], t), k
 
 
-def test_not_serving_until_the_restore_is_done(tmp_path):
-    """While a restore runs, health says NOT_SERVING and calls are refused
-    UNAVAILABLE naming the restore; then the restored model serves. A 1 GiB
-    checkpoint keeps the restore going long enough to be seen (~0.3-1 s)."""
-    import subprocess
-    import time
-    from harness import WEIGHTD
+def _killed_with_a_big_model(tmp_path, extra_files=()):
+    """A model directory with a 1 GiB checkpoint (4 x 256 MiB: a restore of
+    ~0.3-1 s, long enough to be seen) and a state directory whose daemon
+    loaded it and was SIGKILLed. Returns (models, state)."""
     models = tmp_path / "models"
     models.mkdir()
     big = {"w%d" % i: torch.full((64, 1 << 20), float(i), dtype=torch.float32)
-           for i in range(4)}   # 4 x 256 MiB
+           for i in range(4)}
     st_io.save(big, str(models / "big.safetensors"))
     del big
+    for name, tensors in extra_files:
+        st_io.save(tensors, str(models / name))
     state = str(tmp_path / "state")
     with Daemon(model_root=str(models), extra_args=["--state-dir", state]) as d:
         d.ctl_ok("load", "big", str(models / "big.safetensors"))
         d.proc.kill()
+    return models, state
+
+
+def _start_restoring(tmp_path, models, state, *extra):
+    """Starts weightd on `state` (stderr piped) and returns (proc, socket,
+    deadline) once its socket exists, before the restore ends."""
+    from harness import WEIGHTD
     sock = str(tmp_path / "r.sock")
     proc = subprocess.Popen([WEIGHTD, "--socket", sock, "--model-root", str(models),
-                             "--state-dir", state], stderr=subprocess.PIPE, text=True)
+                             "--state-dir", state, *extra], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not os.path.exists(sock):
+        time.sleep(0.001)
+    return proc, sock, deadline
+
+
+def test_not_serving_until_the_restore_is_done(tmp_path):
+    """While a restore runs, health says NOT_SERVING and calls are refused
+    UNAVAILABLE naming the restore; then the restored model serves. A 1 GiB
+    checkpoint keeps the restore going long enough to be seen (~0.3-1 s)."""
+    models, state = _killed_with_a_big_model(tmp_path)
+    proc, sock, deadline = _start_restoring(tmp_path, models, state)
     seen = {"not_serving": 0, "refused": 0, "served": 0}
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline and not os.path.exists(sock):
-            time.sleep(0.001)
         with weightd.Client(socket=sock, retry_deadline=0) as c:
             while time.time() < deadline:
                 try:
@@ -314,30 +331,11 @@ def test_serve_during_restore_serves_reads_and_holds_changes(tmp_path):
     """--serve-during-restore: health says SERVING and what is restored is
     served at once; loads, unloads and applies are refused UNAVAILABLE until
     the restore is done (they would race with it)."""
-    import subprocess
-    import time
-    from harness import WEIGHTD
-    models = tmp_path / "models"
-    models.mkdir()
-    big = {"w%d" % i: torch.full((64, 1 << 20), float(i), dtype=torch.float32)
-           for i in range(4)}   # 4 x 256 MiB: a restore of ~0.3-1 s
-    st_io.save(big, str(models / "big.safetensors"))
     small = {"x": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
-    st_io.save(small, str(models / "small.safetensors"))
-    del big
-    state = str(tmp_path / "state")
-    with Daemon(model_root=str(models), extra_args=["--state-dir", state]) as d:
-        d.ctl_ok("load", "big", str(models / "big.safetensors"))
-        d.proc.kill()
-    sock = str(tmp_path / "r.sock")
-    proc = subprocess.Popen([WEIGHTD, "--socket", sock, "--model-root", str(models),
-                             "--state-dir", state, "--serve-during-restore"],
-                            stderr=subprocess.PIPE, text=True)
+    models, state = _killed_with_a_big_model(tmp_path, [("small.safetensors", small)])
+    proc, sock, deadline = _start_restoring(tmp_path, models, state, "--serve-during-restore")
     refused = served = 0
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline and not os.path.exists(sock):
-            time.sleep(0.001)
         with weightd.Client(socket=sock, retry_deadline=0) as c:
             assert c.health(timeout=5)
             while time.time() < deadline:

@@ -27,6 +27,7 @@
 #include <cuda.h>
 #endif
 #include "common/fd.h"
+#include "common/file_opener.h"
 #include "common/push_layout.h"
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
@@ -759,9 +760,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
       dir = real;
       std::free(real);
     }
-    const size_t slash = dir.rfind('/');
-    dir = slash == std::string::npos ? "." : dir.substr(0, slash);
-    resp.set_data_socket(absl::StrCat(dir, "/", resp.data_socket_name()));
+    resp.set_data_socket(JoinPath(Dirname(dir), resp.data_socket_name()));
   }
   set->lease_id_ = resp.lease_id();
   set->token_ = resp.token();

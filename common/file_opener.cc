@@ -12,6 +12,8 @@ namespace {
 
 constexpr int kProbeAttempts = 4;
 
+}  // namespace
+
 std::string Dirname(absl::string_view path) {
   size_t slash = path.rfind('/');
   if (slash == absl::string_view::npos) return ".";
@@ -19,7 +21,10 @@ std::string Dirname(absl::string_view path) {
   return std::string(path.substr(0, slash));
 }
 
-}  // namespace
+std::string Basename(absl::string_view path) {
+  size_t slash = path.rfind('/');
+  return std::string(slash == absl::string_view::npos ? path : path.substr(slash + 1));
+}
 
 std::string JoinPath(absl::string_view dir, absl::string_view name) {
   if (dir.empty()) return std::string(name);

@@ -66,6 +66,10 @@ class UnconfinedFileOpener final : public FileOpener {
 // `path` names it in messages.
 // "dir/name" ("name" when dir is empty; no doubled '/').
 std::string JoinPath(absl::string_view dir, absl::string_view name);
+// "a/b" -> "a", "b" -> ".", "/b" -> "/".
+std::string Dirname(absl::string_view path);
+// "a/b" -> "b", "b" -> "b".
+std::string Basename(absl::string_view path);
 
 absl::StatusOr<OpenedFile> OpenReadableChecked(
     const std::function<absl::StatusOr<UniqueFd>(int flags)>& open, absl::string_view path);

@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/fd.h"
+#include "common/file_opener.h"
 #include "common/flag_table.h"
 #include "common/log.h"
 #include "common/status_macros.h"
@@ -283,15 +284,9 @@ absl::Status CheckFlags(const FlagTable& table, DaemonFlags* flags) {
   flags->service.data_socket_path = flags->data.path;
   // Beside the gRPC socket (same directory as written): clients may find it
   // by name next to the socket they connected to (FetchResponse).
-  {
-    const std::string& data = flags->data.path;
-    const std::string& grpc_socket = flags->grpc.unix_socket;
-    const size_t d = data.rfind('/'), s = grpc_socket.rfind('/');
-    const std::string data_dir = d == std::string::npos ? "" : data.substr(0, d);
-    const std::string socket_dir = s == std::string::npos ? "" : grpc_socket.substr(0, s);
-    flags->service.data_socket_name =
-        data_dir == socket_dir ? (d == std::string::npos ? data : data.substr(d + 1)) : "";
-  }
+  flags->service.data_socket_name =
+      Dirname(flags->data.path) == Dirname(flags->grpc.unix_socket) ? Basename(flags->data.path)
+                                                                    : "";
   return absl::OkStatus();
 }
 

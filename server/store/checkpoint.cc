@@ -31,11 +31,6 @@ constexpr char kIndexName[] = "model.safetensors.index.json";
 
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-std::string Basename(absl::string_view path) {
-  size_t slash = path.rfind('/');
-  return std::string(slash == absl::string_view::npos ? path : path.substr(slash + 1));
-}
-
 struct OpenFile {
   std::string path;
   UniqueFd fd;

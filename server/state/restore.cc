@@ -1,9 +1,13 @@
 #include "server/state/restore.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <memory>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
@@ -11,19 +15,14 @@
 namespace weightd {
 namespace {
 
-// The content identity a record carries (32 hex digits).
+// The content identity a record carries (32 hex digits, Digest::Hex()).
 bool ParseIdentity(const std::string& hex, Digest* out) {
-  if (hex.size() != 2 * out->bytes.size()) return false;
-  auto nibble = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-  };
-  for (size_t i = 0; i < out->bytes.size(); ++i) {
-    int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) return false;
-    out->bytes[i] = static_cast<uint8_t>(hi << 4 | lo);
+  if (hex.size() != 2 * out->bytes.size() ||
+      !std::all_of(hex.begin(), hex.end(), [](char c) { return absl::ascii_isxdigit(c); })) {
+    return false;
   }
+  const std::string bytes = absl::HexStringToBytes(hex);
+  std::memcpy(out->bytes.data(), bytes.data(), out->bytes.size());
   return true;
 }
 

@@ -305,6 +305,15 @@ void OnTeardownStuck(int) {
   ::_exit(0);
 }
 
+// Threads started before main() blocks SIGTERM/SIGINT (OpenBLAS starts its
+// workers when it is loaded) do not block them: a signal the kernel hands
+// to one of those, while the main thread is not in sigwait (a restore, the
+// preloads), would end the process at once. There it is handed on to the
+// main thread, where it stays pending for sigwait or the restore's check.
+pthread_t g_main_thread;
+
+void ForwardToMainThread(int sig) { ::pthread_kill(g_main_thread, sig); }
+
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "error: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
                std::string(status.message()).c_str());
@@ -341,6 +350,12 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  g_main_thread = ::pthread_self();
+  struct sigaction forward = {};
+  forward.sa_handler = ForwardToMainThread;
+  sigemptyset(&forward.sa_mask);
+  sigaction(SIGTERM, &forward, nullptr);
+  sigaction(SIGINT, &forward, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
   // Which GPUs there are, or why none: asked once (the CUDA runtime starts

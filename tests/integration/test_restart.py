@@ -10,6 +10,7 @@ changed on disk is not served and is named in skipped.log.
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 
@@ -283,8 +284,14 @@ def _start_restoring(tmp_path, models, state, *extra):
     proc = subprocess.Popen([WEIGHTD, "--socket", sock, "--model-root", str(models),
                              "--state-dir", state, *extra], stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
-    while time.time() < deadline and not os.path.exists(sock):
-        time.sleep(0.001)
+    # Until it accepts: the socket file exists a moment before listen().
+    while time.time() < deadline:
+        with socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(sock)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                time.sleep(0.001)
     return proc, sock, deadline
 
 
@@ -353,3 +360,28 @@ def test_serve_during_restore_serves_reads_and_holds_changes(tmp_path):
         assert proc.wait(timeout=30) == 0
     print("during the restore: %d reads served, %d changes refused" % (served, refused))
     assert refused >= 1 and served >= 1
+
+
+def test_sigterm_during_a_restore_exits_and_keeps_the_journal(tmp_path):
+    """SIGTERM while a restore runs (any thread may receive it, including
+    the ones libraries start before main): the restore stops after the entry
+    in progress, the daemon exits 0, and the journal is the one it started
+    from, so the next start restores everything."""
+    small = {"x": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    models, state = _killed_with_a_big_model(tmp_path, [("small.safetensors", small)])
+    with Daemon(model_root=str(models), extra_args=["--state-dir", state]) as d:
+        # The big model (seq 1) restored, then this load journaled after it.
+        d.ctl_ok("load", "small", str(models / "small.safetensors"))
+        d.proc.kill()
+    with open(os.path.join(state, "journal"), "rb") as f:
+        journal = f.read()
+    proc, _, _ = _start_restoring(tmp_path, models, state)
+    proc.terminate()   # while the 1 GiB model loads
+    assert proc.wait(timeout=60) == 0
+    log = proc.stderr.read()
+    assert 'interrupted="yes (a signal)"' in log, log
+    assert 'model load \\"small\\"' not in log and "restore_entry" in log, log
+    with open(os.path.join(state, "journal"), "rb") as f:
+        assert f.read() == journal
+    with Daemon(model_root=str(models), extra_args=["--state-dir", state]) as d:
+        assert sorted(_state(d)[0]) == ["big", "small"]

@@ -376,9 +376,17 @@ def test_sigterm_during_a_restore_exits_and_keeps_the_journal(tmp_path):
     with open(os.path.join(state, "journal"), "rb") as f:
         journal = f.read()
     proc, _, _ = _start_restoring(tmp_path, models, state)
-    proc.terminate()   # while the 1 GiB model loads
+    # The socket accepts a moment before the restore's first entry starts:
+    # wait for the big model's first progress line, so that the signal
+    # lands while it loads (90% of 1 GiB still to go).
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "restore_progress" in line:
+            break
+    proc.terminate()
     assert proc.wait(timeout=60) == 0
-    log = proc.stderr.read()
+    log = "".join(seen) + proc.stderr.read()
     assert 'interrupted="yes (a signal)"' in log, log
     assert 'model load \\"small\\"' not in log and "restore_entry" in log, log
     with open(os.path.join(state, "journal"), "rb") as f:

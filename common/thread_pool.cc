@@ -1,22 +1,13 @@
 #include "common/thread_pool.h"
 
+#include <algorithm>
+#include <atomic>
+#include <memory>
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
 
 namespace weightd {
-
-absl::Status StartDetachedThread(absl::AnyInvocable<void() &&> fn) {
-  try {
-    std::thread([fn = std::move(fn)]() mutable { std::move(fn)(); }).detach();
-  } catch (const std::system_error& e) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot start a thread (", e.what(),
-                     "): the daemon is at its thread limit (pids cgroup, TasksMax, "
-                     "RLIMIT_NPROC)"));
-  }
-  return absl::OkStatus();
-}
 
 void RunOnThreads(int threads, const std::function<void()>& worker) {
   std::vector<std::thread> pool;
@@ -31,10 +22,68 @@ void RunOnThreads(int threads, const std::function<void()>& worker) {
   for (auto& t : pool) t.join();
 }
 
-ThreadPool::ThreadPool(int threads) {
+namespace {
+
+// What ParallelFor's caller and helpers share. Helpers hold it by
+// shared_ptr: one that starts after the call returned touches only this.
+struct ParallelForState {
+  explicit ParallelForState(size_t n, const std::function<absl::Status(size_t)>* fn)
+      : n(n), fn(fn) {}
+  const size_t n;
+  const std::function<absl::Status(size_t)>* const fn;  // valid while finished < n
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  absl::Mutex mu;
+  size_t finished ABSL_GUARDED_BY(mu) = 0;
+  absl::Status first ABSL_GUARDED_BY(mu);
+
+  // Once every index has finished: the first error.
+  absl::Status Wait() {
+    absl::MutexLock lock(&mu);
+    auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return finished == n; };
+    mu.Await(absl::Condition(&done));
+    return first;
+  }
+
+  // Takes indices until none is left.
+  void Work() {
+    while (true) {
+      const size_t i = next.fetch_add(1);
+      if (i >= n) return;
+      absl::Status s = failed.load(std::memory_order_relaxed) ? absl::OkStatus() : (*fn)(i);
+      absl::MutexLock lock(&mu);
+      if (!s.ok() && first.ok()) {
+        first = std::move(s);
+        failed = true;
+      }
+      ++finished;
+    }
+  }
+};
+
+}  // namespace
+
+absl::Status ParallelFor(ThreadPool* pool, size_t n, int parallelism,
+                         const std::function<absl::Status(size_t)>& fn) {
+  if (n == 0) return absl::OkStatus();
+  auto state = std::make_shared<ParallelForState>(n, &fn);
+  const int helpers = std::max(0, std::min<int>(parallelism, static_cast<int>(n)) - 1);
+  if (pool == nullptr) {
+    RunOnThreads(helpers + 1, [&state] { state->Work(); });
+  } else {
+    for (int h = 0; h < std::min(helpers, pool->size()); ++h) {
+      pool->Schedule([state] { state->Work(); });
+    }
+    state->Work();
+  }
+  return state->Wait();
+}
+
+ThreadPool::ThreadPool(int threads, bool best_effort) {
   try {
     for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Work(); });
-  } catch (...) {
+  } catch (const std::system_error&) {
+    if (best_effort) return;  // fewer workers, same work
     // The system refused a thread: stop the ones started (a destructor
     // never runs for a constructor that throws), then let the caller know.
     {
@@ -42,6 +91,7 @@ ThreadPool::ThreadPool(int threads) {
       stopping_ = true;
     }
     for (auto& t : threads_) t.join();
+    threads_.clear();
     throw;
   }
 }
@@ -74,6 +124,53 @@ void ThreadPool::Work() {
     }
     fn();
   }
+}
+
+TaskThreads::~TaskThreads() { JoinAll(); }
+
+absl::Status TaskThreads::Start(absl::AnyInvocable<void() &&> fn) {
+  std::list<std::unique_ptr<Task>> finished;
+  absl::Status started = absl::OkStatus();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = tasks_.begin(); it != tasks_.end();) {
+      auto cur = it++;
+      if ((*cur)->done.load(std::memory_order_acquire)) {
+        finished.splice(finished.end(), tasks_, cur);
+      }
+    }
+    auto task = std::make_unique<Task>();
+    Task* t = task.get();
+    try {
+      t->thread = std::thread([t, fn = std::move(fn)]() mutable {
+        std::move(fn)();
+        t->done.store(true, std::memory_order_release);
+      });
+      tasks_.push_back(std::move(task));
+    } catch (const std::system_error& e) {
+      started = absl::ResourceExhaustedError(  // fn was destroyed with the lambda
+          absl::StrCat("cannot start a thread (", e.what(),
+                       "): the daemon is at its thread limit (pids cgroup, TasksMax, "
+                       "RLIMIT_NPROC)"));
+    }
+  }
+  // Joined without the lock: each has returned from its closure already.
+  for (auto& t : finished) t->thread.join();
+  return started;
+}
+
+void TaskThreads::JoinAll() {
+  std::list<std::unique_ptr<Task>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    all.swap(tasks_);
+  }
+  for (auto& t : all) t->thread.join();
+}
+
+size_t TaskThreads::size() const {
+  absl::MutexLock lock(&mu_);
+  return tasks_.size();
 }
 
 }  // namespace weightd

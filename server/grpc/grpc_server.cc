@@ -37,9 +37,9 @@ class GrpcServer::Impl {
       : options_(std::move(options)),
         pool_(options_.worker_threads),
         auth_(&service->access(), &peers_, std::move(tokens), &drain_),
-        models_(MakeModelsService({service, &pool_, &drain_, &auth_})),
-        shards_(MakeShardsService({service, &pool_, &drain_, &auth_}, options_.max_watch_streams)),
-        adapters_(MakeAdaptersService({service, &pool_, &drain_, &auth_})) {}
+        models_(MakeModelsService({service, &pool_, &long_calls_, &drain_, &auth_})),
+        shards_(MakeShardsService({service, &pool_, &long_calls_, &drain_, &auth_}, options_.max_watch_streams)),
+        adapters_(MakeAdaptersService({service, &pool_, &long_calls_, &drain_, &auth_})) {}
 
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials() {
     if (options_.tls_cert_file.empty()) return grpc::InsecureServerCredentials();
@@ -136,8 +136,9 @@ class GrpcServer::Impl {
     // connections instead of waiting for their clients to close them.
     server_->Shutdown(std::chrono::system_clock::now());
     // A cancelled load or watch thread still runs until it notices; the
-    // service must outlive it.
+    // services must outlive it: every one is joined here.
     drain_.WaitIdle(absl::InfiniteFuture());
+    long_calls_.JoinAll();
   }
 
   void Wait() { server_->Wait(); }
@@ -145,6 +146,7 @@ class GrpcServer::Impl {
  private:
   GrpcServerOptions options_;
   ThreadPool pool_;
+  TaskThreads long_calls_;  // Load and Watch; joined by Shutdown()
   CallDrain drain_;
   UnixPeerRegistry peers_;
   CallAuthenticator auth_;

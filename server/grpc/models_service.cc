@@ -19,9 +19,9 @@ namespace {
 
 class ModelsImpl final : public v1::Models::CallbackService {
  public:
-  ModelsImpl(WeightService* service, ThreadPool* pool, CallDrain* drain,
+  ModelsImpl(WeightService* service, ThreadPool* pool, TaskThreads* long_calls, CallDrain* drain,
              const CallAuthenticator* auth)
-      : service_(service), pool_(pool), drain_(drain), auth_(auth) {}
+      : service_(service), pool_(pool), long_calls_(long_calls), drain_(drain), auth_(auth) {}
 
   grpc::ServerWriteReactor<v1::LoadProgress>* Load(grpc::CallbackServerContext* ctx,
                                                    const v1::LoadRequest* req) override {
@@ -29,10 +29,11 @@ class ModelsImpl final : public v1::Models::CallbackService {
     if (!who.ok()) return RefuseStream<v1::LoadProgress>(who.status());
     auto hold = drain_->Enter(/*change=*/true);
     if (!hold.ok()) return RefuseStream<v1::LoadProgress>(hold.status());
-    // Deletes itself in OnDone, which is after the thread's Close().
+    // Deletes itself in OnDone, which is after the thread's Close(). The
+    // thread is joined at shutdown, before this service is destroyed.
     auto* writer = new QueuedWriter<v1::LoadProgress>(std::move(*hold));
     v1::LoadRequest copy = *req;
-    absl::Status started = StartDetachedThread([this, writer, copy = std::move(copy)] {
+    absl::Status started = long_calls_->Start([this, writer, copy = std::move(copy)] {
       std::vector<std::string> readers(copy.readers().begin(), copy.readers().end());
       auto result = service_->LoadModel(
           copy.name(), copy.path(), copy.profile_json(), [writer](const LoadProgressInfo& p) {
@@ -175,6 +176,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
  private:
   WeightService* service_;
   ThreadPool* pool_;
+  TaskThreads* long_calls_;
   CallDrain* drain_;
   const CallAuthenticator* auth_;
 };
@@ -182,7 +184,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
 }  // namespace
 
 std::unique_ptr<grpc::Service> MakeModelsService(const ServiceContext& c) {
-  return std::make_unique<ModelsImpl>(c.service, c.pool, c.drain, c.auth);
+  return std::make_unique<ModelsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth);
 }
 
 }  // namespace weightd

@@ -20,7 +20,8 @@ namespace weightd {
 // What every service borrows from the server (all outlive the services).
 struct ServiceContext {
   WeightService* service;
-  ThreadPool* pool;
+  ThreadPool* pool;           // short calls
+  TaskThreads* long_calls;   // loads and watch streams: a thread each, joined at shutdown
   CallDrain* drain;
   const CallAuthenticator* auth;
 };

@@ -24,10 +24,11 @@ using ShardsBase = v1::Shards::WithRawCallbackMethod_Fetch<v1::Shards::WithCallb
 
 class ShardsImpl final : public ShardsBase {
  public:
-  ShardsImpl(WeightService* service, ThreadPool* pool, CallDrain* drain,
+  ShardsImpl(WeightService* service, ThreadPool* pool, TaskThreads* long_calls, CallDrain* drain,
              const CallAuthenticator* auth, int max_watch_streams)
       : service_(service),
         pool_(pool),
+        long_calls_(long_calls),
         drain_(drain),
         auth_(auth),
         watch_slots_(max_watch_streams, "Watch streams", "--max-watch-streams") {}
@@ -91,15 +92,15 @@ class ShardsImpl final : public ShardsBase {
     if (!slot.ok()) return RefuseStream<v1::GenerationEvent>(slot.status());
     auto hold = drain_->Enter();
     if (!hold.ok()) return RefuseStream<v1::GenerationEvent>(hold.status());
-    // Deletes itself in OnDone, which is after the thread's Close().
+    // Deletes itself in OnDone, which is after the thread's Close(). The
+    // thread is joined at shutdown, before this service is destroyed.
     auto* writer = new QueuedWriter<v1::GenerationEvent>(std::move(*hold));
     v1::WatchRequest copy = *req;
-    absl::Status started = StartDetachedThread([this, writer, ctx, copy = std::move(copy),
+    absl::Status started = long_calls_->Start([this, writer, ctx, copy = std::move(copy),
                                                 who = std::move(*who),
                                                 slot = std::move(*slot)]() mutable {
-      // The slot (a counter of this service) is given back before the
-      // stream closes: Close() lets the call's drain hold go, after which
-      // shutdown may destroy the service while this thread still runs.
+      // The slot is given back before the stream closes, so that a client
+      // that watches again as soon as its stream ends finds it free.
       auto close = [&writer, &slot](const grpc::Status& status) {
         { StreamSlots::Slot done = std::move(slot); }
         writer->Close(status);
@@ -156,6 +157,7 @@ class ShardsImpl final : public ShardsBase {
  private:
   WeightService* service_;
   ThreadPool* pool_;
+  TaskThreads* long_calls_;
   CallDrain* drain_;
   const CallAuthenticator* auth_;
   StreamSlots watch_slots_;
@@ -164,7 +166,7 @@ class ShardsImpl final : public ShardsBase {
 }  // namespace
 
 std::unique_ptr<grpc::Service> MakeShardsService(const ServiceContext& c, int max_watch_streams) {
-  return std::make_unique<ShardsImpl>(c.service, c.pool, c.drain, c.auth, max_watch_streams);
+  return std::make_unique<ShardsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth, max_watch_streams);
 }
 
 }  // namespace weightd

@@ -42,6 +42,9 @@ class TensorPatch {
   // tensor when an adapter stack is applied.
   virtual std::vector<int64_t> shape() const = 0;
 
+  // The CPU fill backend's kernel (server/materialize/cpu_fill.h): host
+  // memory, fp32. A fill backend of another memory kind computes ΔW[box]
+  // with its own kernels; it never calls this.
   // acc holds box.NumElements() fp32 values in box order (row-major over the
   // box). kAdd: acc += strength * ΔW[box]. kReplace: acc = strength * V[box].
   // `global_shape` is the served tensor's shape; `base` reads the base.

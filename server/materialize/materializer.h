@@ -1,10 +1,12 @@
 // Materialization: the bytes of one rank's local shard of a served tensor,
-// in the dtype it asked for, with its adapter patches merged.
+// in the dtype it asked for, with its adapter patches merged (item.h).
 //
-// A served tensor is one or more checkpoint tensors ("parts", concatenated
-// along dim 0 by a profile's merge rules) or none (a zero-filled new
-// parameter). A request names, per part, the box of that part it needs; the
-// output is those boxes concatenated along dim 0.
+// A call goes through three parts, each in its own file:
+//   materialize_cache.h  finds what was computed before;
+//   pack_plan.h          plans the misses: views, and where the rest goes;
+//   cpu_fill.h           the CPU fill backend computes them, on one executor.
+// The materializer allocates the planned buffers from the memory manager,
+// seals them and records them in the cache.
 //
 // A single unpatched contiguous slice in the stored dtype is a view into the
 // base segment (zero copy). Anything else — a cast, a non-contiguous slice,
@@ -21,66 +23,18 @@
 #define WEIGHTD_SERVER_MATERIALIZE_MATERIALIZER_H_
 
 #include <cstdint>
-#include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
-#include "common/digest.h"
-#include "common/dtype.h"
-#include "common/shard.h"
-#include "server/adapter/patch.h"
-#include "server/store/checkpoint.h"
+#include "server/materialize/cpu_fill.h"
+#include "server/materialize/item.h"
+#include "server/materialize/materialize_cache.h"
+#include "server/materialize/pack_plan.h"
 #include "server/memory/host_memory.h"
-#include "server/memory/segment.h"
 
 namespace weightd {
-
-struct AppliedPatch {
-  TensorPatchPtr patch;
-  float strength = 1.0f;
-};
-
-// The box of one part that a request needs.
-struct PartSlice {
-  const StoredTensor* stored = nullptr;  // borrowed; nullptr = zeros
-  DType dtype = DType::kF32;             // stored dtype (zero-fill dtype when no stored)
-  std::vector<int64_t> shape;            // the part's shape
-  ShardBox box;                          // in the part's coordinates
-  std::vector<AppliedPatch> patches;     // applied in order, fp32
-};
-
-struct MaterializeItem {
-  std::string name;  // for messages
-  std::vector<PartSlice> slices;  // concatenated along dim 0
-  DType out_dtype = DType::kF32;
-  // FP8 quantization: out = e4m3(clamp(x / scale, ±448)); out_dtype must be
-  // F8_E4M3.
-  std::optional<float> fp8_scale;
-  // Instead of slices: one F32 scalar (an FP8 scale companion tensor).
-  std::optional<float> scalar;
-};
-
-struct MaterializedTensor {
-  SegmentPtr segment;
-  uint64_t offset = 0;
-  uint64_t length = 0;
-  Digest digest;      // of the served bytes
-  bool view = false;  // true when the bytes are the base segment's own
-};
-
-struct MaterializerStats {
-  uint64_t hits = 0;
-  uint64_t misses = 0;
-  uint64_t entries = 0;
-  uint64_t packed_segments = 0;
-  uint64_t packed_bytes = 0;
-};
 
 class Materializer {
  public:
@@ -116,81 +70,33 @@ class Materializer {
   // point into the segments its slices name, which the caller vouches for.
   absl::StatusOr<std::vector<MaterializedTensor>> Materialize(
       absl::Span<const MaterializeItem> items, const std::string& tag = "",
-      const std::string& scope = "") ABSL_LOCKS_EXCLUDED(mu_);
+      const std::string& scope = "");
 
   // The tag's segments are dropped now if unheld, else by a later Sweep().
-  void RetireTag(const std::string& tag) ABSL_LOCKS_EXCLUDED(mu_);
+  void RetireTag(const std::string& tag);
 
   // Drops every cache entry nobody else holds (its segment is referenced
   // only by the cache) and frees those segments here: the memory manager's
   // reclaimer (kRankCache), run when the budget is short. Returns bytes freed.
-  uint64_t EvictUnused() ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t EvictUnused();
 
   // Drops the entries derived from base segments that are gone (their
   // checkpoint was unloaded and nothing leases it) once no lease holds
   // them either. Returns bytes freed.
-  uint64_t Sweep() ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t Sweep();
 
-  MaterializerStats stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  MaterializerStats stats() const;
 
  private:
-  struct Entry {
-    // Views point into the base segment without owning it, so that a
-    // cached view never keeps an unloaded checkpoint's memory alive.
-    std::weak_ptr<const Segment> view_segment;
-    uint64_t packed_segment_id = 0;  // 0 for views
-    uint64_t offset = 0;
-    uint64_t length = 0;
-    Digest digest;
-  };
-  struct PackedSegment {
-    SegmentPtr segment;
-    std::weak_ptr<const Segment> base;  // of the first stored part; for sweeping
-    uint64_t entries = 0;
-    std::string tag;
-  };
-
-  static std::string MakeKey(const MaterializeItem& item, const std::string& scope);
-  // Looks `key` up; fills `out` on a hit.
-  bool Lookup(const std::string& key, MaterializedTensor* out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops packed segments only the cache holds; with `orphans_only`, just
-  // those whose base is gone. Then drops the entries left dangling. The
-  // segments' last holds are moved to `dropped`, to be freed unlocked.
-  uint64_t EvictLocked(bool orphans_only, std::vector<SegmentPtr>* dropped)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // EvictLocked, then retires what it dropped without the lock
+  // Evicts, then retires what was dropped without the cache's lock
   // (HostMemoryManager::Retire; `now`: the caller needs the budget back).
-  uint64_t Evict(bool orphans_only, bool now) ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t Evict(bool orphans_only, bool now);
 
   const Options options_;
   uint64_t reclaimer_id_ = 0;  // in the memory manager's chain
-  mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, Entry> cache_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, PackedSegment> packed_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::string> retired_tags_ ABSL_GUARDED_BY(mu_);
-  int sweeps_since_prune_ ABSL_GUARDED_BY(mu_) = 0;
-  bool EntryLive(const Entry& e) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  MaterializerStats stats_ ABSL_GUARDED_BY(mu_);
+  MaterializeCache cache_;
+  CpuFillBackend fill_;
 };
-
-// Elements of the item's output (sum over its slices).
-int64_t OutputElements(const MaterializeItem& item);
-
-// Copies the `box` of the row-major tensor at `src` (dtype `src_dtype`,
-// shape `global_shape`) into `dst`, densely, converting to `dst_dtype`.
-absl::Status CopyBox(const uint8_t* src, DType src_dtype,
-                     absl::Span<const int64_t> global_shape, const ShardBox& box,
-                     uint8_t* dst, DType dst_dtype);
-
-// Writes the item's output into `dst` (OutputElements * out size bytes).
-// With `digest`, feeds it every byte written, in order, while the bytes are
-// still in cache (the same digest as DigestBytes over the output after).
-absl::Status FillItem(const MaterializeItem& item, uint8_t* dst,
-                      DigestBuilder* digest = nullptr);
-
-// max |x| over the fp32 values of `slices` (patches applied), NaN ignored.
-absl::StatusOr<float> AbsMax(absl::Span<const PartSlice> slices);
 
 }  // namespace weightd
 

@@ -31,8 +31,8 @@ struct Fixture {
     tensor.dtype = DType::kF32;
     tensor.shape = shape;
     tensor.length = n * 4;
-    tensor.segment = SegmentPtr(std::move(*seg));
-    tensor.digest = DigestBytes(tensor.segment->data(), tensor.length);
+    tensor.buffer = SegmentPtr(std::move(*seg));
+    tensor.digest = DigestBytes(tensor.buffer->host_data(), tensor.length);
   }
 };
 
@@ -64,7 +64,7 @@ MaterializeItem Item(const StoredTensor& t, ShardBox box, DType out) {
 
 std::vector<float> Read(const MaterializedTensor& s) {
   std::vector<float> out(s.length / 4);
-  if (!out.empty()) std::memcpy(out.data(), s.segment->data() + s.offset, s.length);
+  if (!out.empty()) std::memcpy(out.data(), s.buffer->host_data() + s.offset, s.length);
   return out;
 }
 
@@ -75,10 +75,10 @@ TEST(MaterializerTest, ContiguousSameDtypeIsAViewIntoTheBase) {
   auto r = m.Materialize({Item(f.tensor, box, DType::kF32)});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE((*r)[0].view);
-  EXPECT_EQ((*r)[0].segment, f.tensor.segment);
+  EXPECT_EQ((*r)[0].buffer, f.tensor.buffer);
   EXPECT_EQ((*r)[0].offset, 3u * 4 * 4);
   EXPECT_EQ(Read((*r)[0]), Expected(f.tensor.shape, box));
-  EXPECT_EQ((*r)[0].digest, DigestBytes(f.tensor.data() + 48, 48));
+  EXPECT_EQ((*r)[0].digest, DigestBytes(f.tensor.host_data() + 48, 48));
 }
 
 TEST(MaterializerTest, ColumnSliceIsPackedAndCached) {
@@ -88,11 +88,11 @@ TEST(MaterializerTest, ColumnSliceIsPackedAndCached) {
   auto r1 = m.Materialize({Item(f.tensor, box, DType::kF32)});
   ASSERT_TRUE(r1.ok()) << r1.status();
   EXPECT_FALSE((*r1)[0].view);
-  EXPECT_TRUE((*r1)[0].segment->sealed());
+  EXPECT_TRUE((*r1)[0].buffer->ShareableFd().ok());
   EXPECT_EQ(Read((*r1)[0]), Expected(f.tensor.shape, box));
   auto r2 = m.Materialize({Item(f.tensor, box, DType::kF32)});
   ASSERT_TRUE(r2.ok());
-  EXPECT_EQ((*r2)[0].segment, (*r1)[0].segment) << "identical requests share one copy";
+  EXPECT_EQ((*r2)[0].buffer, (*r1)[0].buffer) << "identical requests share one copy";
   EXPECT_EQ(m.stats().hits, 1u);
 }
 
@@ -110,19 +110,19 @@ TEST(MaterializerTest, ResultsAreSharedWithinAScopeAndNeverAcrossScopes) {
   auto p = m.Materialize({Item(secret.tensor, rows, DType::kF32),
                           Item(secret.tensor, cols, DType::kF32)}, "", kPrivate);
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ((*p)[0].segment, secret.tensor.segment);
+  EXPECT_EQ((*p)[0].buffer, secret.tensor.buffer);
   auto q = m.Materialize({Item(shared.tensor, rows, DType::kF32),
                           Item(shared.tensor, cols, DType::kF32)}, "", "");
   ASSERT_TRUE(q.ok()) << q.status();
-  EXPECT_EQ((*q)[0].segment, shared.tensor.segment) << "a view into the other scope's base";
-  EXPECT_NE((*q)[1].segment, (*p)[1].segment) << "a packed segment of the other scope";
+  EXPECT_EQ((*q)[0].buffer, shared.tensor.buffer) << "a view into the other scope's base";
+  EXPECT_NE((*q)[1].buffer, (*p)[1].buffer) << "a packed segment of the other scope";
   EXPECT_EQ(Read((*q)[1]), Read((*p)[1]));
   EXPECT_EQ(m.stats().hits, 0u);
   // Within one scope, identical requests still share one copy.
   auto p2 = m.Materialize({Item(shared.tensor, rows, DType::kF32),
                            Item(shared.tensor, cols, DType::kF32)}, "", kPrivate);
   ASSERT_TRUE(p2.ok()) << p2.status();
-  EXPECT_EQ((*p2)[1].segment, (*p)[1].segment);
+  EXPECT_EQ((*p2)[1].buffer, (*p)[1].buffer);
   EXPECT_EQ(m.stats().hits, 2u);
 }
 
@@ -134,7 +134,7 @@ TEST(MaterializerTest, BatchOfMissesSharesOneSegment) {
   auto r = m.Materialize(items);
   ASSERT_TRUE(r.ok()) << r.status();
   for (int i = 0; i < 4; ++i) {
-    EXPECT_EQ((*r)[i].segment, (*r)[0].segment);
+    EXPECT_EQ((*r)[i].buffer, (*r)[0].buffer);
     EXPECT_EQ((*r)[i].length, 8u * 2 * 2);
     EXPECT_EQ((*r)[i].offset % 64, 0u);
   }
@@ -155,7 +155,7 @@ TEST(MaterializerTest, CopyBoxMatchesBruteForceOnRandomBoxes) {
       box.shape.push_back(rng() % (shape[d] - off + 1));
     }
     std::vector<float> out(std::max<int64_t>(box.NumElements(), 1));
-    ASSERT_TRUE(CopyBox(f.tensor.data(), DType::kF32, shape, box,
+    ASSERT_TRUE(CopyBox(f.tensor.host_data(), DType::kF32, shape, box,
                         reinterpret_cast<uint8_t*>(out.data()), DType::kF32).ok());
     out.resize(box.NumElements());
     EXPECT_EQ(out, Expected(shape, box)) << "iteration " << iter;
@@ -230,7 +230,7 @@ TEST(MaterializerTest, AShortBudgetDropsUnusedCacheEntriesBeforeItRefuses) {
   EXPECT_EQ(m.stats().entries, 1u);
   auto again = m.Materialize({Item(f.tensor, ShardBox{{0, 0}, {64, 64}}, DType::kBF16)});
   ASSERT_TRUE(again.ok());
-  EXPECT_EQ((*again)[0].segment, (*held)[0].segment) << "the held entry is still served";
+  EXPECT_EQ((*again)[0].buffer, (*held)[0].buffer) << "the held entry is still served";
   // More than even that frees: refused, naming what asked.
   auto refused = f.memory->Allocate(2 * kBase, {.purpose = "too much"});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
@@ -347,8 +347,8 @@ TEST(MaterializerTest, ZeroFilledPartAndFp8Quantization) {
   auto r = m.Materialize({zeros, q});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ((*r)[0].length, 12u);
-  for (uint64_t i = 0; i < 12; ++i) EXPECT_EQ((*r)[0].segment->data()[(*r)[0].offset + i], 0);
-  const uint8_t* q8 = (*r)[1].segment->data() + (*r)[1].offset;
+  for (uint64_t i = 0; i < 12; ++i) EXPECT_EQ((*r)[0].buffer->host_data()[(*r)[0].offset + i], 0);
+  const uint8_t* q8 = (*r)[1].buffer->host_data() + (*r)[1].offset;
   for (int i = 0; i < 4; ++i) {
     EXPECT_EQ(q8[i], FloatToFp8E4M3(static_cast<float>(i) / (3.0f / 448.0f)));
   }

@@ -118,8 +118,8 @@ StoredTensor MakeTensor(const std::shared_ptr<MemoryAccount>& account, std::stri
   t.dtype = DType::kF32;
   t.shape = {rows, cols};
   t.length = n * 4;
-  t.segment = SegmentPtr(std::move(*seg));
-  t.digest = DigestBytes(t.segment->data(), t.length);
+  t.buffer = SegmentPtr(std::move(*seg));
+  t.digest = DigestBytes(t.buffer->host_data(), t.length);
   return t;
 }
 
@@ -154,22 +154,22 @@ TEST(SegmentPoolTest, MaterializerPacksMissesIntoReserveChunks) {
     ASSERT_EQ(x.length, y.length);
     EXPECT_EQ(x.digest, y.digest) << items[i].name;
     // Digests are computed while filling; they must be those of the bytes.
-    EXPECT_EQ(x.digest, DigestBytes(x.segment->data() + x.offset, x.length)) << items[i].name;
-    EXPECT_EQ(std::memcmp(x.segment->data() + x.offset, y.segment->data() + y.offset, x.length),
+    EXPECT_EQ(x.digest, DigestBytes(x.buffer->host_data() + x.offset, x.length)) << items[i].name;
+    EXPECT_EQ(std::memcmp(x.buffer->host_data() + x.offset, y.buffer->host_data() + y.offset, x.length),
               0);
-    EXPECT_TRUE(x.segment->sealed());
-    EXPECT_LE(x.offset + x.length, x.segment->size());
+    EXPECT_TRUE(x.buffer->ShareableFd().ok());
+    EXPECT_LE(x.offset + x.length, x.buffer->size());
   }
   // The five small ones share one chunk (truncated to what they use); the
   // big one has a fresh segment of its own; no fetch gets one segment per
   // tensor.
-  EXPECT_EQ((*a)[0].segment, (*a)[4].segment);
-  EXPECT_LT((*a)[0].segment->size(), kChunk);
-  EXPECT_NE((*a)[5].segment, (*a)[0].segment);
-  EXPECT_EQ((*a)[5].segment->size(), 768u * 1024 * 2);
+  EXPECT_EQ((*a)[0].buffer, (*a)[4].buffer);
+  EXPECT_LT((*a)[0].buffer->size(), kChunk);
+  EXPECT_NE((*a)[5].buffer, (*a)[0].buffer);
+  EXPECT_EQ((*a)[5].buffer->size(), 768u * 1024 * 2);
   EXPECT_EQ(memory.stats().reserve.taken, 1u);
   // Without a pool, everything goes in one segment.
-  EXPECT_EQ((*b)[0].segment, (*b)[5].segment);
+  EXPECT_EQ((*b)[0].buffer, (*b)[5].buffer);
 }
 
 TEST(SegmentPoolTest, MaterializerSplitsAcrossChunksWhenOneIsFull) {
@@ -189,13 +189,13 @@ TEST(SegmentPoolTest, MaterializerSplitsAcrossChunksWhenOneIsFull) {
   Materializer m({&memory, 2});
   auto r = m.Materialize(items);
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ((*r)[0].segment, (*r)[1].segment);
-  EXPECT_NE((*r)[1].segment, (*r)[2].segment);
-  EXPECT_EQ((*r)[4].segment, (*r)[5].segment);
+  EXPECT_EQ((*r)[0].buffer, (*r)[1].buffer);
+  EXPECT_NE((*r)[1].buffer, (*r)[2].buffer);
+  EXPECT_EQ((*r)[4].buffer, (*r)[5].buffer);
   EXPECT_EQ(memory.stats().reserve.taken, 3u);
   for (size_t i = 0; i < items.size(); ++i) {
     std::vector<uint16_t> got((*r)[i].length / 2);
-    std::memcpy(got.data(), (*r)[i].segment->data() + (*r)[i].offset, (*r)[i].length);
+    std::memcpy(got.data(), (*r)[i].buffer->host_data() + (*r)[i].offset, (*r)[i].length);
     // i * 0.5 is exact in BF16 for small i; check a few.
     EXPECT_EQ(got[0], 0);
     EXPECT_EQ(got[1], 0x3F00);  // 0.5

@@ -561,8 +561,7 @@ void WeightService::PinSegments(const std::string& model, const Checkpoint& chec
   absl::flat_hash_set<uint64_t> seen;
   uint64_t pinned = 0, segments = 0;
   absl::Status first_error;
-  for (const StoredTensor& t : checkpoint.tensors()) {
-    const SegmentPtr& seg = t.segment;
+  for (const SegmentPtr& seg : checkpoint.host_segments()) {
     if (seg == nullptr || seg->size() == 0 || !seen.insert(seg->id()).second) continue;
     absl::Status s = (*api)->pin(seg->data(), seg->size());
     if (!s.ok()) {
@@ -688,10 +687,10 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   ranges->reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     const MaterializedTensor& m = served[i];
-    auto [it, inserted] = segment_index.try_emplace(m.segment->id(), buffers.size());
+    auto [it, inserted] = segment_index.try_emplace(m.buffer->id(), buffers.size());
     if (inserted) {
-      buffers.push_back(m.segment);
-      table->segment_sizes.push_back(m.segment->size());
+      buffers.push_back(m.buffer);
+      table->segment_sizes.push_back(m.buffer->size());
     }
     FetchedTensor& ft = tables[i];
     ft.segment = it->second;
@@ -795,7 +794,12 @@ absl::StatusOr<WeightService::VerifyResult> WeightService::Verify(const std::str
   VerifyResult r;
   std::vector<std::string> bad;
   for (const StoredTensor& t : model->checkpoint->tensors()) {
-    if (DigestBytes(t.data(), t.length) != t.digest) bad.push_back(t.name);
+    if (t.host_data() == nullptr) {
+      return absl::UnimplementedError(absl::StrCat(
+          "model \"", name, "\": tensor \"", t.name, "\" is in ",
+          MemoryKindName(t.buffer->kind()), " memory; verify reads host memory only"));
+    }
+    if (DigestBytes(t.host_data(), t.length) != t.digest) bad.push_back(t.name);
     ++r.tensors;
     r.bytes += t.length;
   }

@@ -192,30 +192,6 @@ void PopulateForRead(const uint8_t* data, uint64_t length) {
 #endif
 }
 
-// Runs fn(i) for i in [0, n) on `threads` threads; returns the first error.
-absl::Status ParallelFor(size_t n, int threads,
-                         const std::function<absl::Status(size_t)>& fn) {
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  absl::Mutex mu;
-  absl::Status first;
-  auto worker = [&] {
-    while (!failed.load(std::memory_order_relaxed)) {
-      size_t i = next.fetch_add(1);
-      if (i >= n) return;
-      absl::Status s = fn(i);
-      if (!s.ok()) {
-        absl::MutexLock lock(&mu);
-        if (first.ok()) first = s;
-        failed = true;
-      }
-    }
-  };
-  int count = std::max(1, std::min<int>(threads, static_cast<int>(n)));
-  RunOnThreads(count, worker);  // never aborts at the thread limit
-  return first;
-}
-
 }  // namespace
 
 int64_t StoredTensor::NumElements() const {
@@ -231,10 +207,12 @@ uint64_t TensorMetadataBytes(absl::string_view name, size_t rank) {
 
 Checkpoint::Checkpoint(std::string path, std::vector<std::string> files,
                        std::vector<StoredTensor> tensors,
+                       std::vector<SegmentPtr> host_segments,
                        std::unique_ptr<MemoryCharge> metadata_charge)
     : path_(std::move(path)),
       files_(std::move(files)),
       tensors_(std::move(tensors)),
+      host_segments_(std::move(host_segments)),
       metadata_charge_(std::move(metadata_charge)) {
   std::sort(tensors_.begin(), tensors_.end(),
             [](const StoredTensor& a, const StoredTensor& b) { return a.name < b.name; });
@@ -242,11 +220,8 @@ Checkpoint::Checkpoint(std::string path, std::vector<std::string> files,
     by_name_[tensors_[i].name] = i;
     total_bytes_ += tensors_[i].length;
   }
-  absl::flat_hash_set<const Segment*> seen;
-  for (const StoredTensor& t : tensors_) {
-    if (t.segment != nullptr && seen.insert(t.segment.get()).second) {
-      page_bytes_[static_cast<size_t>(t.segment->pages())] += t.segment->size();
-    }
+  for (const SegmentPtr& seg : host_segments_) {
+    page_bytes_[static_cast<size_t>(seg->pages())] += seg->size();
   }
 }
 
@@ -353,7 +328,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     }
   }
   ProgressTracker progress(options.progress, bytes_total, tensors_total);
-  WD_RETURN_IF_ERROR(ParallelFor(chunks.size(), options.read_threads, [&](size_t i) {
+  WD_RETURN_IF_ERROR(ParallelFor(nullptr, chunks.size(), options.read_threads, [&](size_t i) {
     const Chunk& c = chunks[i];
     const OpenFile& f = files[c.file];
     WD_RETURN_IF_ERROR_CTX(PopulateForWrite(c.dest, c.length), "reading ", f.path);
@@ -392,7 +367,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   for (const OpenFile& f : files) {
     tensor_segment.insert(tensor_segment.end(), f.header.tensors.size(), f.segment_index);
   }
-  WD_RETURN_IF_ERROR(ParallelFor(tensors.size(), options.read_threads, [&](size_t i) {
+  WD_RETURN_IF_ERROR(ParallelFor(nullptr, tensors.size(), options.read_threads, [&](size_t i) {
     StoredTensor& t = tensors[i];
     t.digest = DigestBytes(segments[tensor_segment[i]]->mutable_data() + t.offset, t.length);
     return absl::OkStatus();
@@ -411,13 +386,13 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
                                                       seg->size() - off));
     }
   }
-  WD_RETURN_IF_ERROR(ParallelFor(ranges.size(), options.read_threads, [&](size_t i) {
+  WD_RETURN_IF_ERROR(ParallelFor(nullptr, ranges.size(), options.read_threads, [&](size_t i) {
     PopulateForRead(ranges[i].first, ranges[i].second);
     return absl::OkStatus();
   }));
   std::vector<SegmentPtr> sealed;
   for (auto& seg : segments) sealed.push_back(SegmentPtr(std::move(seg)));
-  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].segment = sealed[tensor_segment[i]];
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].buffer = sealed[tensor_segment[i]];
   if (options.progress) {
     LoadProgressInfo done;
     done.bytes_done = done.bytes_total = bytes_total;
@@ -425,7 +400,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     options.progress(done);
   }
   return std::make_shared<const Checkpoint>(path, std::move(paths), std::move(tensors),
-                                            std::move(metadata_charge));
+                                            std::move(sealed), std::move(metadata_charge));
 }
 
 }  // namespace weightd

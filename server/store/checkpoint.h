@@ -26,14 +26,19 @@ struct StoredTensor {
   std::string name;
   DType dtype;
   std::vector<int64_t> shape;
-  SegmentPtr segment;
-  uint64_t offset = 0;  // inside segment
+  BufferPtr buffer;     // sealed; of any memory kind (server/memory/buffer.h)
+  uint64_t offset = 0;  // inside buffer
   uint64_t length = 0;  // bytes
   Digest digest;        // of the stored bytes
   std::string file;     // the file it came from (for messages)
 
   int64_t NumElements() const;
-  const uint8_t* data() const { return segment->data() + offset; }
+  // The bytes where the CPU can read them; nullptr when the buffer is not
+  // host memory (only a fill backend of its kind reads it then).
+  const uint8_t* host_data() const {
+    const uint8_t* base = buffer != nullptr ? buffer->host_data() : nullptr;
+    return base != nullptr ? base + offset : nullptr;
+  }
 };
 
 // What the daemon holds per tensor besides its bytes (names, shapes, the
@@ -47,10 +52,12 @@ uint64_t TensorMetadataBytes(absl::string_view name, size_t rank);
 
 class Checkpoint {
  public:
-  // `metadata_charge`: the budget held for the tensors' metadata (may be
-  // null), returned when the checkpoint is freed.
+  // `host_segments`: the host-memory segments behind the tensors' buffers
+  // (what the host loader filled; page statistics and pinning look at
+  // them). `metadata_charge`: the budget held for the tensors' metadata
+  // (may be null), returned when the checkpoint is freed.
   Checkpoint(std::string path, std::vector<std::string> files,
-             std::vector<StoredTensor> tensors,
+             std::vector<StoredTensor> tensors, std::vector<SegmentPtr> host_segments = {},
              std::unique_ptr<MemoryCharge> metadata_charge = nullptr);
 
   const std::string& path() const { return path_; }
@@ -60,6 +67,7 @@ class Checkpoint {
   // nullptr when absent.
   const StoredTensor* Find(absl::string_view name) const;
   uint64_t total_bytes() const { return total_bytes_; }
+  const std::vector<SegmentPtr>& host_segments() const { return host_segments_; }
   // Bytes of the checkpoint's segments by the pages behind them (indexed by
   // PageKind: 4 KiB, THP-advised shmem, 2 MiB hugetlb), rounding included.
   const std::array<uint64_t, kPageKinds>& page_bytes() const { return page_bytes_; }
@@ -70,6 +78,7 @@ class Checkpoint {
   std::string path_;
   std::vector<std::string> files_;
   std::vector<StoredTensor> tensors_;
+  std::vector<SegmentPtr> host_segments_;
   absl::flat_hash_map<std::string, size_t> by_name_;
   uint64_t total_bytes_ = 0;
   std::array<uint64_t, kPageKinds> page_bytes_{};

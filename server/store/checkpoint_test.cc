@@ -69,13 +69,16 @@ TEST_F(CheckpointTest, LoadsSingleFileIntoSealedSegment) {
   const StoredTensor* bb = (*ckpt)->Find("bb");
   ASSERT_NE(bb, nullptr);
   EXPECT_EQ(bb->shape, std::vector<int64_t>({5}));
-  EXPECT_TRUE(bb->segment->sealed());
+  ASSERT_EQ((*ckpt)->host_segments().size(), 1u);
+  const SegmentPtr& seg = (*ckpt)->host_segments()[0];
+  EXPECT_EQ(bb->buffer, seg);
+  EXPECT_TRUE(seg->sealed());
   float v;
-  std::memcpy(&v, bb->data() + 8, 4);
+  std::memcpy(&v, bb->host_data() + 8, 4);
   EXPECT_EQ(v, 2002.0f);
-  EXPECT_EQ(bb->digest, DigestBytes(bb->data(), bb->length));
+  EXPECT_EQ(bb->digest, DigestBytes(bb->host_data(), bb->length));
   // The seal forbids writes through any new mapping.
-  EXPECT_FALSE(MappedRegion::Map(bb->segment->fd(), bb->segment->size(),
+  EXPECT_FALSE(MappedRegion::Map(seg->fd(), seg->size(),
                                  MappedRegion::Mode::kReadWrite).ok());
   EXPECT_GT(account_->used(), 0u);
   ckpt->reset();

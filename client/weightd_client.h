@@ -176,6 +176,11 @@ struct TensorView {
   const uint8_t* data = nullptr;
   uint64_t length = 0;
   Digest digest;
+  // Where `data` points: -1 = host memory, which every transport gives
+  // today (kCuda copies back to host). A view left in GPU memory (issue
+  // [gpu]) names its CUDA device here, and `data` is then a device pointer
+  // the CPU must not read.
+  int device = -1;
 };
 
 class Client;

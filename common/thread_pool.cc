@@ -80,18 +80,24 @@ absl::Status ParallelFor(ThreadPool* pool, size_t n, int parallelism,
 }
 
 ThreadPool::ThreadPool(int threads, bool best_effort) {
-  try {
-    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Work(); });
-  } catch (const std::system_error&) {
-    if (best_effort) return;  // fewer workers, same work
-    // The system refused a thread: stop the ones started (a destructor
-    // never runs for a constructor that throws), then let the caller know.
+  // A constructor that throws runs no destructor: the threads started so
+  // far are stopped here.
+  auto stop_started = [this] {
     {
       absl::MutexLock lock(&mu_);
       stopping_ = true;
     }
     for (auto& t : threads_) t.join();
     threads_.clear();
+  };
+  try {
+    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Work(); });
+  } catch (const std::system_error&) {
+    if (best_effort) return;  // the system refused a thread: fewer workers, same work
+    stop_started();
+    throw;
+  } catch (...) {
+    stop_started();
     throw;
   }
 }

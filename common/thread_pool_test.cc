@@ -32,8 +32,8 @@ TEST(ParallelForTest, RunsEveryIndexOnceOnThePoolsThreadsAndTheCallers) {
 }
 
 TEST(ParallelForTest, CompletesOnTheCallersThreadWhenThePoolIsBusy) {
+  absl::Notification release;  // outlives the pool's worker that waits on it
   ThreadPool pool(1);
-  absl::Notification release;
   pool.Schedule([&release] { release.WaitForNotification(); });  // the only worker
   std::atomic<int> done{0};
   const std::thread::id caller = std::this_thread::get_id();

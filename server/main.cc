@@ -155,7 +155,7 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
             K::kValue, NumberInto("max-pushes-per-uid", &f->data.max_pushes_per_uid, 0, SIZE_MAX)})
       .Add({"max-watch-streams", "N", "concurrent Watch streams (1..65536, default 256)",
             K::kValue, NumberInto("max-watch-streams", &f->grpc.max_watch_streams, 1, 65536)})
-      .Add({"threads", "N", "materialization workers (1..256)", K::kValue,
+      .Add({"threads", "N", "materialization workers (1..256): one fetch computes on up to N threads, its own included; concurrent fetches share the N-1 helpers", K::kValue,
             NumberInto("threads", &f->service.worker_threads, 1, 256)})
       .Add({"pin-host-memory", "auto|on|off",
             "register checkpoint memory with CUDA for pinned-speed GPU copies (auto: when "

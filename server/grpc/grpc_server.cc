@@ -113,6 +113,11 @@ class GrpcServer::Impl {
     }
   }
 
+  // A server that failed to start after it began serving (GrpcServer::Start)
+  // is shut down here: its load and watch threads end and are joined
+  // before the services they use are destroyed.
+  ~Impl() { Shutdown(absl::ZeroDuration()); }
+
   void Shutdown(absl::Duration grace) {
     {
       absl::MutexLock lock(&mu_);

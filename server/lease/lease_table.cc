@@ -59,6 +59,13 @@ absl::StatusOr<std::shared_ptr<const LeaseContents>> LeaseTable::Use(
   return (*lease)->contents;
 }
 
+absl::StatusOr<std::shared_ptr<const LeaseContents>> LeaseTable::Peek(uint64_t id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = leases_.find(id);
+  if (it == leases_.end()) return absl::NotFoundError(absl::StrCat("lease ", id, " is unknown or has ended"));
+  return it->second.contents;
+}
+
 absl::StatusOr<std::shared_ptr<const LeaseContents>> LeaseTable::Attach(
     uint64_t id, absl::string_view token, uint64_t connection) {
   absl::MutexLock lock(&mu_);

@@ -40,6 +40,10 @@ struct LeaseTensor {
   uint64_t length = 0;
 };
 
+// Who fetched a lease and what it exposes (server/service/access_control.h;
+// the table only keeps it).
+struct LeaseOwner;
+
 struct LeaseContents {
   std::string model;
   uint64_t generation = 0;
@@ -53,6 +57,9 @@ struct LeaseContents {
   // Kept alive exactly as long as the lease (its owner's marker: e.g. the
   // generation it serves counts its leases by this pointer's use_count).
   std::shared_ptr<const void> hold;
+  // Who fetched it, for the access checks of its later uses; null when it
+  // was fetched without a caller (in-process callers, tests).
+  std::shared_ptr<const LeaseOwner> owner;
 };
 
 struct LeaseGrant {
@@ -72,6 +79,11 @@ class LeaseTable {
   // expired id, PERMISSION_DENIED for a wrong token.
   absl::StatusOr<std::shared_ptr<const LeaseContents>> Use(
       uint64_t id, absl::string_view token) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The lease's contents, with no token and without touching its TTL (for
+  // an access check before a use); NOT_FOUND for an unknown or expired id.
+  absl::StatusOr<std::shared_ptr<const LeaseContents>> Peek(uint64_t id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ties the lease to data connection `connection` (no TTL from now on).
   absl::StatusOr<std::shared_ptr<const LeaseContents>> Attach(

@@ -69,5 +69,22 @@ TEST(LeaseTableTest, UnattachedLeasesExpireAttachedOnesDoNot) {
   EXPECT_TRUE(table.Use(held.id, TokenOf(held)).ok());
 }
 
+TEST(LeaseTableTest, PeekNeedsNoTokenAndLeavesTheTtlAlone) {
+  LeaseTable table(absl::Seconds(10));
+  LeaseContents c;
+  c.model = "m";
+  LeaseGrant g = table.Grant(std::move(c));
+  auto seen = table.Peek(g.id);
+  ASSERT_TRUE(seen.ok()) << seen.status();
+  EXPECT_EQ((*seen)->model, "m");
+  EXPECT_EQ((*seen)->owner, nullptr);
+  EXPECT_EQ(table.Peek(g.id + 1).status().code(), absl::StatusCode::kNotFound);
+  // Peeking does not extend the lease: it expires on the TTL of its grant.
+  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(table.Peek(g.id).ok());
+  EXPECT_EQ(table.Expire(absl::Now() + absl::Seconds(10) - absl::Milliseconds(10)), 1u);
+  EXPECT_EQ(table.Peek(g.id).status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace weightd

@@ -16,13 +16,12 @@ constexpr float kFp8E4M3Max = 448.0f;
 
 // The stored tensor's bytes, which this backend reads with the CPU.
 absl::StatusOr<const uint8_t*> HostBytes(const StoredTensor& t) {
-  const uint8_t* p = t.host_data();
-  if (p == nullptr) {
+  if (t.buffer->kind() != MemoryKind::kHost) {
     return absl::UnimplementedError(absl::StrCat(
         "tensor \"", t.name, "\" is in ", MemoryKindName(t.buffer->kind()),
         " memory; the CPU fill backend reads host memory only"));
   }
-  return p;
+  return t.host_data();
 }
 
 // Floats per block when a slice is computed in fp32: small enough to stay

@@ -43,14 +43,14 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
   for (const PackSlot& slot : plan.slots) {
     FillJob job{&items[slot.item], nullptr, nullptr, slot.length};
     if (slot.view) {
-      job.view_bytes = slot.view_of->host_data();
-      if (job.view_bytes == nullptr) {
+      if (slot.view_of->kind() != MemoryKind::kHost) {
         return absl::UnimplementedError(absl::StrCat(
             "tensor \"", items[slot.item].name, "\" is in ",
             MemoryKindName(slot.view_of->kind()),
             " memory; the host materializer digests host memory only"));
       }
-      job.view_bytes += slot.offset;
+      // A checkpoint of empty tensors has an empty segment, mapped nowhere.
+      job.view_bytes = slot.length == 0 ? nullptr : slot.view_of->host_data() + slot.offset;
     } else {
       job.dst = buffers[slot.group]->mutable_data() + slot.offset;
     }

@@ -265,6 +265,29 @@ TEST(MemoryAccountTest, ReclaimersRunByRankUntilTheShortfallIsCovered) {
   EXPECT_EQ(account->Reserve(200, "test").code(), absl::StatusCode::kResourceExhausted);
 }
 
+TEST(MaterializerTest, AnEmptyTensorInAnEmptySegmentIsAnEmptyView) {
+  // A checkpoint whose tensors are all empty has one 0-byte segment, which
+  // maps nowhere (no host_data()): still host memory, still served.
+  auto memory = std::make_unique<HostMemoryManager>(HostMemoryManager::Options{});
+  auto seg = Segment::Create(memory->account(), "base", 0, false);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  ASSERT_TRUE((*seg)->Seal().ok());
+  StoredTensor t;
+  t.name = "empty";
+  t.dtype = DType::kF32;
+  t.shape = {0, 4};
+  t.buffer = SegmentPtr(std::move(*seg));
+  t.digest = DigestBytes(nullptr, 0);
+  Materializer m({memory.get(), 2});
+  auto r = m.Materialize({Item(t, ShardBox{{0, 0}, {0, 4}}, DType::kF32),
+                          Item(t, ShardBox{{0, 0}, {0, 2}}, DType::kBF16)});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE((*r)[0].view);
+  EXPECT_EQ((*r)[0].length, 0u);
+  EXPECT_EQ((*r)[0].digest, DigestBytes(nullptr, 0));
+  EXPECT_EQ((*r)[1].length, 0u);
+}
+
 TEST(MaterializerTest, ViewCacheDoesNotKeepUnloadedBaseAlive) {
   auto f = std::make_unique<Fixture>(std::vector<int64_t>{4, 4});
   auto account = f->account;  // outlives f's memory manager

@@ -88,7 +88,7 @@ struct ReadGuard {
 // Reads never holds bytes of something it may not read (issue #16 F1).
 std::string ReadScope(absl::Span<const ReadGuard> guards);
 
-// Who fetched a lease and what it exposes; kept by WeightService.
+// Who fetched a lease and what it exposes; the lease keeps it (LeaseContents::owner).
 struct LeaseOwner {
   Principal owner;
   std::vector<ReadGuard> guards;  // of the generation the lease holds

@@ -70,26 +70,8 @@ void WeightService::ReapLoop() {
       LogEvent(LogLevel::kInfo, "lease_expired", {{"count", absl::StrCat(expired)}});
     }
     PruneGenerations();
-    PruneLeaseOwners();
     materializer_.Sweep();
   }
-}
-
-void WeightService::PruneLeaseOwners() {
-  std::vector<uint64_t> ids;
-  {
-    absl::MutexLock lock(&owners_mu_);
-    for (const auto& [id, owner] : lease_owners_) ids.push_back(id);
-  }
-  std::vector<uint64_t> ended;
-  for (uint64_t id : ids) {
-    // An empty token never matches, so this only asks whether the lease is
-    // still there (NOT_FOUND) without touching its TTL.
-    if (absl::IsNotFound(leases_.Use(id, "").status())) ended.push_back(id);
-  }
-  if (ended.empty()) return;
-  absl::MutexLock lock(&owners_mu_);
-  for (uint64_t id : ended) lease_owners_.erase(id);
 }
 
 std::vector<ReadGuard> WeightService::ModelGuards(const Model& model) {
@@ -117,10 +99,10 @@ absl::Status WeightService::CheckCanRead(const std::string& model_name,
 }
 
 absl::Status WeightService::CheckLeaseUse(uint64_t lease_id, const Principal& caller) const {
-  absl::MutexLock lock(&owners_mu_);
-  auto it = lease_owners_.find(lease_id);
-  if (it == lease_owners_.end()) return absl::OkStatus();
-  return access_.CheckLeaseUse(caller, lease_id, it->second);
+  auto contents = leases_.Peek(lease_id);
+  // An unknown lease is the use's own NOT_FOUND, after the token check.
+  if (!contents.ok() || (*contents)->owner == nullptr) return absl::OkStatus();
+  return access_.CheckLeaseUse(caller, lease_id, *(*contents)->owner);
 }
 
 ModelSummary WeightService::Summarize(const Model& model) {
@@ -771,13 +753,12 @@ FetchResult WeightService::GrantFetch(const FetchParams& params, const Generatio
   lease.buffers = std::move(buffers);
   lease.bytes = table->bytes;
   lease.tensors = table->ranges;
+  if (params.caller.has_value()) {
+    lease.owner = std::make_shared<const LeaseOwner>(LeaseOwner{*params.caller, std::move(guards)});
+  }
   bytes_served_.fetch_add(table->bytes);
   fetches_.fetch_add(1);
   result.lease = leases_.Grant(std::move(lease));
-  if (params.caller.has_value()) {
-    absl::MutexLock lock(&owners_mu_);
-    lease_owners_[result.lease.id] = LeaseOwner{*params.caller, std::move(guards)};
-  }
   if (LogEnabled(LogLevel::kDebug)) {
     LogEvent(LogLevel::kDebug, "lease_grant",
              {{"lease", absl::StrCat(result.lease.id)}, {"model", params.model},
@@ -794,7 +775,7 @@ absl::StatusOr<WeightService::VerifyResult> WeightService::Verify(const std::str
   VerifyResult r;
   std::vector<std::string> bad;
   for (const StoredTensor& t : model->checkpoint->tensors()) {
-    if (t.host_data() == nullptr) {
+    if (t.buffer->kind() != MemoryKind::kHost) {
       return absl::UnimplementedError(absl::StrCat(
           "model \"", name, "\": tensor \"", t.name, "\" is in ",
           MemoryKindName(t.buffer->kind()), " memory; verify reads host memory only"));
@@ -1132,10 +1113,6 @@ absl::Status WeightService::Release(uint64_t lease_id, absl::string_view token,
                                     const Principal* caller) {
   if (caller != nullptr) WD_RETURN_IF_ERROR(CheckLeaseUse(lease_id, *caller));
   WD_RETURN_IF_ERROR(leases_.Release(lease_id, token));
-  {
-    absl::MutexLock lock(&owners_mu_);
-    lease_owners_.erase(lease_id);
-  }
   LogEvent(LogLevel::kDebug, "lease_release", {{"lease", absl::StrCat(lease_id)}});
   PruneGenerations();
   materializer_.Sweep();

@@ -268,8 +268,7 @@ class WeightService {
                        const Principal* caller = nullptr);
   // For the data socket: may `caller` attach lease `lease_id`? OK for leases
   // fetched without a caller and for unknown ids (the token check decides).
-  absl::Status CheckLeaseUse(uint64_t lease_id, const Principal& caller) const
-      ABSL_LOCKS_EXCLUDED(owners_mu_);
+  absl::Status CheckLeaseUse(uint64_t lease_id, const Principal& caller) const;
   // May `caller` read `model` at its current generation? NOT_FOUND when
   // it is not loaded.
   absl::Status CheckCanRead(const std::string& model, const Principal& caller) const
@@ -396,8 +395,6 @@ class WeightService {
   static std::vector<ReadGuard> GuardsOf(const Model& model, const Generation& gen);
   // The model's own readers (none: public), whatever generation is served.
   static std::vector<ReadGuard> ModelGuards(const Model& model);
-  // Drops owners of leases that have ended.
-  void PruneLeaseOwners() ABSL_LOCKS_EXCLUDED(owners_mu_);
   absl::StatusOr<std::shared_ptr<const Model>> FindModel(const std::string& name) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // The served tensors at `gen`: the model's plus those the generation adds.
@@ -418,9 +415,6 @@ class WeightService {
   Materializer materializer_;
   LeaseTable leases_;
   const AccessPolicy access_;
-  // Who fetched each lease (leases fetched with a caller only).
-  mutable absl::Mutex owners_mu_;
-  absl::flat_hash_map<uint64_t, LeaseOwner> lease_owners_ ABSL_GUARDED_BY(owners_mu_);
 
   // Serializes the changes of what is served (loads, unloads, applies,
   // adapter loads and unloads, floors) from their journal record to their

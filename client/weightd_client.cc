@@ -702,6 +702,8 @@ absl::StatusOr<DaemonStats> Client::Stats() {
                 r.materialization_bytes(), r.cache_hits(), r.cache_misses(),
                 r.leases_open(), r.bytes_served(), r.fetches(), r.applies(), r.adapters(),
                 r.reserve_ready_bytes(), r.reserve_target_bytes(), r.bytes_read()};
+  s.checkpoint_bytes_logical = r.checkpoint_bytes_logical();
+  s.checkpoint_bytes_resident = r.checkpoint_bytes_resident();
   s.pushes = r.pushes();
   s.push_bytes = r.push_bytes();
   s.pinned_bytes = r.pinned_bytes();

@@ -120,6 +120,8 @@ struct DaemonStats {
            bytes_served = 0, fetches = 0, applies = 0, adapters = 0;
   uint64_t reserve_ready_bytes = 0, reserve_target_bytes = 0;
   uint64_t bytes_read = 0;  // asked for by grpc-transport Reads
+  // Checkpoint bytes per model, summed, and held (shared checkpoints once).
+  uint64_t checkpoint_bytes_logical = 0, checkpoint_bytes_resident = 0;
   uint64_t pushes = 0, push_bytes = 0;  // pushes into clients' memory
   uint64_t pinned_bytes = 0;            // host memory registered with CUDA
   // Live segments' bytes by pages (--huge-pages), and the host's 2 MiB pool.

@@ -220,7 +220,8 @@ absl::Status CmdStats(Client& c, const Args& a) {
       "models: %llu\nsegments: %llu\nbytes_resident: %llu\nmaterializations: %llu\n"
       "materialization_bytes: %llu\ncache_hits: %llu\ncache_misses: %llu\nleases_open: %llu\n"
       "bytes_served: %llu\nfetches: %llu\napplies: %llu\nadapters: %llu\n"
-      "reserve_ready_bytes: %llu\nreserve_target_bytes: %llu\nbytes_read: %llu\n",
+      "reserve_ready_bytes: %llu\nreserve_target_bytes: %llu\nbytes_read: %llu\n"
+      "checkpoint_bytes_logical: %llu\ncheckpoint_bytes_resident: %llu\n",
       (unsigned long long)s.models, (unsigned long long)s.segments,
       (unsigned long long)s.bytes_resident, (unsigned long long)s.materializations,
       (unsigned long long)s.materialization_bytes, (unsigned long long)s.cache_hits,
@@ -228,7 +229,9 @@ absl::Status CmdStats(Client& c, const Args& a) {
       (unsigned long long)s.bytes_served, (unsigned long long)s.fetches,
       (unsigned long long)s.applies, (unsigned long long)s.adapters,
       (unsigned long long)s.reserve_ready_bytes, (unsigned long long)s.reserve_target_bytes,
-      (unsigned long long)s.bytes_read);
+      (unsigned long long)s.bytes_read,
+      (unsigned long long)s.checkpoint_bytes_logical,
+      (unsigned long long)s.checkpoint_bytes_resident);
   std::printf("pushes: %llu\npush_bytes: %llu\npinned_bytes: %llu\ngpus: %zu\n",
               (unsigned long long)s.pushes, (unsigned long long)s.push_bytes,
               (unsigned long long)s.pinned_bytes, s.gpus.size());

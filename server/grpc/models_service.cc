@@ -129,6 +129,8 @@ class ModelsImpl final : public v1::Models::CallbackService {
     resp->set_models(s.models);
     resp->set_segments(s.segments);
     resp->set_bytes_resident(s.bytes_resident);
+    resp->set_checkpoint_bytes_logical(s.checkpoint_bytes_logical);
+    resp->set_checkpoint_bytes_resident(s.checkpoint_bytes_resident);
     resp->set_materializations(s.materializer.entries);
     resp->set_materialization_bytes(s.materializer.packed_bytes);
     resp->set_cache_hits(s.materializer.hits);

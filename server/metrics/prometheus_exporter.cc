@@ -56,6 +56,12 @@ class StatsCollectable : public prometheus::Collectable {
                "--host-memory-bytes bounds. Segments clients still map after their leases "
                "ended are not counted.",
                MetricType::Gauge, s.bytes_resident),
+        Scalar("weightd_checkpoint_logical_bytes",
+               "Checkpoint bytes summed over the models that serve them.",
+               MetricType::Gauge, s.checkpoint_bytes_logical),
+        Scalar("weightd_checkpoint_resident_bytes",
+               "Checkpoint bytes held: models loaded from the same files share one copy.",
+               MetricType::Gauge, s.checkpoint_bytes_resident),
         Scalar("weightd_reserve_ready_bytes", "Pre-faulted output bytes ready (--warm-reserve-bytes).",
                MetricType::Gauge, s.reserve.ready_bytes),
         Scalar("weightd_reserve_misses_total", "Output segments made fresh: the reserve was empty.",

@@ -319,6 +319,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     opts.read_threads = options_.worker_threads;
     opts.progress = progress;
     opts.files = &roots_;
+    opts.resident = &resident_;
     auto model = std::make_shared<Model>();
     model->name = name;
     model->path = resolved;
@@ -516,6 +517,8 @@ std::shared_ptr<const WeightService::Generation> WeightService::GenerationOf(con
 void WeightService::PinSegments(const std::string& model, const Checkpoint& checkpoint) {
   using Pin = WeightServiceOptions::Pin;
   if (options_.pin_host_memory == Pin::kOff) return;
+  // A checkpoint that another model shares was pinned (or skipped) for it.
+  if (!checkpoint.ClaimPinning()) return;
   if (options_.pin_host_memory == Pin::kAuto && options_.gpus.devices.empty()) return;
   if (options_.gpus.devices.empty()) {
     LogEvent(LogLevel::kWarning, "pin_skipped",
@@ -1124,6 +1127,13 @@ ServiceStats WeightService::Stats() const {
   {
     absl::MutexLock lock(&mu_);
     s.models = models_.size();
+    absl::flat_hash_set<const Checkpoint*> held;
+    for (const auto& [name, model] : models_) {
+      s.checkpoint_bytes_logical += model->checkpoint->total_bytes();
+      if (held.insert(model->checkpoint.get()).second) {
+        s.checkpoint_bytes_resident += model->checkpoint->total_bytes();
+      }
+    }
   }
   const HostMemoryStats memory = memory_.stats();
   s.segments = memory.segments;

@@ -169,6 +169,10 @@ struct ServiceStats {
   uint64_t models = 0;
   uint64_t segments = 0;
   uint64_t bytes_resident = 0;
+  // Checkpoint bytes summed over models, and held: a checkpoint that
+  // several models share (ResidentCheckpoints) counts once.
+  uint64_t checkpoint_bytes_logical = 0;
+  uint64_t checkpoint_bytes_resident = 0;
   uint64_t memory_limit = 0;
   SegmentPoolStats reserve;  // zeros without a reserve
   MaterializerStats materializer;
@@ -412,6 +416,9 @@ class WeightService {
   // Budget, warm reserve, disposer, reclaimer chain; before materializer_
   // and leases_, which borrow it.
   HostMemoryManager memory_;
+  // Checkpoints by the identity of their files: loading files that are
+  // resident already shares them.
+  ResidentCheckpoints resident_;
   Materializer materializer_;
   LeaseTable leases_;
   const AccessPolicy access_;

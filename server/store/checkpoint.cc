@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/fd.h"
+#include "common/log.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
@@ -192,7 +193,32 @@ void PopulateForRead(const uint8_t* data, uint64_t length) {
 #endif
 }
 
+// The identity of the files as opened: each one's path, device, inode,
+// size, mtime and ctime, in order (ResidentCheckpoints).
+std::string FilesKey(const std::vector<OpenFile>& files) {
+  std::string key;
+  for (const OpenFile& f : files) {
+    absl::StrAppend(&key, f.path.size(), ":", f.path, "|", f.st.st_dev, "|", f.st.st_ino, "|",
+                    f.st.st_size, "|", f.st.st_mtim.tv_sec, ".", f.st.st_mtim.tv_nsec, "|",
+                    f.st.st_ctim.tv_sec, ".", f.st.st_ctim.tv_nsec, ";");
+  }
+  return key;
+}
+
 }  // namespace
+
+std::shared_ptr<const Checkpoint> ResidentCheckpoints::Find(const std::string& files_key) const {
+  absl::MutexLock lock(&mu_);
+  auto it = by_files_.find(files_key);
+  return it == by_files_.end() ? nullptr : it->second.lock();
+}
+
+void ResidentCheckpoints::Add(const std::string& files_key,
+                              const std::shared_ptr<const Checkpoint>& checkpoint) {
+  absl::MutexLock lock(&mu_);
+  absl::erase_if(by_files_, [](const auto& kv) { return kv.second.expired(); });
+  by_files_[files_key] = checkpoint;
+}
 
 int64_t StoredTensor::NumElements() const {
   int64_t n = 1;
@@ -270,6 +296,26 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
         return absl::InvalidArgumentError(absl::StrCat(
             kIndexName, " maps tensor \"", name, "\" to ", file, ", which does not hold it"));
       }
+    }
+  }
+
+  // Files already resident (the same files under another model's name or
+  // profile) are shared, not read again. They were opened above, through
+  // the caller's confinement, so only what it may read is shared with it.
+  std::string files_key;
+  if (options.resident != nullptr) {
+    files_key = FilesKey(files);
+    if (std::shared_ptr<const Checkpoint> resident = options.resident->Find(files_key)) {
+      if (options.progress) {
+        LoadProgressInfo done;
+        done.bytes_done = done.bytes_total = resident->total_bytes();
+        done.tensors_done = done.tensors_total = resident->tensors().size();
+        options.progress(done);
+      }
+      LogEvent(LogLevel::kInfo, "load_shared",
+               {{"path", path}, {"files", absl::StrCat(files.size())},
+                {"bytes", absl::StrCat(resident->total_bytes())}});
+      return resident;
     }
   }
 
@@ -399,8 +445,10 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     done.tensors_done = done.tensors_total = tensors_total;
     options.progress(done);
   }
-  return std::make_shared<const Checkpoint>(path, std::move(paths), std::move(tensors),
-                                            std::move(sealed), std::move(metadata_charge));
+  auto checkpoint = std::make_shared<const Checkpoint>(path, std::move(paths), std::move(tensors),
+                                                       std::move(sealed), std::move(metadata_charge));
+  if (options.resident != nullptr) options.resident->Add(files_key, checkpoint);
+  return checkpoint;
 }
 
 }  // namespace weightd

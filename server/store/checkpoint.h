@@ -5,6 +5,7 @@
 #define WEIGHTD_SERVER_STORE_CHECKPOINT_H_
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -13,6 +14,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/string_view.h"
 #include "common/digest.h"
 #include "common/file_opener.h"
@@ -73,6 +75,9 @@ class Checkpoint {
   const std::array<uint64_t, kPageKinds>& page_bytes() const { return page_bytes_; }
   // Budget bytes held for the tensors' metadata (0 without a charge).
   uint64_t metadata_bytes() const { return metadata_charge_ ? metadata_charge_->bytes() : 0; }
+  // True for the first caller only: a checkpoint that several models share
+  // (ResidentCheckpoints) is registered with CUDA once.
+  bool ClaimPinning() const { return !pin_claimed_.exchange(true); }
 
  private:
   std::string path_;
@@ -83,6 +88,26 @@ class Checkpoint {
   uint64_t total_bytes_ = 0;
   std::array<uint64_t, kPageKinds> page_bytes_{};
   std::unique_ptr<MemoryCharge> metadata_charge_;
+  mutable std::atomic<bool> pin_claimed_{false};
+};
+
+// Checkpoints resident in memory by the identity of their files: each
+// file's path, device, inode, size, mtime and ctime, in order. A load whose
+// files are all resident already (the same checkpoint under another
+// model's name, or seen through another profile) shares that checkpoint's
+// memory instead of reading a second copy. Any write to a file changes its
+// ctime, even one that puts the mtime back, so a rewritten file is read
+// again. Entries die with their checkpoint. Thread-safe.
+class ResidentCheckpoints {
+ public:
+  std::shared_ptr<const Checkpoint> Find(const std::string& files_key) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void Add(const std::string& files_key, const std::shared_ptr<const Checkpoint>& checkpoint)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::weak_ptr<const Checkpoint>> by_files_ ABSL_GUARDED_BY(mu_);
 };
 
 struct LoadProgressInfo {
@@ -109,6 +134,9 @@ struct CheckpointLoadOptions {
   // daemon passes its ModelRoots, which confines them all to the model
   // roots. nullptr: UnconfinedFileOpener (tests, tools).
   const FileOpener* files = nullptr;
+  // Optional: files already resident are shared, not read again; what this
+  // load reads is registered there.
+  ResidentCheckpoints* resident = nullptr;
 };
 
 // Loads `path`, which is a .safetensors file, a directory holding

@@ -312,6 +312,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     loading_.insert(name);
   }
   absl::Time start = absl::Now();
+  bool shared = false;  // the checkpoint is another model's (the same files)
   auto build = [&]() -> absl::StatusOr<std::shared_ptr<Model>> {
     CheckpointLoadOptions opts;
     opts.memory = &memory_;
@@ -320,6 +321,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     opts.progress = progress;
     opts.files = &roots_;
     opts.resident = &resident_;
+    opts.shared = &shared;
     auto model = std::make_shared<Model>();
     model->name = name;
     model->path = resolved;
@@ -331,6 +333,14 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     auto checkpoint = LoadCheckpoint(resolved, opts);
     if (!checkpoint.ok()) return checkpoint.status();
     model->checkpoint = std::move(*checkpoint);
+    if (shared) {
+      WD_ASSIGN_OR_RETURN(
+          std::unique_ptr<MemoryCharge> charge,
+          memory_.Charge(model->checkpoint->metadata_bytes(),
+                         absl::StrCat("metadata of ", model->checkpoint->tensors().size(),
+                                      " tensors")));
+      model->metadata_charge = std::move(charge);
+    }
     PinSegments(name, *model->checkpoint);
     std::vector<SourceTensorInfo> sources;
     for (const StoredTensor& t : model->checkpoint->tensors()) {
@@ -398,13 +408,16 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
       });
   double secs = absl::ToDoubleSeconds(absl::Now() - start);
   loads_.fetch_add(1);
-  load_bytes_.fetch_add(summary.total_bytes);
-  load_ns_.fetch_add(static_cast<uint64_t>(secs * 1e9));
+  if (!shared) {  // bytes read and the time it took: a shared load read nothing
+    load_bytes_.fetch_add(summary.total_bytes);
+    load_ns_.fetch_add(static_cast<uint64_t>(secs * 1e9));
+  }
   LogEvent(LogLevel::kInfo, "load",
            {{"model", name},
             {"path", resolved},
             {"tensors", absl::StrCat(summary.tensor_count)},
             {"bytes", absl::StrCat(summary.total_bytes)},
+            {"shared", shared ? "yes (its files were resident)" : "no"},
             {"seconds", absl::StrCat(secs)}});
   for (const std::string& line : summary.report) {
     LogEvent(LogLevel::kInfo, "load_report", {{"model", name}, {"line", line}});

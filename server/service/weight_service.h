@@ -360,6 +360,10 @@ class WeightService {
     std::string name;
     std::string path;
     std::shared_ptr<const Checkpoint> checkpoint;
+    // A model that shares its checkpoint with another (loaded from the same
+    // files) holds its own charge for the metadata it builds (names,
+    // layout, generations): the checkpoint's own was charged once.
+    std::shared_ptr<const MemoryCharge> metadata_charge;
     std::shared_ptr<const Profile> profile;  // null: identity layout
     ReaderList readers;                      // empty: public
     std::shared_ptr<const std::vector<Served>> served;  // sorted by name

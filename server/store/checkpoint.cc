@@ -312,6 +312,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
         done.tensors_done = done.tensors_total = resident->tensors().size();
         options.progress(done);
       }
+      if (options.shared != nullptr) *options.shared = true;
       LogEvent(LogLevel::kInfo, "load_shared",
                {{"path", path}, {"files", absl::StrCat(files.size())},
                 {"bytes", absl::StrCat(resident->total_bytes())}});
@@ -385,6 +386,10 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   }));
 
   // A file replaced or rewritten while we read it would give torn tensors.
+  // Any other change of its status (a ctime that moved: a write that put
+  // the mtime back, a chmod) keeps this copy from being shared: later loads
+  // read the files again.
+  bool shareable = true;
   for (const OpenFile& f : files) {
     struct stat now;
     if (::fstat(f.fd.get(), &now) != 0) return ErrnoStatus(errno, f.path);
@@ -392,6 +397,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
         now.st_mtim.tv_nsec != f.st.st_mtim.tv_nsec) {
       return absl::DataLossError(absl::StrCat(f.path, " changed while it was being loaded"));
     }
+    shareable = shareable && now.st_ctim.tv_sec == f.st.st_ctim.tv_sec &&
+                now.st_ctim.tv_nsec == f.st.st_ctim.tv_nsec;
   }
 
   std::vector<StoredTensor> tensors;
@@ -447,7 +454,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   }
   auto checkpoint = std::make_shared<const Checkpoint>(path, std::move(paths), std::move(tensors),
                                                        std::move(sealed), std::move(metadata_charge));
-  if (options.resident != nullptr) options.resident->Add(files_key, checkpoint);
+  if (options.resident != nullptr && shareable) options.resident->Add(files_key, checkpoint);
   return checkpoint;
 }
 

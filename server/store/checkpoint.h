@@ -135,8 +135,12 @@ struct CheckpointLoadOptions {
   // roots. nullptr: UnconfinedFileOpener (tests, tools).
   const FileOpener* files = nullptr;
   // Optional: files already resident are shared, not read again; what this
-  // load reads is registered there.
+  // load reads is registered there. Two loads of the same files that run at
+  // once both read (the later one is what later loads share).
   ResidentCheckpoints* resident = nullptr;
+  // Optional: set to true when the checkpoint returned was shared. Nothing
+  // was read or charged then: the caller charges what it builds per model.
+  bool* shared = nullptr;
 };
 
 // Loads `path`, which is a .safetensors file, a directory holding

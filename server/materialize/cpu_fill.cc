@@ -14,14 +14,22 @@ namespace {
 
 constexpr float kFp8E4M3Max = 448.0f;
 
-// The stored tensor's bytes, which this backend reads with the CPU.
-absl::StatusOr<const uint8_t*> HostBytes(const StoredTensor& t) {
-  if (t.buffer->kind() != MemoryKind::kHost) {
+// The bytes at `offset` of `buffer` (those of tensor `name`), which this
+// backend reads with the CPU. An empty host buffer (a checkpoint of empty
+// tensors) is mapped nowhere: null, with nothing to read.
+absl::StatusOr<const uint8_t*> HostBytes(const Buffer& buffer, uint64_t offset,
+                                         absl::string_view name) {
+  if (buffer.kind() != MemoryKind::kHost) {
     return absl::UnimplementedError(absl::StrCat(
-        "tensor \"", t.name, "\" is in ", MemoryKindName(t.buffer->kind()),
+        "tensor \"", name, "\" is in ", MemoryKindName(buffer.kind()),
         " memory; the CPU fill backend reads host memory only"));
   }
-  return t.host_data();
+  const uint8_t* base = buffer.host_data();
+  return base == nullptr ? nullptr : base + offset;
+}
+
+absl::StatusOr<const uint8_t*> HostBytes(const StoredTensor& t) {
+  return HostBytes(*t.buffer, t.offset, t.name);
 }
 
 // Floats per block when a slice is computed in fp32: small enough to stay
@@ -198,7 +206,9 @@ absl::StatusOr<std::vector<Digest>> CpuFillBackend::Run(absl::Span<const FillJob
   WD_RETURN_IF_ERROR(ParallelFor(&helpers_, jobs.size(), threads_, [&](size_t j) {
     const FillJob& job = jobs[j];
     if (job.dst == nullptr) {  // a view: its bytes are there already
-      digests[j] = DigestBytes(job.view_bytes, job.length);
+      WD_ASSIGN_OR_RETURN(const uint8_t* bytes,
+                          HostBytes(*job.view_of, job.view_offset, job.item->name));
+      digests[j] = DigestBytes(bytes, job.length);
       return absl::OkStatus();
     }
     DigestBuilder digest;

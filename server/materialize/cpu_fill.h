@@ -26,12 +26,13 @@
 namespace weightd {
 
 // One item to compute into `dst` (OutputElements * out size bytes), or,
-// with `dst` null, a view whose `length` bytes at `view_bytes` only need
-// their digest.
+// with `dst` null, a view: `length` bytes at `view_offset` of `view_of`
+// (borrowed), which only need their digest.
 struct FillJob {
   const MaterializeItem* item = nullptr;
   uint8_t* dst = nullptr;
-  const uint8_t* view_bytes = nullptr;
+  const Buffer* view_of = nullptr;
+  uint64_t view_offset = 0;
   uint64_t length = 0;
 };
 

@@ -4,7 +4,6 @@
 #include <memory>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace weightd {
@@ -41,16 +40,10 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materializer::Materialize(
   std::vector<FillJob> jobs;
   jobs.reserve(plan.slots.size());
   for (const PackSlot& slot : plan.slots) {
-    FillJob job{&items[slot.item], nullptr, nullptr, slot.length};
+    FillJob job{&items[slot.item], nullptr, nullptr, 0, slot.length};
     if (slot.view) {
-      if (slot.view_of->kind() != MemoryKind::kHost) {
-        return absl::UnimplementedError(absl::StrCat(
-            "tensor \"", items[slot.item].name, "\" is in ",
-            MemoryKindName(slot.view_of->kind()),
-            " memory; the host materializer digests host memory only"));
-      }
-      // A checkpoint of empty tensors has an empty segment, mapped nowhere.
-      job.view_bytes = slot.length == 0 ? nullptr : slot.view_of->host_data() + slot.offset;
+      job.view_of = slot.view_of.get();  // the plan holds it
+      job.view_offset = slot.offset;
     } else {
       job.dst = buffers[slot.group]->mutable_data() + slot.offset;
     }

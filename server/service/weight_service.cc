@@ -321,7 +321,8 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     opts.progress = progress;
     opts.files = &roots_;
     opts.resident = &resident_;
-    opts.shared = &shared;
+    std::unique_ptr<MemoryCharge> shared_charge;
+    opts.shared_charge = &shared_charge;
     auto model = std::make_shared<Model>();
     model->name = name;
     model->path = resolved;
@@ -333,14 +334,8 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     auto checkpoint = LoadCheckpoint(resolved, opts);
     if (!checkpoint.ok()) return checkpoint.status();
     model->checkpoint = std::move(*checkpoint);
-    if (shared) {
-      WD_ASSIGN_OR_RETURN(
-          std::unique_ptr<MemoryCharge> charge,
-          memory_.Charge(model->checkpoint->metadata_bytes(),
-                         absl::StrCat("metadata of ", model->checkpoint->tensors().size(),
-                                      " tensors")));
-      model->metadata_charge = std::move(charge);
-    }
+    shared = shared_charge != nullptr;
+    model->metadata_charge = std::move(shared_charge);
     PinSegments(name, *model->checkpoint);
     std::vector<SourceTensorInfo> sources;
     for (const StoredTensor& t : model->checkpoint->tensors()) {

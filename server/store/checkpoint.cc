@@ -162,6 +162,15 @@ class ProgressTracker {
   LoadProgressInfo info_ ABSL_GUARDED_BY(mu_);
 };
 
+// The last progress report of a load: everything done.
+void ReportDone(const LoadProgressFn& fn, uint64_t bytes, uint64_t tensors) {
+  if (!fn) return;
+  LoadProgressInfo done;
+  done.bytes_done = done.bytes_total = bytes;
+  done.tensors_done = done.tensors_total = tensors;
+  fn(done);
+}
+
 // Allocates and maps the shared-memory pages under [dest, dest + length)
 // (rounded out to pages) in one call instead of a fault per page while
 // pread() copies; RESOURCE_EXHAUSTED when the memory is not there.
@@ -299,27 +308,6 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     }
   }
 
-  // Files already resident (the same files under another model's name or
-  // profile) are shared, not read again. They were opened above, through
-  // the caller's confinement, so only what it may read is shared with it.
-  std::string files_key;
-  if (options.resident != nullptr) {
-    files_key = FilesKey(files);
-    if (std::shared_ptr<const Checkpoint> resident = options.resident->Find(files_key)) {
-      if (options.progress) {
-        LoadProgressInfo done;
-        done.bytes_done = done.bytes_total = resident->total_bytes();
-        done.tensors_done = done.tensors_total = resident->tensors().size();
-        options.progress(done);
-      }
-      if (options.shared != nullptr) *options.shared = true;
-      LogEvent(LogLevel::kInfo, "load_shared",
-               {{"path", path}, {"files", absl::StrCat(files.size())},
-                {"bytes", absl::StrCat(resident->total_bytes())}});
-      return resident;
-    }
-  }
-
   // The per-tensor bookkeeping counts against the budget like the bytes: a
   // small file of very many tensors must not take unaccounted memory.
   uint64_t metadata_bytes = 0;
@@ -332,6 +320,23 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
       std::unique_ptr<MemoryCharge> metadata_charge,
       options.memory->Charge(metadata_bytes,
                             absl::StrCat("metadata of ", tensors_total, " tensors")));
+
+  // Files already resident (the same files under another model's name or
+  // profile) are shared, not read again; the metadata charge above goes to
+  // the caller, for what it builds per model. The files were opened above,
+  // through the caller's confinement, so only what it may read is shared.
+  std::string files_key;
+  if (options.resident != nullptr) {
+    files_key = FilesKey(files);
+    if (std::shared_ptr<const Checkpoint> resident = options.resident->Find(files_key)) {
+      ReportDone(options.progress, resident->total_bytes(), resident->tensors().size());
+      *options.shared_charge = std::move(metadata_charge);
+      LogEvent(LogLevel::kInfo, "load_shared",
+               {{"path", path}, {"files", absl::StrCat(files.size())},
+                {"bytes", absl::StrCat(resident->total_bytes())}});
+      return resident;
+    }
+  }
 
   // Lay the data sections out in segments, in file order.
   std::vector<uint64_t> segment_sizes;
@@ -446,12 +451,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   std::vector<SegmentPtr> sealed;
   for (auto& seg : segments) sealed.push_back(SegmentPtr(std::move(seg)));
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].buffer = sealed[tensor_segment[i]];
-  if (options.progress) {
-    LoadProgressInfo done;
-    done.bytes_done = done.bytes_total = bytes_total;
-    done.tensors_done = done.tensors_total = tensors_total;
-    options.progress(done);
-  }
+  ReportDone(options.progress, bytes_total, tensors_total);
   auto checkpoint = std::make_shared<const Checkpoint>(path, std::move(paths), std::move(tensors),
                                                        std::move(sealed), std::move(metadata_charge));
   if (options.resident != nullptr && shareable) options.resident->Add(files_key, checkpoint);

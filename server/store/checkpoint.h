@@ -138,9 +138,11 @@ struct CheckpointLoadOptions {
   // load reads is registered there. Two loads of the same files that run at
   // once both read (the later one is what later loads share).
   ResidentCheckpoints* resident = nullptr;
-  // Optional: set to true when the checkpoint returned was shared. Nothing
-  // was read or charged then: the caller charges what it builds per model.
-  bool* shared = nullptr;
+  // Required with `resident`. When the checkpoint returned is shared
+  // (nothing was read), set to the budget charge for the tensors' metadata,
+  // which the caller holds for what it builds per model (names, layout,
+  // generations); left null otherwise.
+  std::unique_ptr<MemoryCharge>* shared_charge = nullptr;
 };
 
 // Loads `path`, which is a .safetensors file, a directory holding

@@ -26,6 +26,15 @@ def _write(path, seed):
     return tensors
 
 
+def _model_file(tmp_path, seed=1):
+    """models/m.safetensors under tmp_path: (models dir, path, tensors, bytes)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    path = str(models / "m.safetensors")
+    tensors = _write(path, seed)
+    return models, path, tensors, sum(t.numel() * 2 for t in tensors.values())
+
+
 def _held(c):
     s = c.stats()
     return s["bytes_resident"], s["checkpoint_bytes_logical"], s["checkpoint_bytes_resident"]
@@ -42,11 +51,7 @@ def _serves(c, model, ref, rename=lambda n: n, world=2):
 
 
 def test_same_files_under_three_names_and_a_profile_are_held_once(tmp_path):
-    models = tmp_path / "models"
-    models.mkdir()
-    path = str(models / "m.safetensors")
-    ref = _write(path, 1)
-    size = sum(t.numel() * 2 for t in ref.values())
+    models, path, ref, size = _model_file(tmp_path)
     with Daemon(model_root=str(models)) as d, weightd.Client(socket=d.socket) as c:
         c.load("a", path)
         first, logical, resident = _held(c)
@@ -87,11 +92,7 @@ def test_same_files_under_three_names_and_a_profile_are_held_once(tmp_path):
 
 
 def test_a_file_rewritten_between_loads_is_read_again(tmp_path):
-    models = tmp_path / "models"
-    models.mkdir()
-    path = str(models / "m.safetensors")
-    old = _write(path, 1)
-    size = sum(t.numel() * 2 for t in old.values())
+    models, path, old, size = _model_file(tmp_path)
     with Daemon(model_root=str(models)) as d, weightd.Client(socket=d.socket) as c:
         c.load("old", path)
         st = os.stat(path)
@@ -118,11 +119,7 @@ def test_a_shared_load_is_charged_the_metadata_it_builds(tmp_path):
     """The bytes are shared; each model's names, layout and generations are
     not: a shared load over the budget is refused RESOURCE_EXHAUSTED, and
     the model that holds the files keeps serving."""
-    models = tmp_path / "models"
-    models.mkdir()
-    path = str(models / "m.safetensors")
-    ref = _write(path, 1)
-    data = sum(t.numel() * 2 for t in ref.values())
+    models, path, ref, data = _model_file(tmp_path)
     metadata = 8 * (1024 + 24 * 2 + 16 * 2)  # README, Limits: per tensor
     budget = data + metadata + 4096          # room for the first, not a second metadata
     with Daemon(model_root=str(models),

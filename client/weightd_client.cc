@@ -915,6 +915,103 @@ absl::StatusOr<GenerationEvent> Client::Apply(const std::string& model,
   return ev;
 }
 
+namespace {
+
+PublishOutcome ToPublishOutcome(const v1::PublishResult& r) {
+  PublishOutcome o;
+  o.model = r.model();
+  o.generation = r.generation();
+  o.weights_id = r.weights_id();
+  o.tensors = r.tensors();
+  o.changed = r.changed();
+  o.bytes = r.bytes();
+  o.bytes_stored = r.bytes_stored();
+  o.adapters.assign(r.adapters().begin(), r.adapters().end());
+  return o;
+}
+
+constexpr uint64_t kPublishChunkBytes = uint64_t{4} << 20;
+
+}  // namespace
+
+absl::StatusOr<PublishOutcome> Client::Publish(const std::string& model,
+                                               const std::vector<PublishTensor>& tensors,
+                                               const PublishOptions& options) {
+  v1::BeginPublishRequest begin;
+  begin.set_model(model);
+  begin.set_expect_generation(options.expect_generation);
+  begin.set_timeout_seconds(static_cast<uint32_t>(
+      std::max<int64_t>(1, absl::ToInt64Seconds(options.timeout))));
+  for (const PublishTensor& t : tensors) {
+    v1::PublishTensor* pt = begin.add_tensors();
+    pt->set_name(t.name);
+    pt->set_dtype(ToProtoDType(t.dtype));
+    for (int64_t d : t.shape) pt->add_shape(d);
+  }
+  v1::PublishSession session;
+  {
+    grpc::ClientContext ctx;
+    WD_RETURN_IF_ERROR(FromGrpc(channel_->models->BeginPublish(&ctx, begin, &session)));
+  }
+  auto abort = [&](absl::Status why) {
+    grpc::ClientContext ctx;
+    v1::AbortPublishRequest req;
+    req.set_session(session.session());
+    req.set_token(session.token());
+    v1::AbortPublishResponse resp;
+    (void)channel_->models->AbortPublish(&ctx, req, &resp);
+    return why;
+  };
+  v1::PublishWriteResponse written;
+  {
+    grpc::ClientContext ctx;
+    auto writer = channel_->models->PublishWrite(&ctx, &written);
+    v1::PublishChunk chunk;
+    chunk.set_session(session.session());
+    chunk.set_token(session.token());
+    uint64_t sent = 0;
+    bool broken = false;
+    auto flush = [&]() {
+      if (chunk.runs_size() == 0) return true;
+      sent += chunk.data().size();
+      const bool ok = writer->Write(chunk);
+      chunk.Clear();
+      if (ok && options.progress) options.progress(sent, session.bytes());
+      return ok;
+    };
+    for (size_t i = 0; i < tensors.size() && !broken; ++i) {
+      const PublishTensor& t = tensors[i];
+      uint64_t at = 0;
+      while (at < t.length && !broken) {
+        const uint64_t room = kPublishChunkBytes - chunk.data().size();
+        const uint64_t n = std::min(room, t.length - at);
+        v1::PublishRun* run = chunk.add_runs();
+        run->set_tensor(static_cast<uint32_t>(i));
+        run->set_offset(at);
+        run->set_length(n);
+        chunk.mutable_data()->append(reinterpret_cast<const char*>(t.data) + at, n);
+        at += n;
+        if (chunk.data().size() >= kPublishChunkBytes) broken = !flush();
+      }
+    }
+    if (!broken) broken = !flush();
+    if (!broken) writer->WritesDone();
+    absl::Status s = FromGrpc(writer->Finish());
+    if (!s.ok()) return abort(s);
+  }
+  if (written.has_result()) return ToPublishOutcome(written.result());
+  // Every byte sent, yet the result came to nobody (an empty publish, or
+  // the tensors were given shorter than their shapes): ask.
+  v1::CommitPublishRequest commit;
+  commit.set_session(session.session());
+  commit.set_token(session.token());
+  v1::PublishResult result;
+  grpc::ClientContext ctx;
+  absl::Status s = FromGrpc(channel_->models->CommitPublish(&ctx, commit, &result));
+  if (!s.ok()) return abort(s);
+  return ToPublishOutcome(result);
+}
+
 absl::Status Client::Watch(const std::string& model, bool include_current,
                            const std::function<bool(const GenerationEvent&)>& on_event) {
   grpc::ClientContext ctx;

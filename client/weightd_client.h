@@ -185,6 +185,31 @@ struct TensorView {
   int device = -1;
 };
 
+// One tensor to publish: a served name of the model, in the dtype and shape
+// the model stores it in, and its bytes (row-major), borrowed for the call.
+struct PublishTensor {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;
+  uint64_t length = 0;
+};
+
+struct PublishOptions {
+  uint64_t expect_generation = 0;  // 0 = any; else ABORTED when the model moved on
+  absl::Duration timeout = absl::Minutes(10);
+  // Called after each chunk the daemon took: (bytes done, bytes total).
+  std::function<void(uint64_t, uint64_t)> progress;
+};
+
+struct PublishOutcome {
+  std::string model;
+  uint64_t generation = 0;  // the new one (the current one when nothing changed)
+  std::string weights_id;
+  uint64_t tensors = 0, changed = 0, bytes = 0, bytes_stored = 0;
+  std::vector<std::string> adapters;  // the stack merged again on the new weights
+};
+
 class Client;
 
 class ShardSet {
@@ -252,6 +277,13 @@ class Client {
   absl::StatusOr<GenerationEvent> Apply(const std::string& model,
                                         const std::vector<AdapterStrength>& stack,
                                         uint64_t expect_generation);
+  // Publishes new base weights for `model` (admins): one session, the
+  // bytes streamed in chunks of <= 4 MiB, the generation made when the last
+  // byte lands (Models.BeginPublish / PublishWrite / CommitPublish). On any
+  // error the session is aborted: nothing is published.
+  absl::StatusOr<PublishOutcome> Publish(const std::string& model,
+                                         const std::vector<PublishTensor>& tensors,
+                                         const PublishOptions& options = {});
   // Calls `on_event` for each new generation until it returns false or the
   // stream ends. include_current: report the current generation first.
   absl::Status Watch(const std::string& model, bool include_current,

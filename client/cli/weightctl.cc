@@ -2,10 +2,13 @@
 // (DESIGN §3). Flags are parsed here and only here.
 #include <fcntl.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <set>
 #include <string>
@@ -44,7 +47,10 @@ constexpr char kUsage[] =
     "  adapter load NAME PATH [--format auto|peft|kohya|dense] [--strict] [--readers LIST]\n"
     "  adapter list | adapter unload NAME\n"
     "  apply MODEL [ADAPTER[:STRENGTH] ...] [--expect-generation G]   (none = back to base)\n"
-    "  watch MODEL [--count N]\n";
+    "  watch MODEL [--count N]\n"
+    "  publish MODEL FILE.safetensors [--expect-generation G] [--timeout SECONDS]\n"
+    "        (new base weights: every tensor of FILE replaces the served tensor of its\n"
+    "         name, same dtype and shape; unchanged ones keep their digests)\n";
 
 // Positional words and --flag values of one verb.
 struct Args {
@@ -455,6 +461,77 @@ absl::Status CmdApply(Client& c, const Args& a) {
   return absl::OkStatus();
 }
 
+absl::Status CmdPublish(Client& c, const Args& a) {
+  WD_RETURN_IF_ERROR(NeedPositional(
+      a, 2, "publish MODEL FILE.safetensors [--expect-generation G] [--timeout SECONDS]"));
+  PublishOptions options;
+  if (a.Has("--expect-generation")) {
+    WD_ASSIGN_OR_RETURN(int64_t g, ParseInt("--expect-generation", a.Get("--expect-generation")));
+    if (g < 1) return absl::InvalidArgumentError("--expect-generation must be >= 1");
+    options.expect_generation = static_cast<uint64_t>(g);
+  }
+  if (a.Has("--timeout")) {
+    WD_ASSIGN_OR_RETURN(int64_t t, ParseInt("--timeout", a.Get("--timeout")));
+    if (t < 1 || t > 86400) return absl::InvalidArgumentError("--timeout must be 1 to 86400 seconds");
+    options.timeout = absl::Seconds(t);
+  }
+  const std::string& path = a.positional[1];
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) {
+    return absl::NotFoundError(absl::StrCat(path, ": ", std::strerror(errno)));
+  }
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) return absl::InvalidArgumentError(absl::StrCat(path, ": not a safetensors file"));
+  WD_ASSIGN_OR_RETURN(MappedRegion map,
+                      MappedRegion::Map(fd.get(), size, MappedRegion::Mode::kReadOnly));
+  const char* bytes = reinterpret_cast<const char*>(map.data());
+  auto header_len = ParseSafetensorsPrefix(absl::string_view(bytes, 8), size);
+  if (!header_len.ok()) return Annotate(header_len.status(), path);
+  auto header = ParseSafetensorsHeader(absl::string_view(bytes + 8, *header_len), size);
+  if (!header.ok()) return Annotate(header.status(), path);
+  std::vector<PublishTensor> tensors;
+  for (const SafetensorsEntry& e : header->tensors) {
+    PublishTensor t;
+    t.name = e.name;
+    t.dtype = e.dtype;
+    t.shape = e.shape;
+    t.data = reinterpret_cast<const uint8_t*>(bytes) + header->data_offset + e.begin;
+    t.length = e.end - e.begin;
+    tensors.push_back(std::move(t));
+  }
+  const bool tty = ::isatty(STDERR_FILENO);
+  int last_decile = -1;
+  options.progress = [&](uint64_t done, uint64_t total) {
+    double frac = total ? static_cast<double>(done) / total : 1.0;
+    if (tty) {
+      std::fprintf(stderr, "\rpublishing %s: %5.1f%%  %s / %s", a.positional[0].c_str(),
+                   frac * 100, HumanBytes(done).c_str(), HumanBytes(total).c_str());
+      std::fflush(stderr);
+    } else if (static_cast<int>(frac * 10) > last_decile) {
+      last_decile = static_cast<int>(frac * 10);
+      std::fprintf(stderr, "publishing %s: %.0f%% (%s of %s)\n", a.positional[0].c_str(),
+                   frac * 100, HumanBytes(done).c_str(), HumanBytes(total).c_str());
+    }
+  };
+  absl::Time start = absl::Now();
+  auto r = c.Publish(a.positional[0], tensors, options);
+  if (tty) std::fprintf(stderr, "\n");
+  if (!r.ok()) return r.status();
+  std::printf("published %s generation %llu: %llu tensors, %llu changed, %s sent, %s stored, "
+              "%.2f s, weights_id %s%s%s\n",
+              r->model.c_str(), static_cast<unsigned long long>(r->generation),
+              static_cast<unsigned long long>(r->tensors),
+              static_cast<unsigned long long>(r->changed), HumanBytes(r->bytes).c_str(),
+              HumanBytes(r->bytes_stored).c_str(), absl::ToDoubleSeconds(absl::Now() - start),
+              r->weights_id.c_str(), r->adapters.empty() ? "" : ", adapters ",
+              absl::StrJoin(r->adapters, " ").c_str());
+  return absl::OkStatus();
+}
+
 absl::Status CmdWatch(Client& c, const Args& a) {
   WD_RETURN_IF_ERROR(NeedPositional(a, 1, "watch MODEL [--count N]"));
   int64_t count = 0;
@@ -591,6 +668,10 @@ absl::Status Run(int argc, char** argv) {
   if (verb == "apply") {
     WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--expect-generation"}, {}));
     return CmdApply(*client, a);
+  }
+  if (verb == "publish") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--expect-generation", "--timeout"}, {}));
+    return CmdPublish(*client, a);
   }
   if (verb == "watch") {
     WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--count"}, {}));

@@ -17,6 +17,78 @@
 namespace weightd {
 namespace {
 
+void FillPublishResult(const WeightService::PublishResult& r, v1::PublishResult* out) {
+  out->set_model(r.generation.model);
+  out->set_generation(r.generation.generation);
+  out->set_weights_id(r.generation.content.Hex());
+  out->set_tensors(r.tensors);
+  out->set_changed(r.changed);
+  out->set_bytes(r.bytes);
+  out->set_bytes_stored(r.bytes_stored);
+  for (const std::string& a : r.generation.adapters) out->add_adapters(a);
+}
+
+// PublishWrite: each chunk is copied into the session's staging memory on
+// the worker pool (the chunk that completes the session also digests and
+// commits it there), then the next one is read.
+class PublishWriteReactor : public grpc::ServerReadReactor<v1::PublishChunk> {
+ public:
+  PublishWriteReactor(WeightService* service, ThreadPool* pool, CallDrain::Hold hold,
+                      v1::PublishWriteResponse* resp)
+      : service_(service), pool_(pool), hold_(std::move(hold)), resp_(resp) {
+    StartRead(&chunk_);
+  }
+
+ private:
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the writer is done (or gone)
+      Finish(grpc::Status::OK);
+      return;
+    }
+    pool_->Schedule([this] { Process(); });
+  }
+  void Process() {
+    if (chunk_.session() != 0) {
+      if (session_ != 0 && chunk_.session() != session_) {
+        Finish(ToGrpcStatus(absl::InvalidArgumentError(
+            "one PublishWrite stream writes to one session")));
+        return;
+      }
+      session_ = chunk_.session();
+      if (!chunk_.token().empty()) token_ = chunk_.token();
+    }
+    if (session_ == 0) {
+      Finish(ToGrpcStatus(absl::InvalidArgumentError(
+          "the first message of a PublishWrite stream must name its session")));
+      return;
+    }
+    std::vector<WeightService::PublishRun> runs;
+    runs.reserve(chunk_.runs_size());
+    for (const v1::PublishRun& r : chunk_.runs()) {
+      runs.push_back(WeightService::PublishRun{r.tensor(), r.offset(), r.length()});
+    }
+    auto progress = service_->WritePublish(session_, token_, runs, chunk_.data());
+    if (!progress.ok()) {
+      Finish(ToGrpcStatus(progress.status()));
+      return;
+    }
+    resp_->set_bytes_written(resp_->bytes_written() + chunk_.data().size());
+    resp_->set_bytes_done(progress->bytes_done);
+    resp_->set_bytes_total(progress->bytes_total);
+    if (progress->result.has_value()) FillPublishResult(*progress->result, resp_->mutable_result());
+    StartRead(&chunk_);
+  }
+  void OnDone() override { delete this; }  // gRPC reactor idiom
+
+  WeightService* const service_;
+  ThreadPool* const pool_;
+  CallDrain::Hold hold_;
+  v1::PublishWriteResponse* const resp_;
+  v1::PublishChunk chunk_;
+  uint64_t session_ = 0;
+  std::string token_;
+};
+
 class ModelsImpl final : public v1::Models::CallbackService {
  public:
   ModelsImpl(WeightService* service, ThreadPool* pool, TaskThreads* long_calls, CallDrain* drain,
@@ -121,6 +193,88 @@ class ModelsImpl final : public v1::Models::CallbackService {
     });
   }
 
+  grpc::ServerUnaryReactor* BeginPublish(grpc::CallbackServerContext* ctx,
+                                         const v1::BeginPublishRequest* req,
+                                         v1::PublishSession* resp) override {
+    auto who = auth_->AuthenticateAdmin(ctx, "publish weights");
+    if (!who.ok()) return Refuse(ctx, who.status());
+    return RunOnPool(
+        ctx, pool_, drain_,
+        [this, req, resp]() -> absl::Status {
+          WeightService::PublishBeginParams params;
+          params.model = req->model();
+          params.expect_generation = req->expect_generation();
+          params.timeout = absl::Seconds(req->timeout_seconds() == 0 ? 600 : req->timeout_seconds());
+          for (const v1::PublishTensor& t : req->tensors()) {
+            PublishTensorSpec spec;
+            spec.name = t.name();
+            auto dtype = FromProtoDType(t.dtype());
+            if (!dtype.ok()) {
+              return absl::InvalidArgumentError(
+                  absl::StrCat("tensor \"", t.name(), "\": ", dtype.status().message()));
+            }
+            spec.dtype = *dtype;
+            spec.shape.assign(t.shape().begin(), t.shape().end());
+            params.tensors.push_back(std::move(spec));
+          }
+          auto info = service_->BeginPublish(params);
+          if (!info.ok()) return info.status();
+          resp->set_session(info->id);
+          resp->set_token(info->token);
+          resp->set_base_generation(info->base_generation);
+          resp->set_bytes(info->bytes);
+          resp->set_deadline_unix_ms(absl::ToUnixMillis(info->deadline));
+          return absl::OkStatus();
+        },
+        /*change=*/true);
+  }
+
+  grpc::ServerReadReactor<v1::PublishChunk>* PublishWrite(
+      grpc::CallbackServerContext* ctx, v1::PublishWriteResponse* resp) override {
+    auto who = auth_->AuthenticateAdmin(ctx, "publish weights");
+    absl::StatusOr<CallDrain::Hold> hold =
+        who.ok() ? drain_->Enter(/*change=*/true) : absl::StatusOr<CallDrain::Hold>(who.status());
+    if (!hold.ok()) {
+      class Refused : public grpc::ServerReadReactor<v1::PublishChunk> {
+       public:
+        explicit Refused(const absl::Status& s) { Finish(ToGrpcStatus(s)); }
+        void OnDone() override { delete this; }
+      };
+      return new Refused(hold.status());
+    }
+    return new PublishWriteReactor(service_, pool_, std::move(*hold), resp);
+  }
+
+  grpc::ServerUnaryReactor* CommitPublish(grpc::CallbackServerContext* ctx,
+                                          const v1::CommitPublishRequest* req,
+                                          v1::PublishResult* resp) override {
+    auto who = auth_->AuthenticateAdmin(ctx, "publish weights");
+    if (!who.ok()) return Refuse(ctx, who.status());
+    auto hold = drain_->Enter(/*change=*/true);
+    if (!hold.ok()) return Refuse(ctx, hold.status());
+    auto* reactor = new HeldUnaryReactor(std::move(*hold));  // deletes itself in OnDone
+    // It may wait: a thread of its own, not a pool worker.
+    absl::Status started = long_calls_->Start([this, reactor, req, resp] {
+      auto r = service_->CommitPublish(req->session(), req->token(),
+                                       absl::Seconds(std::min<uint32_t>(req->wait_seconds(), 3600)));
+      if (r.ok()) FillPublishResult(*r, resp);
+      reactor->Finish(ToGrpcStatus(r.status()));
+    });
+    if (!started.ok()) reactor->Finish(ToGrpcStatus(started));
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* AbortPublish(grpc::CallbackServerContext* ctx,
+                                         const v1::AbortPublishRequest* req,
+                                         v1::AbortPublishResponse*) override {
+    auto who = auth_->AuthenticateAdmin(ctx, "publish weights");
+    if (!who.ok()) return Refuse(ctx, who.status());
+    return RunOnPool(
+        ctx, pool_, drain_,
+        [this, req] { return service_->AbortPublish(req->session(), req->token()); },
+        /*change=*/true);
+  }
+
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest*,
                                   v1::StatsResponse* resp) override {
     auto who = auth_->Authenticate(ctx);
@@ -131,6 +285,10 @@ class ModelsImpl final : public v1::Models::CallbackService {
     resp->set_bytes_resident(s.bytes_resident);
     resp->set_checkpoint_bytes_logical(s.checkpoint_bytes_logical);
     resp->set_checkpoint_bytes_resident(s.checkpoint_bytes_resident);
+    resp->set_publishes(s.publishes);
+    resp->set_publish_bytes(s.publish_bytes);
+    resp->set_publish_seconds(s.publish_seconds);
+    resp->set_publish_sessions(s.publish_sessions);
     resp->set_materializations(s.materializer.entries);
     resp->set_materialization_bytes(s.materializer.packed_bytes);
     resp->set_cache_hits(s.materializer.hits);

@@ -70,6 +70,7 @@ void WeightService::ReapLoop() {
       LogEvent(LogLevel::kInfo, "lease_expired", {{"count", absl::StrCat(expired)}});
     }
     PruneGenerations();
+    ExpirePublishes();
     materializer_.Sweep();
   }
 }
@@ -165,8 +166,9 @@ absl::StatusOr<std::shared_ptr<const WeightService::Model>> WeightService::FindM
 std::vector<const WeightService::Served*> WeightService::ServedAt(const Model& model,
                                                                   const Generation& gen) {
   std::vector<const Served*> out;
-  out.reserve(model.served->size() + gen.added.size());
-  for (const Served& s : *model.served) out.push_back(&s);
+  const std::vector<Served>& base = gen.served != nullptr ? *gen.served : *model.served;
+  out.reserve(base.size() + gen.added.size());
+  for (const Served& s : base) out.push_back(&s);
   for (const Served& s : gen.added) out.push_back(&s);
   std::sort(out.begin(), out.end(),
             [](const Served* a, const Served* b) { return a->plan.name < b->plan.name; });
@@ -175,13 +177,36 @@ std::vector<const WeightService::Served*> WeightService::ServedAt(const Model& m
 
 absl::StatusOr<std::shared_ptr<WeightService::Generation>> WeightService::BuildGeneration(
     const Model& model, uint64_t number, const std::vector<AdapterRef>& stack,
-    std::vector<std::shared_ptr<const Adapter>> adapters) {
+    std::vector<std::shared_ptr<const Adapter>> adapters,
+    std::shared_ptr<const PublishedBase> published) {
   auto gen = std::make_shared<Generation>();
   gen->number = number;
   gen->stack = stack;
+  gen->served = model.served;
+  if (published != nullptr && !published->empty()) {
+    // The published parts in place of the checkpoint's; an allow_new
+    // tensor published becomes a one-part tensor of its own bytes.
+    auto served = std::make_shared<std::vector<Served>>(*model.served);
+    for (Served& s : *served) {
+      if (s.parts.empty()) {
+        auto it = published->find(s.plan.name);
+        if (it == published->end()) continue;
+        s.parts = {it->second.get()};
+        s.plan.parts = {ServedPart{s.plan.name}};
+        s.plan.part_rows = {s.plan.shape.empty() ? 1 : s.plan.shape[0]};
+        continue;
+      }
+      for (const StoredTensor*& p : s.parts) {
+        auto it = published->find(p->name);
+        if (it != published->end()) p = it->second.get();
+      }
+    }
+    gen->served = std::move(served);
+    gen->published = std::move(published);
+  }
   // Where each checkpoint name and single-part served name lands.
   absl::flat_hash_map<std::string, std::pair<const Served*, const StoredTensor*>> by_name;
-  for (const Served& s : *model.served) {
+  for (const Served& s : *gen->served) {
     for (const StoredTensor* p : s.parts) by_name.emplace(p->name, std::make_pair(&s, p));
     if (s.parts.size() == 1) by_name.emplace(s.plan.name, std::make_pair(&s, s.parts[0]));
   }
@@ -785,7 +810,16 @@ absl::StatusOr<WeightService::VerifyResult> WeightService::Verify(const std::str
   WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(name));
   VerifyResult r;
   std::vector<std::string> bad;
-  for (const StoredTensor& t : model->checkpoint->tensors()) {
+  std::vector<const StoredTensor*> stored;
+  for (const StoredTensor& t : model->checkpoint->tensors()) stored.push_back(&t);
+  for (const auto& g : model->history) {
+    if (g->published == nullptr) continue;
+    for (const auto& [key, t] : *g->published) stored.push_back(t.get());
+  }
+  std::sort(stored.begin(), stored.end());
+  stored.erase(std::unique(stored.begin(), stored.end()), stored.end());
+  for (const StoredTensor* tp : stored) {
+    const StoredTensor& t = *tp;
     if (t.buffer->kind() != MemoryKind::kHost) {
       return absl::UnimplementedError(absl::StrCat(
           "model \"", name, "\": tensor \"", t.name, "\" is in ",
@@ -985,7 +1019,8 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
       number_at_least != 0 ? std::max(model->current->number + 1, number_at_least)
                            : std::max(model->current->number + 1, model->generation_floor);
   WD_ASSIGN_OR_RETURN(std::shared_ptr<Generation> gen,
-                      BuildGeneration(*model, number, stack, std::move(adapters)));
+                      BuildGeneration(*model, number, stack, std::move(adapters),
+                                      model->current->published));
   gen->adapter_guards = std::move(adapter_guards);
   if (expect_content != nullptr && gen->identity != *expect_content) {
     return absl::DataLossError(
@@ -1011,36 +1046,44 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
         return absl::OkStatus();
       },
       [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        auto it = models_.find(model_name);
-        model = it->second;
-        auto next = std::make_shared<Model>(*model);
-        next->current = gen;
-        next->history.clear();
-        for (const auto& g : model->history) {
-          if (IsLeased(*g)) {
-            next->history.push_back(g);
-          } else {
-            retired.push_back(g->number);
-          }
-        }
-        next->history.push_back(gen);
-        next->digests.emplace_back(number, gen->content);
-        if (next->digests.size() > kDigestHistory) next->digests.erase(next->digests.begin());
-        it->second = next;
-        info.model = model_name;
-        info.generation = number;
-        for (const AdapterRef& r : stack) {
-          info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
-        }
-        info.guards = GuardsOf(*next, *gen);
-        info.content = gen->identity;
-        generation_changed_.SignalAll();
+        info = InstallGeneration(model_name, gen, &retired);
       }));
   applies_.fetch_add(1);
   for (uint64_t g : retired) materializer_.RetireTag(absl::StrCat(model_name, "#", g));
   LogEvent(LogLevel::kInfo, "apply",
            {{"model", model_name}, {"generation", absl::StrCat(number)},
             {"adapters", absl::StrJoin(info.adapters, ",")}});
+  return info;
+}
+
+GenerationInfo WeightService::InstallGeneration(const std::string& model_name,
+                                                std::shared_ptr<Generation> gen,
+                                                std::vector<uint64_t>* retired) {
+  auto it = models_.find(model_name);
+  const std::shared_ptr<const Model> model = it->second;
+  auto next = std::make_shared<Model>(*model);
+  next->current = gen;
+  next->history.clear();
+  for (const auto& g : model->history) {
+    if (IsLeased(*g)) {
+      next->history.push_back(g);
+    } else {
+      retired->push_back(g->number);
+    }
+  }
+  next->history.push_back(gen);
+  next->digests.emplace_back(gen->number, gen->content);
+  if (next->digests.size() > kDigestHistory) next->digests.erase(next->digests.begin());
+  it->second = next;
+  GenerationInfo info;
+  info.model = model_name;
+  info.generation = gen->number;
+  for (const AdapterRef& r : gen->stack) {
+    info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
+  }
+  info.guards = GuardsOf(*next, *gen);
+  info.content = gen->identity;
+  generation_changed_.SignalAll();
   return info;
 }
 
@@ -1159,6 +1202,10 @@ ServiceStats WeightService::Stats() const {
   s.pinned_bytes = pinned_bytes_->load();
   s.pushes = pushes_.load();
   s.push_bytes = push_bytes_.load();
+  s.publishes = publish_count_.load();
+  s.publish_bytes = publish_bytes_.load();
+  s.publish_seconds = static_cast<double>(publish_ns_.load()) / 1e9;
+  s.publish_sessions = OpenPublishSessions();
   s.fetches = fetches_.load();
   s.applies = applies_.load();
   s.loads = loads_.load();

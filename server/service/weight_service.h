@@ -37,6 +37,7 @@
 #include "server/service/fetch_plan.h"
 #include "server/service/fetch_table_cache.h"
 #include "server/service/latency_histogram.h"
+#include "server/service/publish_plan.h"
 #include "server/state/state_journal.h"
 #include "server/memory/host_memory.h"
 #include "server/memory/segment.h"
@@ -193,6 +194,10 @@ struct ServiceStats {
   HostPages host_pages;
   uint64_t pushes = 0;      // pushes into clients' memory answered OK
   uint64_t push_bytes = 0;  // the tensor bytes they wrote
+  uint64_t publishes = 0;         // publish sessions committed
+  uint64_t publish_bytes = 0;     // the bytes they received
+  double publish_seconds = 0;     // from begin to visible, summed
+  uint64_t publish_sessions = 0;  // open now (their staging memory is held)
   LatencyHistogram::Snapshot fetch_latency_shm;
   LatencyHistogram::Snapshot fetch_latency_grpc;
 };
@@ -321,6 +326,74 @@ class WeightService {
                                                                   absl::Duration timeout)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+
+  // Publishing new base weights (server/service/publish.cc). A publisher
+  // opens a session for the served tensors it will write (names, dtypes and
+  // shapes of the model's current generation: NOT_FOUND for an unknown
+  // name, INVALID_ARGUMENT naming the tensor for another dtype or shape, a
+  // name twice, a tensor an adapter adds), gets a staging segment laid out
+  // for them (PublishLayout, charged to the budget: RESOURCE_EXHAUSTED
+  // here, before anything is visible), writes every byte exactly once
+  // (WritePublish, from one or several writers, e.g. the ranks of a
+  // sharded trainer), and the last byte to arrive makes the generation:
+  // each tensor is digested; one whose bytes equal the current ones keeps
+  // its digest and memory; the others replace the base's (the adapter stack
+  // is merged again on the new base). Nothing is visible before that, and a
+  // session aborted, failed or past its deadline leaves nothing and frees
+  // its memory. expect_generation != 0 is checked at begin and at commit
+  // (ABORTED). Access control is the caller's (admins, like load).
+  struct PublishBeginParams {
+    std::string model;
+    std::vector<PublishTensorSpec> tensors;
+    uint64_t expect_generation = 0;
+    absl::Duration timeout = absl::Minutes(10);  // from begin to the last byte
+  };
+  struct PublishSessionInfo {
+    uint64_t id = 0;
+    std::string token;  // every write and commit must present it
+    uint64_t base_generation = 0;
+    PublishLayout layout;  // where each tensor lies in the staging segment
+    uint64_t bytes = 0;    // tensor bytes to write (sum over the specs)
+    absl::Time deadline;
+  };
+  struct PublishRun {
+    uint32_t tensor = 0;  // index into the session's specs
+    uint64_t offset = 0;  // bytes into the tensor (row-major)
+    uint64_t length = 0;
+  };
+  struct PublishResult {
+    GenerationInfo generation;  // the new one, or the current one when nothing changed
+    uint64_t tensors = 0;
+    uint64_t changed = 0;         // served tensors whose bytes differ
+    uint64_t bytes = 0;           // received
+    uint64_t bytes_stored = 0;    // new memory held for the changed ones
+  };
+  struct PublishProgress {
+    uint64_t bytes_done = 0;
+    uint64_t bytes_total = 0;
+    std::optional<PublishResult> result;  // set by the write that completed it
+  };
+  absl::StatusOr<PublishSessionInfo> BeginPublish(const PublishBeginParams& params)
+      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+  // Copies `data` (the runs' bytes, concatenated) into the staging segment.
+  // INVALID_ARGUMENT naming the tensor and bytes for a run past a tensor's
+  // end or over bytes already written, or data of another length — and the
+  // session fails (nothing of it will be visible). NOT_FOUND for an
+  // unknown or ended session, PERMISSION_DENIED for a wrong token.
+  absl::StatusOr<PublishProgress> WritePublish(uint64_t id, absl::string_view token,
+                                               absl::Span<const PublishRun> runs,
+                                               absl::string_view data)
+      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+  // The session's result: waits up to `wait` for its last byte and commit;
+  // then FAILED_PRECONDITION naming the first tensor and bytes still
+  // missing (the session stays open until its deadline), or the error that
+  // ended it.
+  absl::StatusOr<PublishResult> CommitPublish(uint64_t id, absl::string_view token,
+                                              absl::Duration wait)
+      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+  absl::Status AbortPublish(uint64_t id, absl::string_view token)
+      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+
   ServiceStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
   LeaseTable* leases() { return &leases_; }
@@ -333,6 +406,7 @@ class WeightService {
     ServedTensorPlan plan;
     std::vector<const StoredTensor*> parts;  // borrowed from the checkpoint
   };
+  using PublishedBase = absl::flat_hash_map<std::string, std::shared_ptr<const StoredTensor>>;
   // One generation: the adapter stack and the patches it puts on each part
   // (keyed by the part's checkpoint name, or served name for new tensors).
   struct Generation {
@@ -346,6 +420,13 @@ class WeightService {
     absl::flat_hash_map<std::string, std::vector<std::string>> patched_by;  // served -> adapters
     // Served tensors added by .set_weight (absent from the checkpoint).
     std::vector<Served> added;
+    // Published base weights in place of the checkpoint's (by part key: the
+    // checkpoint name, or the served name of an allow_new tensor), carried
+    // from generation to generation; null = none.
+    std::shared_ptr<const PublishedBase> published;
+    // The model's served tensors with the published parts in place (the
+    // model's own list when nothing is published).
+    std::shared_ptr<const std::vector<Served>> served;
     std::shared_ptr<const ContentMap> content;  // served name -> identity
     Digest identity;                            // ContentIdentity(*content)
     // Private adapters of the stack, with their readers as of the apply.
@@ -409,7 +490,26 @@ class WeightService {
   static std::vector<const Served*> ServedAt(const Model& model, const Generation& gen);
   static absl::StatusOr<std::shared_ptr<Generation>> BuildGeneration(
       const Model& model, uint64_t number, const std::vector<AdapterRef>& stack,
-      std::vector<std::shared_ptr<const Adapter>> adapters);
+      std::vector<std::shared_ptr<const Adapter>> adapters,
+      std::shared_ptr<const PublishedBase> published = nullptr);
+  // Makes `gen` (built on `model`, numbered `number`) the model's current
+  // generation, keeping the leased ones; the numbers no longer kept go to
+  // `retired`. REQUIRES: models_ holds `model_name`.
+  GenerationInfo InstallGeneration(const std::string& model_name, std::shared_ptr<Generation> gen,
+                                   std::vector<uint64_t>* retired)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  struct PublishSession;
+  absl::StatusOr<std::shared_ptr<PublishSession>> FindPublish(uint64_t id,
+                                                              absl::string_view token)
+      ABSL_LOCKS_EXCLUDED(publish_mu_);
+  // Digests the staged tensors and makes the generation (the write that
+  // completed the session calls it).
+  absl::StatusOr<PublishResult> CommitStaged(PublishSession& session)
+      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+  // Sessions not yet committed or ended.
+  uint64_t OpenPublishSessions() const ABSL_LOCKS_EXCLUDED(publish_mu_);
+  // Fails the sessions past their deadline (the reaper calls it).
+  void ExpirePublishes() ABSL_LOCKS_EXCLUDED(publish_mu_);
   absl::StatusOr<float> Fp8Scale(const Served& served, const Generation& gen);
   void ReapLoop();
   // Drops generations that are neither current nor leased, and their cache.
@@ -441,6 +541,14 @@ class WeightService {
   // The journal seq of each loaded adapter's load (apply records name it).
   absl::flat_hash_map<std::string, uint64_t> adapter_seq_ ABSL_GUARDED_BY(mu_);
   absl::CondVar generation_changed_;
+  // Open publish sessions (publish.cc).
+  mutable absl::Mutex publish_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  absl::flat_hash_map<uint64_t, std::shared_ptr<PublishSession>> publishes_
+      ABSL_GUARDED_BY(publish_mu_);
+  uint64_t next_publish_id_ ABSL_GUARDED_BY(publish_mu_) = 1;
+  std::atomic<uint64_t> publish_count_{0};
+  std::atomic<uint64_t> publish_bytes_{0};
+  std::atomic<uint64_t> publish_ns_{0};
   // Orders the changes reported to options_.on_state_change.
   uint64_t state_seq_ ABSL_GUARDED_BY(state_mu_) = 0;
 

@@ -106,7 +106,17 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
       continue;
     }
     bool as_was = true;
-    if (e.has_apply) {
+    if (e.publish.seq != 0) {
+      // Published weights live in the daemon's memory only.
+      as_was = false;
+      skip(e.publish, absl::StrCat("published weights (generation ", e.publish.generation,
+                                   ") are not kept across restarts; model \"", name,
+                                   "\" serves the weights of its files"));
+    }
+    if (e.has_apply && e.publish.seq != 0 && e.apply.seq > e.publish.seq) {
+      skip(e.apply, absl::StrCat("it was applied on published weights, which are not kept "
+                                 "across restarts; model \"", name, "\" serves its base"));
+    } else if (e.has_apply) {
       std::string why;
       std::vector<AdapterRef> stack;
       Digest content;

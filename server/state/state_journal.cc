@@ -49,7 +49,7 @@ absl::Status SyncDir(const std::string& dir) {
 }
 
 const char* const kKindNames[] = {"model_load", "model_unload", "adapter_load",
-                                  "adapter_unload", "apply", "generation_floor"};
+                                  "adapter_unload", "apply", "generation_floor", "publish"};
 
 }  // namespace
 
@@ -230,6 +230,13 @@ RestorePlan PlanRestore(std::vector<StateRecord> records) {
                                                                                 : last->second);
           }
         }
+        break;
+      }
+      case StateRecord::Kind::kPublish: {
+        auto it = models.find(r.name);
+        if (it == models.end()) break;
+        it->second.publish = r;
+        it->second.max_generation = std::max(it->second.max_generation, r.generation);
         break;
       }
       case StateRecord::Kind::kFloor: {

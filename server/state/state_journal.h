@@ -31,7 +31,7 @@
 namespace weightd {
 
 struct StateRecord {
-  enum class Kind { kModelLoad, kModelUnload, kAdapterLoad, kAdapterUnload, kApply, kFloor };
+  enum class Kind { kModelLoad, kModelUnload, kAdapterLoad, kAdapterUnload, kApply, kFloor, kPublish };
   Kind kind = Kind::kModelLoad;
   uint64_t seq = 0;  // the order the service committed the changes in
   std::string name;  // the model (kApply, kFloor too) or adapter
@@ -41,7 +41,9 @@ struct StateRecord {
   std::vector<std::string> readers;  // ReaderList syntax
   std::string format;                // adapter loads
   bool strict = false;               // adapter loads
-  // kApply: the stack; kApply/kModelLoad: the generation made (1 for a load);
+  // kPublish: new base weights published (server memory only: a restore
+  // reports it and serves the files' weights under a later number).
+  // kApply: the stack; kApply/kModelLoad/kPublish: the generation made (1 for a load);
   // kFloor: the lowest number the model's next generation may have.
   std::vector<std::pair<std::string, float>> stack;
   // kApply: the seq of the load record of each stack adapter (0: unknown).
@@ -81,6 +83,9 @@ struct RestorePlan {
     // The adapter loads its stack needs, as they were when it was applied
     // (one per stack entry, same order; empty name = no load record found).
     std::vector<StateRecord> stack_adapters;
+    // The last publish after the load (publish.seq == 0: none). Its weights
+    // are not in the journal: an apply recorded after it cannot be restored.
+    StateRecord publish;
   };
   std::vector<ModelEntry> models;      // in load order
   std::vector<StateRecord> adapters;   // loaded at the end, in load order

@@ -307,7 +307,8 @@ def test_admin_uid_guards_every_mutating_call(files):
         d.ctl_ok("adapter", "load", "t", model_path(files, "tenant.safetensors"))
         calls = [["load", "m2", model_path(files, "base.safetensors")], ["unload", "m"],
                  ["adapter", "load", "t2", model_path(files, "tenant.safetensors")],
-                 ["adapter", "unload", "t"], ["apply", "m", "t:1"]]
+                 ["adapter", "unload", "t"], ["apply", "m", "t:1"],
+                 ["publish", "m", model_path(files, "base.safetensors")]]
         for call in calls:
             assert_refused(d.ctl(*call, user=NOBODY), "PERMISSION_DENIED", "uid 65534",
                            "--admin-uid")
@@ -323,6 +324,8 @@ def test_admin_uid_guards_every_mutating_call(files):
         d.ctl_ok("load", "m", model_path(files, "base.safetensors"), user=NOBODY)
         d.ctl_ok("adapter", "load", "t", model_path(files, "tenant.safetensors"), user=NOBODY)
         d.ctl_ok("apply", "m", "t:1", user=NOBODY)
+        out = d.ctl_ok("publish", "m", model_path(files, "base.safetensors"), user=NOBODY).stdout
+        assert "0 changed" in out, out   # the same bytes: no new generation
         d.ctl_ok("unload", "m", user=NOBODY)
     finally:
         d.stop()

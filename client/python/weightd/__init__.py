@@ -18,9 +18,11 @@ try:
 except ImportError:  # the source tree, not built
     __version__ = "0+unknown"
 from .client import (AdapterInfo, Client, GenerationEvent, LoadProgress, ModelInfo,
-                     ShardHandle, TensorInfo, TensorMeta, WatchStream)
+                     PublishResult, PublishSession, ShardHandle, TensorInfo, TensorMeta,
+                     WatchStream)
 from .torch_utils import load_into_module
 
 __all__ = ["__version__", "Client", "Error", "ShardHandle", "TensorMeta", "TensorInfo", "ModelInfo",
-           "LoadProgress", "GenerationEvent", "AdapterInfo", "WatchStream",
+           "LoadProgress", "GenerationEvent", "AdapterInfo", "WatchStream", "PublishSession",
+           "PublishResult",
            "load_into_module"]

@@ -793,6 +793,120 @@ class WatchStream:
 # ---------------------------------------------------------------- Client
 
 
+# ---------------------------------------------------------------- publish
+
+_PUBLISH_CHUNK = 4 << 20
+
+
+@dataclass
+class PublishSession:
+    """An open publish session (Client.begin_publish). Picklable: rank 0 of
+    a sharded trainer opens it and broadcasts it to the others, each of
+    which calls Client.publish_sharded(session, ...)."""
+    model: str
+    session: int
+    token: str
+    base_generation: int
+    bytes: int
+    deadline_unix_ms: int
+    tensors: list  # [(name, dtype name, shape tuple)] in session order
+
+
+@dataclass
+class PublishResult:
+    model: str
+    generation: int  # the new one (the current one when nothing changed)
+    weights_id: str
+    tensors: int
+    changed: int  # tensors whose bytes differ from the current ones
+    bytes: int
+    bytes_stored: int  # new memory the daemon holds for the changed ones
+    adapters: list  # the stack, merged again on the new weights
+
+
+def _publish_result(r):
+    return PublishResult(r.model, r.generation, r.weights_id, r.tensors, r.changed, r.bytes,
+                         r.bytes_stored, list(r.adapters))
+
+
+def _publish_source(name, value, dtypes=None):
+    """(dtype name, shape, flat uint8 array of the row-major bytes) of a
+    torch tensor or NumPy array; dtypes[name] overrides the dtype (e.g. a
+    uint16 array holding BF16 bits)."""
+    torch = _torch_or_none()
+    if torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach().contiguous().cpu()
+        dname = _dtypes.parse_request_dtype(t.dtype)
+        shape = tuple(t.shape)
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+    else:
+        a = np.ascontiguousarray(value)
+        dname = _dtypes.parse_request_dtype(a.dtype)
+        shape = tuple(a.shape)
+        raw = a.reshape(-1).view(np.uint8)
+    if dtypes and name in dtypes:
+        dname = _dtypes.parse_request_dtype(dtypes[name])
+    n = 1
+    for d in shape:
+        n *= d
+    if raw.size != n * _dtypes.itemsize(dname):
+        raise Error("INVALID_ARGUMENT", "tensor \"%s\": %d bytes for %s %s" % (
+            name, raw.size, dname, list(shape)))
+    return dname, shape, raw
+
+
+def _chunk_of(n, parts, index):
+    """torch.chunk's piece `index` of `n` rows in `parts` pieces: (start, length)."""
+    size = -(-n // parts) if parts > 0 else 0
+    start = min(index * size, n)
+    return start, min(size, n - start)
+
+
+def _local_box(shape, mesh, coord, placements):
+    """The (offset, shape) of this rank's local shard (DESIGN §2), and
+    whether this rank writes it: of the ranks that hold the same piece (they
+    differ only on mesh dims that replicate it), the one at coordinate 0."""
+    offset = [0] * len(shape)
+    size = list(shape)
+    writes = True
+    for m, p in enumerate(placements):
+        if p < 0 or not shape:
+            writes = writes and coord[m] == 0
+            continue
+        if p >= len(shape):
+            raise Error("INVALID_ARGUMENT", "Shard(%d) of a tensor with %d dims" % (p, len(shape)))
+        start, length = _chunk_of(size[p], mesh[m], coord[m])
+        offset[p] += start
+        size[p] = length
+    return offset, size, writes
+
+
+def _box_runs(shape, offset, size, itemsize):
+    """(global byte offset, length) of each contiguous run of the box, in
+    the box's row-major order."""
+    nd = len(shape)
+    if nd == 0:
+        return [(0, itemsize)]
+    if any(s == 0 for s in size):
+        return []
+    strides = [itemsize] * nd
+    for d in range(nd - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    # Dims q.. form one run: q is the innermost dim the box does not cover whole.
+    q = nd - 1
+    while q > 0 and size[q] == shape[q] and offset[q] == 0:
+        q -= 1
+    run = size[q] * strides[q]
+    outer = [range(offset[d], offset[d] + size[d]) for d in range(q)]
+    runs = []
+    for idx in (np.ndindex(*[len(r) for r in outer]) if q > 0 else [()]):
+        at = offset[q] * strides[q]
+        for d in range(q):
+            at += (offset[d] + idx[d]) * strides[d]
+        runs.append((at, run))
+    return runs
+
+
 class Client:
     """A connection to a weightd daemon.
 
@@ -996,6 +1110,161 @@ class Client:
         r = self._call(self._adapters.Apply, pb.ApplyRequest(
             model=model, adapters=refs, expect_generation=expect_generation))
         return r.generation
+
+    # -- publish
+
+    def begin_publish(self, model, tensors, expect_generation=0, timeout=600, dtypes=None):
+        """Opens a session to publish new base weights for `model` (admins).
+        tensors: {name: torch tensor | NumPy array | (dtype, shape)} of the
+        served tensors to replace, in the dtype and (global) shape the model
+        stores them in. Returns a PublishSession; nothing is visible until
+        every byte has arrived. timeout: seconds until the session is
+        aborted if incomplete."""
+        specs = []
+        for name, value in tensors.items():
+            if isinstance(value, tuple) and len(value) == 2:
+                dname = _dtypes.parse_request_dtype(value[0])
+                shape = tuple(int(d) for d in value[1])
+            else:
+                dname, shape, _ = _publish_source(name, value, dtypes)
+            specs.append((name, dname, shape))
+        req = pb.BeginPublishRequest(
+            model=model, expect_generation=int(expect_generation),
+            timeout_seconds=int(timeout),
+            tensors=[pb.PublishTensor(name=n, dtype=_dtypes.enum_of_name(d), shape=list(sh))
+                     for n, d, sh in specs])
+        r = self._call(self._models.BeginPublish, req)
+        return PublishSession(model, r.session, r.token, r.base_generation, r.bytes,
+                              r.deadline_unix_ms, specs)
+
+    def _write_publish(self, session, pieces, progress=None):
+        """Streams pieces [(tensor index, [(global byte offset, length)],
+        flat uint8 array)] in chunks of <= 4 MiB; the PublishWriteResponse."""
+        def chunks():
+            first = True
+            runs, data, size, sent = [], [], 0, 0
+
+            def message():
+                nonlocal first
+                msg = pb.PublishChunk(runs=runs, data=b"".join(data))
+                if first:
+                    msg.session, msg.token, first = session.session, session.token, False
+                return msg
+            for index, spans, raw in pieces:
+                at = 0
+                for offset, length in spans:
+                    done = 0
+                    while done < length:
+                        n = min(length - done, _PUBLISH_CHUNK - size)
+                        runs.append(pb.PublishRun(tensor=index, offset=offset + done, length=n))
+                        data.append(raw[at + done:at + done + n].tobytes())
+                        size += n
+                        done += n
+                        if size >= _PUBLISH_CHUNK:
+                            yield message()
+                            sent += size
+                            if progress is not None:
+                                progress(sent, session.bytes)
+                            runs, data, size = [], [], 0
+                    at += length
+            if runs or first:
+                yield message()
+                sent += size
+                if progress is not None:
+                    progress(sent, session.bytes)
+        try:
+            return self._models.PublishWrite(chunks())
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    def commit_publish(self, session, wait=0):
+        """The session's PublishResult, waiting up to `wait` seconds for its
+        last byte; Error FAILED_PRECONDITION naming the first missing tensor
+        and bytes when it is still incomplete."""
+        r = self._call(self._models.CommitPublish, pb.CommitPublishRequest(
+            session=session.session, token=session.token, wait_seconds=int(wait)),
+            timeout=None if not wait else wait + 30)
+        return _publish_result(r)
+
+    def abort_publish(self, session):
+        """Ends the session: nothing of it is published, its memory is freed."""
+        self._call(self._models.AbortPublish, pb.AbortPublishRequest(
+            session=session.session, token=session.token))
+
+    def publish(self, model, state_dict, expect_generation=0, timeout=600, progress=None,
+                dtypes=None):
+        """Publishes new base weights: every entry of state_dict ({served
+        name: torch tensor | NumPy array}, dtype and shape as the model
+        stores it) replaces the model's bytes; the rest keep theirs. The
+        generation appears atomically once every byte has arrived; tensors
+        whose bytes equal the current ones keep their digests; the adapter
+        stack is merged again on the new weights. Returns a PublishResult.
+        On any error the session is aborted and nothing is published.
+        progress(bytes_sent, bytes_total) is called per chunk."""
+        sources = {n: _publish_source(n, v, dtypes) for n, v in state_dict.items()}
+        session = self.begin_publish(model, {n: (d, sh) for n, (d, sh, _) in sources.items()},
+                                     expect_generation=expect_generation, timeout=timeout)
+        try:
+            pieces = [(i, [(0, raw.size)], raw) for i, (_, (_, _, raw)) in
+                      enumerate(sources.items())]
+            resp = self._write_publish(session, pieces, progress)
+            if resp.HasField("result"):
+                return _publish_result(resp.result)
+            return self.commit_publish(session)
+        except BaseException:
+            try:
+                self.abort_publish(session)
+            except Error:
+                pass
+            raise
+
+    def publish_sharded(self, session, local_state_dict, world=None, rank=None, *, mesh=None,
+                        coord=None, placements=None, wait=0, progress=None, dtypes=None):
+        """One rank's part of a sharded publish: local_state_dict holds this
+        rank's local shards ({served name: tensor}) of the session's tensors,
+        laid out as fetch would serve them (torch.chunk per placement;
+        placements as for fetch, or {name: placements}; default Shard(0) on
+        the last mesh dim). Of the ranks holding the same piece (replicated
+        mesh dims) only the one at coordinate 0 sends it. Returns the
+        PublishResult when this rank's bytes completed the session, or after
+        waiting up to `wait` seconds for the others; else None."""
+        if mesh is None:
+            mesh = (1 if world is None else int(world),)
+            coord = (0 if rank is None else int(rank),)
+        mesh, coord = tuple(int(m) for m in mesh), tuple(int(c) for c in coord or ())
+        if len(coord) != len(mesh) or any(not 0 <= c < m for c, m in zip(coord, mesh)):
+            raise Error("INVALID_ARGUMENT", "coord %s does not lie in mesh %s" % (coord, mesh))
+        index = {name: i for i, (name, _, _) in enumerate(session.tensors)}
+        pieces = []
+        for name, value in local_state_dict.items():
+            if name not in index:
+                raise Error("INVALID_ARGUMENT", "tensor \"%s\" is not in publish session %d"
+                            % (name, session.session))
+            i = index[name]
+            _, dname, shape = session.tensors[i]
+            if isinstance(placements, dict):
+                pl = placements.get(name)
+            else:
+                pl = placements
+            pl = _parse_placements(pl) if pl is not None else (
+                [-1] * (len(mesh) - 1) + [0])
+            if len(pl) != len(mesh):
+                raise Error("INVALID_ARGUMENT", "%d placements for a mesh of %d dims"
+                            % (len(pl), len(mesh)))
+            offset, size, writes = _local_box(shape, mesh, coord, pl)
+            ldtype, lshape, raw = _publish_source(name, value, dtypes)
+            if ldtype != dname or list(lshape) != list(size if shape else []):
+                raise Error("INVALID_ARGUMENT", "tensor \"%s\": the local shard is %s %s; this "
+                            "rank's piece of %s %s is %s" % (name, ldtype, list(lshape), dname,
+                                                            list(shape), list(size)))
+            if writes:
+                pieces.append((i, _box_runs(shape, offset, size, _dtypes.itemsize(dname)), raw))
+        resp = self._write_publish(session, pieces, progress)
+        if resp.HasField("result"):
+            return _publish_result(resp.result)
+        if wait:
+            return self.commit_publish(session, wait=wait)
+        return None
 
     # -- shards
 

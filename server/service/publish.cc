@@ -1,0 +1,602 @@
+// WeightService: publishing new base weights (weight_service.h, "Publishing
+// new base weights"). A session stages the published tensors in one segment
+// of its own; the write that lands its last byte digests them and installs
+// the generation. Locks: a session's mu is taken alone or after publish_mu_
+// is released; CommitStaged takes state_mu_/mu_ (CommitState) with no
+// session lock held.
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+#include "common/untrusted_text.h"
+#include "server/service/weight_service.h"
+
+namespace weightd {
+namespace {
+
+// How long an ended session still answers CommitPublish with its result
+// (the other ranks of a sharded publish ask after the last byte landed).
+constexpr absl::Duration kEndedSessionLinger = absl::Seconds(60);
+
+std::string RandomHex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  size_t done = 0;
+  while (done < bytes) {
+    ssize_t n = ::getrandom(raw.data() + done, bytes - done, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // getrandom does not fail for 16 bytes on Linux >= 3.17
+    done += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(raw);
+}
+
+bool TokensEqual(absl::string_view a, absl::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+std::string SpecString(DType dtype, absl::Span<const int64_t> shape) {
+  return absl::StrCat(DTypeName(dtype), " ", ShapeString(shape));
+}
+
+}  // namespace
+
+struct WeightService::PublishSession {
+  uint64_t id = 0;
+  std::string token;
+  std::string model;
+  // The model's checkpoint when the session began: a model unloaded and
+  // loaded again under the same name meanwhile is another model.
+  std::shared_ptr<const Checkpoint> checkpoint;
+  uint64_t expect_generation = 0;
+  uint64_t base_generation = 0;
+  std::vector<PublishTensorSpec> specs;
+  PublishLayout layout;
+  uint64_t bytes_total = 0;
+  absl::Time start;
+  absl::Time deadline;
+  uint8_t* base = nullptr;  // the staging segment's writable mapping
+
+  enum class State { kOpen, kCommitting, kDone, kFailed };
+  absl::Mutex mu;
+  absl::CondVar changed;
+  std::unique_ptr<Segment> staging ABSL_GUARDED_BY(mu);  // until commit or failure
+  std::vector<RangeCoverage> coverage ABSL_GUARDED_BY(mu);
+  uint64_t landed ABSL_GUARDED_BY(mu) = 0;  // bytes copied in
+  int writers ABSL_GUARDED_BY(mu) = 0;      // copies in progress
+  State state ABSL_GUARDED_BY(mu) = State::kOpen;
+  absl::Status failure ABSL_GUARDED_BY(mu);
+  std::optional<PublishResult> result ABSL_GUARDED_BY(mu);
+  absl::Time ended ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
+
+  std::string Describe() const {
+    return absl::StrCat("publish session ", id, " of model \"", model, "\"");
+  }
+  // Ends the session with `why`: nothing of it becomes visible; its memory
+  // goes once no copy is in progress.
+  void FailLocked(absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (state == State::kDone || state == State::kFailed) return;
+    state = State::kFailed;
+    failure = std::move(why);
+    ended = absl::Now();
+    if (writers == 0) staging.reset();
+    changed.SignalAll();
+    LogEvent(LogLevel::kWarning, "publish_failed",
+             {{"model", model}, {"session", absl::StrCat(id)}, {"error", failure.ToString()}});
+  }
+  // The status of a call on a session that is no longer open.
+  absl::Status NotOpenLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    switch (state) {
+      case State::kOpen:
+        return absl::OkStatus();
+      case State::kCommitting:
+        return absl::FailedPreconditionError(
+            absl::StrCat(Describe(), " has every byte and is being committed"));
+      case State::kDone:
+        return absl::FailedPreconditionError(absl::StrCat(
+            Describe(), " is complete (generation ", result->generation.generation, ")"));
+      case State::kFailed:
+        return absl::Status(failure.code(),
+                            absl::StrCat(Describe(), " ended: ", failure.message()));
+    }
+    return absl::InternalError("unknown session state");
+  }
+  // "tensor \"x\" bytes [a, b)" of the first byte still missing.
+  std::string FirstMissingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (size_t i = 0; i < coverage.size(); ++i) {
+      auto gap = coverage[i].FirstGap();
+      if (gap.has_value()) {
+        return absl::StrCat("tensor \"", specs[i].name, "\" bytes [", gap->first, ", ",
+                            gap->second, ")");
+      }
+    }
+    return "nothing";
+  }
+};
+
+absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
+    const PublishBeginParams& params) {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(params.model));
+  const std::shared_ptr<const Generation> cur = model->current;
+  if (params.expect_generation != 0 && params.expect_generation != cur->number) {
+    return absl::AbortedError(absl::StrCat("model \"", params.model, "\" is at generation ",
+                                           cur->number, ", not ", params.expect_generation));
+  }
+  if (params.timeout <= absl::ZeroDuration() || params.timeout > absl::Hours(24)) {
+    return absl::InvalidArgumentError("a publish session's timeout must be between 0 and 24 h");
+  }
+  WD_ASSIGN_OR_RETURN(PublishLayout layout, LayoutPublish(params.tensors));
+  // Each tensor must be one the model serves, as it stores it.
+  absl::flat_hash_map<absl::string_view, const Served*> by_name;
+  for (const Served* s : ServedAt(*model, *cur)) by_name.emplace(s->plan.name, s);
+  absl::flat_hash_set<absl::string_view> added;
+  for (const Served& s : cur->added) added.insert(s.plan.name);
+  uint64_t bytes = 0;
+  for (const PublishTensorSpec& spec : params.tensors) {
+    if (added.contains(spec.name)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor \"", spec.name, "\" of model \"", params.model,
+          "\" is added by an adapter of its stack; only base weights are published"));
+    }
+    auto it = by_name.find(spec.name);
+    if (it == by_name.end()) {
+      return absl::NotFoundError(absl::StrCat("model \"", params.model, "\" has no tensor ",
+                                              QuoteForMessage(spec.name),
+                                              " (a new name must be allowed by its profile)"));
+    }
+    const ServedTensorPlan& plan = it->second->plan;
+    if (spec.dtype != plan.dtype || spec.shape != plan.shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor \"", spec.name, "\" of model \"", params.model, "\" is ",
+          SpecString(plan.dtype, plan.shape), "; the publish says ",
+          SpecString(spec.dtype, spec.shape)));
+    }
+    bytes += spec.bytes();
+  }
+  HostMemoryManager::AllocateOptions alloc;
+  alloc.purpose = "publish";
+  auto staging = memory_.Allocate(layout.total, alloc);
+  if (!staging.ok()) {
+    return Annotate(staging.status(),
+                    absl::StrCat("staging ", layout.total, " bytes to publish to model \"",
+                                 params.model, "\""));
+  }
+  auto session = std::make_shared<PublishSession>();
+  session->token = RandomHex(16);
+  session->model = params.model;
+  session->checkpoint = model->checkpoint;
+  session->expect_generation = params.expect_generation;
+  session->base_generation = cur->number;
+  session->specs = params.tensors;
+  session->layout = layout;
+  session->bytes_total = bytes;
+  session->start = absl::Now();
+  session->deadline = session->start + params.timeout;
+  session->base = (*staging)->mutable_data();
+  {
+    absl::MutexLock lock(&session->mu);
+    session->staging = std::move(*staging);
+    for (const PublishTensorSpec& spec : params.tensors) {
+      session->coverage.emplace_back(spec.bytes());
+    }
+  }
+  PublishSessionInfo info;
+  {
+    absl::MutexLock lock(&publish_mu_);
+    session->id = next_publish_id_++;
+    publishes_[session->id] = session;
+  }
+  info.id = session->id;
+  info.token = session->token;
+  info.base_generation = session->base_generation;
+  info.layout = std::move(layout);
+  info.bytes = bytes;
+  info.deadline = session->deadline;
+  LogEvent(LogLevel::kInfo, "publish_begin",
+           {{"model", params.model},
+            {"session", absl::StrCat(info.id)},
+            {"tensors", absl::StrCat(params.tensors.size())},
+            {"bytes", absl::StrCat(bytes)},
+            {"base_generation", absl::StrCat(info.base_generation)}});
+  return info;
+}
+
+absl::StatusOr<std::shared_ptr<WeightService::PublishSession>> WeightService::FindPublish(
+    uint64_t id, absl::string_view token) {
+  absl::MutexLock lock(&publish_mu_);
+  auto it = publishes_.find(id);
+  if (it == publishes_.end()) {
+    return absl::NotFoundError(absl::StrCat("publish session ", id,
+                                            " is unknown (never opened, or ended over ",
+                                            absl::FormatDuration(kEndedSessionLinger), " ago)"));
+  }
+  if (!TokensEqual(token, it->second->token)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("wrong token for publish session ", id));
+  }
+  return it->second;
+}
+
+absl::StatusOr<WeightService::PublishProgress> WeightService::WritePublish(
+    uint64_t id, absl::string_view token, absl::Span<const PublishRun> runs,
+    absl::string_view data) {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(id, token));
+  PublishSession& session = *s;
+  uint64_t total = 0;
+  bool overflow = false;
+  for (const PublishRun& r : runs) {
+    overflow |= total + r.length < total;
+    total += r.length;
+  }
+  {
+    absl::MutexLock lock(&session.mu);
+    WD_RETURN_IF_ERROR(session.NotOpenLocked());
+    if (absl::Now() > session.deadline) {
+      session.FailLocked(absl::DeadlineExceededError(absl::StrCat(
+          "not complete by its deadline; missing ", session.FirstMissingLocked())));
+      return session.NotOpenLocked();
+    }
+    absl::Status bad;
+    if (overflow || total != data.size()) {
+      bad = absl::InvalidArgumentError(absl::StrCat("a write's runs add up to ", total,
+                                                    " bytes but it carries ", data.size()));
+    }
+    for (size_t i = 0; i < runs.size() && bad.ok(); ++i) {
+      const PublishRun& r = runs[i];
+      if (r.tensor >= session.specs.size()) {
+        bad = absl::InvalidArgumentError(absl::StrCat("a write names tensor index ", r.tensor,
+                                                      "; the session has ",
+                                                      session.specs.size()));
+        break;
+      }
+      absl::Status added = session.coverage[r.tensor].Add(r.offset, r.length);
+      if (!added.ok()) {
+        bad = absl::InvalidArgumentError(absl::StrCat(
+            "tensor \"", session.specs[r.tensor].name, "\": ", added.message()));
+      }
+    }
+    if (!bad.ok()) {
+      // A publisher that lies about its bytes ends the session: what was
+      // written is not trusted.
+      session.FailLocked(bad);
+      return session.NotOpenLocked();
+    }
+    ++session.writers;
+  }
+  // Disjoint ranges (the coverage says so): no lock while copying.
+  uint64_t at = 0;
+  for (const PublishRun& r : runs) {
+    std::memcpy(session.base + session.layout.offsets[r.tensor] + r.offset, data.data() + at,
+                r.length);
+    at += r.length;
+  }
+  PublishProgress progress;
+  progress.bytes_total = session.bytes_total;
+  bool commit = false;
+  {
+    absl::MutexLock lock(&session.mu);
+    --session.writers;
+    session.landed += total;
+    progress.bytes_done = session.landed;
+    if (session.state == PublishSession::State::kFailed) {
+      if (session.writers == 0) session.staging.reset();
+      return session.NotOpenLocked();
+    }
+    if (session.landed == session.bytes_total && session.writers == 0) {
+      session.state = PublishSession::State::kCommitting;
+      commit = true;
+    }
+  }
+  if (!commit) return progress;
+  auto result = CommitStaged(session);
+  absl::MutexLock lock(&session.mu);
+  session.ended = absl::Now();
+  if (!result.ok()) {
+    session.FailLocked(result.status());
+    return result.status();
+  }
+  session.state = PublishSession::State::kDone;
+  session.result = *result;
+  session.changed.SignalAll();
+  progress.result = *std::move(result);
+  return progress;
+}
+
+absl::StatusOr<WeightService::PublishResult> WeightService::CommitPublish(
+    uint64_t id, absl::string_view token, absl::Duration wait) {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(id, token));
+  PublishSession& session = *s;
+  bool commit = false;
+  {
+    absl::MutexLock lock(&session.mu);
+    const absl::Time until = std::min(absl::Now() + wait, session.deadline);
+    while (session.state == PublishSession::State::kOpen ||
+           session.state == PublishSession::State::kCommitting) {
+      // Nothing to write (every tensor empty): this call commits.
+      if (session.state == PublishSession::State::kOpen &&
+          session.landed == session.bytes_total && session.writers == 0) {
+        session.state = PublishSession::State::kCommitting;
+        commit = true;
+        break;
+      }
+      if (session.changed.WaitWithDeadline(&session.mu, until)) break;
+    }
+    if (!commit) {
+      if (session.state == PublishSession::State::kDone) return *session.result;
+      if (session.state == PublishSession::State::kFailed) return session.NotOpenLocked();
+      if (session.state == PublishSession::State::kCommitting) return session.NotOpenLocked();
+      return absl::FailedPreconditionError(absl::StrCat(
+          session.Describe(), " is not complete: ", session.landed, " of ",
+          session.bytes_total, " bytes written; missing ", session.FirstMissingLocked()));
+    }
+  }
+  auto result = CommitStaged(session);
+  absl::MutexLock lock(&session.mu);
+  session.ended = absl::Now();
+  if (!result.ok()) {
+    session.FailLocked(result.status());
+    return result.status();
+  }
+  session.state = PublishSession::State::kDone;
+  session.result = *result;
+  session.changed.SignalAll();
+  return result;
+}
+
+absl::Status WeightService::AbortPublish(uint64_t id, absl::string_view token) {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(id, token));
+  absl::MutexLock lock(&s->mu);
+  if (s->state != PublishSession::State::kOpen) return s->NotOpenLocked();
+  s->FailLocked(absl::AbortedError("aborted by the publisher; nothing was published"));
+  return absl::OkStatus();
+}
+
+uint64_t WeightService::OpenPublishSessions() const {
+  std::vector<std::shared_ptr<PublishSession>> sessions;
+  {
+    absl::MutexLock lock(&publish_mu_);
+    for (const auto& [id, s] : publishes_) sessions.push_back(s);
+  }
+  uint64_t open = 0;
+  for (const auto& s : sessions) {
+    absl::MutexLock lock(&s->mu);
+    open += s->state == PublishSession::State::kOpen ||
+            s->state == PublishSession::State::kCommitting;
+  }
+  return open;
+}
+
+void WeightService::ExpirePublishes() {
+  const absl::Time now = absl::Now();
+  std::vector<std::shared_ptr<PublishSession>> sessions;
+  {
+    absl::MutexLock lock(&publish_mu_);
+    for (const auto& [id, s] : publishes_) sessions.push_back(s);
+  }
+  std::vector<uint64_t> gone;
+  for (const auto& s : sessions) {
+    absl::MutexLock lock(&s->mu);
+    if (s->state == PublishSession::State::kOpen && now > s->deadline) {
+      s->FailLocked(absl::DeadlineExceededError(absl::StrCat(
+          "not complete by its deadline; missing ", s->FirstMissingLocked(),
+          "; nothing was published")));
+    }
+    if (s->ended != absl::InfiniteFuture() && now - s->ended > kEndedSessionLinger) {
+      gone.push_back(s->id);
+    }
+  }
+  if (gone.empty()) return;
+  absl::MutexLock lock(&publish_mu_);
+  for (uint64_t id : gone) publishes_.erase(id);
+}
+
+absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
+    PublishSession& session) {
+  std::unique_ptr<Segment> staged;
+  {
+    absl::MutexLock lock(&session.mu);
+    staged = std::move(session.staging);
+  }
+  if (staged == nullptr) return absl::InternalError("publish session lost its staging memory");
+  WD_RETURN_IF_ERROR(staged->Seal(/*populate=*/false));
+  const SegmentPtr segment(std::move(staged));
+  const uint8_t* base = segment->data();
+
+  // The model as the session found it, and each spec's served tensor.
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(session.model));
+  if (model->checkpoint != session.checkpoint) {
+    return absl::AbortedError(absl::StrCat("model \"", session.model,
+                                           "\" was unloaded during the publish; nothing published"));
+  }
+  // Each published tensor as parts (one per checkpoint tensor it merges;
+  // an allow_new tensor is one part keyed by its served name), digested.
+  struct Piece {
+    size_t spec = 0;
+    std::string key;
+    bool part = true;  // a checkpoint tensor's place (else an allow_new tensor's)
+    std::vector<int64_t> shape;
+    uint64_t offset = 0;  // in the staging segment
+    uint64_t length = 0;
+    Digest digest;
+  };
+  std::vector<Piece> pieces;
+  {
+    absl::flat_hash_map<absl::string_view, const Served*> by_name;
+    for (const Served* s : ServedAt(*model, *model->current)) by_name.emplace(s->plan.name, s);
+    for (size_t i = 0; i < session.specs.size(); ++i) {
+      const PublishTensorSpec& spec = session.specs[i];
+      auto it = by_name.find(spec.name);
+      if (it == by_name.end()) return absl::InternalError("a published tensor vanished");
+      const ServedTensorPlan& plan = it->second->plan;
+      const uint64_t at = session.layout.offsets[i];
+      if (plan.parts.empty()) {
+        pieces.push_back(Piece{i, plan.name, false, plan.shape, at, spec.bytes(), {}});
+        continue;
+      }
+      std::vector<PartBytes> split = SplitParts(plan.shape, plan.dtype, plan.part_rows);
+      for (size_t k = 0; k < plan.parts.size(); ++k) {
+        std::vector<int64_t> shape = plan.shape;
+        if (!shape.empty()) shape[0] = plan.part_rows[k];
+        if (plan.parts.size() == 1) shape = it->second->parts[0]->shape;
+        pieces.push_back(Piece{i, plan.parts[k].source, true, std::move(shape),
+                               at + split[k].offset, split[k].length, {}});
+      }
+    }
+  }
+  for (Piece& p : pieces) p.digest = DigestBytes(base + p.offset, p.length);
+
+  auto finish = [&](PublishResult result) {
+    publish_count_.fetch_add(1);
+    publish_bytes_.fetch_add(session.bytes_total);
+    const absl::Duration took = absl::Now() - session.start;
+    publish_ns_.fetch_add(static_cast<uint64_t>(absl::ToInt64Nanoseconds(took)));
+    LogEvent(LogLevel::kInfo, "publish",
+             {{"model", session.model},
+              {"session", absl::StrCat(session.id)},
+              {"generation", absl::StrCat(result.generation.generation)},
+              {"tensors", absl::StrCat(result.tensors)},
+              {"changed", absl::StrCat(result.changed)},
+              {"bytes", absl::StrCat(result.bytes)},
+              {"bytes_stored", absl::StrCat(result.bytes_stored)},
+              {"seconds", absl::StrCat(absl::ToDoubleSeconds(took))}});
+    return result;
+  };
+  for (int attempt = 0;; ++attempt) {
+    WD_ASSIGN_OR_RETURN(model, FindModel(session.model));
+    if (model->checkpoint != session.checkpoint) {
+      return absl::AbortedError(absl::StrCat(
+          "model \"", session.model, "\" was unloaded during the publish; nothing published"));
+    }
+    const std::shared_ptr<const Generation> cur = model->current;
+    if (session.expect_generation != 0 && cur->number != session.expect_generation) {
+      return absl::AbortedError(absl::StrCat("model \"", session.model, "\" is at generation ",
+                                             cur->number, ", not ", session.expect_generation,
+                                             "; nothing published"));
+    }
+    // What each part key holds now.
+    absl::flat_hash_map<std::string, const StoredTensor*> now;
+    for (const Served* s : ServedAt(*model, *cur)) {
+      for (const StoredTensor* p : s->parts) now.emplace(p->name, p);
+    }
+    auto published = cur->published != nullptr ? std::make_shared<PublishedBase>(*cur->published)
+                                               : std::make_shared<PublishedBase>();
+    std::vector<const Piece*> fresh;  // changed, and not the checkpoint's own bytes
+    absl::flat_hash_set<size_t> changed_specs;
+    uint64_t fresh_bytes = 0;
+    for (const Piece& p : pieces) {
+      auto n = now.find(p.key);
+      if (n != now.end() && n->second->digest == p.digest) continue;  // same bytes
+      changed_specs.insert(p.spec);
+      const StoredTensor* original = p.part ? model->checkpoint->Find(p.key) : nullptr;
+      if (original != nullptr && original->digest == p.digest) {
+        published->erase(p.key);  // back to the checkpoint's bytes
+        continue;
+      }
+      fresh.push_back(&p);
+      fresh_bytes += (p.length + 63) / 64 * 64;
+    }
+    PublishResult result;
+    result.tensors = session.specs.size();
+    result.changed = changed_specs.size();
+    result.bytes = session.bytes_total;
+    if (changed_specs.empty()) {
+      // Nothing differs: no new generation.
+      absl::MutexLock lock(&mu_);
+      auto it = models_.find(session.model);
+      if (it == models_.end() || it->second->current != cur) continue;
+      result.generation.model = session.model;
+      result.generation.generation = cur->number;
+      for (const AdapterRef& r : cur->stack) {
+        result.generation.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
+      }
+      result.generation.guards = GuardsOf(*it->second, *cur);
+      result.generation.content = cur->identity;
+      return finish(std::move(result));
+    }
+    // Only the changed bytes stay: when some published tensors are
+    // unchanged, the changed ones move to a segment of their size.
+    SegmentPtr holder = segment;
+    std::vector<uint64_t> offsets;
+    // (When they are at most 7/8 of what was sent: a copy to save little
+    // is not worth it.)
+    if (!fresh.empty() && fresh_bytes + session.bytes_total / 8 < session.bytes_total) {
+      HostMemoryManager::AllocateOptions alloc;
+      alloc.purpose = "publish";
+      auto packed = memory_.Allocate(std::max<uint64_t>(fresh_bytes, 1), alloc);
+      if (!packed.ok()) return packed.status();
+      uint64_t at = 0;
+      for (const Piece* p : fresh) {
+        std::memcpy((*packed)->mutable_data() + at, base + p->offset, p->length);
+        offsets.push_back(at);
+        at += (p->length + 63) / 64 * 64;
+      }
+      WD_RETURN_IF_ERROR((*packed)->Seal(/*populate=*/false));
+      holder = SegmentPtr(std::move(*packed));
+    } else {
+      for (const Piece* p : fresh) offsets.push_back(p->offset);
+    }
+    for (size_t f = 0; f < fresh.size(); ++f) {
+      const Piece& p = *fresh[f];
+      auto t = std::make_shared<StoredTensor>();
+      t->name = p.key;
+      t->dtype = session.specs[p.spec].dtype;
+      t->shape = p.shape;
+      t->buffer = holder;
+      t->offset = offsets[f];
+      t->length = p.length;
+      t->digest = p.digest;
+      t->file = absl::StrCat("(published in session ", session.id, ")");
+      (*published)[p.key] = std::move(t);
+    }
+    result.bytes_stored = fresh.empty() ? 0 : (holder == segment ? segment->size() : fresh_bytes);
+
+    const uint64_t number = std::max(cur->number + 1, model->generation_floor);
+    WD_ASSIGN_OR_RETURN(std::shared_ptr<Generation> gen,
+                        BuildGeneration(*model, number, cur->stack, cur->adapters,
+                                        std::move(published)));
+    gen->adapter_guards = cur->adapter_guards;
+    StateRecord record;
+    record.kind = StateRecord::Kind::kPublish;
+    record.name = session.model;
+    record.generation = number;
+    record.content = gen->identity.Hex();
+    bool raced = false;
+    std::vector<uint64_t> retired;
+    absl::Status committed = CommitState(
+        record,
+        [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          auto it = models_.find(session.model);
+          if (it == models_.end() || it->second->checkpoint != session.checkpoint) {
+            return absl::AbortedError(absl::StrCat("model \"", session.model,
+                                                   "\" was unloaded during the publish"));
+          }
+          if (it->second->current != cur || number < it->second->generation_floor) {
+            raced = true;
+            return absl::AbortedError(absl::StrCat(
+                "model \"", session.model, "\" changed while the publish was committed"));
+          }
+          return absl::OkStatus();
+        },
+        [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          result.generation = InstallGeneration(session.model, gen, &retired);
+        });
+    if (!committed.ok()) {
+      // Another apply or publish won the race: build on it (a publish with
+      // expect_generation is refused above instead).
+      if (raced && attempt < 5) continue;
+      return committed;
+    }
+    for (uint64_t g : retired) materializer_.RetireTag(absl::StrCat(session.model, "#", g));
+    return finish(std::move(result));
+  }
+}
+
+}  // namespace weightd

@@ -1,0 +1,302 @@
+"""Publishing new base weights (issue [publish]): a trainer replaces a loaded
+model's tensors as a new generation. Real daemon, real Python client and
+weightctl; PyTorch is the reference.
+
+* Parity: after a partial and a full publish of F32, BF16 and F16 tensors,
+  every rank's fetch equals torch.chunk(new.to(dtype), W, 0)[r] (kept and
+  cast); tensors published with their current bytes keep their digests,
+  --changed-since returns exactly the ones that changed; a dense adapter
+  stack stays applied, merged again on the new base (fp32, one rounding).
+* Sharded publish: the ranks of a 2x2 mesh each send their local shard
+  (Shard and Replicate placements, strided boxes); the generation appears
+  when the last byte lands. Overlaps, missing bytes, wrong tokens, deadlines,
+  aborts and refusals (unknown names, shapes, dtypes, generations, budget)
+  leave the generation and memory as they were.
+* A restart with --state-dir reports the publish as not kept and serves the
+  files' weights under a higher generation number.
+"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from harness import Daemon
+import st_io
+
+import weightd  # noqa: E402  (harness puts the build's package on the path)
+
+G = torch.Generator().manual_seed(4242)
+
+
+def _rand(shape, dtype):
+    return torch.randn(*shape, generator=G).to(dtype)
+
+
+def _base():
+    return {"w.bf16": _rand((12, 64), torch.bfloat16),
+            "w.f32": _rand((10, 8), torch.float32),
+            "w.f16": _rand((7, 16), torch.float16),
+            "same": _rand((64, 64), torch.bfloat16),
+            "col": _rand((6, 10), torch.float32),
+            "scalar": torch.tensor(1.5, dtype=torch.float32)}
+
+
+@pytest.fixture
+def env(tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    base = _base()
+    path = str(models / "m.safetensors")
+    st_io.save(base, path)
+    return str(models), path, base
+
+
+def _check(c, model, want, world=2, dtype=None, names=None):
+    """Every rank's fetch equals torch.chunk of `want` (cast to dtype)."""
+    for rank in range(world):
+        with c.fetch(model, world=world, rank=rank, dtype=dtype) as h:
+            got = h.state_dict()
+            assert sorted(got) == sorted(names or want), (model, sorted(got))
+            for name in names or want:
+                t = want[name]
+                if dtype is not None and t.is_floating_point():
+                    t = t.to({"bf16": torch.bfloat16, "f32": torch.float32,
+                              "f16": torch.float16}[dtype])
+                ref = t if t.dim() == 0 else _piece(t, world, rank)
+                assert got[name].dtype == ref.dtype, (name, got[name].dtype, ref.dtype)
+                assert torch.equal(got[name], ref), (model, name, rank, dtype)
+
+
+def _piece(t, world, rank):
+    """torch.chunk's piece `rank`, empty where torch.chunk gives fewer pieces."""
+    size = -(-t.shape[0] // world)
+    start = min(rank * size, t.shape[0])
+    return t[start:start + size]
+
+
+def _digests(c, model):
+    return {t.name: t.digest for t in c.info(model).tensors}
+
+
+def _changed(c, model, since):
+    with c.fetch(model, world=1, rank=0, changed_since=since) as h:
+        return sorted(h.state_dict())
+
+
+def test_partial_and_full_publish_match_pytorch(env):
+    models, path, base = env
+    with Daemon(model_root=models) as d, weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        before = _digests(c, "m")
+        new = {"w.bf16": _rand((12, 64), torch.bfloat16), "w.f32": _rand((10, 8), torch.float32),
+               "same": base["same"].clone()}
+        r = c.publish("m", new)
+        assert (r.generation, r.tensors, r.changed) == (2, 3, 2)
+        assert r.bytes == sum(t.numel() * t.element_size() for t in new.values())
+        # The unchanged tensor's bytes are not kept twice: only the changed ones.
+        assert r.bytes_stored == 1536 + 320   # only the changed ones, 64-byte aligned
+        now = dict(base, **new)
+        _check(c, "m", now)
+        _check(c, "m", now, world=3, dtype="bf16")
+        _check(c, "m", now, world=2, dtype="f32")
+        after = _digests(c, "m")
+        assert {n for n in after if after[n] != before[n]} == {"w.bf16", "w.f32"}
+        assert _changed(c, "m", 1) == ["w.bf16", "w.f32"]
+        assert c.info("m").generation == 2 and c.info("m").weights_id == r.weights_id
+
+        # A full publish from a file with weightctl: every tensor, F16 included
+        # (the scalar and "same" with their current bytes).
+        full = _base()
+        full["same"] = now["same"].clone()
+        full_path = os.path.join(models, "next.safetensors")
+        st_io.save(full, full_path)
+        out = d.ctl_ok("publish", "m", full_path, "--expect-generation", "2").stdout
+        assert "published m generation 3: 6 tensors, 4 changed" in out, out
+        _check(c, "m", full)
+        _check(c, "m", full, world=4, dtype="f16")
+        assert _changed(c, "m", 2) == ["col", "w.bf16", "w.f16", "w.f32"]
+        assert _changed(c, "m", 1) == ["col", "w.bf16", "w.f16", "w.f32"]
+
+        # Publishing the file's own bytes back: they are the checkpoint's again.
+        r = c.publish("m", base)
+        assert r.generation == 4
+        assert _digests(c, "m") == before
+        _check(c, "m", base)
+        # Nothing different: no new generation.
+        r = c.publish("m", {"same": base["same"]})
+        assert (r.generation, r.changed) == (4, 0)
+        # Verify re-digests every resident tensor, published ones included.
+        d.ctl_ok("verify", "m")
+        s = c.stats()
+        assert s["publishes"] == 4 and s["publish_sessions"] == 0
+        assert s["publish_bytes"] == 1536 + 320 + 8192 + sum(
+            t.numel() * t.element_size() for t in full.values()) + sum(
+            t.numel() * t.element_size() for t in base.values()) + 8192
+
+
+def test_a_stack_is_merged_again_on_published_weights(env):
+    models, path, base = env
+    diff = {"w.bf16.diff_param": _rand((12, 64), torch.float32) * 0.1}
+    st_io.save(diff, os.path.join(models, "dense.safetensors"))
+    with Daemon(model_root=models) as d, weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        c.load_adapter("a", os.path.join(models, "dense.safetensors"))
+        assert c.apply("m", [("a", 0.5)]) == 2
+
+        def merged(w):
+            return (w.float() + diff["w.bf16.diff_param"] * 0.5).to(torch.bfloat16)
+
+        _check(c, "m", dict(base, **{"w.bf16": merged(base["w.bf16"])}))
+        new = _rand((12, 64), torch.bfloat16)
+        r = c.publish("m", {"w.bf16": new}, expect_generation=2)
+        assert r.generation == 3 and r.adapters == ["a:0.5"]
+        _check(c, "m", dict(base, **{"w.bf16": merged(new)}))
+        # Back to the base stack: the published weights, unmerged.
+        assert c.apply("m", []) == 4
+        _check(c, "m", dict(base, **{"w.bf16": new}))
+        # An unloaded adapter stays in the stack a publish re-merges.
+        assert c.apply("m", [("a", 1.0)]) == 5
+        c.unload_adapter("a")
+        new2 = _rand((12, 64), torch.bfloat16)
+        c.publish("m", {"w.bf16": new2})
+        want = (new2.float() + diff["w.bf16.diff_param"]).to(torch.bfloat16)
+        _check(c, "m", dict(base, **{"w.bf16": want}))
+
+
+def test_sharded_publish_from_a_2x2_mesh(env):
+    models, path, base = env
+    with Daemon(model_root=models) as d, weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        new = {"w.bf16": _rand((12, 64), torch.bfloat16),   # S0 on both mesh dims
+               "col": _rand((6, 10), torch.float32),        # S1 on the last: strided boxes
+               "w.f16": _rand((7, 16), torch.float16),      # replicated on dim 0, S0 on dim 1
+               "scalar": torch.tensor(-2.0)}                # replicated everywhere
+        placements = {"w.bf16": ["S0", "S0"], "col": ["R", "S1"], "w.f16": ["R", "S0"],
+                      "scalar": ["R", "R"]}
+        session = c.begin_publish("m", new, expect_generation=1)
+        assert session.bytes == sum(t.numel() * t.element_size() for t in new.values())
+
+        def local(name, coord):
+            t = new[name]
+            for m, p in enumerate(placements[name]):
+                if p.startswith("S") and t.dim():
+                    t = torch.chunk(t, 2, int(p[1:]))[coord[m]]
+            return t.contiguous()
+
+        results = []
+        coords = [(0, 0), (1, 1), (0, 1), (1, 0)]
+        for k, coord in enumerate(coords):
+            assert c.info("m").generation == 1   # nothing visible before the last byte
+            sd = {n: local(n, coord) for n in new}
+            r = c.publish_sharded(session, sd, mesh=(2, 2), coord=coord, placements=placements)
+            results.append(r)
+        assert results[:3] == [None, None, None]
+        assert results[3].generation == 2 and results[3].changed == 4
+        assert c.commit_publish(session).generation == 2   # the others may ask
+        _check(c, "m", dict(base, **new))
+        _check(c, "m", dict(base, **new), world=3)
+
+
+def test_refusals_leave_everything_as_it_was(env):
+    models, path, base = env
+    with Daemon(model_root=models) as d, weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        resident = c.stats()["bytes_resident"]
+        weights_id = c.info("m").weights_id
+
+        def refused(code, text, fn, *args, **kw):
+            with pytest.raises(weightd.Error) as e:
+                fn(*args, **kw)
+            assert e.value.code == code, e.value
+            assert text in e.value.message, e.value.message
+
+        w = _rand((12, 64), torch.bfloat16)
+        refused("NOT_FOUND", "has no tensor \"nope\"", c.publish, "m", {"nope": w})
+        refused("INVALID_ARGUMENT", "is BF16 [12, 64]; the publish says BF16 [12, 63]",
+                c.publish, "m", {"w.bf16": w[:, :63]})
+        refused("INVALID_ARGUMENT", "is BF16 [12, 64]; the publish says F32 [12, 64]",
+                c.publish, "m", {"w.bf16": w.float()})
+        refused("ABORTED", "at generation 1, not 7", c.publish, "m", {"w.bf16": w},
+                expect_generation=7)
+        refused("NOT_FOUND", "not loaded", c.publish, "nomodel", {"w.bf16": w})
+
+        # Overlapping bytes from two writers: the session fails, nothing lands.
+        s = c.begin_publish("m", {"w.bf16": w})
+        top = {"w.bf16": w[:8].contiguous()}
+        c.publish_sharded(s, {"w.bf16": w[:6].contiguous()}, world=2, rank=0)
+        with pytest.raises(weightd.Error) as e:
+            c._write_publish(s, [(0, [(512, 256)], top["w.bf16"].view(torch.uint8)
+                                  .reshape(-1)[:256].numpy())])
+        assert e.value.code == "INVALID_ARGUMENT"
+        assert 'tensor "w.bf16": bytes [512, 768) overlap bytes [0, 768)' in e.value.message
+        refused("INVALID_ARGUMENT", "ended", c.commit_publish, s)
+
+        # Missing bytes are named; a wrong token is refused; abort frees.
+        s = c.begin_publish("m", {"w.bf16": w, "w.f32": base["w.f32"]})
+        c.publish_sharded(s, {"w.bf16": w[6:].contiguous()}, world=2, rank=1)
+        refused("FAILED_PRECONDITION", 'missing tensor "w.bf16" bytes [0, 768)',
+                c.commit_publish, s)
+        bad = weightd.PublishSession(**dict(s.__dict__, token="0" * 32))
+        refused("PERMISSION_DENIED", "wrong token", c.commit_publish, bad)
+        assert c.stats()["publish_sessions"] == 1
+        c.abort_publish(s)
+        refused("ABORTED", "aborted by the publisher", c.commit_publish, s)
+
+        # A session past its deadline is aborted by the daemon.
+        s = c.begin_publish("m", {"w.bf16": w}, timeout=1)
+        time.sleep(2.5)
+        refused("DEADLINE_EXCEEDED", 'missing tensor "w.bf16" bytes [0, 1536)',
+                c.commit_publish, s)
+
+        assert c.info("m").generation == 1 and c.info("m").weights_id == weights_id
+        assert c.stats()["publish_sessions"] == 0
+        assert c.stats()["bytes_resident"] == resident
+        assert c.stats()["publishes"] == 0
+        _check(c, "m", base)
+        assert d.alive()
+
+    # Over the memory budget: refused before anything is visible.
+    big = {"big": _rand((256, 1024), torch.float32)}   # 1 MiB
+    st_io.save(big, os.path.join(models, "big.safetensors"))
+    with Daemon(model_root=models, extra_args=["--host-memory-bytes", str(3 << 19)]) as d, \
+            weightd.Client(socket=d.socket) as c:
+        c.load("big", os.path.join(models, "big.safetensors"))
+        with pytest.raises(weightd.Error) as e:
+            c.publish("big", {"big": _rand((256, 1024), torch.float32)})
+        assert e.value.code == "RESOURCE_EXHAUSTED", e.value
+        assert 'to publish to model "big"' in e.value.message, e.value.message
+        assert c.info("big").generation == 1
+        _check(c, "big", big)
+
+
+def test_a_restart_serves_the_files_under_a_higher_generation(env, tmp_path):
+    models, path, base = env
+    state = str(tmp_path / "state")
+    work = str(tmp_path / "d")
+    d = Daemon(model_root=models, workdir=work, extra_args=["--state-dir", state]).start()
+    try:
+        with weightd.Client(socket=d.socket) as c:
+            c.load("m", path)
+            files_id = c.info("m").weights_id
+            assert c.publish("m", {"w.f32": _rand((10, 8), torch.float32)}).generation == 2
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+    finally:
+        d.stop()
+    d = Daemon(model_root=models, workdir=work, extra_args=["--state-dir", state]).start()
+    try:
+        with weightd.Client(socket=d.socket) as c:
+            deadline = time.time() + 30
+            while time.time() < deadline and "restore_done" not in d.log():
+                time.sleep(0.1)
+            assert "published weights (generation 2) are not kept across restarts" in d.log()
+            # Generation 1 is the files' weights, as it was; the next number
+            # is past the published one.
+            info = c.info("m")
+            assert (info.generation, info.weights_id) == (1, files_id)
+            _check(c, "m", base)
+            assert c.apply("m", []) > 2
+    finally:
+        d.stop()

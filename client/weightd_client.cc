@@ -705,6 +705,10 @@ absl::StatusOr<DaemonStats> Client::Stats() {
   s.checkpoint_bytes_logical = r.checkpoint_bytes_logical();
   s.checkpoint_bytes_resident = r.checkpoint_bytes_resident();
   s.pushes = r.pushes();
+  s.publishes = r.publishes();
+  s.publish_bytes = r.publish_bytes();
+  s.publish_seconds = r.publish_seconds();
+  s.publish_sessions = r.publish_sessions();
   s.push_bytes = r.push_bytes();
   s.pinned_bytes = r.pinned_bytes();
   s.segment_bytes_4k = r.segment_bytes_4k();

@@ -123,6 +123,9 @@ struct DaemonStats {
   // Checkpoint bytes per model, summed, and held (shared checkpoints once).
   uint64_t checkpoint_bytes_logical = 0, checkpoint_bytes_resident = 0;
   uint64_t pushes = 0, push_bytes = 0;  // pushes into clients' memory
+  // Publishes committed, their bytes, seconds (summed), sessions open now.
+  uint64_t publishes = 0, publish_bytes = 0, publish_sessions = 0;
+  double publish_seconds = 0;
   uint64_t pinned_bytes = 0;            // host memory registered with CUDA
   // Live segments' bytes by pages (--huge-pages), and the host's 2 MiB pool.
   uint64_t segment_bytes_4k = 0, segment_bytes_thp = 0, segment_bytes_hugetlb = 0;

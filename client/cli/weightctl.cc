@@ -238,6 +238,9 @@ absl::Status CmdStats(Client& c, const Args& a) {
       (unsigned long long)s.bytes_read,
       (unsigned long long)s.checkpoint_bytes_logical,
       (unsigned long long)s.checkpoint_bytes_resident);
+  std::printf("publishes: %llu\npublish_bytes: %llu\npublish_seconds: %.3f\npublish_sessions: %llu\n",
+              (unsigned long long)s.publishes, (unsigned long long)s.publish_bytes,
+              s.publish_seconds, (unsigned long long)s.publish_sessions);
   std::printf("pushes: %llu\npush_bytes: %llu\npinned_bytes: %llu\ngpus: %zu\n",
               (unsigned long long)s.pushes, (unsigned long long)s.push_bytes,
               (unsigned long long)s.pinned_bytes, s.gpus.size());

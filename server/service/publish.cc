@@ -163,6 +163,9 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   }
   HostMemoryManager::AllocateOptions alloc;
   alloc.purpose = "publish";
+  // Faulted in at once: the writers' copies then run at memory speed
+  // instead of taking a page fault per 4 KiB.
+  alloc.prefault = true;
   auto staging = memory_.Allocate(layout.total, alloc);
   if (!staging.ok()) {
     return Annotate(staging.status(),
@@ -530,6 +533,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     if (!fresh.empty() && fresh_bytes + session.bytes_total / 8 < session.bytes_total) {
       HostMemoryManager::AllocateOptions alloc;
       alloc.purpose = "publish";
+      alloc.prefault = true;
       auto packed = memory_.Allocate(std::max<uint64_t>(fresh_bytes, 1), alloc);
       if (!packed.ok()) return packed.status();
       uint64_t at = 0;

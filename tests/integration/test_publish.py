@@ -17,7 +17,9 @@ weightctl; PyTorch is the reference.
 """
 import os
 import signal
+import socket as pysocket
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -85,9 +87,24 @@ def _changed(c, model, since):
         return sorted(h.state_dict())
 
 
+def _scrape(port):
+    text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            values[k] = float(v)
+    return values
+
+
 def test_partial_and_full_publish_match_pytorch(env):
     models, path, base = env
-    with Daemon(model_root=models) as d, weightd.Client(socket=d.socket) as c:
+    s = pysocket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with Daemon(model_root=models, extra_args=["--metrics-listen", "127.0.0.1:%d" % port]) as d, \
+            weightd.Client(socket=d.socket) as c:
         c.load("m", path)
         before = _digests(c, "m")
         new = {"w.bf16": _rand((12, 64), torch.bfloat16), "w.f32": _rand((10, 8), torch.float32),
@@ -134,6 +151,12 @@ def test_partial_and_full_publish_match_pytorch(env):
         assert s["publish_bytes"] == 1536 + 320 + 8192 + sum(
             t.numel() * t.element_size() for t in full.values()) + sum(
             t.numel() * t.element_size() for t in base.values()) + 8192
+        m = _scrape(port)
+        assert m["weightd_publishes_total"] == 4
+        assert m["weightd_publish_bytes_total"] == s["publish_bytes"]
+        assert m["weightd_publish_sessions"] == 0
+        assert 0 < m["weightd_publish_seconds_total"] < 60
+        assert "publish_sessions: 0" in d.ctl_ok("stats").stdout
 
 
 def test_a_stack_is_merged_again_on_published_weights(env):

@@ -1146,7 +1146,7 @@ class Client:
 
             def message():
                 nonlocal first
-                msg = pb.PublishChunk(runs=runs, data=b"".join(data))
+                msg = pb.PublishChunk(runs=runs, data=data[0] if len(data) == 1 else b"".join(data))
                 if first:
                     msg.session, msg.token, first = session.session, session.token, False
                 return msg

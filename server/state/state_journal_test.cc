@@ -134,6 +134,30 @@ TEST(StateJournalTest, PlanFollowsLoadsUnloadsAndAppliesInSeqOrder) {
   EXPECT_EQ(plan.adapters[0].path, "/ad/a-v2");
 }
 
+TEST(StateJournalTest, APublishIsPlannedWithItsGenerationAndRoundTrips) {
+  StateRecord pub = Rec(StateRecord::Kind::kPublish, 3, "m");
+  pub.generation = 4;
+  pub.content = "0123456789abcdef0123456789abcdef";
+  JournalContents parsed = ParseJournal(EncodeStateRecord(pub));
+  ASSERT_EQ(parsed.records.size(), 1u);
+  EXPECT_EQ(parsed.records[0].kind, StateRecord::Kind::kPublish);
+  EXPECT_EQ(parsed.records[0].generation, 4u);
+  EXPECT_EQ(DescribeRecord(parsed.records[0]), "publish \"m\" (seq 3)");
+  RestorePlan plan = PlanRestore({ModelLoad(1, "m"), Apply(2, "m", 2, {{"a", 1.0f}}), pub,
+                                  Apply(5, "m", 5, {}), ModelLoad(6, "n")});
+  ASSERT_EQ(plan.models.size(), 2u);
+  EXPECT_EQ(plan.models[0].publish.seq, 3u);
+  EXPECT_EQ(plan.models[0].apply.seq, 5u);  // after the publish: restore.cc skips it
+  EXPECT_EQ(plan.models[0].max_generation, 5u);
+  EXPECT_EQ(plan.models[1].publish.seq, 0u);
+  // A load after the publish starts afresh.
+  plan = PlanRestore({ModelLoad(1, "m"), pub, Rec(StateRecord::Kind::kModelUnload, 4, "m"),
+                      ModelLoad(5, "m")});
+  ASSERT_EQ(plan.models.size(), 1u);
+  EXPECT_EQ(plan.models[0].publish.seq, 0u);
+  EXPECT_EQ(plan.models[0].max_generation, 1u);
+}
+
 TEST(StateJournalTest, AnApplyNamesTheAdapterLoadItMerged) {
   // The apply looked its adapter up (load seq 2); the adapter was unloaded
   // and loaded again from another file (seqs 3, 4) before the apply was

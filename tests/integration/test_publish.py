@@ -323,3 +323,45 @@ def test_a_restart_serves_the_files_under_a_higher_generation(env, tmp_path):
             assert c.apply("m", []) > 2
     finally:
         d.stop()
+
+
+def test_merged_and_allow_new_tensors_through_a_profile(tmp_path):
+    """A profile merges q, k, v into one served tensor and allows a new one:
+    publishing the merged tensor replaces each part (a part whose rows are
+    unchanged keeps its bytes), and the allowed new tensor, zero-filled at
+    load, takes the published bytes."""
+    models = tmp_path / "models"
+    models.mkdir()
+    q, k, v = (_rand((4, 8), torch.bfloat16), _rand((2, 8), torch.bfloat16),
+               _rand((2, 8), torch.bfloat16))
+    st_io.save({"q": q, "k": k, "v": v}, str(models / "m.safetensors"))
+    profile = {"name_mapping": [
+        {"match": "q", "target": "qkv.weight", "merge_index": 0, "num_merges": 3},
+        {"match": "k", "target": "qkv.weight", "merge_index": 1, "num_merges": 3},
+        {"match": "v", "target": "qkv.weight", "merge_index": 2, "num_merges": 3}],
+        "expected": {"qkv.weight": {"shape": [8, 8]}, "gate_compress.weight": {"shape": [6, 4]}},
+        "allow_new": ["gate_compress"]}
+    with Daemon(model_root=str(models)) as d, weightd.Client(socket=d.socket) as c:
+        c.load("m", str(models / "m.safetensors"), profile=profile)
+        info = {t.name: t for t in c.info("m").tensors}
+        # Zero-filled in the dtype the load picked (the checkpoint's).
+        gate_dtype = {"BF16": torch.bfloat16, "F32": torch.float32}[info["gate_compress.weight"].dtype]
+        gate = torch.zeros(6, 4, dtype=gate_dtype)
+        _check(c, "m", {"qkv.weight": torch.cat([q, k, v]), "gate_compress.weight": gate})
+        k2, v2 = _rand((2, 8), torch.bfloat16), _rand((2, 8), torch.bfloat16)
+        qkv = torch.cat([q, k2, v2])
+        r = c.publish("m", {"qkv.weight": qkv})
+        assert (r.generation, r.changed) == (2, 1)
+        # Only k and v are new memory (q's rows are the checkpoint's): 2 x 32 bytes.
+        assert r.bytes_stored == 64 + 64
+        _check(c, "m", {"qkv.weight": qkv, "gate_compress.weight": gate})
+        _check(c, "m", {"qkv.weight": qkv, "gate_compress.weight": gate}, world=3, dtype="f32")
+        assert sorted(info["qkv.weight"].sources) == ["k", "q", "v"]
+        gate2 = _rand((6, 4), gate_dtype)
+        r = c.publish("m", {"gate_compress.weight": gate2})
+        assert (r.generation, r.changed) == (3, 1)
+        _check(c, "m", {"qkv.weight": qkv, "gate_compress.weight": gate2})
+        _check(c, "m", {"qkv.weight": qkv, "gate_compress.weight": gate2}, world=4)
+        assert _changed(c, "m", 2) == ["gate_compress.weight"]
+        assert _changed(c, "m", 1) == ["gate_compress.weight", "qkv.weight"]
+        d.ctl_ok("verify", "m")

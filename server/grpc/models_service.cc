@@ -224,6 +224,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
           resp->set_base_generation(info->base_generation);
           resp->set_bytes(info->bytes);
           resp->set_deadline_unix_ms(absl::ToUnixMillis(info->deadline));
+          for (const std::string& n : info->per_part) resp->add_per_part(n);
           return absl::OkStatus();
         },
         /*change=*/true);

@@ -53,9 +53,9 @@ struct WeightService::PublishSession {
   uint64_t id = 0;
   std::string token;
   std::string model;
-  // The model's checkpoint when the session began: a model unloaded and
-  // loaded again under the same name meanwhile is another model.
-  std::shared_ptr<const Checkpoint> checkpoint;
+  // The model instance the session began on: a model unloaded and loaded
+  // again under the same name meanwhile is another one (Model::instance).
+  uint64_t model_instance = 0;
   uint64_t expect_generation = 0;
   uint64_t base_generation = 0;
   std::vector<PublishTensorSpec> specs;
@@ -140,6 +140,7 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   absl::flat_hash_set<absl::string_view> added;
   for (const Served& s : cur->added) added.insert(s.plan.name);
   uint64_t bytes = 0;
+  std::vector<std::string> per_part;
   for (const PublishTensorSpec& spec : params.tensors) {
     if (added.contains(spec.name)) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -153,6 +154,14 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
                                               " (a new name must be allowed by its profile)"));
     }
     const ServedTensorPlan& plan = it->second->plan;
+    if (plan.parts.empty() && model->checkpoint->Find(plan.name) != nullptr) {
+      // Published parts are keyed by checkpoint name, and this allowed new
+      // tensor's name is another tensor's there.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor \"", spec.name, "\" of model \"", params.model,
+          "\" is a new tensor whose name is also a checkpoint tensor's (mapped elsewhere by the "
+          "profile); it cannot be published"));
+    }
     if (spec.dtype != plan.dtype || spec.shape != plan.shape) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor \"", spec.name, "\" of model \"", params.model, "\" is ",
@@ -160,6 +169,7 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
           SpecString(spec.dtype, spec.shape)));
     }
     bytes += spec.bytes();
+    if (plan.per_part) per_part.push_back(spec.name);
   }
   HostMemoryManager::AllocateOptions alloc;
   alloc.purpose = "publish";
@@ -175,7 +185,7 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   auto session = std::make_shared<PublishSession>();
   session->token = RandomHex(16);
   session->model = params.model;
-  session->checkpoint = model->checkpoint;
+  session->model_instance = model->instance;
   session->expect_generation = params.expect_generation;
   session->base_generation = cur->number;
   session->specs = params.tensors;
@@ -203,6 +213,7 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   info.layout = std::move(layout);
   info.bytes = bytes;
   info.deadline = session->deadline;
+  info.per_part = std::move(per_part);
   LogEvent(LogLevel::kInfo, "publish_begin",
            {{"model", params.model},
             {"session", absl::StrCat(info.id)},
@@ -377,6 +388,23 @@ uint64_t WeightService::OpenPublishSessions() const {
   return open;
 }
 
+void WeightService::EndPublishesOf(uint64_t instance, const std::string& why) {
+  std::vector<std::shared_ptr<PublishSession>> sessions;
+  {
+    absl::MutexLock lock(&publish_mu_);
+    for (const auto& [id, s] : publishes_) {
+      if (s->model_instance == instance) sessions.push_back(s);
+    }
+  }
+  for (const auto& s : sessions) {
+    absl::MutexLock lock(&s->mu);
+    // A session committing now finds the model gone and fails itself.
+    if (s->state == PublishSession::State::kOpen) {
+      s->FailLocked(absl::AbortedError(absl::StrCat(why, "; nothing was published")));
+    }
+  }
+}
+
 void WeightService::ExpirePublishes() {
   const absl::Time now = absl::Now();
   std::vector<std::shared_ptr<PublishSession>> sessions;
@@ -415,7 +443,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
 
   // The model as the session found it, and each spec's served tensor.
   WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(session.model));
-  if (model->checkpoint != session.checkpoint) {
+  if (model->instance != session.model_instance) {
     return absl::AbortedError(absl::StrCat("model \"", session.model,
                                            "\" was unloaded during the publish; nothing published"));
   }
@@ -474,7 +502,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
   };
   for (int attempt = 0;; ++attempt) {
     WD_ASSIGN_OR_RETURN(model, FindModel(session.model));
-    if (model->checkpoint != session.checkpoint) {
+    if (model->instance != session.model_instance) {
       return absl::AbortedError(absl::StrCat(
           "model \"", session.model, "\" was unloaded during the publish; nothing published"));
     }
@@ -514,7 +542,11 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
       // Nothing differs: no new generation.
       absl::MutexLock lock(&mu_);
       auto it = models_.find(session.model);
-      if (it == models_.end() || it->second->current != cur) continue;
+      if (it == models_.end() || it->second->current != cur) {
+        if (attempt < 5) continue;
+        return absl::AbortedError(absl::StrCat("model \"", session.model,
+                                               "\" kept changing during the publish; retry"));
+      }
       result.generation.model = session.model;
       result.generation.generation = cur->number;
       for (const AdapterRef& r : cur->stack) {
@@ -535,16 +567,23 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
       alloc.purpose = "publish";
       alloc.prefault = true;
       auto packed = memory_.Allocate(std::max<uint64_t>(fresh_bytes, 1), alloc);
-      if (!packed.ok()) return packed.status();
-      uint64_t at = 0;
-      for (const Piece* p : fresh) {
-        std::memcpy((*packed)->mutable_data() + at, base + p->offset, p->length);
-        offsets.push_back(at);
-        at += (p->length + 63) / 64 * 64;
+      if (packed.ok()) {
+        uint64_t at = 0;
+        for (const Piece* p : fresh) {
+          std::memcpy((*packed)->mutable_data() + at, base + p->offset, p->length);
+          offsets.push_back(at);
+          at += (p->length + 63) / 64 * 64;
+        }
+        if ((*packed)->Seal(/*populate=*/false).ok()) {
+          holder = SegmentPtr(std::move(*packed));
+        } else {
+          offsets.clear();
+        }
       }
-      WD_RETURN_IF_ERROR((*packed)->Seal(/*populate=*/false));
-      holder = SegmentPtr(std::move(*packed));
-    } else {
+      // No room for the copy: the staging segment is kept as it is.
+    }
+    if (holder == segment) {
+      offsets.clear();
       for (const Piece* p : fresh) offsets.push_back(p->offset);
     }
     for (size_t f = 0; f < fresh.size(); ++f) {
@@ -578,7 +617,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
         record,
         [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
           auto it = models_.find(session.model);
-          if (it == models_.end() || it->second->checkpoint != session.checkpoint) {
+          if (it == models_.end() || it->second->instance != session.model_instance) {
             return absl::AbortedError(absl::StrCat("model \"", session.model,
                                                    "\" was unloaded during the publish"));
           }

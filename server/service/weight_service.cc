@@ -350,6 +350,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     opts.shared_charge = &shared_charge;
     auto model = std::make_shared<Model>();
     model->name = name;
+    model->instance = next_model_instance_.fetch_add(1);
     model->path = resolved;
     model->profile = profile;
     model->readers = reader_list;
@@ -465,6 +466,7 @@ absl::Status WeightService::UnloadModel(const std::string& name) {
         generation_changed_.SignalAll();
       }));
   for (const auto& g : dropped->history) materializer_.RetireTag(absl::StrCat(name, "#", g->number));
+  EndPublishesOf(dropped->instance, absl::StrCat("model \"", name, "\" was unloaded"));
   dropped.reset();
   materializer_.Sweep();
   LogEvent(LogLevel::kInfo, "unload", {{"model", name}});

@@ -355,6 +355,7 @@ class WeightService {
     PublishLayout layout;  // where each tensor lies in the staging segment
     uint64_t bytes = 0;    // tensor bytes to write (sum over the specs)
     absl::Time deadline;
+    std::vector<std::string> per_part;  // specs the profile shards part by part
   };
   struct PublishRun {
     uint32_t tensor = 0;  // index into the session's specs
@@ -439,6 +440,9 @@ class WeightService {
   // generation list.
   struct Model {
     std::string name;
+    // Which load this is (kept by the copies an apply makes): a model
+    // unloaded and loaded again under its name is another instance.
+    uint64_t instance = 0;
     std::string path;
     std::shared_ptr<const Checkpoint> checkpoint;
     // A model that shares its checkpoint with another (loaded from the same
@@ -546,6 +550,9 @@ class WeightService {
   absl::flat_hash_map<uint64_t, std::shared_ptr<PublishSession>> publishes_
       ABSL_GUARDED_BY(publish_mu_);
   uint64_t next_publish_id_ ABSL_GUARDED_BY(publish_mu_) = 1;
+  std::atomic<uint64_t> next_model_instance_{1};
+  // Fails the open publish sessions of `model` instance `instance` (unload).
+  void EndPublishesOf(uint64_t instance, const std::string& why) ABSL_LOCKS_EXCLUDED(publish_mu_);
   std::atomic<uint64_t> publish_count_{0};
   std::atomic<uint64_t> publish_bytes_{0};
   std::atomic<uint64_t> publish_ns_{0};

@@ -113,7 +113,7 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
                                    ") are not kept across restarts; model \"", name,
                                    "\" serves the weights of its files"));
     }
-    if (e.has_apply && e.publish.seq != 0 && e.apply.seq > e.publish.seq) {
+    if (e.has_apply && e.first_publish_seq != 0 && e.apply.seq > e.first_publish_seq) {
       skip(e.apply, absl::StrCat("it was applied on published weights, which are not kept "
                                  "across restarts; model \"", name, "\" serves its base"));
     } else if (e.has_apply) {

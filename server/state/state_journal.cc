@@ -236,6 +236,7 @@ RestorePlan PlanRestore(std::vector<StateRecord> records) {
         auto it = models.find(r.name);
         if (it == models.end()) break;
         it->second.publish = r;
+        if (it->second.first_publish_seq == 0) it->second.first_publish_seq = r.seq;
         it->second.max_generation = std::max(it->second.max_generation, r.generation);
         break;
       }

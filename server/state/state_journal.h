@@ -86,6 +86,7 @@ struct RestorePlan {
     // The last publish after the load (publish.seq == 0: none). Its weights
     // are not in the journal: an apply recorded after it cannot be restored.
     StateRecord publish;
+    uint64_t first_publish_seq = 0;  // every apply after it merged published weights
   };
   std::vector<ModelEntry> models;      // in load order
   std::vector<StateRecord> adapters;   // loaded at the end, in load order

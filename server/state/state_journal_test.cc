@@ -143,12 +143,16 @@ TEST(StateJournalTest, APublishIsPlannedWithItsGenerationAndRoundTrips) {
   EXPECT_EQ(parsed.records[0].kind, StateRecord::Kind::kPublish);
   EXPECT_EQ(parsed.records[0].generation, 4u);
   EXPECT_EQ(DescribeRecord(parsed.records[0]), "publish \"m\" (seq 3)");
+  StateRecord pub2 = pub;
+  pub2.seq = 7;
+  pub2.generation = 6;
   RestorePlan plan = PlanRestore({ModelLoad(1, "m"), Apply(2, "m", 2, {{"a", 1.0f}}), pub,
-                                  Apply(5, "m", 5, {}), ModelLoad(6, "n")});
+                                  Apply(5, "m", 5, {}), ModelLoad(6, "n"), pub2});
   ASSERT_EQ(plan.models.size(), 2u);
-  EXPECT_EQ(plan.models[0].publish.seq, 3u);
-  EXPECT_EQ(plan.models[0].apply.seq, 5u);  // after the publish: restore.cc skips it
-  EXPECT_EQ(plan.models[0].max_generation, 5u);
+  EXPECT_EQ(plan.models[0].publish.seq, 7u);  // the last one
+  EXPECT_EQ(plan.models[0].first_publish_seq, 3u);
+  EXPECT_EQ(plan.models[0].max_generation, 6u);
+  EXPECT_EQ(plan.models[0].apply.seq, 5u);  // after a publish: restore.cc skips it
   EXPECT_EQ(plan.models[1].publish.seq, 0u);
   // A load after the publish starts afresh.
   plan = PlanRestore({ModelLoad(1, "m"), pub, Rec(StateRecord::Kind::kModelUnload, 4, "m"),

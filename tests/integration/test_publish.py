@@ -221,6 +221,19 @@ def test_sharded_publish_from_a_2x2_mesh(env):
         _check(c, "m", dict(base, **new))
         _check(c, "m", dict(base, **new), world=3)
 
+        # A rank that holds only copies another rank sends writes nothing and
+        # still gets the result.
+        session = c.begin_publish("m", {"scalar": torch.tensor(3.0)})
+        r0 = c.publish_sharded(session, {"scalar": torch.tensor(3.0)}, world=2, rank=0,
+                               placements=["R"])
+        r1 = c.publish_sharded(session, {"scalar": torch.tensor(3.0)}, world=2, rank=1,
+                               placements=["R"], wait=5)
+        assert r0.generation == r1.generation == 3
+        # A NumPy scalar is a 0-dim tensor too.
+        import numpy as np
+        assert c.publish("m", {"scalar": np.float32(4.0)}).generation == 4
+        _check(c, "m", dict(base, **dict(new, scalar=torch.tensor(4.0))))
+
 
 def test_refusals_leave_everything_as_it_was(env):
     models, path, base = env
@@ -266,6 +279,21 @@ def test_refusals_leave_everything_as_it_was(env):
         assert c.stats()["publish_sessions"] == 1
         c.abort_publish(s)
         refused("ABORTED", "aborted by the publisher", c.commit_publish, s)
+
+        # Unloading the model ends its sessions; loading it again makes
+        # another model, which an old session never publishes to.
+        s = c.begin_publish("m", {"w.bf16": w})
+        c.unload("m")
+        c.load("m", path)
+        refused("ABORTED", 'model "m" was unloaded', c.commit_publish, s)
+        s = c.begin_publish("m", {"w.bf16": w})
+        c.publish_sharded(s, {"w.bf16": w[:6].contiguous()}, world=2, rank=0)
+        c.unload("m")
+        c.load("m", path)
+        with pytest.raises(weightd.Error) as e:
+            c.publish_sharded(s, {"w.bf16": w[6:].contiguous()}, world=2, rank=1)
+        assert e.value.code == "ABORTED", e.value
+        resident = c.stats()["bytes_resident"]
 
         # A session past its deadline is aborted by the daemon.
         s = c.begin_publish("m", {"w.bf16": w}, timeout=1)
@@ -365,3 +393,20 @@ def test_merged_and_allow_new_tensors_through_a_profile(tmp_path):
         assert _changed(c, "m", 2) == ["gate_compress.weight"]
         assert _changed(c, "m", 1) == ["gate_compress.weight", "qkv.weight"]
         d.ctl_ok("verify", "m")
+
+        # Sharded part by part (tensor-parallel QKV): a sharded publish must
+        # send the tensor whole, or it would land in the wrong rows.
+        tp = dict(profile, placements=[{"match": r"qkv\.weight", "placements": ["S0"],
+                                        "per_part": True}])
+        c.load("tp", str(models / "m.safetensors"), profile=tp)
+        session = c.begin_publish("tp", {"qkv.weight": qkv})
+        assert session.per_part == ["qkv.weight"]
+        with pytest.raises(weightd.Error) as e:
+            c.publish_sharded(session, {"qkv.weight": qkv[:4].contiguous()}, world=2, rank=0,
+                              placements=["S0"])
+        assert e.value.code == "INVALID_ARGUMENT" and "part by part" in e.value.message
+        r = c.publish_sharded(session, {"qkv.weight": qkv}, world=2, rank=0, placements=["R"])
+        assert r.generation == 2
+        with c.fetch("tp", world=2, rank=1) as h:   # per part: rows 2-3 of q, 1 of k, 1 of v
+            want = torch.cat([q[2:], k2[1:], v2[1:]])
+            assert torch.equal(h.state_dict()["qkv.weight"], want)

@@ -810,6 +810,7 @@ class PublishSession:
     bytes: int
     deadline_unix_ms: int
     tensors: list  # [(name, dtype name, shape tuple)] in session order
+    per_part: list = field(default_factory=list)  # sharded part by part by the profile
 
 
 @dataclass
@@ -840,7 +841,9 @@ def _publish_source(name, value, dtypes=None):
         shape = tuple(t.shape)
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
     else:
-        a = np.ascontiguousarray(value)
+        a = np.asarray(value)
+        if a.ndim:
+            a = np.ascontiguousarray(a)
         dname = _dtypes.parse_request_dtype(a.dtype)
         shape = tuple(a.shape)
         raw = a.reshape(-1).view(np.uint8)
@@ -1135,7 +1138,7 @@ class Client:
                      for n, d, sh in specs])
         r = self._call(self._models.BeginPublish, req)
         return PublishSession(model, r.session, r.token, r.base_generation, r.bytes,
-                              r.deadline_unix_ms, specs)
+                              r.deadline_unix_ms, specs, list(r.per_part))
 
     def _write_publish(self, session, pieces, progress=None):
         """Streams pieces [(tensor index, [(global byte offset, length)],
@@ -1251,6 +1254,10 @@ class Client:
             if len(pl) != len(mesh):
                 raise Error("INVALID_ARGUMENT", "%d placements for a mesh of %d dims"
                             % (len(pl), len(mesh)))
+            if name in session.per_part and any(p >= 0 for p in pl):
+                raise Error("INVALID_ARGUMENT", "tensor \"%s\" is sharded part by part by the "
+                            "model's profile; publish it with replicated placements (whole) "
+                            "from one rank" % name)
             offset, size, writes = _local_box(shape, mesh, coord, pl)
             ldtype, lshape, raw = _publish_source(name, value, dtypes)
             if ldtype != dname or list(lshape) != list(size if shape else []):
@@ -1259,9 +1266,10 @@ class Client:
                                                             list(shape), list(size)))
             if writes:
                 pieces.append((i, _box_runs(shape, offset, size, _dtypes.itemsize(dname)), raw))
-        resp = self._write_publish(session, pieces, progress)
-        if resp.HasField("result"):
-            return _publish_result(resp.result)
+        if pieces:  # a rank holding only copies others send writes nothing
+            resp = self._write_publish(session, pieces, progress)
+            if resp.HasField("result"):
+                return _publish_result(resp.result)
         if wait:
             return self.commit_publish(session, wait=wait)
         return None

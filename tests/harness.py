@@ -68,6 +68,28 @@ def wait_leases(client, want, timeout=10.0):
     return leases_open(client)
 
 
+def free_port():
+    """A TCP port on 127.0.0.1 free now (for --metrics-listen, --listen)."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def scrape_metrics(port):
+    """{series: value} from the daemon's Prometheus /metrics on `port`."""
+    import urllib.request
+    text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            values[k] = float(v)
+    return values
+
+
 class CtlResult:
     def __init__(self, proc):
         self.returncode = proc.returncode

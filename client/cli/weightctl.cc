@@ -133,6 +133,43 @@ absl::Status CmdHealth(Client& c) {
   return absl::OkStatus();
 }
 
+// `flag` G (G >= 1) into *out when given; *out untouched otherwise.
+absl::Status ParseGenerationFlag(const Args& a, const char* flag, uint64_t* out) {
+  if (!a.Has(flag)) return absl::OkStatus();
+  WD_ASSIGN_OR_RETURN(int64_t g, ParseInt(flag, a.Get(flag)));
+  if (g < 1) return absl::InvalidArgumentError(absl::StrCat(flag, " must be >= 1"));
+  *out = static_cast<uint64_t>(g);
+  return absl::OkStatus();
+}
+
+// Progress of a long transfer on stderr: a bar redrawn in place on a
+// terminal, else one line per tenth ("loading m: 30% (1.2 GiB of 4 GiB)").
+class ProgressLine {
+ public:
+  ProgressLine(const char* verb, std::string name, bool tty)
+      : verb_(verb), name_(std::move(name)), tty_(tty) {}
+  void Report(uint64_t done, uint64_t total) {
+    double frac = total ? static_cast<double>(done) / total : 1.0;
+    if (tty_) {
+      int width = 30, filled = static_cast<int>(frac * width);
+      std::fprintf(stderr, "\r[%s%s] %5.1f%%  %s / %s", std::string(filled, '#').c_str(),
+                   std::string(width - filled, ' ').c_str(), frac * 100,
+                   HumanBytes(done).c_str(), HumanBytes(total).c_str());
+      std::fflush(stderr);
+    } else if (static_cast<int>(frac * 10) > last_decile_) {
+      last_decile_ = static_cast<int>(frac * 10);
+      std::fprintf(stderr, "%s %s: %.0f%% (%s of %s)\n", verb_, name_.c_str(), frac * 100,
+                   HumanBytes(done).c_str(), HumanBytes(total).c_str());
+    }
+  }
+
+ private:
+  const char* verb_;
+  std::string name_;
+  bool tty_;
+  int last_decile_ = -1;
+};
+
 absl::Status CmdLoad(Client& c, const Args& a) {
   WD_RETURN_IF_ERROR(NeedPositional(a, 2, "load NAME PATH [--profile FILE]"));
   std::string profile;
@@ -140,22 +177,9 @@ absl::Status CmdLoad(Client& c, const Args& a) {
     WD_ASSIGN_OR_RETURN(profile, ReadFileToString(a.Get("--profile"), 64ull << 20));
   }
   const bool tty = ::isatty(STDERR_FILENO);
-  int last_decile = -1;
+  ProgressLine line("loading", a.positional[0], tty);
   absl::Time start = absl::Now();
-  auto progress = [&](const LoadProgressUpdate& p) {
-    double frac = p.bytes_total ? static_cast<double>(p.bytes_done) / p.bytes_total : 1.0;
-    if (tty) {
-      int width = 30, filled = static_cast<int>(frac * width);
-      std::fprintf(stderr, "\r[%s%s] %5.1f%%  %s / %s", std::string(filled, '#').c_str(),
-                   std::string(width - filled, ' ').c_str(), frac * 100,
-                   HumanBytes(p.bytes_done).c_str(), HumanBytes(p.bytes_total).c_str());
-      std::fflush(stderr);
-    } else if (static_cast<int>(frac * 10) > last_decile) {
-      last_decile = static_cast<int>(frac * 10);
-      std::fprintf(stderr, "loading %s: %.0f%% (%s of %s)\n", a.positional[0].c_str(), frac * 100,
-                   HumanBytes(p.bytes_done).c_str(), HumanBytes(p.bytes_total).c_str());
-    }
-  };
+  auto progress = [&](const LoadProgressUpdate& p) { line.Report(p.bytes_done, p.bytes_total); };
   std::vector<std::string> readers;
   if (a.Has("--readers")) readers.push_back(a.Get("--readers"));
   auto info = c.Load(a.positional[0], a.positional[1], profile, progress, readers);
@@ -360,16 +384,8 @@ absl::Status CmdFetch(Client& c, const Args& a) {
     if (dev < 0 || dev > 1024) return absl::InvalidArgumentError("--device: a CUDA device index");
     opt.cuda_device = static_cast<int>(dev);
   }
-  if (a.Has("--generation")) {
-    WD_ASSIGN_OR_RETURN(int64_t g, ParseInt("--generation", a.Get("--generation")));
-    if (g < 1) return absl::InvalidArgumentError("--generation must be >= 1");
-    opt.generation = static_cast<uint64_t>(g);
-  }
-  if (a.Has("--changed-since")) {
-    WD_ASSIGN_OR_RETURN(int64_t g, ParseInt("--changed-since", a.Get("--changed-since")));
-    if (g < 1) return absl::InvalidArgumentError("--changed-since must be >= 1");
-    opt.changed_since = static_cast<uint64_t>(g);
-  }
+  WD_RETURN_IF_ERROR(ParseGenerationFlag(a, "--generation", &opt.generation));
+  WD_RETURN_IF_ERROR(ParseGenerationFlag(a, "--changed-since", &opt.changed_since));
   if (a.Has("--names")) {
     for (absl::string_view n : absl::StrSplit(a.Get("--names"), ',')) {
       if (!n.empty()) opt.names.emplace_back(n);
@@ -453,11 +469,7 @@ absl::Status CmdApply(Client& c, const Args& a) {
     stack.push_back(std::move(s));
   }
   uint64_t expect = 0;
-  if (a.Has("--expect-generation")) {
-    WD_ASSIGN_OR_RETURN(int64_t g, ParseInt("--expect-generation", a.Get("--expect-generation")));
-    if (g < 1) return absl::InvalidArgumentError("--expect-generation must be >= 1");
-    expect = static_cast<uint64_t>(g);
-  }
+  WD_RETURN_IF_ERROR(ParseGenerationFlag(a, "--expect-generation", &expect));
   WD_ASSIGN_OR_RETURN(GenerationEvent ev, c.Apply(a.positional[0], stack, expect));
   std::printf("%s generation %llu: %s\n", ev.model.c_str(), static_cast<unsigned long long>(ev.generation),
               ev.adapters.empty() ? "base (no adapters)" : absl::StrJoin(ev.adapters, " ").c_str());
@@ -468,11 +480,7 @@ absl::Status CmdPublish(Client& c, const Args& a) {
   WD_RETURN_IF_ERROR(NeedPositional(
       a, 2, "publish MODEL FILE.safetensors [--expect-generation G] [--timeout SECONDS]"));
   PublishOptions options;
-  if (a.Has("--expect-generation")) {
-    WD_ASSIGN_OR_RETURN(int64_t g, ParseInt("--expect-generation", a.Get("--expect-generation")));
-    if (g < 1) return absl::InvalidArgumentError("--expect-generation must be >= 1");
-    options.expect_generation = static_cast<uint64_t>(g);
-  }
+  WD_RETURN_IF_ERROR(ParseGenerationFlag(a, "--expect-generation", &options.expect_generation));
   if (a.Has("--timeout")) {
     WD_ASSIGN_OR_RETURN(int64_t t, ParseInt("--timeout", a.Get("--timeout")));
     if (t < 1 || t > 86400) return absl::InvalidArgumentError("--timeout must be 1 to 86400 seconds");
@@ -507,19 +515,8 @@ absl::Status CmdPublish(Client& c, const Args& a) {
     tensors.push_back(std::move(t));
   }
   const bool tty = ::isatty(STDERR_FILENO);
-  int last_decile = -1;
-  options.progress = [&](uint64_t done, uint64_t total) {
-    double frac = total ? static_cast<double>(done) / total : 1.0;
-    if (tty) {
-      std::fprintf(stderr, "\rpublishing %s: %5.1f%%  %s / %s", a.positional[0].c_str(),
-                   frac * 100, HumanBytes(done).c_str(), HumanBytes(total).c_str());
-      std::fflush(stderr);
-    } else if (static_cast<int>(frac * 10) > last_decile) {
-      last_decile = static_cast<int>(frac * 10);
-      std::fprintf(stderr, "publishing %s: %.0f%% (%s of %s)\n", a.positional[0].c_str(),
-                   frac * 100, HumanBytes(done).c_str(), HumanBytes(total).c_str());
-    }
-  };
+  ProgressLine line("publishing", a.positional[0], tty);
+  options.progress = [&](uint64_t done, uint64_t total) { line.Report(done, total); };
   absl::Time start = absl::Now();
   auto r = c.Publish(a.positional[0], tensors, options);
   if (tty) std::fprintf(stderr, "\n");

@@ -310,17 +310,7 @@ absl::StatusOr<WeightService::PublishProgress> WeightService::WritePublish(
     }
   }
   if (!commit) return progress;
-  auto result = CommitStaged(session);
-  absl::MutexLock lock(&session.mu);
-  session.ended = absl::Now();
-  if (!result.ok()) {
-    session.FailLocked(result.status());
-    return result.status();
-  }
-  session.state = PublishSession::State::kDone;
-  session.result = *result;
-  session.changed.SignalAll();
-  progress.result = *std::move(result);
+  WD_ASSIGN_OR_RETURN(progress.result, CommitAndRecord(session));
   return progress;
 }
 
@@ -345,13 +335,17 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitPublish(
     }
     if (!commit) {
       if (session.state == PublishSession::State::kDone) return *session.result;
-      if (session.state == PublishSession::State::kFailed) return session.NotOpenLocked();
-      if (session.state == PublishSession::State::kCommitting) return session.NotOpenLocked();
+      if (session.state != PublishSession::State::kOpen) return session.NotOpenLocked();
       return absl::FailedPreconditionError(absl::StrCat(
           session.Describe(), " is not complete: ", session.landed, " of ",
           session.bytes_total, " bytes written; missing ", session.FirstMissingLocked()));
     }
   }
+  return CommitAndRecord(session);
+}
+
+absl::StatusOr<WeightService::PublishResult> WeightService::CommitAndRecord(
+    PublishSession& session) {
   auto result = CommitStaged(session);
   absl::MutexLock lock(&session.mu);
   session.ended = absl::Now();
@@ -373,12 +367,16 @@ absl::Status WeightService::AbortPublish(uint64_t id, absl::string_view token) {
   return absl::OkStatus();
 }
 
+std::vector<std::shared_ptr<WeightService::PublishSession>> WeightService::PublishSessions()
+    const {
+  std::vector<std::shared_ptr<PublishSession>> out;
+  absl::MutexLock lock(&publish_mu_);
+  for (const auto& [id, s] : publishes_) out.push_back(s);
+  return out;
+}
+
 uint64_t WeightService::OpenPublishSessions() const {
-  std::vector<std::shared_ptr<PublishSession>> sessions;
-  {
-    absl::MutexLock lock(&publish_mu_);
-    for (const auto& [id, s] : publishes_) sessions.push_back(s);
-  }
+  const std::vector<std::shared_ptr<PublishSession>> sessions = PublishSessions();
   uint64_t open = 0;
   for (const auto& s : sessions) {
     absl::MutexLock lock(&s->mu);
@@ -389,14 +387,8 @@ uint64_t WeightService::OpenPublishSessions() const {
 }
 
 void WeightService::EndPublishesOf(uint64_t instance, const std::string& why) {
-  std::vector<std::shared_ptr<PublishSession>> sessions;
-  {
-    absl::MutexLock lock(&publish_mu_);
-    for (const auto& [id, s] : publishes_) {
-      if (s->model_instance == instance) sessions.push_back(s);
-    }
-  }
-  for (const auto& s : sessions) {
+  for (const auto& s : PublishSessions()) {
+    if (s->model_instance != instance) continue;
     absl::MutexLock lock(&s->mu);
     // A session committing now finds the model gone and fails itself.
     if (s->state == PublishSession::State::kOpen) {
@@ -407,11 +399,7 @@ void WeightService::EndPublishesOf(uint64_t instance, const std::string& why) {
 
 void WeightService::ExpirePublishes() {
   const absl::Time now = absl::Now();
-  std::vector<std::shared_ptr<PublishSession>> sessions;
-  {
-    absl::MutexLock lock(&publish_mu_);
-    for (const auto& [id, s] : publishes_) sessions.push_back(s);
-  }
+  const std::vector<std::shared_ptr<PublishSession>> sessions = PublishSessions();
   std::vector<uint64_t> gone;
   for (const auto& s : sessions) {
     absl::MutexLock lock(&s->mu);
@@ -547,13 +535,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
         return absl::AbortedError(absl::StrCat("model \"", session.model,
                                                "\" kept changing during the publish; retry"));
       }
-      result.generation.model = session.model;
-      result.generation.generation = cur->number;
-      for (const AdapterRef& r : cur->stack) {
-        result.generation.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
-      }
-      result.generation.guards = GuardsOf(*it->second, *cur);
-      result.generation.content = cur->identity;
+      result.generation = InfoOf(*it->second, *cur);
       return finish(std::move(result));
     }
     // Only the changed bytes stay: when some published tensors are

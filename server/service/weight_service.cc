@@ -1077,15 +1077,19 @@ GenerationInfo WeightService::InstallGeneration(const std::string& model_name,
   next->digests.emplace_back(gen->number, gen->content);
   if (next->digests.size() > kDigestHistory) next->digests.erase(next->digests.begin());
   it->second = next;
+  generation_changed_.SignalAll();
+  return InfoOf(*next, *gen);
+}
+
+GenerationInfo WeightService::InfoOf(const Model& model, const Generation& gen) {
   GenerationInfo info;
-  info.model = model_name;
-  info.generation = gen->number;
-  for (const AdapterRef& r : gen->stack) {
+  info.model = model.name;
+  info.generation = gen.number;
+  for (const AdapterRef& r : gen.stack) {
     info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
   }
-  info.guards = GuardsOf(*next, *gen);
-  info.content = gen->identity;
-  generation_changed_.SignalAll();
+  info.guards = GuardsOf(model, gen);
+  info.content = gen.identity;
   return info;
 }
 
@@ -1124,15 +1128,7 @@ absl::StatusOr<std::optional<GenerationInfo>> WeightService::WaitForGeneration(
       return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
     }
     const Generation& gen = *it->second->current;
-    if (gen.number > after) {
-      GenerationInfo info;
-      info.model = model_name;
-      info.generation = gen.number;
-      for (const AdapterRef& r : gen.stack) info.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
-      info.guards = GuardsOf(*it->second, gen);
-      info.content = gen.identity;
-      return std::optional<GenerationInfo>(std::move(info));
-    }
+    if (gen.number > after) return std::optional<GenerationInfo>(InfoOf(*it->second, gen));
     if (generation_changed_.WaitWithDeadline(&mu_, deadline)) {
       return std::optional<GenerationInfo>();
     }

@@ -502,6 +502,8 @@ class WeightService {
   GenerationInfo InstallGeneration(const std::string& model_name, std::shared_ptr<Generation> gen,
                                    std::vector<uint64_t>* retired)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What clients are told of generation `gen` of `model`.
+  static GenerationInfo InfoOf(const Model& model, const Generation& gen);
   struct PublishSession;
   absl::StatusOr<std::shared_ptr<PublishSession>> FindPublish(uint64_t id,
                                                               absl::string_view token)
@@ -510,6 +512,13 @@ class WeightService {
   // completed the session calls it).
   absl::StatusOr<PublishResult> CommitStaged(PublishSession& session)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+  // Runs CommitStaged for the session (kCommitting, every byte landed)
+  // and records its end: kDone with the result, or failed.
+  absl::StatusOr<PublishResult> CommitAndRecord(PublishSession& session)
+      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+  // The sessions, open or ended, as a list the caller may lock one by one.
+  std::vector<std::shared_ptr<PublishSession>> PublishSessions() const
+      ABSL_LOCKS_EXCLUDED(publish_mu_);
   // Sessions not yet committed or ended.
   uint64_t OpenPublishSessions() const ABSL_LOCKS_EXCLUDED(publish_mu_);
   // Fails the sessions past their deadline (the reaper calls it).

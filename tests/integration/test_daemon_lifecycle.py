@@ -161,25 +161,14 @@ def test_flags_from_environment_and_config_file(tmp_path):
 
 
 def test_metrics_endpoint_counts_the_work(tmp_path):
-    import socket as pysocket
-    import urllib.request
-    s = pysocket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = harness.free_port()
     root = tmp_path / "models"
     root.mkdir()
     path = _write_model(str(root))
     with harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
                         extra_args=["--metrics-listen", "127.0.0.1:%d" % port]) as d:
         def scrape():
-            text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5).read().decode()
-            values = {}
-            for line in text.splitlines():
-                if line and not line.startswith("#"):
-                    k, v = line.rsplit(" ", 1)
-                    values[k] = float(v)
-            return values
+            return harness.scrape_metrics(port)
         m0 = scrape()
         assert m0["weightd_models"] == 0
         d.ctl_ok("load", "m", path)

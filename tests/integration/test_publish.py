@@ -17,14 +17,12 @@ weightctl; PyTorch is the reference.
 """
 import os
 import signal
-import socket as pysocket
 import time
-import urllib.request
 
 import pytest
 import torch
 
-from harness import Daemon
+from harness import Daemon, free_port, scrape_metrics
 import st_io
 
 import weightd  # noqa: E402  (harness puts the build's package on the path)
@@ -87,22 +85,9 @@ def _changed(c, model, since):
         return sorted(h.state_dict())
 
 
-def _scrape(port):
-    text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            k, v = line.rsplit(" ", 1)
-            values[k] = float(v)
-    return values
-
-
 def test_partial_and_full_publish_match_pytorch(env):
     models, path, base = env
-    s = pysocket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     with Daemon(model_root=models, extra_args=["--metrics-listen", "127.0.0.1:%d" % port]) as d, \
             weightd.Client(socket=d.socket) as c:
         c.load("m", path)
@@ -151,7 +136,7 @@ def test_partial_and_full_publish_match_pytorch(env):
         assert s["publish_bytes"] == 1536 + 320 + 8192 + sum(
             t.numel() * t.element_size() for t in full.values()) + sum(
             t.numel() * t.element_size() for t in base.values()) + 8192
-        m = _scrape(port)
+        m = scrape_metrics(port)
         assert m["weightd_publishes_total"] == 4
         assert m["weightd_publish_bytes_total"] == s["publish_bytes"]
         assert m["weightd_publish_sessions"] == 0

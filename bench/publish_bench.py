@@ -8,16 +8,35 @@ Measured in the same run, on one daemon, interleaved, `--repeats` times:
                 file, the operator unloads the model and loads the file
                 (weightctl unload + load), from the write's start to the
                 load's end (page cache warm: the file was just written)
-  publish_all   client.publish(model, state_dict) with every tensor changed
-                (gRPC stream from the trainer's memory, digests, generation)
+  memcpy        copying the trainer's tensors into one pre-faulted buffer
+                of their size (NumPy): the bandwidth floor of any publish
+  publish_all   client.publish(model, state_dict) with every tensor changed,
+                transport "shm": each tensor copied once, straight into the
+                daemon's staging memfd, then digested and made a generation
+  publish_all_grpc  the same, streamed over gRPC in 4 MiB chunks
   publish_10    the same state_dict where only 10% of the tensors changed
                 (the trainer sends all; the daemon keeps the unchanged ones'
-                bytes and digests)
+                bytes and digests), transport "shm"
+  inproc_step   the in-process way of one RL step: the trainer torch.save()s
+                the state dict to /dev/shm, then 2 workers (one after the
+                other, in this process) torch.load() it and torch.chunk() out
+                their rank's shard (world 2)
+  step_10       publish_10, then the same 2 workers refresh: each fetches
+                its rank's changed tensors (changed_since, world 2, shm) as a
+                state dict
 
 and the worker's refresh after publish_10: a fetch with changed_since (the
 tensors that changed) against a full fetch (world 1, shm, bytes served).
 
   bench/publish_bench.py [--config 0.3g] [--repeats 3] [--build build-rel] [--out FILE]
+                         [--huge-pages off|require]
+
+--huge-pages require adds 2 MiB pages to the hugetlb pool for the run (root;
+given back after) and runs the daemon with --huge-pages require, so its
+staging, repacked and checkpoint segments are hugetlb: on these VMs the
+first write to each 4 KiB page through a new mapping costs ~5 us even when
+the page is resident and the mapping populated, which 2 MiB pages pay 512
+times less often.
 """
 import argparse
 import json
@@ -29,6 +48,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
@@ -39,7 +60,24 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--build", default=os.path.join(REPO, "build-rel"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--huge-pages", choices=["off", "require"], default="off")
     args = ap.parse_args()
+    if args.huge_pages == "require":
+        sys.path.insert(0, HERE)
+        import suite
+        path = suite.checkpoint(args.config)
+        # The checkpoint and up to 5 generations' worth of staging and
+        # repacked segments (freed lazily).
+        pages = 6 * (-(-os.path.getsize(path) // (2 << 20))) + 64
+        with suite.HugetlbPool(pages) as pool:
+            if pool.granted < pages:
+                sys.exit("the kernel gave %d of %d 2 MiB pages" % (pool.granted, pages))
+            run(args)
+    else:
+        run(args)
+
+
+def run(args):
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(args.build, "python"))
     sys.path.insert(0, os.path.join(REPO, "tests", "parity"))
@@ -58,9 +96,9 @@ def main():
     os.makedirs(out_dir)
     shutil.copy(path, os.path.join(out_dir, "model.safetensors"))
     proc = subprocess.Popen([weightd_bin, "--socket", sock, "--model-root", out_dir,
-                             "--huge-pages", "off"],
+                             "--huge-pages", args.huge_pages],
                             stdout=open(os.path.join(tmp, "log"), "wb"), stderr=subprocess.STDOUT)
-    results = {"config": args.config, "checkpoint_bytes": nbytes, "facts": suite.machine_facts(args.build),
+    results = {"config": args.config, "huge_pages": args.huge_pages, "checkpoint_bytes": nbytes, "facts": suite.machine_facts(args.build),
                "runs": []}
     try:
         deadline = time.time() + 30
@@ -99,19 +137,51 @@ def main():
             ctl("load", "m", fresh)
             run["reload_s"] = time.perf_counter() - t0
             current = new
-            # publish_all
+            # memcpy: the trainer's bytes into one pre-faulted buffer.
             new, _ = step(1.0)
+            flat = [t.reshape(-1).view(torch.uint8).numpy() for t in new.values()]
+            dest = np.ones(sum(a.size for a in flat), np.uint8)
             t0 = time.perf_counter()
-            r = c.publish("m", new)
+            at = 0
+            for a in flat:
+                dest[at:at + a.size] = a
+                at += a.size
+            run["memcpy_s"] = time.perf_counter() - t0
+            del dest, flat
+            # publish_all (shm), then over gRPC
+            t0 = time.perf_counter()
+            r = c.publish("m", new, transport="shm")
             run["publish_all_s"] = time.perf_counter() - t0
             run["publish_all_changed"] = r.changed
             current = new
-            # publish_10
+            new, _ = step(1.0)
+            t0 = time.perf_counter()
+            r = c.publish("m", new, transport="grpc")
+            run["publish_all_grpc_s"] = time.perf_counter() - t0
+            assert r.changed == len(names), r.changed
+            current = new
+            # inproc_step: torch.save to /dev/shm, 2 workers torch.load + chunk.
             new, k = step(0.10)
+            t0 = time.perf_counter()
+            shm_file = os.path.join("/dev/shm", "weightd-bench-%d.pt" % os.getpid())
+            torch.save(new, shm_file)
+            for rank in range(2):
+                sd = torch.load(shm_file)
+                shard = {n: torch.chunk(t, 2, 0)[rank] if t.dim() else t for n, t in sd.items()}
+                del sd, shard
+            run["inproc_step_s"] = time.perf_counter() - t0
+            os.unlink(shm_file)
+            # publish_10 and the 2 workers' refresh (step_10)
             gen_before = c.info("m").generation
             t0 = time.perf_counter()
-            r = c.publish("m", new)
+            r = c.publish("m", new, transport="shm")
             run["publish_10_s"] = time.perf_counter() - t0
+            for rank in range(2):
+                with c.fetch("m", world=2, rank=rank, changed_since=gen_before) as h:
+                    sd = h.state_dict()
+                    assert len(sd) == k, (len(sd), k)
+                    del sd
+            run["step_10_s"] = time.perf_counter() - t0
             run["publish_10_changed"] = r.changed
             run["publish_10_bytes_stored"] = r.bytes_stored
             assert r.changed == k, (r.changed, k)
@@ -138,8 +208,12 @@ def main():
         results["ratios"] = {
             "reload_over_publish_all": m["reload_s"] / m["publish_all_s"],
             "reload_over_publish_10": m["reload_s"] / m["publish_10_s"],
+            "publish_all_over_memcpy_bandwidth": m["memcpy_s"] / m["publish_all_s"],
+            "grpc_over_shm_publish_all": m["publish_all_grpc_s"] / m["publish_all_s"],
+            "inproc_step_over_step_10": m["inproc_step_s"] / m["step_10_s"],
             "refresh_bytes_fraction": m["refresh_bytes"] / m["full_fetch_bytes"],
             "publish_all_gb_per_s": nbytes / m["publish_all_s"] / 1e9,
+            "memcpy_gb_per_s": nbytes / m["memcpy_s"] / 1e9,
         }
         print(json.dumps(results["ratios"], indent=1))
         c.close()

@@ -20,12 +20,14 @@
 #include <grpcpp/support/client_interceptor.h>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/data_protocol.h"
 #ifdef WEIGHTD_CLIENT_CUDA
 #include <cuda.h>
 #endif
+#include "common/dtype.h"
 #include "common/fd.h"
 #include "common/file_opener.h"
 #include "common/push_layout.h"
@@ -265,6 +267,48 @@ absl::Status CollectFds(const std::string& path, const v1::FetchResponse& resp, 
                                             resp.segment_sizes_size(), " segments"));
   }
   return absl::OkStatus();
+}
+
+// A publish session's staging memfd, writable (a StageRequest on the data
+// socket at `path`; the connection is closed on return).
+absl::StatusOr<UniqueFd> TakeStaging(const std::string& path, const v1::PublishSession& session) {
+  if (path.empty()) {
+    return absl::FailedPreconditionError(
+        "the daemon named no data socket; publish with the grpc transport");
+  }
+  WD_ASSIGN_OR_RETURN(UniqueFd conn, ConnectUnix(path));
+  StageRequest req{};
+  std::memcpy(req.magic, kStageMagic, 4);
+  req.session = session.session();
+  const std::string token = absl::HexStringToBytes(session.token());
+  if (token.size() != sizeof(req.token)) {
+    return absl::InternalError("daemon sent a publish token of the wrong size");
+  }
+  std::memcpy(req.token, token.data(), sizeof(req.token));
+  uint32_t num_fds = 0;
+  std::vector<UniqueFd> fds;
+  WD_RETURN_IF_ERROR(Exchange(conn.get(),
+                              absl::string_view(reinterpret_cast<const char*>(&req), sizeof(req)),
+                              {}, &num_fds, &fds));
+  if (num_fds != 1 || fds.size() != 1) {
+    return absl::InternalError(
+        absl::StrCat("daemon passed ", fds.size(), " fds for a staging memfd"));
+  }
+  return std::move(fds[0]);
+}
+
+// The data socket to use: beside the Unix socket this client connected to
+// when the daemon's lies beside its own (the directory may be mounted at
+// another path here than in the daemon's container), else the daemon's path.
+std::string DataSocketFor(const std::string& socket_path, const std::string& data_socket,
+                          const std::string& data_socket_name) {
+  if (socket_path.empty() || data_socket_name.empty()) return data_socket;
+  std::string dir = socket_path;
+  if (char* real = ::realpath(socket_path.c_str(), nullptr); real != nullptr) {
+    dir = real;
+    std::free(real);
+  }
+  return JoinPath(Dirname(dir), data_socket_name);
 }
 
 // Push (DESIGN §6): allocates the client's destination (a memfd, allocated
@@ -760,14 +804,8 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
   // A data socket beside the daemon's gRPC socket is looked for beside the
   // socket this client connected to: the directory may be mounted at another
   // path here than in the daemon's container.
-  if (!channel_->socket_path.empty() && !resp.data_socket_name().empty()) {
-    std::string dir = channel_->socket_path;
-    if (char* real = ::realpath(channel_->socket_path.c_str(), nullptr); real != nullptr) {
-      dir = real;
-      std::free(real);
-    }
-    resp.set_data_socket(JoinPath(Dirname(dir), resp.data_socket_name()));
-  }
+  resp.set_data_socket(
+      DataSocketFor(channel_->socket_path, resp.data_socket(), resp.data_socket_name()));
   set->lease_id_ = resp.lease_id();
   set->token_ = resp.token();
   set->generation_ = resp.generation();
@@ -935,6 +973,8 @@ PublishOutcome ToPublishOutcome(const v1::PublishResult& r) {
 }
 
 constexpr uint64_t kPublishChunkBytes = uint64_t{4} << 20;
+// Runs per in-place declaration message (~1.3 MiB).
+constexpr int kDeclaredRuns = 65536;
 
 }  // namespace
 
@@ -952,6 +992,12 @@ absl::StatusOr<PublishOutcome> Client::Publish(const std::string& model,
     pt->set_dtype(ToProtoDType(t.dtype));
     for (int64_t d : t.shape) pt->add_shape(d);
   }
+  const Transport transport = options.transport.value_or(
+      channel_->socket_path.empty() ? Transport::kGrpc : Transport::kShm);
+  if (transport != Transport::kShm && transport != Transport::kGrpc) {
+    return absl::InvalidArgumentError("a publish goes over the shm or the grpc transport");
+  }
+  const bool in_place = transport == Transport::kShm;
   v1::PublishSession session;
   {
     grpc::ClientContext ctx;
@@ -966,6 +1012,40 @@ absl::StatusOr<PublishOutcome> Client::Publish(const std::string& model,
     (void)channel_->models->AbortPublish(&ctx, req, &resp);
     return why;
   };
+  if (in_place) {
+    // Each tensor copied once into the staging memfd, which is unmapped
+    // before anything is declared (the commit refuses it while mapped).
+    absl::Status copied = [&]() -> absl::Status {
+      if (session.offsets_size() != static_cast<int>(tensors.size())) {
+        return absl::FailedPreconditionError(
+            "the daemon offers no staging memfd for this publish; use the grpc transport");
+      }
+      WD_ASSIGN_OR_RETURN(
+          UniqueFd fd,
+          TakeStaging(DataSocketFor(channel_->socket_path, session.data_socket(),
+                                    session.data_socket_name()),
+                      session));
+      WD_ASSIGN_OR_RETURN(MappedRegion map,
+                          MappedRegion::Map(fd.get(), session.staging_bytes(),
+                                            MappedRegion::Mode::kReadWrite, /*populate=*/true));
+      uint64_t done = 0;
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const PublishTensor& t = tensors[i];
+        const uint64_t want =
+            static_cast<uint64_t>(NumElements(t.shape)) * DTypeSize(t.dtype);
+        if (t.length != want) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "tensor \"", t.name, "\": ", t.length, " bytes for ", DTypeName(t.dtype), " ",
+              ShapeString(t.shape), " (", want, " bytes)"));
+        }
+        if (t.length > 0) std::memcpy(map.data() + session.offsets(i), t.data, t.length);
+        done += t.length;
+        if (options.progress) options.progress(done, session.bytes());
+      }
+      return absl::OkStatus();  // `map` unmapped here
+    }();
+    if (!copied.ok()) return abort(copied);
+  }
   v1::PublishWriteResponse written;
   {
     grpc::ClientContext ctx;
@@ -975,16 +1055,26 @@ absl::StatusOr<PublishOutcome> Client::Publish(const std::string& model,
     chunk.set_token(session.token());
     uint64_t sent = 0;
     bool broken = false;
+    chunk.set_in_place(in_place);
     auto flush = [&]() {
       if (chunk.runs_size() == 0) return true;
       sent += chunk.data().size();
       const bool ok = writer->Write(chunk);
       chunk.Clear();
-      if (ok && options.progress) options.progress(sent, session.bytes());
+      chunk.set_in_place(in_place);
+      if (ok && !in_place && options.progress) options.progress(sent, session.bytes());
       return ok;
     };
     for (size_t i = 0; i < tensors.size() && !broken; ++i) {
       const PublishTensor& t = tensors[i];
+      if (in_place) {  // declared, not sent
+        v1::PublishRun* run = chunk.add_runs();
+        run->set_tensor(static_cast<uint32_t>(i));
+        run->set_offset(0);
+        run->set_length(t.length);
+        if (chunk.runs_size() >= kDeclaredRuns) broken = !flush();
+        continue;
+      }
       uint64_t at = 0;
       while (at < t.length && !broken) {
         const uint64_t room = kPublishChunkBytes - chunk.data().size();

@@ -201,8 +201,15 @@ struct PublishTensor {
 struct PublishOptions {
   uint64_t expect_generation = 0;  // 0 = any; else ABORTED when the model moved on
   absl::Duration timeout = absl::Minutes(10);
-  // Called after each chunk the daemon took: (bytes done, bytes total).
+  // Called after each chunk the daemon took: (bytes done, bytes total);
+  // with kShm after each tensor copied in.
   std::function<void(uint64_t, uint64_t)> progress;
+  // kShm: each tensor copied once, straight into the session's staging
+  // memfd (taken on the data socket: a daemon on this node), then declared;
+  // kGrpc: streamed in chunks of <= 4 MiB. nullopt: kShm when this client
+  // reached the daemon over a Unix socket, else kGrpc. Others:
+  // INVALID_ARGUMENT.
+  std::optional<Transport> transport;
 };
 
 struct PublishOutcome {
@@ -281,9 +288,10 @@ class Client {
                                         const std::vector<AdapterStrength>& stack,
                                         uint64_t expect_generation);
   // Publishes new base weights for `model` (admins): one session, the
-  // bytes streamed in chunks of <= 4 MiB, the generation made when the last
-  // byte lands (Models.BeginPublish / PublishWrite / CommitPublish). On any
-  // error the session is aborted: nothing is published.
+  // bytes written in place or streamed (PublishOptions::transport), the
+  // generation made when the last byte lands (Models.BeginPublish /
+  // PublishWrite / CommitPublish). On any error the session is aborted:
+  // nothing is published.
   absl::StatusOr<PublishOutcome> Publish(const std::string& model,
                                          const std::vector<PublishTensor>& tensors,
                                          const PublishOptions& options = {});

@@ -48,6 +48,19 @@
 // answers only once the streams are synchronized: every byte is in place.
 // Offsets follow the same rules (kPushAlignment); the layout must fit in
 // `size` bytes.
+//
+// Publish staging (zero-copy publish, DESIGN §6 and the README's
+// "Publishing"): a publisher that opened a publish session (Models.
+// BeginPublish) sends a StageRequest naming the session and its token (the
+// session's hex token decoded: 16 bytes). The daemon answers an AttachReply
+// carrying one fd: the session's staging memfd, writable, sealed against
+// growing and shrinking, laid out as PublishSession.offsets says. The
+// publisher maps it shared, writes its tensors' bytes in place, UNMAPS it,
+// then declares what it wrote (PublishChunk.in_place runs, no data). The
+// commit seals the memfd with F_SEAL_WRITE, which the kernel refuses while
+// any process still maps it shared: the session then fails with
+// FAILED_PRECONDITION and nothing is published. Staging needs the same
+// rights as publishing (admins); the connection may close at once.
 #ifndef WEIGHTD_COMMON_DATA_PROTOCOL_H_
 #define WEIGHTD_COMMON_DATA_PROTOCOL_H_
 
@@ -59,6 +72,7 @@ inline constexpr char kAttachMagic[4] = {'W', 'D', 'A', '1'};
 inline constexpr char kReplyMagic[4] = {'W', 'D', 'R', '1'};
 inline constexpr char kPushMagic[4] = {'W', 'D', 'P', '1'};
 inline constexpr char kCudaPushMagic[4] = {'W', 'D', 'C', '1'};
+inline constexpr char kStageMagic[4] = {'W', 'D', 'S', '1'};
 
 struct AttachRequest {
   char magic[4];
@@ -77,6 +91,15 @@ struct PushRequest {
   uint8_t token[16];
 };
 static_assert(sizeof(PushRequest) == sizeof(AttachRequest));
+
+// The same size again: a publish session's staging memfd (above).
+struct StageRequest {
+  char magic[4];
+  uint32_t reserved;
+  uint64_t session;
+  uint8_t token[16];
+};
+static_assert(sizeof(StageRequest) == sizeof(AttachRequest));
 
 enum CudaHandleKind : uint32_t {
   kCudaVmmPosixFd = 1,  // the fd rides on the request (SCM_RIGHTS)

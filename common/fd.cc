@@ -273,6 +273,32 @@ absl::Status MemfdSegment::Seal(bool populate) {
   return absl::OkStatus();
 }
 
+absl::Status MemfdSegment::SealExclusive(bool populate) {
+  if (sealed_) return absl::OkStatus();
+  constexpr int kSeals = F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL;
+  map_.Reset();
+  if (::fcntl(fd_.get(), F_ADD_SEALS, kSeals) != 0) {
+    const int err = errno;
+    if (size_ > 0) {
+      auto map = MappedRegion::Map(fd_.get(), size_, MappedRegion::Mode::kReadWrite);
+      if (map.ok()) map_ = std::move(*map);
+    }
+    if (err == EBUSY) {
+      return absl::FailedPreconditionError(
+          "another process still maps the memfd with write access (or pins its pages); "
+          "it must unmap it first");
+    }
+    return ErrnoStatus(err, "sealing memfd against writes");
+  }
+  if (size_ > 0) {
+    auto map = MappedRegion::Map(fd_.get(), size_, MappedRegion::Mode::kReadOnly, populate);
+    if (!map.ok()) return map.status();
+    map_ = std::move(*map);
+  }
+  sealed_ = true;
+  return absl::OkStatus();
+}
+
 absl::Status MemfdSegment::Truncate(size_t new_size) {
   if (sealed_) return absl::FailedPreconditionError("truncating a sealed memfd");
   if (new_size > size_) {

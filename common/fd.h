@@ -131,6 +131,15 @@ class MemfdSegment {
   // `populate` fills the mapping's page tables now: the owner will read all
   // of it (a checkpoint), and one call is far cheaper than a fault per page.
   absl::Status Seal(bool populate = true);
+  // Seal(), proving first that no one else can still write: drops this
+  // mapping, adds F_SEAL_WRITE (which the kernel refuses while a shared
+  // mapping of the memfd that may write exists in any process, or its
+  // pages are pinned), then maps the sealed file read-only. For memory
+  // handed out writable (a publisher's staging memfd): F_SEAL_FUTURE_WRITE
+  // alone would leave another process's existing writable mapping in place.
+  // FAILED_PRECONDITION when such a mapping is still there; the segment is
+  // then as it was (unsealed, mapped writable, possibly at another address).
+  absl::Status SealExclusive(bool populate = true);
 
   // Shrinks an unsealed segment to `new_size` bytes (<= size(); huge kinds
   // round it up to 2 MiB), returning the pages past it to the kernel. The mapping keeps its length; bytes

@@ -87,6 +87,40 @@ TEST(MemfdSegmentTest, SealedSegmentCannotBeChangedThroughAnyHolderOfTheFd) {
   EXPECT_EQ(seg->data()[0], 0x5A);
 }
 
+// A memfd handed out writable (a publisher's staging) is sealed only once
+// nobody else maps it writable: F_SEAL_FUTURE_WRITE would leave such a
+// mapping writing into sealed, digested bytes.
+TEST(MemfdSegmentTest, SealExclusiveRefusesWhileAnotherMappingMayWrite) {
+  auto seg = MemfdSegment::Create("staging", 2 * 4096, /*prefault=*/true);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  std::memset(seg->mutable_data(), 0x11, 2 * 4096);
+  // Another holder of the fd (a publisher) maps it shared and writes.
+  auto other = MappedRegion::Map(seg->fd(), 2 * 4096, MappedRegion::Mode::kReadWrite);
+  ASSERT_TRUE(other.ok()) << other.status();
+  other->data()[4096] = 0x22;
+  absl::Status refused = seg->SealExclusive();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("unmap"), std::string::npos) << refused;
+  // As it was: unsealed, writable, the same bytes.
+  EXPECT_FALSE(seg->sealed());
+  ASSERT_NE(seg->mutable_data(), nullptr);
+  EXPECT_EQ(seg->data()[4096], 0x22);
+  seg->mutable_data()[0] = 0x33;
+  EXPECT_EQ(other->data()[0], 0x33);
+  EXPECT_EQ(::fcntl(seg->fd(), F_GET_SEALS) & F_SEAL_WRITE, 0);
+  // Unmapped: sealed against every writer, our mapping read-only.
+  other->Reset();
+  ASSERT_TRUE(seg->SealExclusive().ok());
+  EXPECT_TRUE(seg->sealed());
+  EXPECT_EQ(seg->mutable_data(), nullptr);
+  EXPECT_EQ(MapPerms(seg->data()), "r--s");
+  EXPECT_EQ(seg->data()[0], 0x33);
+  EXPECT_EQ(seg->data()[4096], 0x22);
+  EXPECT_TRUE(::fcntl(seg->fd(), F_GET_SEALS) & F_SEAL_WRITE);
+  EXPECT_EQ(::pwrite(seg->fd(), "x", 1, 0), -1);
+  EXPECT_FALSE(MappedRegion::Map(seg->fd(), 2 * 4096, MappedRegion::Mode::kReadWrite).ok());
+}
+
 TEST(UnixSocketTest, PassesFdsAndTheyReferToTheSameFile) {
   int sv[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);

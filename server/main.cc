@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
@@ -462,6 +463,12 @@ int Main(int argc, char** argv) {
     return svc->CheckLeaseUse(lease_id, Principal::UnixPeer(peer));
   };
   flags.data.on_push = [svc](uint64_t bytes) { svc->RecordPush(bytes); };
+  flags.data.stage = [svc](const PeerIdentity& peer, uint64_t session,
+                           absl::string_view token) -> absl::StatusOr<UniqueFd> {
+    // Writing a publish's bytes is publishing: admins only, as on gRPC.
+    WD_RETURN_IF_ERROR(svc->access().CheckAdmin(Principal::UnixPeer(peer), "publish weights"));
+    return svc->StagePublish(session, absl::BytesToHexString(token));
+  };
   flags.data.gpus = &svc->gpus();
   auto data = ShmDataServer::Start(flags.data, (*service)->leases());
   if (!data.ok()) return Fail(data.status());

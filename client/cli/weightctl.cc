@@ -49,8 +49,10 @@ constexpr char kUsage[] =
     "  apply MODEL [ADAPTER[:STRENGTH] ...] [--expect-generation G]   (none = back to base)\n"
     "  watch MODEL [--count N]\n"
     "  publish MODEL FILE.safetensors [--expect-generation G] [--timeout SECONDS]\n"
+    "        [--transport shm|grpc]\n"
     "        (new base weights: every tensor of FILE replaces the served tensor of its\n"
-    "         name, same dtype and shape; unchanged ones keep their digests)\n";
+    "         name, same dtype and shape; unchanged ones keep their digests. shm, the\n"
+    "         default over a Unix socket: copied once into the daemon's staging memory)\n";
 
 // Positional words and --flag values of one verb.
 struct Args {
@@ -478,8 +480,21 @@ absl::Status CmdApply(Client& c, const Args& a) {
 
 absl::Status CmdPublish(Client& c, const Args& a) {
   WD_RETURN_IF_ERROR(NeedPositional(
-      a, 2, "publish MODEL FILE.safetensors [--expect-generation G] [--timeout SECONDS]"));
+      a, 2,
+      "publish MODEL FILE.safetensors [--expect-generation G] [--timeout SECONDS] "
+      "[--transport shm|grpc]"));
   PublishOptions options;
+  if (a.Has("--transport")) {
+    const std::string t = a.Get("--transport");
+    if (t == "shm") {
+      options.transport = Transport::kShm;
+    } else if (t == "grpc") {
+      options.transport = Transport::kGrpc;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("publish --transport \"", t, "\": use shm or grpc"));
+    }
+  }
   WD_RETURN_IF_ERROR(ParseGenerationFlag(a, "--expect-generation", &options.expect_generation));
   if (a.Has("--timeout")) {
     WD_ASSIGN_OR_RETURN(int64_t t, ParseInt("--timeout", a.Get("--timeout")));
@@ -670,7 +685,8 @@ absl::Status Run(int argc, char** argv) {
     return CmdApply(*client, a);
   }
   if (verb == "publish") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--expect-generation", "--timeout"}, {}));
+    WD_ASSIGN_OR_RETURN(Args a,
+                        ParseArgs(rest, {"--expect-generation", "--timeout", "--transport"}, {}));
     return CmdPublish(*client, a);
   }
   if (verb == "watch") {

@@ -67,7 +67,8 @@ class PublishWriteReactor : public grpc::ServerReadReactor<v1::PublishChunk> {
     for (const v1::PublishRun& r : chunk_.runs()) {
       runs.push_back(WeightService::PublishRun{r.tensor(), r.offset(), r.length()});
     }
-    auto progress = service_->WritePublish(session_, token_, runs, chunk_.data());
+    auto progress =
+        service_->WritePublish(session_, token_, runs, chunk_.data(), chunk_.in_place());
     if (!progress.ok()) {
       Finish(ToGrpcStatus(progress.status()));
       return;
@@ -225,6 +226,10 @@ class ModelsImpl final : public v1::Models::CallbackService {
           resp->set_bytes(info->bytes);
           resp->set_deadline_unix_ms(absl::ToUnixMillis(info->deadline));
           for (const std::string& n : info->per_part) resp->add_per_part(n);
+          for (uint64_t o : info->layout.offsets) resp->add_offsets(o);
+          resp->set_staging_bytes(info->staging_bytes);
+          resp->set_data_socket(service_->options().data_socket_path);
+          resp->set_data_socket_name(service_->options().data_socket_name);
           return absl::OkStatus();
         },
         /*change=*/true);

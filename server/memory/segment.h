@@ -140,6 +140,9 @@ class Segment final : public Buffer {
   // Seals the memfd (no writes, grow or shrink by anyone) and makes its
   // mapping read-only; `populate`: see MemfdSegment::Seal.
   absl::Status Seal(bool populate = true) { return memfd_.Seal(populate); }
+  // See MemfdSegment::SealExclusive: for a segment whose fd was handed out
+  // writable. FAILED_PRECONDITION while another process maps it writable.
+  absl::Status SealExclusive(bool populate = true) { return memfd_.SealExclusive(populate); }
   // See MemfdSegment::kept_mapping.
   bool kept_mapping() const { return memfd_.kept_mapping(); }
 

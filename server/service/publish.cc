@@ -4,6 +4,7 @@
 // the generation. Locks: a session's mu is taken alone or after publish_mu_
 // is released; CommitStaged takes state_mu_/mu_ (CommitState) with no
 // session lock held.
+#include <fcntl.h>
 #include <sys/random.h>
 
 #include <algorithm>
@@ -64,6 +65,7 @@ struct WeightService::PublishSession {
   absl::Time start;
   absl::Time deadline;
   uint8_t* base = nullptr;  // the staging segment's writable mapping
+  uint64_t staging_bytes = 0;
 
   enum class State { kOpen, kCommitting, kDone, kFailed };
   absl::Mutex mu;
@@ -71,6 +73,9 @@ struct WeightService::PublishSession {
   std::unique_ptr<Segment> staging ABSL_GUARDED_BY(mu);  // until commit or failure
   std::vector<RangeCoverage> coverage ABSL_GUARDED_BY(mu);
   uint64_t landed ABSL_GUARDED_BY(mu) = 0;  // bytes copied in
+  // The staging memfd was handed out writable (StagePublish): the commit
+  // must prove no one maps it any more (Segment::SealExclusive).
+  bool handed_out ABSL_GUARDED_BY(mu) = false;
   int writers ABSL_GUARDED_BY(mu) = 0;      // copies in progress
   State state ABSL_GUARDED_BY(mu) = State::kOpen;
   absl::Status failure ABSL_GUARDED_BY(mu);
@@ -176,6 +181,7 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   // Faulted in at once: the writers' copies then run at memory speed
   // instead of taking a page fault per 4 KiB.
   alloc.prefault = true;
+  alloc.warm = true;  // a pre-faulted reserve chunk when the staging fits one
   auto staging = memory_.Allocate(layout.total, alloc);
   if (!staging.ok()) {
     return Annotate(staging.status(),
@@ -194,6 +200,7 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   session->start = absl::Now();
   session->deadline = session->start + params.timeout;
   session->base = (*staging)->mutable_data();
+  session->staging_bytes = (*staging)->size();
   {
     absl::MutexLock lock(&session->mu);
     session->staging = std::move(*staging);
@@ -211,6 +218,7 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   info.token = session->token;
   info.base_generation = session->base_generation;
   info.layout = std::move(layout);
+  info.staging_bytes = session->staging_bytes;
   info.bytes = bytes;
   info.deadline = session->deadline;
   info.per_part = std::move(per_part);
@@ -239,9 +247,37 @@ absl::StatusOr<std::shared_ptr<WeightService::PublishSession>> WeightService::Fi
   return it->second;
 }
 
+absl::StatusOr<UniqueFd> WeightService::StagePublish(uint64_t id, absl::string_view token) {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(id, token));
+  PublishSession& session = *s;
+  absl::MutexLock lock(&session.mu);
+  WD_RETURN_IF_ERROR(session.NotOpenLocked());
+  if (absl::Now() > session.deadline) {
+    session.FailLocked(absl::DeadlineExceededError(absl::StrCat(
+        "not complete by its deadline; missing ", session.FirstMissingLocked())));
+    return session.NotOpenLocked();
+  }
+  if (session.staging == nullptr) return absl::InternalError("publish session has no staging");
+  const int fd = session.staging->fd();
+  // The publisher may write, never resize: a shrink would take pages the
+  // daemon's mapping covers.
+  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK) != 0) {
+    return ErrnoStatus(errno, "sealing the staging memfd's size");
+  }
+  UniqueFd dup(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+  if (!dup.valid()) return ErrnoStatus(errno, "duplicating the staging memfd");
+  if (!session.handed_out) {
+    LogEvent(LogLevel::kInfo, "publish_staged",
+             {{"model", session.model}, {"session", absl::StrCat(id)},
+              {"bytes", absl::StrCat(session.staging->size())}});
+  }
+  session.handed_out = true;
+  return dup;
+}
+
 absl::StatusOr<WeightService::PublishProgress> WeightService::WritePublish(
     uint64_t id, absl::string_view token, absl::Span<const PublishRun> runs,
-    absl::string_view data) {
+    absl::string_view data, bool in_place) {
   WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(id, token));
   PublishSession& session = *s;
   uint64_t total = 0;
@@ -259,7 +295,18 @@ absl::StatusOr<WeightService::PublishProgress> WeightService::WritePublish(
       return session.NotOpenLocked();
     }
     absl::Status bad;
-    if (overflow || total != data.size()) {
+    if (in_place) {
+      if (!session.handed_out) {
+        // Not the publisher lying: nothing was written. The session stays open.
+        return absl::FailedPreconditionError(absl::StrCat(
+            session.Describe(), ": runs declared written in place, but no writer has taken its "
+            "staging memfd (a StageRequest on the data socket)"));
+      }
+      if (!data.empty() || overflow) {
+        bad = absl::InvalidArgumentError(absl::StrCat(
+            "a write declared in place carries ", data.size(), " bytes of data"));
+      }
+    } else if (overflow || total != data.size()) {
       bad = absl::InvalidArgumentError(absl::StrCat("a write's runs add up to ", total,
                                                     " bytes but it carries ", data.size()));
     }
@@ -287,7 +334,7 @@ absl::StatusOr<WeightService::PublishProgress> WeightService::WritePublish(
   }
   // Disjoint ranges (the coverage says so): no lock while copying.
   uint64_t at = 0;
-  for (const PublishRun& r : runs) {
+  for (const PublishRun& r : in_place ? absl::Span<const PublishRun>() : runs) {
     std::memcpy(session.base + session.layout.offsets[r.tensor] + r.offset, data.data() + at,
                 r.length);
     at += r.length;
@@ -420,12 +467,24 @@ void WeightService::ExpirePublishes() {
 absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     PublishSession& session) {
   std::unique_ptr<Segment> staged;
+  bool handed_out = false;
   {
     absl::MutexLock lock(&session.mu);
     staged = std::move(session.staging);
+    handed_out = session.handed_out;
   }
   if (staged == nullptr) return absl::InternalError("publish session lost its staging memory");
-  WD_RETURN_IF_ERROR(staged->Seal(/*populate=*/false));
+  if (handed_out) {
+    // Written in place by other processes: sealed only once none of them
+    // can write any more, so the digests below describe the bytes for good.
+    absl::Status sealed = staged->SealExclusive(/*populate=*/true);  // digested next
+    if (!sealed.ok()) {
+      return Annotate(sealed, "sealing the staging memfd (each writer must unmap it before "
+                              "declaring its last bytes)");
+    }
+  } else {
+    WD_RETURN_IF_ERROR(staged->Seal(/*populate=*/false));
+  }
   const SegmentPtr segment(std::move(staged));
   const uint8_t* base = segment->data();
 

@@ -353,6 +353,7 @@ class WeightService {
     std::string token;  // every write and commit must present it
     uint64_t base_generation = 0;
     PublishLayout layout;  // where each tensor lies in the staging segment
+    uint64_t staging_bytes = 0;  // the staging memfd's size (layout.total, rounded to its pages)
     uint64_t bytes = 0;    // tensor bytes to write (sum over the specs)
     absl::Time deadline;
     std::vector<std::string> per_part;  // specs the profile shards part by part
@@ -381,9 +382,21 @@ class WeightService {
   // end or over bytes already written, or data of another length — and the
   // session fails (nothing of it will be visible). NOT_FOUND for an
   // unknown or ended session, PERMISSION_DENIED for a wrong token.
+  // `in_place`: the runs were written straight into the staging memfd
+  // (StagePublish) and carry no data (`data` must be empty); they count as
+  // arrived as if copied. FAILED_PRECONDITION when no writer took the
+  // staging memfd.
   absl::StatusOr<PublishProgress> WritePublish(uint64_t id, absl::string_view token,
                                                absl::Span<const PublishRun> runs,
-                                               absl::string_view data)
+                                               absl::string_view data, bool in_place = false)
+      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+  // Zero-copy staging: a writable fd of the open session's staging memfd
+  // (sealed against growing and shrinking), for a publisher on this node to
+  // map, write in place and unmap (common/data_protocol.h, StageRequest).
+  // From then on the commit seals the memfd with F_SEAL_WRITE: a publisher
+  // that still maps it makes the session fail (FAILED_PRECONDITION).
+  // `token` as BeginPublish gave it (hex). Access control is the caller's.
+  absl::StatusOr<UniqueFd> StagePublish(uint64_t id, absl::string_view token)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
   // The session's result: waits up to `wait` for its last byte and commit;
   // then FAILED_PRECONDITION naming the first tensor and bytes still

@@ -73,6 +73,7 @@ struct Connection {
   // client that does not read its replies holds one reply, no more.
   std::deque<Outgoing> out;
   std::vector<BufferPtr> pinned;  // keeps the fds in `out` open
+  std::vector<UniqueFd> owned;    // as pinned, fds of the daemon's own (staging)
   bool close_after_reply = false;
 };
 
@@ -175,6 +176,7 @@ absl::Status Flush(Connection* c) {
     if (o.sent == o.bytes.size()) c->out.pop_front();
   }
   c->pinned.clear();
+  c->owned.clear();
   return absl::OkStatus();
 }
 
@@ -560,7 +562,8 @@ void ShmDataServer::Run() {
     Discard(std::move(c.fds_in));
     c.fds_in.clear();
     c.fds_truncated = false;
-    if (std::memcmp(c.request.magic, kAttachMagic, 4) != 0 &&
+    const bool stage = std::memcmp(c.request.magic, kStageMagic, 4) == 0;
+    if (!stage && std::memcmp(c.request.magic, kAttachMagic, 4) != 0 &&
         std::memcmp(c.request.magic, kPushMagic, 4) != 0 &&
         std::memcmp(c.request.magic, kCudaPushMagic, 4) != 0) {
       QueueReply(&c, absl::InvalidArgumentError("bad attach request magic"), {});
@@ -570,6 +573,27 @@ void ShmDataServer::Run() {
     if (!c.admitted.ok()) {
       QueueReply(&c, c.admitted, {});
       c.close_after_reply = true;
+      return true;
+    }
+    if (stage) {
+      // StageRequest: same layout as AttachRequest (session in lease_id).
+      absl::StatusOr<UniqueFd> fd = absl::UnimplementedError(
+          "this daemon hands out no publish staging memory");
+      if (options_.stage) {
+        fd = options_.stage(c.peer, c.request.lease_id,
+                            absl::string_view(reinterpret_cast<const char*>(c.request.token), 16));
+      }
+      if (!fd.ok()) {
+        LogEvent(LogLevel::kWarning, "stage_refused",
+                 {{"peer", c.peer.Describe()},
+                  {"session", absl::StrCat(c.request.lease_id)},
+                  {"error", std::string(fd.status().message())}});
+        QueueReply(&c, fd.status(), {});
+        return true;
+      }
+      const int raw = fd->get();
+      c.owned.push_back(std::move(*fd));
+      QueueReply(&c, absl::OkStatus(), {&raw, 1});
       return true;
     }
     absl::Status status;

@@ -67,6 +67,12 @@ class ShmDataServer {
     // Optional: told of every push answered OK (its tensor bytes), before
     // the client is answered; the daemon counts them in its stats.
     std::function<void(uint64_t bytes)> on_push;
+    // Optional: the staging memfd of publish session `session` for a peer
+    // presenting its token (16 raw bytes; a StageRequest): a writable fd
+    // the reply hands over. Without it a StageRequest is UNIMPLEMENTED.
+    std::function<absl::StatusOr<UniqueFd>(const PeerIdentity&, uint64_t session,
+                                           absl::string_view token)>
+        stage;
     // The GPUs a CUDA push may name (must outlive the server); null: none.
     const GpuInventory* gpus = nullptr;
   };

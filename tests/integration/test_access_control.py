@@ -177,6 +177,26 @@ except Error as e:
 print("fds", len(fds))
 """
 
+# Opens a publish session for emb.weight; prints "session token staging_bytes".
+_BEGIN_PUBLISH = r"""
+import sys, weightd
+with weightd.Client(socket=sys.argv[1]) as c:
+    s = c.begin_publish(sys.argv[2], {"emb.weight": ("f32", (10, 4))})
+print(s.session, s.token, s.staging_bytes)
+"""
+
+# Takes a publish session's staging memfd; prints "fd SIZE" or "error CODE message".
+_STAGE = r"""
+import os, sys
+from weightd import _datasock
+from weightd.errors import Error
+try:
+    fd = _datasock.stage(sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3]), timeout=10)
+except Error as e:
+    print("error", e.code, e.message); sys.exit(3)
+print("fd", os.fstat(fd).st_size)
+"""
+
 # Reads segment 0 of a grpc-transport lease; prints "bytes N" or "error CODE message".
 _READ = r"""
 import sys, grpc
@@ -313,6 +333,17 @@ def test_admin_uid_guards_every_mutating_call(files):
             assert_refused(d.ctl(*call, user=NOBODY), "PERMISSION_DENIED", "uid 65534",
                            "--admin-uid")
         d.ctl_ok("list", user=NOBODY)   # reading is not administering
+        # Writing a publish's staging memory is publishing: a non-admin
+        # holding a session's id and token is refused on the data socket.
+        r = run_py(None, _BEGIN_PUBLISH, d.socket, "m")
+        assert r.returncode == 0, r.stdout + r.stderr
+        session, token, staging_bytes = r.stdout.split()
+        r = run_py(NOBODY, _STAGE, d.data_socket, session, token)
+        words = parse_result(r)
+        assert words[:2] == ["error", "PERMISSION_DENIED"], r.stdout + r.stderr
+        assert "uid 65534" in words[2] and "--admin-uid" in words[2], words
+        r = run_py(None, _STAGE, d.data_socket, session, token)
+        assert parse_result(r) == ["fd", staging_bytes], r.stdout + r.stderr
         # Nothing the refused calls asked for happened.
         assert "m2" not in d.ctl_ok("list").stdout
         assert "adapters: (none)" in d.ctl_ok("info", "m").stdout

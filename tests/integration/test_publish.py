@@ -12,6 +12,11 @@ weightctl; PyTorch is the reference.
   when the last byte lands. Overlaps, missing bytes, wrong tokens, deadlines,
   aborts and refusals (unknown names, shapes, dtypes, generations, budget)
   leave the generation and memory as they were.
+* Zero-copy staging: a publisher on the node writes straight into the
+  session's staging memfd (taken on the data socket), unmaps it and
+  declares its runs; the commit seals the memfd against every writer and
+  refuses (nothing published, memory freed) while any process still maps
+  it. The memfd cannot be resized, and cannot be written once committed.
 * A restart with --state-dir reports the publish as not kept and serves the
   files' weights under a higher generation number.
 """
@@ -85,7 +90,8 @@ def _changed(c, model, since):
         return sorted(h.state_dict())
 
 
-def test_partial_and_full_publish_match_pytorch(env):
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_partial_and_full_publish_match_pytorch(env, transport):
     models, path, base = env
     port = free_port()
     with Daemon(model_root=models, extra_args=["--metrics-listen", "127.0.0.1:%d" % port]) as d, \
@@ -94,7 +100,7 @@ def test_partial_and_full_publish_match_pytorch(env):
         before = _digests(c, "m")
         new = {"w.bf16": _rand((12, 64), torch.bfloat16), "w.f32": _rand((10, 8), torch.float32),
                "same": base["same"].clone()}
-        r = c.publish("m", new)
+        r = c.publish("m", new, transport=transport)
         assert (r.generation, r.tensors, r.changed) == (2, 3, 2)
         assert r.bytes == sum(t.numel() * t.element_size() for t in new.values())
         # The unchanged tensor's bytes are not kept twice: only the changed ones.
@@ -114,7 +120,10 @@ def test_partial_and_full_publish_match_pytorch(env):
         full["same"] = now["same"].clone()
         full_path = os.path.join(models, "next.safetensors")
         st_io.save(full, full_path)
-        out = d.ctl_ok("publish", "m", full_path, "--expect-generation", "2").stdout
+        bad = d.ctl("publish", "m", full_path, "--transport", "push")
+        assert bad.returncode == 2 and "use shm or grpc" in bad.stderr, bad.stderr
+        out = d.ctl_ok("publish", "m", full_path, "--expect-generation", "2",
+                       "--transport", transport).stdout
         assert "published m generation 3: 6 tensors, 4 changed" in out, out
         _check(c, "m", full)
         _check(c, "m", full, world=4, dtype="f16")
@@ -122,12 +131,12 @@ def test_partial_and_full_publish_match_pytorch(env):
         assert _changed(c, "m", 1) == ["col", "w.bf16", "w.f16", "w.f32"]
 
         # Publishing the file's own bytes back: they are the checkpoint's again.
-        r = c.publish("m", base)
+        r = c.publish("m", base, transport=transport)
         assert r.generation == 4
         assert _digests(c, "m") == before
         _check(c, "m", base)
         # Nothing different: no new generation.
-        r = c.publish("m", {"same": base["same"]})
+        r = c.publish("m", {"same": base["same"]}, transport=transport)
         assert (r.generation, r.changed) == (4, 0)
         # Verify re-digests every resident tensor, published ones included.
         d.ctl_ok("verify", "m")
@@ -142,6 +151,9 @@ def test_partial_and_full_publish_match_pytorch(env):
         assert m["weightd_publish_sessions"] == 0
         assert 0 < m["weightd_publish_seconds_total"] < 60
         assert "publish_sessions: 0" in d.ctl_ok("stats").stdout
+        # The clients' publishes took the staging memfd exactly when asked to.
+        staged = d.log().count("publish_staged")
+        assert staged == (4 if transport == "shm" else 0), staged
 
 
 def test_a_stack_is_merged_again_on_published_weights(env):
@@ -173,7 +185,8 @@ def test_a_stack_is_merged_again_on_published_weights(env):
         _check(c, "m", dict(base, **{"w.bf16": want}))
 
 
-def test_sharded_publish_from_a_2x2_mesh(env):
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_sharded_publish_from_a_2x2_mesh(env, transport):
     models, path, base = env
     with Daemon(model_root=models) as d, weightd.Client(socket=d.socket) as c:
         c.load("m", path)
@@ -198,7 +211,8 @@ def test_sharded_publish_from_a_2x2_mesh(env):
         for k, coord in enumerate(coords):
             assert c.info("m").generation == 1   # nothing visible before the last byte
             sd = {n: local(n, coord) for n in new}
-            r = c.publish_sharded(session, sd, mesh=(2, 2), coord=coord, placements=placements)
+            r = c.publish_sharded(session, sd, mesh=(2, 2), coord=coord, placements=placements,
+                                  transport=transport)
             results.append(r)
         assert results[:3] == [None, None, None]
         assert results[3].generation == 2 and results[3].changed == 4
@@ -395,3 +409,122 @@ def test_merged_and_allow_new_tensors_through_a_profile(tmp_path):
         with c.fetch("tp", world=2, rank=1) as h:   # per part: rows 2-3 of q, 1 of k, 1 of v
             want = torch.cat([q[2:], k2[1:], v2[1:]])
             assert torch.equal(h.state_dict()["qkv.weight"], want)
+
+
+def _declare(c, s, runs, data=b""):
+    """Declares runs [(tensor index, offset, length)] written in place."""
+    from weightd.v1 import weightd_pb2 as pb
+    msg = pb.PublishChunk(session=s.session, token=s.token, in_place=True, data=data,
+                          runs=[pb.PublishRun(tensor=i, offset=o, length=n) for i, o, n in runs])
+    try:
+        return c._models.PublishWrite(iter([msg]))
+    except Exception as e:  # grpc.RpcError
+        raise weightd.errors.from_grpc(e) from None
+
+
+def _staging_map(d, s):
+    """(fd, writable shared map) of session s's staging memfd."""
+    import mmap
+    from weightd import _datasock
+    fd = _datasock.stage(d.data_socket, s.session, bytes.fromhex(s.token))
+    return fd, mmap.mmap(fd, s.staging_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def test_in_place_staging(env):
+    import mmap
+    import subprocess
+    import sys
+    from weightd import _datasock
+    models, path, base = env
+    with Daemon(model_root=models) as d, weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        resident = c.stats()["bytes_resident"]
+        weights_id = c.info("m").weights_id
+
+        def refused(code, text, fn, *args, **kw):
+            with pytest.raises(weightd.Error) as e:
+                fn(*args, **kw)
+            assert e.value.code == code, e.value
+            assert text in e.value.message, e.value.message
+
+        new = {"w.f32": _rand((10, 8), torch.float32), "w.bf16": _rand((12, 64), torch.bfloat16)}
+        raw = {n: t.reshape(-1).view(torch.uint8).numpy().tobytes() for n, t in new.items()}
+        s = c.begin_publish("m", new)
+        assert len(s.offsets) == 2 and all(o % 256 == 0 for o in s.offsets)
+        assert s.offsets[1] >= s.offsets[0] + 320 and s.staging_bytes >= s.offsets[1] + 1536
+        # Declared in place before anyone took the memfd: refused, still open.
+        refused("FAILED_PRECONDITION", "no writer has taken its staging memfd",
+                _declare, c, s, [(0, 0, 320)])
+        refused("FAILED_PRECONDITION", 'missing tensor "w.f32" bytes [0, 320)',
+                c.commit_publish, s)
+        # The memfd goes to the token's holder only.
+        refused("PERMISSION_DENIED", "wrong token", _datasock.stage, d.data_socket, s.session,
+                b"\0" * 16)
+        refused("NOT_FOUND", "publish session 999 is unknown", _datasock.stage, d.data_socket,
+                999, bytes.fromhex(s.token))
+        fd, mm = _staging_map(d, s)
+        assert os.fstat(fd).st_size == s.staging_bytes
+        with pytest.raises(OSError):
+            os.ftruncate(fd, 1)   # sealed against shrinking: the daemon maps it all
+        mm[s.offsets[0]:s.offsets[0] + 320] = raw["w.f32"]
+        # Declared while still mapped: the commit cannot seal it; the session
+        # fails and publishes nothing.
+        refused("FAILED_PRECONDITION", "must unmap it", _declare, c, s,
+                [(0, 0, 320), (1, 0, 1536)])
+        mm.close()
+        os.close(fd)
+        refused("FAILED_PRECONDITION", "ended", c.commit_publish, s)
+        assert c.info("m").generation == 1 and c.info("m").weights_id == weights_id
+        assert c.stats()["publish_sessions"] == 0
+        assert c.stats()["bytes_resident"] == resident
+        # In place with data too: the publisher lies; the session fails.
+        s = c.begin_publish("m", new)
+        fd, mm = _staging_map(d, s)
+        mm.close()
+        refused("INVALID_ARGUMENT", "declared in place carries 4 bytes", _declare, c, s,
+                [(0, 0, 320)], data=b"abcd")
+        os.close(fd)
+
+        # The whole way by hand: write, unmap, declare in two writes.
+        s = c.begin_publish("m", new)
+        fd, mm = _staging_map(d, s)
+        for i, n in enumerate(new):
+            mm[s.offsets[i]:s.offsets[i] + len(raw[n])] = raw[n]
+        mm.close()
+        assert not _declare(c, s, [(1, 0, 1000)]).HasField("result")
+        r = _declare(c, s, [(0, 0, 320), (1, 1000, 536)])
+        assert r.result.generation == 2 and r.result.changed == 2
+        _check(c, "m", dict(base, **new))
+        _check(c, "m", dict(base, **new), world=3, dtype="f32")
+        d.ctl_ok("verify", "m")
+        # The kept fd writes nothing any more, by any route.
+        with pytest.raises(OSError):
+            os.pwrite(fd, b"x", s.offsets[0])
+        with pytest.raises(OSError):
+            mmap.mmap(fd, s.staging_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+        _check(c, "m", dict(base, **new))
+
+        # A trainer killed mid-staging, its mapping half written: nothing is
+        # visible, and the deadline frees the memory.
+        resident = c.stats()["bytes_resident"]
+        s = c.begin_publish("m", {"w.f32": base["w.f32"]}, timeout=1)
+        child = subprocess.run(
+            [sys.executable, "-c", """
+import mmap, os, signal, sys
+from weightd import _datasock
+fd = _datasock.stage(sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3]))
+mm = mmap.mmap(fd, int(sys.argv[4]), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+mm[0:100] = b"\x7f" * 100
+os.kill(os.getpid(), signal.SIGKILL)
+""", d.data_socket, str(s.session), s.token, str(s.staging_bytes)],
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)), timeout=60)
+        assert child.returncode == -signal.SIGKILL
+        time.sleep(2.5)
+        refused("DEADLINE_EXCEEDED", 'missing tensor "w.f32" bytes [0, 320)',
+                c.commit_publish, s)
+        assert c.info("m").generation == 2
+        assert c.stats()["publish_sessions"] == 0
+        assert c.stats()["bytes_resident"] == resident
+        _check(c, "m", dict(base, **new))
+        assert d.alive()

@@ -32,6 +32,7 @@ from .errors import Error
 ATTACH_MAGIC = b"WDA1"
 REPLY_MAGIC = b"WDR1"
 PUSH_MAGIC = b"WDP1"
+STAGE_MAGIC = b"WDS1"
 PUSH_ALIGNMENT = 256  # kPushAlignment (common/push_layout.h)
 _MAX_END = 1 << 63
 _ATTACH = struct.Struct("<4sIQ16s")
@@ -222,3 +223,51 @@ def push_request(path, token, timeout, what, send):
         raise Error("UNAVAILABLE", "data socket %s: %s" % (path, e)) from None
     finally:
         sock.close()  # ends the lease
+
+
+# ---------------------------------------------------------------- publish staging
+
+
+def stage(path, session, token, timeout=30.0):
+    """The writable staging memfd of publish session `session` (token: its
+    16 raw bytes), from the data socket at `path`. The caller owns (closes)
+    the fd. Raises Error with the daemon's code (NOT_FOUND, PERMISSION_DENIED,
+    FAILED_PRECONDITION, ...), UNAVAILABLE when the socket cannot be reached,
+    DEADLINE_EXCEEDED after `timeout` seconds."""
+    if len(token) != 16:
+        raise Error("INVALID_ARGUMENT", "a publish token is 16 bytes, not %d" % len(token))
+    if not path:
+        raise Error("FAILED_PRECONDITION", "daemon named no data socket; publish with "
+                    "transport=\"grpc\"")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError as e:
+            raise Error("UNAVAILABLE", "cannot connect to the data socket %s: %s "
+                        "(a remote daemon? publish with transport=\"grpc\")"
+                        % (path, e.strerror or e))
+        try:
+            sock.sendall(_ATTACH.pack(STAGE_MAGIC, 0, session, bytes(token)))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a daemon past its connection caps answers and closes first: read why
+        code, msg, fds = read_reply(sock)
+        if code != 0:
+            for fd in fds:
+                os.close(fd)
+            raise Error(code, msg)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise Error("INTERNAL", "daemon passed %d fds for a staging memfd" % len(fds))
+        return fds[0]
+    except socket.timeout:
+        raise Error("DEADLINE_EXCEEDED", "no reply to the staging request on the data "
+                    "socket %s within %s s" % (path, timeout)) from None
+    except Error:
+        raise
+    except OSError as e:
+        raise Error("UNAVAILABLE", "data socket %s: %s" % (path, e)) from None
+    finally:
+        sock.close()

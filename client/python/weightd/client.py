@@ -796,6 +796,7 @@ class WatchStream:
 # ---------------------------------------------------------------- publish
 
 _PUBLISH_CHUNK = 4 << 20
+_DECLARED_RUNS = 65536  # runs per in-place declaration message (~1.3 MiB)
 
 
 @dataclass
@@ -811,6 +812,12 @@ class PublishSession:
     deadline_unix_ms: int
     tensors: list  # [(name, dtype name, shape tuple)] in session order
     per_part: list = field(default_factory=list)  # sharded part by part by the profile
+    # Zero-copy staging (transport "shm"): each tensor's offset in the
+    # session's staging memfd, its size, and the data socket handing it out.
+    offsets: list = field(default_factory=list)
+    staging_bytes: int = 0
+    data_socket: str = ""
+    data_socket_name: str = ""
 
 
 @dataclass
@@ -830,16 +837,24 @@ def _publish_result(r):
                          r.bytes_stored, list(r.adapters))
 
 
-def _publish_source(name, value, dtypes=None):
+def _publish_source(name, value, dtypes=None, on_device=False):
     """(dtype name, shape, flat uint8 array of the row-major bytes) of a
     torch tensor or NumPy array; dtypes[name] overrides the dtype (e.g. a
-    uint16 array holding BF16 bits)."""
+    uint16 array holding BF16 bits). on_device: a torch tensor's bytes stay
+    a flat uint8 torch tensor where it lives (a GPU tensor is copied once,
+    straight into the staging memfd)."""
     torch = _torch_or_none()
     if torch is not None and isinstance(value, torch.Tensor):
-        t = value.detach().contiguous().cpu()
+        t = value.detach().contiguous()
+        if not on_device:
+            t = t.cpu()
         dname = _dtypes.parse_request_dtype(t.dtype)
         shape = tuple(t.shape)
-        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+        if on_device:
+            raw = t.reshape(-1).view(torch.uint8) if t.numel() else np.zeros(0, np.uint8)
+        else:
+            raw = (t.reshape(-1).view(torch.uint8).numpy() if t.numel()
+                   else np.zeros(0, np.uint8))
     else:
         a = np.asarray(value)
         if a.ndim:
@@ -852,10 +867,14 @@ def _publish_source(name, value, dtypes=None):
     n = 1
     for d in shape:
         n *= d
-    if raw.size != n * _dtypes.itemsize(dname):
+    if _nbytes(raw) != n * _dtypes.itemsize(dname):
         raise Error("INVALID_ARGUMENT", "tensor \"%s\": %d bytes for %s %s" % (
-            name, raw.size, dname, list(shape)))
+            name, _nbytes(raw), dname, list(shape)))
     return dname, shape, raw
+
+
+def _nbytes(raw):
+    return int(raw.size if isinstance(raw, np.ndarray) else raw.numel())
 
 
 def _chunk_of(n, parts, index):
@@ -1138,7 +1157,95 @@ class Client:
                      for n, d, sh in specs])
         r = self._call(self._models.BeginPublish, req)
         return PublishSession(model, r.session, r.token, r.base_generation, r.bytes,
-                              r.deadline_unix_ms, specs, list(r.per_part))
+                              r.deadline_unix_ms, specs, list(r.per_part), list(r.offsets),
+                              r.staging_bytes, r.data_socket, r.data_socket_name)
+
+    def _publish_transport(self, transport):
+        """"shm" (write in place into the staging memfd: a daemon on this
+        node) or "grpc" (stream); "auto"/None: shm when this client reached
+        the daemon over a Unix socket."""
+        if transport in (None, "auto"):
+            return "shm" if self.socket is not None else "grpc"
+        if transport not in ("shm", "grpc"):
+            raise Error("INVALID_ARGUMENT", "publish transport %r: use \"auto\", \"shm\" "
+                        "or \"grpc\"" % (transport,))
+        return transport
+
+    def _write_in_place(self, session, pieces, progress=None):
+        """Writes pieces [(tensor index, [(global byte offset, length)], flat
+        uint8 NumPy array or torch tensor)] straight into the session's
+        staging memfd (taken on the data socket), unmaps it, then declares
+        the runs written (PublishChunk.in_place); the PublishWriteResponse."""
+        if not session.offsets and session.tensors:
+            raise Error("FAILED_PRECONDITION", "the daemon offers no staging memfd for publish "
+                        "session %d; publish with transport=\"grpc\"" % session.session)
+        path = _data_socket_of(self.socket, session)
+        fd = _datasock.stage(path, session.session, bytes.fromhex(session.token))
+        try:
+            # Page tables filled in one call: faulting 4 KiB at a time into
+            # the daemon's (resident) pages costs ~30x the copy itself.
+            mm = mmap.mmap(fd, session.staging_bytes,
+                           mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise Error("INTERNAL", "mapping the staging memfd of publish session %d: %s"
+                        % (session.session, e)) from None
+        finally:
+            os.close(fd)
+        dest = dest_t = None
+        done = 0
+        try:
+            for index, spans, raw in pieces:
+                base = session.offsets[index]
+                at = 0
+                for offset, length in spans:
+                    lo = base + offset
+                    if isinstance(raw, np.ndarray):
+                        if dest is None:
+                            dest = np.frombuffer(mm, dtype=np.uint8)
+                        dest[lo:lo + length] = raw[at:at + length]
+                    else:
+                        if dest_t is None:
+                            dest_t = _torch_or_none().frombuffer(
+                                mm, dtype=_torch_or_none().uint8)
+                        dest_t[lo:lo + length].copy_(raw[at:at + length])
+                    at += length
+                done += at
+                if progress is not None:
+                    progress(done, session.bytes)
+        finally:
+            # Unmapped before anything is declared: the commit refuses a
+            # staging memfd that any process still maps.
+            dest = dest_t = None
+            mm.close()
+
+        def declarations():
+            first = True
+            runs = []
+
+            def message():
+                nonlocal first
+                msg = pb.PublishChunk(runs=runs, in_place=True)
+                if first:
+                    msg.session, msg.token, first = session.session, session.token, False
+                return msg
+            for index, spans, _ in pieces:
+                for offset, length in spans:
+                    runs.append(pb.PublishRun(tensor=index, offset=offset, length=length))
+                    if len(runs) >= _DECLARED_RUNS:
+                        yield message()
+                        runs = []
+            if runs or first:
+                yield message()
+        try:
+            return self._models.PublishWrite(declarations())
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    def _send_publish(self, session, pieces, transport, progress=None):
+        if transport == "shm":
+            return self._write_in_place(session, pieces, progress)
+        return self._write_publish(session, pieces, progress)
 
     def _write_publish(self, session, pieces, progress=None):
         """Streams pieces [(tensor index, [(global byte offset, length)],
@@ -1195,7 +1302,7 @@ class Client:
             session=session.session, token=session.token))
 
     def publish(self, model, state_dict, expect_generation=0, timeout=600, progress=None,
-                dtypes=None):
+                dtypes=None, transport="auto"):
         """Publishes new base weights: every entry of state_dict ({served
         name: torch tensor | NumPy array}, dtype and shape as the model
         stores it) replaces the model's bytes; the rest keep theirs. The
@@ -1203,14 +1310,21 @@ class Client:
         whose bytes equal the current ones keep their digests; the adapter
         stack is merged again on the new weights. Returns a PublishResult.
         On any error the session is aborted and nothing is published.
-        progress(bytes_sent, bytes_total) is called per chunk."""
-        sources = {n: _publish_source(n, v, dtypes) for n, v in state_dict.items()}
+        progress(bytes_sent, bytes_total) is called per chunk (per tensor
+        with transport "shm").
+        transport: "shm" - the tensors are copied once, straight into the
+        daemon's staging memory (a daemon on this node; GPU tensors too);
+        "grpc" - streamed in chunks of 4 MiB; "auto" - shm when this client
+        reached the daemon over a Unix socket."""
+        transport = self._publish_transport(transport)
+        sources = {n: _publish_source(n, v, dtypes, on_device=transport == "shm")
+                   for n, v in state_dict.items()}
         session = self.begin_publish(model, {n: (d, sh) for n, (d, sh, _) in sources.items()},
                                      expect_generation=expect_generation, timeout=timeout)
         try:
-            pieces = [(i, [(0, raw.size)], raw) for i, (_, (_, _, raw)) in
+            pieces = [(i, [(0, _nbytes(raw))], raw) for i, (_, (_, _, raw)) in
                       enumerate(sources.items())]
-            resp = self._write_publish(session, pieces, progress)
+            resp = self._send_publish(session, pieces, transport, progress)
             if resp.HasField("result"):
                 return _publish_result(resp.result)
             return self.commit_publish(session)
@@ -1222,7 +1336,8 @@ class Client:
             raise
 
     def publish_sharded(self, session, local_state_dict, world=None, rank=None, *, mesh=None,
-                        coord=None, placements=None, wait=0, progress=None, dtypes=None):
+                        coord=None, placements=None, wait=0, progress=None, dtypes=None,
+                        transport="auto"):
         """One rank's part of a sharded publish: local_state_dict holds this
         rank's local shards ({served name: tensor}) of the session's tensors,
         laid out as fetch would serve them (torch.chunk per placement;
@@ -1230,7 +1345,10 @@ class Client:
         the last mesh dim). Of the ranks holding the same piece (replicated
         mesh dims) only the one at coordinate 0 sends it. Returns the
         PublishResult when this rank's bytes completed the session, or after
-        waiting up to `wait` seconds for the others; else None."""
+        waiting up to `wait` seconds for the others; else None.
+        transport: as for publish ("shm": each rank writes its pieces in
+        place into the shared staging memory)."""
+        transport = self._publish_transport(transport)
         if mesh is None:
             mesh = (1 if world is None else int(world),)
             coord = (0 if rank is None else int(rank),)
@@ -1259,7 +1377,8 @@ class Client:
                             "model's profile; publish it with replicated placements (whole) "
                             "from one rank" % name)
             offset, size, writes = _local_box(shape, mesh, coord, pl)
-            ldtype, lshape, raw = _publish_source(name, value, dtypes)
+            ldtype, lshape, raw = _publish_source(name, value, dtypes,
+                                                  on_device=transport == "shm")
             if ldtype != dname or list(lshape) != list(size if shape else []):
                 raise Error("INVALID_ARGUMENT", "tensor \"%s\": the local shard is %s %s; this "
                             "rank's piece of %s %s is %s" % (name, ldtype, list(lshape), dname,
@@ -1267,7 +1386,7 @@ class Client:
             if writes:
                 pieces.append((i, _box_runs(shape, offset, size, _dtypes.itemsize(dname)), raw))
         if pieces:  # a rank holding only copies others send writes nothing
-            resp = self._write_publish(session, pieces, progress)
+            resp = self._send_publish(session, pieces, transport, progress)
             if resp.HasField("result"):
                 return _publish_result(resp.result)
         if wait:

@@ -528,3 +528,64 @@ os.kill(os.getpid(), signal.SIGKILL)
         assert c.stats()["bytes_resident"] == resident
         _check(c, "m", dict(base, **new))
         assert d.alive()
+
+
+_TRAINER = r"""
+import pickle, sys, torch, weightd
+sock, session_file, world, rank, split, transport = sys.argv[1:7]
+world, rank, dim = int(world), int(rank), {"fsdp": 0, "tp": 1}[split]
+with open(session_file, "rb") as f:
+    session = pickle.load(f)
+g = torch.Generator().manual_seed(77)   # every rank makes the same full tensors
+full = {"w.bf16": torch.randn(12, 64, generator=g).to(torch.bfloat16),
+        "col": torch.randn(6, 10, generator=g),
+        "w.f16": torch.randn(7, 16, generator=g).to(torch.float16)}
+local = {n: torch.chunk(t, world, dim)[rank].contiguous() if rank < len(torch.chunk(t, world, dim))
+         else t.narrow(dim, t.shape[dim], 0).contiguous() for n, t in full.items()}
+with weightd.Client(socket=sock) as c:
+    r = c.publish_sharded(session, local, world=world, rank=rank, placements=["S%d" % dim],
+                          wait=60, transport=transport)
+print(r.generation, r.weights_id)
+"""
+
+
+@pytest.mark.parametrize("world,split,transport", [(2, "fsdp", "shm"), (4, "tp", "shm"),
+                                                    (4, "fsdp", "grpc")])
+def test_sharded_publish_from_trainer_processes(env, tmp_path, world, split, transport):
+    """The ranks of a trainer, each its own process, publish their local
+    shards at once (FSDP Shard(0), or a TP column split Shard(1)); the result
+    equals a whole-tensor publish of the same tensors."""
+    import pickle
+    import subprocess
+    import sys
+    models, path, base = env
+    g = torch.Generator().manual_seed(77)
+    full = {"w.bf16": torch.randn(12, 64, generator=g).to(torch.bfloat16),
+            "col": torch.randn(6, 10, generator=g),
+            "w.f16": torch.randn(7, 16, generator=g).to(torch.float16)}
+    with Daemon(model_root=models) as d, weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        c.load("whole", path)
+        session = c.begin_publish("m", full)
+        session_file = str(tmp_path / "session.pickle")
+        with open(session_file, "wb") as f:
+            pickle.dump(session, f)
+        env_vars = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        ranks = [subprocess.Popen([sys.executable, "-c", _TRAINER, d.socket, session_file,
+                                   str(world), str(r), split, transport],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env_vars) for r in range(world)]
+        outs = [p.communicate(timeout=120) for p in ranks]
+        for p, (out, err) in zip(ranks, outs):
+            assert p.returncode == 0, err
+        results = {tuple(out.split()) for out, _ in outs}
+        assert len(results) == 1, results   # every rank got the same result
+        generation, weights_id = results.pop()
+        assert int(generation) == 2
+        whole = c.publish("whole", full)
+        assert whole.weights_id == weights_id
+        assert c.info("m").weights_id == weights_id
+        assert _digests(c, "m") == _digests(c, "whole")
+        _check(c, "m", dict(base, **full), world=world)
+        _check(c, "m", dict(base, **full), world=3, dtype="f32")
+        assert c.stats()["publish_sessions"] == 0

@@ -402,6 +402,7 @@ int Main(int argc, char** argv) {
                {{"dir", flags.state_dir}, {"offset", absl::StrCat(p.offset)}, {"what", p.what}});
     }
     plan = PlanRestore(journal->previous().records);
+    flags.service.published_dir = flags.state_dir + "/published";
     StateJournal* j = journal.get();
     flags.service.on_state_change = [j](const StateRecord& r) {
       if (absl::Status s = j->Append(r); !s.ok()) {
@@ -449,10 +450,22 @@ int Main(int argc, char** argv) {
     }
     return absl::OkStatus();
   };
+  // Saved published weights no restored model serves are garbage (before
+  // any change is served: nothing new is being saved yet).
+  auto keep_published = [&](const std::set<std::string>& names) {
+    PublishedStore* store = (*service)->published_store();
+    if (store == nullptr) return;
+    std::set<std::string> keep;
+    for (const std::string& n : names) {
+      if (auto path = store->PathOf(n); path.ok()) keep.insert(*path);
+    }
+    store->KeepOnly(keep);
+  };
   if (!restoring) {
     if (absl::Status s = preload(); !s.ok()) return Fail(s);
     if (journal != nullptr) {
       if (absl::Status s = journal->Commit(); !s.ok()) return Fail(s);
+      keep_published({});
     }
   }
   WeightService* svc = service->get();
@@ -499,6 +512,7 @@ int Main(int argc, char** argv) {
     if (!restored.interrupted) {
       if (absl::Status s = preload(); !s.ok()) return Fail(s);
       if (absl::Status s = journal->Commit(); !s.ok()) return Fail(s);
+      keep_published(restored.published_files);
       (*grpc)->Restored();
     }
   }

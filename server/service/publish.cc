@@ -660,6 +660,8 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     record.name = session.model;
     record.generation = number;
     record.content = gen->identity.Hex();
+    for (const AdapterRef& r : cur->stack) record.stack.emplace_back(r.name, r.strength);
+    if (published_store_ != nullptr) record.path = published_store_->FileName(session.model, number);
     bool raced = false;
     std::vector<uint64_t> retired;
     absl::Status committed = CommitState(
@@ -675,6 +677,13 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
             return absl::AbortedError(absl::StrCat(
                 "model \"", session.model, "\" changed while the publish was committed"));
           }
+          // Which load of each stack adapter the generation merged (a
+          // restore loads those again).
+          record.stack_seqs.clear();
+          for (const AdapterRef& r : cur->stack) {
+            auto seq = adapter_seq_.find(r.name);
+            record.stack_seqs.push_back(seq == adapter_seq_.end() ? 0 : seq->second);
+          }
           return absl::OkStatus();
         },
         [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -687,6 +696,16 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
       return committed;
     }
     for (uint64_t g : retired) materializer_.RetireTag(absl::StrCat(session.model, "#", g));
+    if (published_store_ != nullptr) {
+      // Saved for restarts in the background (the journal names the file).
+      std::vector<std::shared_ptr<const StoredTensor>> tensors;
+      if (gen->published != nullptr) {  // null: every part is the checkpoint's again
+        for (const auto& [key, t] : *gen->published) tensors.push_back(t);
+      }
+      std::sort(tensors.begin(), tensors.end(),
+                [](const auto& a, const auto& b) { return a->name < b->name; });
+      published_store_->Save(session.model, number, std::move(tensors));
+    }
     return finish(std::move(result));
   }
 }

@@ -55,6 +55,9 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
       materializer_(Materializer::Options{&memory_, options_.worker_threads}),
       leases_(options_.lease_idle_ttl, memory_.disposer()),
       access_(options_.access) {
+  if (!options_.published_dir.empty()) {
+    published_store_ = std::make_unique<PublishedStore>(options_.published_dir);
+  }
   reaper_ = std::thread([this] { ReapLoop(); });
 }
 
@@ -467,6 +470,7 @@ absl::Status WeightService::UnloadModel(const std::string& name) {
       }));
   for (const auto& g : dropped->history) materializer_.RetireTag(absl::StrCat(name, "#", g->number));
   EndPublishesOf(dropped->instance, absl::StrCat("model \"", name, "\" was unloaded"));
+  if (published_store_ != nullptr) published_store_->Forget(name);
   dropped.reset();
   materializer_.Sweep();
   LogEvent(LogLevel::kInfo, "unload", {{"model", name}});
@@ -951,6 +955,64 @@ absl::StatusOr<GenerationInfo> WeightService::RestoreApply(const std::string& mo
   return ApplyImpl(model_name, stack, 0, number, &expect_content);
 }
 
+absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& model_name,
+                                                             const std::string& file_name,
+                                                             const std::vector<AdapterRef>& stack,
+                                                             uint64_t number,
+                                                             const Digest& expect_content) {
+  if (file_name.empty()) {
+    return absl::NotFoundError("its weights were not saved (no --state-dir when it was published)");
+  }
+  if (published_store_ == nullptr) {
+    return absl::FailedPreconditionError("published weights are restored with --state-dir only");
+  }
+  WD_ASSIGN_OR_RETURN(const std::string path, published_store_->PathOf(file_name));
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(model_name));
+  CheckpointLoadOptions load;
+  load.memory = &memory_;
+  load.read_threads = std::max(1, options_.worker_threads);
+  auto file = LoadCheckpoint(path, load);
+  if (!file.ok()) {
+    if (absl::IsNotFound(file.status())) {
+      return absl::NotFoundError(absl::StrCat(
+          "its weights were not saved before the daemon stopped (", path, " is missing)"));
+    }
+    return file.status();
+  }
+  // Each saved tensor must stand where the model keeps one: a checkpoint
+  // part, or a profile's allow_new tensor, with its dtype and shape.
+  absl::flat_hash_map<absl::string_view, const ServedTensorPlan*> new_tensors;
+  for (const Served& s : *model->served) {
+    if (s.parts.empty()) new_tensors.emplace(s.plan.name, &s.plan);
+  }
+  auto published = std::make_shared<PublishedBase>();
+  for (const StoredTensor& t : (*file)->tensors()) {
+    DType dtype;
+    std::vector<int64_t> shape;
+    if (const StoredTensor* original = model->checkpoint->Find(t.name)) {
+      dtype = original->dtype;
+      shape = original->shape;
+    } else if (auto it = new_tensors.find(t.name); it != new_tensors.end()) {
+      dtype = it->second->dtype;
+      shape = it->second->shape;
+    } else {
+      return absl::DataLossError(absl::StrCat(path, " holds tensor \"", t.name,
+                                              "\", which model \"", model_name, "\" does not have"));
+    }
+    if (t.dtype != dtype || t.shape != shape) {
+      return absl::DataLossError(absl::StrCat(path, ": tensor \"", t.name, "\" is ",
+                                              DTypeName(t.dtype), " ", ShapeString(t.shape),
+                                              "; the model stores ", DTypeName(dtype), " ",
+                                              ShapeString(shape)));
+    }
+    auto kept = std::make_shared<StoredTensor>(t);  // shares the file's segments
+    kept->file = absl::StrCat("(published, restored from ", path, ")");
+    (*published)[t.name] = std::move(kept);
+  }
+  RestoredPublish restored{std::move(published), file_name};
+  return ApplyImpl(model_name, stack, 0, number, &expect_content, &restored);
+}
+
 absl::Status WeightService::SetGenerationFloor(const std::string& model_name, uint64_t floor) {
   StateRecord record;
   record.kind = StateRecord::Kind::kFloor;
@@ -978,13 +1040,15 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
                                                         const std::vector<AdapterRef>& stack,
                                                         uint64_t expect_generation,
                                                         uint64_t number_at_least,
-                                                        const Digest* expect_content) {
+                                                        const Digest* expect_content,
+                                                        const RestoredPublish* restored) {
   std::shared_ptr<const Model> model;
   std::vector<std::shared_ptr<const Adapter>> adapters;
   std::vector<ReadGuard> adapter_guards;
   StateRecord apply_record;
-  apply_record.kind = StateRecord::Kind::kApply;
+  apply_record.kind = restored != nullptr ? StateRecord::Kind::kPublish : StateRecord::Kind::kApply;
   apply_record.name = model_name;
+  if (restored != nullptr) apply_record.path = restored->path;
   {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(model_name);
@@ -1022,11 +1086,15 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
                            : std::max(model->current->number + 1, model->generation_floor);
   WD_ASSIGN_OR_RETURN(std::shared_ptr<Generation> gen,
                       BuildGeneration(*model, number, stack, std::move(adapters),
-                                      model->current->published));
+                                      restored != nullptr ? restored->base
+                                                          : model->current->published));
   gen->adapter_guards = std::move(adapter_guards);
   if (expect_content != nullptr && gen->identity != *expect_content) {
     return absl::DataLossError(
-        "the stack merges to other bytes than before (an adapter file changed?)");
+        restored != nullptr
+            ? absl::StrCat("the published weights in ", restored->path, " (", options_.published_dir, ")",
+                           " with the stack merge to other bytes than were published")
+            : "the stack merges to other bytes than before (an adapter file changed?)");
   }
   for (const AdapterRef& r : stack) apply_record.stack.emplace_back(r.name, r.strength);
   apply_record.generation = number;
@@ -1052,7 +1120,7 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
       }));
   applies_.fetch_add(1);
   for (uint64_t g : retired) materializer_.RetireTag(absl::StrCat(model_name, "#", g));
-  LogEvent(LogLevel::kInfo, "apply",
+  LogEvent(LogLevel::kInfo, restored != nullptr ? "publish_restored" : "apply",
            {{"model", model_name}, {"generation", absl::StrCat(number)},
             {"adapters", absl::StrJoin(info.adapters, ",")}});
   return info;

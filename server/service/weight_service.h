@@ -38,6 +38,7 @@
 #include "server/service/fetch_table_cache.h"
 #include "server/service/latency_histogram.h"
 #include "server/service/publish_plan.h"
+#include "server/state/published_store.h"
 #include "server/state/state_journal.h"
 #include "server/memory/host_memory.h"
 #include "server/memory/segment.h"
@@ -76,6 +77,9 @@ struct WeightServiceOptions {
   // the change is answered, outside the service's locks. Failures are the
   // sink's to report; the change stands.
   std::function<void(const StateRecord&)> on_state_change;
+  // Where published weights are saved for restarts (--state-dir's
+  // published/; server/state/published_store.h); empty: not saved.
+  std::string published_dir;
 };
 
 struct ModelSummary {
@@ -319,6 +323,18 @@ class WeightService {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status SetGenerationFloor(const std::string& model, uint64_t floor)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // For a restore: the published weights saved as `path` (a file name of
+  // the PublishedStore)
+  // in place of the model's checkpoint tensors, with `stack` merged on
+  // them, as generation `number` — published (and journaled, naming `path`
+  // again) only if its identity is `expect_content`: DATA_LOSS otherwise,
+  // and for a file whose tensors the model does not have as stored.
+  absl::StatusOr<GenerationInfo> RestorePublish(const std::string& model, const std::string& path,
+                                                const std::vector<AdapterRef>& stack,
+                                                uint64_t number, const Digest& expect_content)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Null without options.published_dir.
+  PublishedStore* published_store() { return published_store_.get(); }
   // Blocks until `model` has a generation > `after`, or `timeout` passes
   // (then nullopt). NOT_FOUND when the model is unloaded.
   absl::StatusOr<std::optional<GenerationInfo>> WaitForGeneration(const std::string& model,
@@ -476,10 +492,17 @@ class WeightService {
     uint64_t generation_floor = 0;
   };
   static Digest ContentIdentity(const ContentMap& content);
+  // A restored publish (RestorePublish): its weights replace the current
+  // generation's published ones, and it is journaled as a publish.
+  struct RestoredPublish {
+    std::shared_ptr<const PublishedBase> base;
+    std::string path;
+  };
   absl::StatusOr<GenerationInfo> ApplyImpl(const std::string& model,
                                            const std::vector<AdapterRef>& stack,
                                            uint64_t expect_generation, uint64_t number_at_least,
-                                           const Digest* expect_content)
+                                           const Digest* expect_content,
+                                           const RestoredPublish* restored = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
   absl::StatusOr<ModelSummary> LoadModelImpl(const std::string& name, const std::string& path,
                                              const std::string& profile_json,
@@ -549,6 +572,8 @@ class WeightService {
   // Checkpoints by the identity of their files: loading files that are
   // resident already shares them.
   ResidentCheckpoints resident_;
+  // Saves published weights for restarts (null: no --state-dir).
+  std::unique_ptr<PublishedStore> published_store_;
   Materializer materializer_;
   LeaseTable leases_;
   const AccessPolicy access_;

@@ -105,32 +105,56 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
       skip(e.load, std::string(loaded.status().message()));
       continue;
     }
-    bool as_was = true;
-    if (e.publish.seq != 0) {
-      // Published weights live in the daemon's memory only.
-      as_was = false;
-      skip(e.publish, absl::StrCat("published weights (generation ", e.publish.generation,
-                                   ") are not kept across restarts; model \"", name,
-                                   "\" serves the weights of its files"));
-    }
-    if (e.has_apply && e.first_publish_seq != 0 && e.apply.seq > e.first_publish_seq) {
-      skip(e.apply, absl::StrCat("it was applied on published weights, which are not kept "
-                                 "across restarts; model \"", name, "\" serves its base"));
-    } else if (e.has_apply) {
-      std::string why;
-      std::vector<AdapterRef> stack;
-      Digest content;
-      if (!ParseIdentity(e.apply.content, &content)) why = "the record has no valid content identity";
-      for (size_t i = 0; i < e.apply.stack.size() && why.empty(); ++i) {
-        const auto& [adapter, strength] = e.apply.stack[i];
-        stack.push_back(AdapterRef{adapter, strength});
-        const StateRecord& rec = e.stack_adapters[i];
+    // The stack a record merged, its adapters loaded as they were then;
+    // "" or why not.
+    auto load_stack = [&](const StateRecord& r, const std::vector<StateRecord>& loads,
+                          std::vector<AdapterRef>* stack, Digest* content) -> std::string {
+      if (!ParseIdentity(r.content, content)) return "the record has no valid content identity";
+      for (size_t i = 0; i < r.stack.size(); ++i) {
+        const auto& [adapter, strength] = r.stack[i];
+        stack->push_back(AdapterRef{adapter, strength});
+        const StateRecord& rec = i < loads.size() ? loads[i] : StateRecord{};
         if (rec.name.empty()) {
-          why = absl::StrCat("adapter \"", adapter, "\" of its stack has no intact load record");
-        } else if (absl::Status s = load_adapter(rec); !s.ok()) {
-          why = absl::StrCat("adapter \"", adapter, "\" of its stack: ", s.message());
+          return absl::StrCat("adapter \"", adapter, "\" of its stack has no intact load record");
+        }
+        if (absl::Status s = load_adapter(rec); !s.ok()) {
+          return absl::StrCat("adapter \"", adapter, "\" of its stack: ", s.message());
         }
       }
+      return "";
+    };
+    bool as_was = true;
+    bool published = false;  // the last publish restored
+    if (e.publish.seq != 0) {
+      std::vector<AdapterRef> stack;
+      Digest content;
+      std::string why = load_stack(e.publish, e.publish_stack_adapters, &stack, &content);
+      if (why.empty()) {
+        // Served only if it rebuilds the generation the record describes.
+        auto restored = service.RestorePublish(name, e.publish.path, stack,
+                                               e.publish.generation, content);
+        if (!restored.ok()) why = std::string(restored.status().message());
+      }
+      if (why.empty()) {
+        published = true;
+        report.published_files.insert(e.publish.path);
+      } else {
+        as_was = false;
+        skip(e.publish, absl::StrCat("published weights (generation ", e.publish.generation,
+                                     ") not restored: ", why, "; model \"", name,
+                                     "\" serves the weights of its files"));
+      }
+    }
+    if (e.has_apply && published && e.apply.seq < e.publish.seq) {
+      // The restored publish merged this stack already.
+    } else if (e.has_apply && !published && e.first_publish_seq != 0 &&
+               e.apply.seq > e.first_publish_seq) {
+      skip(e.apply, absl::StrCat("it was applied on published weights, which were not "
+                                 "restored; model \"", name, "\" serves its base"));
+    } else if (e.has_apply) {
+      std::vector<AdapterRef> stack;
+      Digest content;
+      std::string why = load_stack(e.apply, e.stack_adapters, &stack, &content);
       if (why.empty()) {
         // Published only if it merges to the bytes it had.
         auto applied = service.RestoreApply(name, stack, e.apply.generation, content);
@@ -138,7 +162,8 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
       }
       if (!why.empty()) {
         as_was = false;
-        skip(e.apply, absl::StrCat(why, "; model \"", name, "\" serves its base"));
+        skip(e.apply, absl::StrCat(why, "; model \"", name, "\" serves ",
+                                   published ? "its published weights" : "its base"));
       }
     }
     // Journaled, so that the next restart keeps it.

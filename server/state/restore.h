@@ -22,6 +22,7 @@ struct RestoreReport {
   // "model load \"m\" (seq 3)" -> "its files changed since it was loaded".
   std::vector<std::pair<std::string, std::string>> skipped;
   std::set<std::string> skipped_names;  // models and adapters among them
+  std::set<std::string> published_files;  // the saved publishes restored (file names)
   bool interrupted = false;             // `stop` said so: the rest not restored
 };
 

@@ -73,7 +73,7 @@ std::string EncodeStateRecord(const StateRecord& r) {
   if (!r.readers.empty()) j["readers"] = r.readers;
   if (!r.format.empty()) j["format"] = r.format;
   if (r.strict) j["strict"] = true;
-  if (r.kind == StateRecord::Kind::kApply) {
+  if (r.kind == StateRecord::Kind::kApply || r.kind == StateRecord::Kind::kPublish) {
     nlohmann::json stack = nlohmann::json::array();
     for (size_t i = 0; i < r.stack.size(); ++i) {
       const uint64_t seq = i < r.stack_seqs.size() ? r.stack_seqs[i] : 0;
@@ -187,6 +187,24 @@ RestorePlan PlanRestore(std::vector<StateRecord> records) {
   std::map<std::string, StateRecord> adapters;          // loaded now
   std::map<std::string, StateRecord> last_adapter_load;  // as of the replay point
   std::map<uint64_t, StateRecord> adapter_loads;         // by seq
+  // The adapter loads a stack merged: by the seq its record names; records
+  // without one: the last load of the name before it.
+  auto stack_loads = [&](const StateRecord& r) {
+    std::vector<StateRecord> out;
+    for (size_t i = 0; i < r.stack.size(); ++i) {
+      const uint64_t seq = i < r.stack_seqs.size() ? r.stack_seqs[i] : 0;
+      auto by_seq = adapter_loads.find(seq);
+      auto last = last_adapter_load.find(r.stack[i].first);
+      if (seq != 0) {
+        out.push_back(by_seq != adapter_loads.end() && by_seq->second.name == r.stack[i].first
+                          ? by_seq->second
+                          : StateRecord{});
+      } else {
+        out.push_back(last == last_adapter_load.end() ? StateRecord{} : last->second);
+      }
+    }
+    return out;
+  };
   for (const StateRecord& r : records) {
     switch (r.kind) {
       case StateRecord::Kind::kModelLoad: {
@@ -213,29 +231,14 @@ RestorePlan PlanRestore(std::vector<StateRecord> records) {
         it->second.has_apply = true;
         it->second.apply = r;
         it->second.max_generation = std::max(it->second.max_generation, r.generation);
-        it->second.stack_adapters.clear();
-        for (size_t i = 0; i < r.stack.size(); ++i) {
-          // The load the apply merged, by its seq; records without one: the
-          // last load of the name before the apply.
-          const uint64_t seq = i < r.stack_seqs.size() ? r.stack_seqs[i] : 0;
-          auto by_seq = adapter_loads.find(seq);
-          auto last = last_adapter_load.find(r.stack[i].first);
-          if (seq != 0) {
-            it->second.stack_adapters.push_back(
-                by_seq != adapter_loads.end() && by_seq->second.name == r.stack[i].first
-                    ? by_seq->second
-                    : StateRecord{});
-          } else {
-            it->second.stack_adapters.push_back(last == last_adapter_load.end() ? StateRecord{}
-                                                                                : last->second);
-          }
-        }
+        it->second.stack_adapters = stack_loads(r);
         break;
       }
       case StateRecord::Kind::kPublish: {
         auto it = models.find(r.name);
         if (it == models.end()) break;
         it->second.publish = r;
+        it->second.publish_stack_adapters = stack_loads(r);
         if (it->second.first_publish_seq == 0) it->second.first_publish_seq = r.seq;
         it->second.max_generation = std::max(it->second.max_generation, r.generation);
         break;

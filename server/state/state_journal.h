@@ -41,8 +41,11 @@ struct StateRecord {
   std::vector<std::string> readers;  // ReaderList syntax
   std::string format;                // adapter loads
   bool strict = false;               // adapter loads
-  // kPublish: new base weights published (server memory only: a restore
-  // reports it and serves the files' weights under a later number).
+  // kPublish: new base weights published; `path` is the file they are saved
+  // to in the background (published_store.h; empty: not saved), `stack`
+  // the adapter stack the generation merged. A restore serves the file only
+  // if it is there and rebuilds the journaled identity; else it reports the
+  // publish and serves the files' weights under a later number.
   // kApply: the stack; kApply/kModelLoad/kPublish: the generation made (1 for a load);
   // kFloor: the lowest number the model's next generation may have.
   std::vector<std::pair<std::string, float>> stack;
@@ -83,9 +86,12 @@ struct RestorePlan {
     // The adapter loads its stack needs, as they were when it was applied
     // (one per stack entry, same order; empty name = no load record found).
     std::vector<StateRecord> stack_adapters;
-    // The last publish after the load (publish.seq == 0: none). Its weights
-    // are not in the journal: an apply recorded after it cannot be restored.
+    // The last publish after the load (publish.seq == 0: none), and the
+    // adapter loads its stack needs (as stack_adapters). Its weights are
+    // in publish.path, if they were saved: an apply recorded after the first
+    // publish can be restored only on top of the last one.
     StateRecord publish;
+    std::vector<StateRecord> publish_stack_adapters;
     uint64_t first_publish_seq = 0;  // every apply after it merged published weights
   };
   std::vector<ModelEntry> models;      // in load order

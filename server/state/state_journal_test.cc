@@ -138,16 +138,31 @@ TEST(StateJournalTest, APublishIsPlannedWithItsGenerationAndRoundTrips) {
   StateRecord pub = Rec(StateRecord::Kind::kPublish, 3, "m");
   pub.generation = 4;
   pub.content = "0123456789abcdef0123456789abcdef";
+  pub.path = "/state/published/x-4.safetensors";
+  pub.stack = {{"a", 1.0f}};
+  pub.stack_seqs = {2};
   JournalContents parsed = ParseJournal(EncodeStateRecord(pub));
   ASSERT_EQ(parsed.records.size(), 1u);
   EXPECT_EQ(parsed.records[0].kind, StateRecord::Kind::kPublish);
   EXPECT_EQ(parsed.records[0].generation, 4u);
+  EXPECT_EQ(parsed.records[0].path, pub.path);
+  ASSERT_EQ(parsed.records[0].stack.size(), 1u);
+  EXPECT_EQ(parsed.records[0].stack_seqs, std::vector<uint64_t>{2});
   EXPECT_EQ(DescribeRecord(parsed.records[0]), "publish \"m\" (seq 3)");
   StateRecord pub2 = pub;
   pub2.seq = 7;
   pub2.generation = 6;
-  RestorePlan plan = PlanRestore({ModelLoad(1, "m"), Apply(2, "m", 2, {{"a", 1.0f}}), pub,
-                                  Apply(5, "m", 5, {}), ModelLoad(6, "n"), pub2});
+  pub2.stack.clear();
+  pub2.stack_seqs.clear();
+  RestorePlan plan = PlanRestore({ModelLoad(1, "m"), AdapterLoad(2, "a", "/ad/a"), pub,
+                                  Apply(5, "m", 5, {})});
+  // The adapter load a publish's stack merged is found like an apply's.
+  ASSERT_EQ(plan.models.size(), 1u);
+  EXPECT_EQ(plan.models[0].publish.path, pub.path);
+  ASSERT_EQ(plan.models[0].publish_stack_adapters.size(), 1u);
+  EXPECT_EQ(plan.models[0].publish_stack_adapters[0].path, "/ad/a");
+  plan = PlanRestore({ModelLoad(1, "m"), Apply(2, "m", 2, {{"a", 1.0f}}), pub,
+                      Apply(5, "m", 5, {}), ModelLoad(6, "n"), pub2});
   ASSERT_EQ(plan.models.size(), 2u);
   EXPECT_EQ(plan.models[0].publish.seq, 7u);  // the last one
   EXPECT_EQ(plan.models[0].first_publish_seq, 3u);

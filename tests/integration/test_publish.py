@@ -17,8 +17,9 @@ weightctl; PyTorch is the reference.
   declares its runs; the commit seals the memfd against every writer and
   refuses (nothing published, memory freed) while any process still maps
   it. The memfd cannot be resized, and cannot be written once committed.
-* A restart with --state-dir reports the publish as not kept and serves the
-  files' weights under a higher generation number.
+* A restart with --state-dir serves the published weights it saved (with
+  the stack and later applies); a saved file missing or damaged is reported
+  and the files' weights are served under a higher generation number.
 """
 import os
 import signal
@@ -321,33 +322,111 @@ def test_refusals_leave_everything_as_it_was(env):
         _check(c, "big", big)
 
 
-def test_a_restart_serves_the_files_under_a_higher_generation(env, tmp_path):
+def _wait_log(d, text, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline and text not in d.log():
+        time.sleep(0.05)
+    assert text in d.log(), d.log()[-3000:]
+
+
+def test_a_restart_serves_the_published_weights_it_saved(env, tmp_path):
+    """--state-dir keeps published weights (saved in the background to
+    state/published): a SIGKILLed daemon comes back serving the published
+    generation, its stack merged again and an apply made after it; a publish
+    whose file is missing or damaged is reported, and the files' weights are
+    served under a higher number."""
     models, path, base = env
     state = str(tmp_path / "state")
+    published_dir = os.path.join(state, "published")
     work = str(tmp_path / "d")
-    d = Daemon(model_root=models, workdir=work, extra_args=["--state-dir", state]).start()
-    try:
-        with weightd.Client(socket=d.socket) as c:
-            c.load("m", path)
-            files_id = c.info("m").weights_id
-            assert c.publish("m", {"w.f32": _rand((10, 8), torch.float32)}).generation == 2
+    diff = {"w.bf16.diff_param": _rand((12, 64), torch.float32) * 0.1}
+    st_io.save(diff, os.path.join(models, "dense.safetensors"))
+
+    def daemon():
+        return Daemon(model_root=models, workdir=work, extra_args=["--state-dir", state]).start()
+
+    def kill(d):
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait()
-    finally:
         d.stop()
-    d = Daemon(model_root=models, workdir=work, extra_args=["--state-dir", state]).start()
+
+    def saved_files():
+        return sorted(os.listdir(published_dir)) if os.path.isdir(published_dir) else []
+
+    d = daemon()
+    new = {"w.f32": _rand((10, 8), torch.float32), "w.bf16": _rand((12, 64), torch.bfloat16)}
+    with weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        files_id = c.info("m").weights_id
+        c.load_adapter("a", os.path.join(models, "dense.safetensors"))
+        assert c.apply("m", [("a", 0.5)]) == 2
+        r = c.publish("m", new)
+        assert r.generation == 3 and r.adapters == ["a:0.5"]
+        _wait_log(d, "published_saved model=m generation=3")
+        assert c.apply("m", [("a", 1.0)]) == 4   # on the published weights
+        want = dict(base, **new)
+        want["w.bf16"] = (new["w.bf16"].float() + diff["w.bf16.diff_param"]).to(torch.bfloat16)
+        _check(c, "m", want)
+        before = (c.info("m").weights_id, _digests(c, "m"))
+    assert len(saved_files()) == 1
+    kill(d)
+
+    d = daemon()
     try:
         with weightd.Client(socket=d.socket) as c:
-            deadline = time.time() + 30
-            while time.time() < deadline and "restore_done" not in d.log():
-                time.sleep(0.1)
-            assert "published weights (generation 2) are not kept across restarts" in d.log()
-            # Generation 1 is the files' weights, as it was; the next number
-            # is past the published one.
+            _wait_log(d, "restore_done")
+            assert "restore_skipped" not in d.log(), d.log()
+            assert "publish_restored model=m generation=3" in d.log()
+            info = c.info("m")
+            assert info.generation == 4 and (info.weights_id, _digests(c, "m")) == before
+            _check(c, "m", want)
+            # Back to the base stack: the published weights, unmerged.
+            assert c.apply("m", []) > 4
+            _check(c, "m", dict(base, **new))
+            # A newer publish supersedes the saved file.
+            newer = {"w.f16": _rand((7, 16), torch.float16)}
+            g = c.publish("m", newer).generation
+            _wait_log(d, "published_saved model=m generation=%d" % g)
+            assert len(saved_files()) == 1 and saved_files()[0].endswith("-%d.safetensors" % g)
+        kill(d)
+        # Damaged on disk: refused (the rebuilt generation is not the
+        # journaled one), reported, and the files' weights served.
+        f = os.path.join(published_dir, saved_files()[0])
+        data = bytearray(open(f, "rb").read())
+        data[-1] ^= 0x40
+        open(f, "wb").write(bytes(data))
+        d = daemon()
+        with weightd.Client(socket=d.socket) as c:
+            _wait_log(d, "restore_done")
+            assert "published weights (generation %d) not restored" % g in d.log()
+            assert "merge to other bytes than were published" in d.log()
             info = c.info("m")
             assert (info.generation, info.weights_id) == (1, files_id)
             _check(c, "m", base)
-            assert c.apply("m", []) > 2
+            assert c.apply("m", []) > g
+            # The unrestored file is garbage: removed.
+            assert saved_files() == []
+            g = c.publish("m", new).generation
+            _wait_log(d, "published_saved model=m generation=%d" % g)
+        kill(d)
+        # Missing (a crash before the save finished): reported the same way.
+        for name in saved_files():
+            os.unlink(os.path.join(published_dir, name))
+        d = daemon()
+        with weightd.Client(socket=d.socket) as c:
+            _wait_log(d, "restore_done")
+            assert "not saved before the daemon stopped" in d.log()
+            assert c.info("m").weights_id == files_id
+            _check(c, "m", base)
+            # An unload removes a model's saved weights.
+            g = c.publish("m", new).generation
+            _wait_log(d, "published_saved model=m generation=%d" % g)
+            assert len(saved_files()) == 1
+            c.unload("m")
+            deadline = time.time() + 10
+            while saved_files() and time.time() < deadline:
+                time.sleep(0.05)
+            assert saved_files() == []
     finally:
         d.stop()
 

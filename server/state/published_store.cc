@@ -1,0 +1,232 @@
+#include "server/state/published_store.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/digest.h"
+#include "common/fd.h"
+#include "common/log.h"
+#include "common/safetensors.h"
+#include "common/status_macros.h"
+
+namespace weightd {
+namespace {
+
+constexpr char kSuffix[] = ".safetensors";
+constexpr char kTempPrefix[] = ".tmp-";
+
+absl::Status SyncDir(const std::string& dir) {
+  UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening ", dir));
+  if (::fsync(fd.get()) != 0) return ErrnoStatus(errno, absl::StrCat("fsync ", dir));
+  return absl::OkStatus();
+}
+
+std::string DirOf(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+}
+
+}  // namespace
+
+absl::Status WriteSafetensorsFile(const std::string& path,
+                                  absl::Span<const std::shared_ptr<const StoredTensor>> tensors) {
+  std::vector<SafetensorsWriteEntry> entries;
+  std::set<absl::string_view> names;
+  for (const auto& t : tensors) {
+    if (t->length > 0 && t->host_data() == nullptr) {
+      return absl::UnimplementedError(
+          absl::StrCat("tensor \"", t->name, "\" is not in host memory"));
+    }
+    if (!names.insert(t->name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor \"", t->name, "\" given twice"));
+    }
+    entries.push_back({t->name, t->dtype, t->shape, t->length});
+  }
+  const std::string prefix = BuildSafetensorsHeader(entries);
+  const std::string temp =
+      absl::StrCat(DirOf(path), "/", kTempPrefix, ::getpid(), "-", ::syscall(SYS_gettid));
+  UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("creating ", temp));
+  absl::Status written = [&]() -> absl::Status {
+    WD_RETURN_IF_ERROR(WriteFull(fd.get(), prefix.data(), prefix.size()));
+    for (const auto& t : tensors) {
+      if (t->length > 0) WD_RETURN_IF_ERROR(WriteFull(fd.get(), t->host_data(), t->length));
+    }
+    if (::fsync(fd.get()) != 0) return ErrnoStatus(errno, "fsync");
+    return absl::OkStatus();
+  }();
+  fd.Reset();
+  if (written.ok() && ::rename(temp.c_str(), path.c_str()) != 0) {
+    written = ErrnoStatus(errno, absl::StrCat("renaming to ", path));
+  }
+  if (!written.ok()) {
+    (void)::unlink(temp.c_str());
+    return Annotate(written, absl::StrCat("writing ", path));
+  }
+  return SyncDir(DirOf(path));
+}
+
+PublishedStore::PublishedStore(std::string dir) : dir_(std::move(dir)) {}
+
+PublishedStore::~PublishedStore() {
+  std::thread thread;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    thread = std::move(thread_);
+  }
+  if (thread.joinable()) thread.join();
+}
+
+std::string PublishedStore::ModelPrefix(const std::string& model) const {
+  return absl::StrCat(DigestBytes(model.data(), model.size()).Hex(), "-");
+}
+
+std::string PublishedStore::FileName(const std::string& model, uint64_t generation) const {
+  return absl::StrCat(ModelPrefix(model), generation, kSuffix);
+}
+
+std::string PublishedStore::PathFor(const std::string& model, uint64_t generation) const {
+  return absl::StrCat(dir_, "/", FileName(model, generation));
+}
+
+absl::StatusOr<std::string> PublishedStore::PathOf(const std::string& file_name) const {
+  if (file_name.empty() || file_name[0] == '.' || file_name.find('/') != std::string::npos ||
+      !absl::EndsWith(file_name, kSuffix)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("\"", file_name.substr(0, 80), "\" is not a published weights file name"));
+  }
+  return absl::StrCat(dir_, "/", file_name);
+}
+
+void PublishedStore::Save(const std::string& model, uint64_t generation,
+                          std::vector<std::shared_ptr<const StoredTensor>> tensors) {
+  absl::MutexLock lock(&mu_);
+  // A save of the model still waiting is superseded by this one.
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (it->model == model && it->generation != 0) {
+      it = queue_.erase(it);
+      ++stats_.dropped;
+    } else {
+      ++it;
+    }
+  }
+  queue_.push_back(Job{model, generation, std::move(tensors)});
+  if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+}
+
+void PublishedStore::Forget(const std::string& model) {
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(Job{model, 0, {}});
+  if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+}
+
+void PublishedStore::KeepOnly(const std::set<std::string>& keep) {
+  DIR* d = ::opendir(dir_.c_str());
+  if (d == nullptr) return;  // nothing saved yet
+  std::vector<std::string> remove;
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    const std::string path = absl::StrCat(dir_, "/", name);
+    if (!keep.contains(path)) remove.push_back(path);
+  }
+  ::closedir(d);
+  for (const std::string& path : remove) {
+    if (::unlink(path.c_str()) == 0) {
+      LogEvent(LogLevel::kInfo, "published_removed",
+               {{"path", path}, {"reason", "no restored model serves it"}});
+    }
+  }
+}
+
+bool PublishedStore::WaitIdle(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queue_.empty() && !busy_; };
+  return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+}
+
+PublishedStore::Stats PublishedStore::stats() const {
+  absl::MutexLock lock(&mu_);
+  Stats s = stats_;
+  s.pending = queue_.size() + (busy_ ? 1 : 0);
+  return s;
+}
+
+void PublishedStore::Loop() {
+  // Background work: the cores go to fetches first.
+  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
+  for (;;) {
+    Job job;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !queue_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      // Stopping: what is queued is still saved (a clean stop keeps it).
+      if (queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+    }
+    Run(job);
+    absl::MutexLock lock(&mu_);
+    busy_ = false;
+  }
+}
+
+void PublishedStore::Run(Job& job) {
+  const std::string keep = job.generation != 0 ? PathFor(job.model, job.generation) : "";
+  if (job.generation != 0) {
+    const absl::Time start = absl::Now();
+    uint64_t bytes = 0;
+    for (const auto& t : job.tensors) bytes += t->length;
+    absl::Status s;
+    if (::mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST) {
+      s = ErrnoStatus(errno, absl::StrCat("creating ", dir_));
+    }
+    if (s.ok()) s = WriteSafetensorsFile(keep, job.tensors);
+    job.tensors.clear();  // the memory may go now
+    absl::MutexLock lock(&mu_);
+    if (!s.ok()) {
+      ++stats_.failed;
+      LogEvent(LogLevel::kError, "published_save_failed",
+               {{"model", job.model}, {"generation", absl::StrCat(job.generation)},
+                {"error", s.ToString()}});
+      return;  // the older file stays: it is no use to a restore, but harmless
+    }
+    ++stats_.saved;
+    stats_.saved_bytes += bytes;
+    LogEvent(LogLevel::kInfo, "published_saved",
+             {{"model", job.model}, {"generation", absl::StrCat(job.generation)},
+              {"path", keep}, {"bytes", absl::StrCat(bytes)},
+              {"seconds", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - start))}});
+  }
+  // The model's other files are superseded (or, forgotten, all of them).
+  const std::string prefix = ModelPrefix(job.model);
+  DIR* d = ::opendir(dir_.c_str());
+  if (d == nullptr) return;
+  std::vector<std::string> remove;
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (!absl::StartsWith(name, prefix) || !absl::EndsWith(name, kSuffix)) continue;
+    const std::string path = absl::StrCat(dir_, "/", name);
+    if (path != keep) remove.push_back(path);
+  }
+  ::closedir(d);
+  for (const std::string& path : remove) (void)::unlink(path.c_str());
+}
+
+}  // namespace weightd

@@ -260,17 +260,7 @@ absl::Status MemfdSegment::Seal(bool populate) {
   }
   // Older kernels: F_SEAL_WRITE fails while a writable shared mapping
   // exists, so drop ours first and map the sealed file read-only.
-  map_.Reset();
-  if (::fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_WRITE | kShape) != 0) {
-    return ErrnoStatus(errno, "sealing memfd");
-  }
-  if (size_ > 0) {
-    auto map = MappedRegion::Map(fd_.get(), size_, MappedRegion::Mode::kReadOnly, populate);
-    if (!map.ok()) return map.status();
-    map_ = std::move(*map);
-  }
-  sealed_ = true;
-  return absl::OkStatus();
+  return SealExclusive(populate);
 }
 
 absl::Status MemfdSegment::SealExclusive(bool populate) {

@@ -115,6 +115,16 @@ struct WeightService::PublishSession {
     }
     return absl::InternalError("unknown session state");
   }
+  // NotOpenLocked(), and a session past its deadline fails now.
+  absl::Status CheckOpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    WD_RETURN_IF_ERROR(NotOpenLocked());
+    if (absl::Now() > deadline) {
+      FailLocked(absl::DeadlineExceededError(
+          absl::StrCat("not complete by its deadline; missing ", FirstMissingLocked())));
+      return NotOpenLocked();
+    }
+    return absl::OkStatus();
+  }
   // "tensor \"x\" bytes [a, b)" of the first byte still missing.
   std::string FirstMissingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (size_t i = 0; i < coverage.size(); ++i) {
@@ -252,12 +262,7 @@ absl::StatusOr<UniqueFd> WeightService::StagePublish(uint64_t id, absl::string_v
   WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(id, token));
   PublishSession& session = *s;
   absl::MutexLock lock(&session.mu);
-  WD_RETURN_IF_ERROR(session.NotOpenLocked());
-  if (absl::Now() > session.deadline) {
-    session.FailLocked(absl::DeadlineExceededError(absl::StrCat(
-        "not complete by its deadline; missing ", session.FirstMissingLocked())));
-    return session.NotOpenLocked();
-  }
+  WD_RETURN_IF_ERROR(session.CheckOpenLocked());
   if (session.staging == nullptr) return absl::InternalError("publish session has no staging");
   const int fd = session.staging->fd();
   // The publisher may write, never resize: a shrink would take pages the
@@ -289,12 +294,7 @@ absl::StatusOr<WeightService::PublishProgress> WeightService::WritePublish(
   }
   {
     absl::MutexLock lock(&session.mu);
-    WD_RETURN_IF_ERROR(session.NotOpenLocked());
-    if (absl::Now() > session.deadline) {
-      session.FailLocked(absl::DeadlineExceededError(absl::StrCat(
-          "not complete by its deadline; missing ", session.FirstMissingLocked())));
-      return session.NotOpenLocked();
-    }
+    WD_RETURN_IF_ERROR(session.CheckOpenLocked());
     absl::Status bad;
     if (in_place) {
       if (!session.handed_out) {

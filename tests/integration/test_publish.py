@@ -86,6 +86,14 @@ def _digests(c, model):
     return {t.name: t.digest for t in c.info(model).tensors}
 
 
+def refused(code, text, fn, *args, **kw):
+    """fn(*args, **kw) raises weightd.Error `code` whose message holds `text`."""
+    with pytest.raises(weightd.Error) as e:
+        fn(*args, **kw)
+    assert e.value.code == code, e.value
+    assert text in e.value.message, e.value.message
+
+
 def _changed(c, model, since):
     with c.fetch(model, world=1, rank=0, changed_since=since) as h:
         return sorted(h.state_dict())
@@ -241,12 +249,6 @@ def test_refusals_leave_everything_as_it_was(env):
         c.load("m", path)
         resident = c.stats()["bytes_resident"]
         weights_id = c.info("m").weights_id
-
-        def refused(code, text, fn, *args, **kw):
-            with pytest.raises(weightd.Error) as e:
-                fn(*args, **kw)
-            assert e.value.code == code, e.value
-            assert text in e.value.message, e.value.message
 
         w = _rand((12, 64), torch.bfloat16)
         refused("NOT_FOUND", "has no tensor \"nope\"", c.publish, "m", {"nope": w})
@@ -519,12 +521,6 @@ def test_in_place_staging(env):
         c.load("m", path)
         resident = c.stats()["bytes_resident"]
         weights_id = c.info("m").weights_id
-
-        def refused(code, text, fn, *args, **kw):
-            with pytest.raises(weightd.Error) as e:
-                fn(*args, **kw)
-            assert e.value.code == code, e.value
-            assert text in e.value.message, e.value.message
 
         new = {"w.f32": _rand((10, 8), torch.float32), "w.bf16": _rand((12, 64), torch.bfloat16)}
         raw = {n: t.reshape(-1).view(torch.uint8).numpy().tobytes() for n, t in new.items()}

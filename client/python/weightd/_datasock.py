@@ -193,6 +193,21 @@ def push_request(path, token, timeout, what, send):
     if not path:
         raise Error("FAILED_PRECONDITION", "daemon named no data socket; a %s needs a local "
                     "daemon (transport \"shm\")" % what)
+    fds = _exchange(path, timeout, what, "a %s needs a local one" % what, send)
+    for extra in fds:
+        os.close(extra)
+    if fds:
+        raise Error("INTERNAL", "daemon passed %d fds in reply to a %s" % (len(fds), what))
+    return None
+
+
+def _exchange(path, timeout, what, remote_hint, send):
+    """One request on a fresh connection to the data socket at `path`:
+    `send` writes it on the connected socket, then the reply is read. Returns
+    the reply's fds (the caller's to close) once the daemon answered OK;
+    raises Error otherwise (the daemon's code; UNAVAILABLE, DEADLINE_EXCEEDED
+    for the connection; `remote_hint` says what to do when the socket cannot
+    be reached). The connection is closed on return."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.settimeout(timeout)
@@ -200,20 +215,17 @@ def push_request(path, token, timeout, what, send):
             sock.connect(path)
         except OSError as e:
             raise Error("UNAVAILABLE", "cannot connect to the data socket %s: %s "
-                        "(a remote daemon? a %s needs a local one)"
-                        % (path, e.strerror or e, what))
+                        "(a remote daemon? %s)" % (path, e.strerror or e, remote_hint))
         try:
             send(sock)
         except (BrokenPipeError, ConnectionResetError):
             pass  # a daemon past its connection caps answers and closes first: read why
         code, msg, fds = read_reply(sock)
-        for extra in fds:
-            os.close(extra)
         if code != 0:
+            for extra in fds:
+                os.close(extra)
             raise Error(code, msg)
-        if fds:
-            raise Error("INTERNAL", "daemon passed %d fds in reply to a %s" % (len(fds), what))
-        return None
+        return fds
     except socket.timeout:
         raise Error("DEADLINE_EXCEEDED", "no reply to the %s on the data socket %s within "
                     "%s s" % (what, path, timeout)) from None
@@ -222,7 +234,7 @@ def push_request(path, token, timeout, what, send):
     except OSError as e:
         raise Error("UNAVAILABLE", "data socket %s: %s" % (path, e)) from None
     finally:
-        sock.close()  # ends the lease
+        sock.close()  # ends a push's lease
 
 
 # ---------------------------------------------------------------- publish staging
@@ -239,35 +251,11 @@ def stage(path, session, token, timeout=30.0):
     if not path:
         raise Error("FAILED_PRECONDITION", "daemon named no data socket; publish with "
                     "transport=\"grpc\"")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(path)
-        except OSError as e:
-            raise Error("UNAVAILABLE", "cannot connect to the data socket %s: %s "
-                        "(a remote daemon? publish with transport=\"grpc\")"
-                        % (path, e.strerror or e))
-        try:
-            sock.sendall(_ATTACH.pack(STAGE_MAGIC, 0, session, bytes(token)))
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # a daemon past its connection caps answers and closes first: read why
-        code, msg, fds = read_reply(sock)
-        if code != 0:
-            for fd in fds:
-                os.close(fd)
-            raise Error(code, msg)
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise Error("INTERNAL", "daemon passed %d fds for a staging memfd" % len(fds))
-        return fds[0]
-    except socket.timeout:
-        raise Error("DEADLINE_EXCEEDED", "no reply to the staging request on the data "
-                    "socket %s within %s s" % (path, timeout)) from None
-    except Error:
-        raise
-    except OSError as e:
-        raise Error("UNAVAILABLE", "data socket %s: %s" % (path, e)) from None
-    finally:
-        sock.close()
+    fds = _exchange(path, timeout, "staging request", "publish with transport=\"grpc\"",
+                    lambda sock: sock.sendall(_ATTACH.pack(STAGE_MAGIC, 0, session,
+                                                           bytes(token))))
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise Error("INTERNAL", "daemon passed %d fds for a staging memfd" % len(fds))
+    return fds[0]

@@ -15,8 +15,14 @@ tables populated):
            client's defaults)
 
 each with the checkpoint warm in the page cache and cold (evicted with
-posix_fadvise(DONTNEED), bench/pread_bench --evict). A hand-over to a
-successor without reading the checkpoint again is not built yet.
+posix_fadvise(DONTNEED), bench/pread_bench --evict), and
+
+  handover a daemon serving the model (the previous round's successor) is
+           taken over: start weightd --take-over on its sockets and
+           --state-dir; it adopts the checkpoint's segments (digests
+           checked: --take-over-verify full, and sample) instead of reading
+           them; timed to its `taken_over` log line, then the worker
+           fetches from it (the page cache does not matter: nothing is read)
 
   bench/restart_bench.py [--config 4g] [--repeats 3] [--build build-rel] [--out FILE]
 """
@@ -55,10 +61,10 @@ def main():
     state = os.path.join(tmp, "state")
     sock = os.path.join(tmp, "w.sock")
 
-    def start(extra):
-        return subprocess.Popen([weightd_bin, "--socket", sock, "--model-root", suite.OUT_DIR,
-                                 "--huge-pages", "off", *extra],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def start(extra, on=None, stdout=subprocess.DEVNULL):
+        return subprocess.Popen([weightd_bin, "--socket", on or sock, "--model-root",
+                                 suite.OUT_DIR, "--huge-pages", "off", *extra],
+                                stdout=stdout, stderr=subprocess.STDOUT)
 
     def stop(proc):
         proc.terminate()
@@ -70,8 +76,8 @@ def main():
                 raise RuntimeError("weightd exited")
             time.sleep(0.002)
 
-    def first_shard():
-        with weightd.Client(socket=sock, retry_deadline=600) as c:
+    def first_shard(on=None):
+        with weightd.Client(socket=on or sock, retry_deadline=600) as c:
             with c.fetch("m", world=2, rank=0, populate=True) as h:
                 return len(h.state_dict())
 
@@ -110,6 +116,38 @@ def main():
         finally:
             stop(proc)
 
+    # The hand-over chain: a daemon serving the model on its own sockets;
+    # each round's successor serves the next round's hand-over.
+    hsock = os.path.join(tmp, "h.sock")
+    hstate = os.path.join(tmp, "hstate")
+    holder = [start(["--state-dir", hstate], on=hsock)]
+    while not os.path.exists(hsock):
+        time.sleep(0.01)
+    with weightd.Client(socket=hsock, retry_deadline=60) as c:
+        c.health()
+    subprocess.run([weightctl, "--socket", hsock, "load", "m", path], check=True,
+                   capture_output=True)
+
+    def handover(verify):
+        old = holder[0]
+        t0 = time.perf_counter()
+        proc = start(["--state-dir", hstate, "--take-over", "--take-over-verify", verify,
+                      "--log-format", "json"], on=hsock, stdout=subprocess.PIPE)
+        for line in proc.stdout:
+            if b'"taken_over"' in line:
+                break
+        else:
+            raise RuntimeError("the successor exited without taking over")
+        first_shard(on=hsock)
+        took = time.perf_counter() - t0
+        if old.wait(timeout=120) != 0:
+            raise RuntimeError("the old daemon exited %d" % old.returncode)
+        # Keep draining the successor's log so it never blocks on a full pipe.
+        import threading
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        holder[0] = proc
+        return took
+
     # The journal the restores start from.
     proc = start(["--state-dir", state])
     wait_socket(proc)
@@ -121,7 +159,13 @@ def main():
     journal = open(os.path.join(state, "journal"), "rb").read()
 
     times = {(k, cache): [] for k in ("manual", "restore") for cache in ("warm", "cold")}
+    times[("handover", "full")] = []
+    times[("handover", "sample")] = []
     for r in range(args.repeats):
+        for verify in ("full", "sample"):
+            times[("handover", verify)].append(handover(verify))
+            print("round %d handover (verify %s): %.2f s"
+                  % (r + 1, verify, times[("handover", verify)][-1]), file=sys.stderr)
         for cache in ("warm", "cold"):
             for kind, fn in (("manual", manual), ("restore", restore)):
                 # Every restore starts from the same one-load journal.
@@ -134,6 +178,7 @@ def main():
                 times[(kind, cache)].append(fn())
                 print("round %d %s %s: %.2f s" % (r + 1, cache, kind, times[(kind, cache)][-1]),
                       file=sys.stderr)
+    stop(holder[0])
     shutil.rmtree(tmp, ignore_errors=True)
     out = {"config": args.config, "checkpoint_bytes": nbytes, "repeats": args.repeats,
            "seconds": {"%s_%s" % k: {"median": statistics.median(v), "min": min(v),
@@ -143,6 +188,12 @@ def main():
         s = out["seconds"]["restore_" + cache]["median"]
         print("| %s, %s page cache | manual reload %.2f s | restore from --state-dir %.2f s "
               "| %.2f× |" % (suite.gib(nbytes), cache, m, s, m / s))
+    for verify in ("full", "sample"):
+        h = out["seconds"]["handover_" + verify]["median"]
+        m = out["seconds"]["manual_warm"]["median"]
+        r = out["seconds"]["restore_warm"]["median"]
+        print("| %s, hand-over (verify %s) | %.2f s | %.1f× faster than a warm restore, "
+              "%.1f× than a warm manual reload |" % (suite.gib(nbytes), verify, h, r / h, m / h))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

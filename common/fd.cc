@@ -218,6 +218,43 @@ absl::StatusOr<MemfdSegment> MemfdSegment::Create(absl::string_view name, size_t
   return seg;
 }
 
+absl::StatusOr<MemfdSegment> MemfdSegment::Adopt(UniqueFd fd, PageKind pages) {
+  const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  if (seals < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "adopting a segment: fd ", fd.get(), " is not a sealable memfd: ", std::strerror(errno)));
+  }
+  const int need_shape = F_SEAL_GROW | F_SEAL_SHRINK;
+  if ((seals & need_shape) != need_shape || (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "adopting a segment: memfd fd ", fd.get(), " is not sealed against writes and resizing "
+        "(seals 0x", absl::Hex(seals), ")"));
+  }
+  struct statfs fs;
+  if (::fstatfs(fd.get(), &fs) != 0) return ErrnoStatus(errno, "fstatfs on an adopted memfd");
+  const bool hugetlb = static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC;
+  if (hugetlb != (pages == PageKind::kHugetlb)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "adopting a segment: memfd fd ", fd.get(), " is ", hugetlb ? "" : "not ",
+        "hugetlb, but was described as ", PageKindName(pages)));
+  }
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat on an adopted memfd");
+  MemfdSegment seg;
+  seg.size_ = static_cast<size_t>(st.st_size);
+  seg.pages_ = pages;
+  if (seg.size_ > 0) {
+    auto map = MappedRegion::Map(fd.get(), seg.size_, MappedRegion::Mode::kReadOnly,
+                                 /*populate=*/true);
+    if (!map.ok()) return map.status();
+    seg.map_ = std::move(*map);
+  }
+  seg.fd_ = std::move(fd);
+  seg.sealed_ = true;
+  seg.kept_mapping_ = true;
+  return seg;
+}
+
 namespace {
 // Whether the running kernel is at least major.minor (uname).
 bool KernelAtLeast(int major, int minor) {

@@ -123,6 +123,13 @@ class MemfdSegment {
                                              size_t size, bool prefault,
                                              PageKind pages = PageKind::kSmall);
 
+  // A sealed memfd another process made (a predecessor daemon's segment,
+  // received over SCM_RIGHTS at a hand-over), mapped read-only and
+  // populated. FAILED_PRECONDITION when it is not a memfd sealed against
+  // writes, growing and shrinking (its bytes could still change), or when
+  // its pages are not of kind `pages` (hugetlb or not, by its file system).
+  static absl::StatusOr<MemfdSegment> Adopt(UniqueFd fd, PageKind pages);
+
   MemfdSegment() = default;
   MemfdSegment(MemfdSegment&&) = default;
   MemfdSegment& operator=(MemfdSegment&&) = default;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <set>
 #include <cstdlib>
@@ -33,6 +34,7 @@
 #include "server/grpc/grpc_server.h"
 #include "server/metrics/prometheus_exporter.h"
 #include "server/service/weight_service.h"
+#include "server/state/handover.h"
 #include "server/state/restore.h"
 #include "server/state/state_journal.h"
 #include "server/transport/shm_server.h"
@@ -61,7 +63,14 @@ struct DaemonFlags {
   bool allow_insecure_token = false;
   std::string state_dir;
   bool serve_during_restore = false;
+  bool take_over = false;
+  std::string handover_socket;  // default <socket>.handover
+  AdoptVerify take_over_verify = AdoptVerify::kFull;
 };
+
+// Lease ids the predecessor's calls in flight at the switch may still
+// grant past the number it reported.
+constexpr uint64_t kLeaseIdMargin = 1u << 16;
 
 using Apply = std::function<absl::Status(const std::string&)>;
 
@@ -135,6 +144,31 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
               f->serve_during_restore = v == "true";
               return absl::OkStatus();
             }})
+      .Add({"take-over", "",
+            "take over the daemon running on these sockets (its memory, sockets and state; "
+            "README: Restarts); none running: start as usual",
+            K::kSwitch,
+            [f](const std::string& v) {
+              f->take_over = v == "true";
+              return absl::OkStatus();
+            }})
+      .Add({"handover-socket", "PATH",
+            "where this daemon hands over to a successor, and where --take-over finds the "
+            "running one (default <socket>.handover)",
+            K::kValue, StringInto(&f->handover_socket)})
+      .Add({"take-over-verify", "full|sample|none",
+            "check handed-over checkpoint bytes against the predecessor's digests: every "
+            "tensor, one in 16, or none (default full)",
+            K::kValue,
+            OneOf("take-over-verify", "full, sample or none", [f](const std::string& v) {
+              static const std::map<std::string, AdoptVerify> kModes = {
+                  {"full", AdoptVerify::kFull}, {"sample", AdoptVerify::kSample},
+                  {"none", AdoptVerify::kNone}};
+              auto it = kModes.find(v);
+              if (it == kModes.end()) return false;
+              f->take_over_verify = it->second;
+              return true;
+            })})
       .Add({"warm-reserve-bytes", "N", "pre-faulted output segments kept ready (0 = off)",
             K::kValue, Uint64Into("warm-reserve-bytes", &f->service.warm_reserve_bytes)})
       .Add({"reserve-chunk-bytes", "N", "size of a warm-reserve chunk (>= 4096)", K::kValue,
@@ -255,6 +289,12 @@ absl::Status CheckFlags(const FlagTable& table, DaemonFlags* flags) {
     return absl::InvalidArgumentError(absl::StrCat("--model-root is required\n", table.Usage()));
   }
   if (flags->data.path.empty()) flags->data.path = flags->grpc.unix_socket + ".data";
+  if (flags->handover_socket.empty()) flags->handover_socket = flags->grpc.unix_socket + ".handover";
+  if (flags->take_over && flags->state_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "--take-over needs --state-dir: the successor restores the running daemon's state from "
+        "its journal there");
+  }
   // The TCP listener's security; mistakes here must stop the daemon, not
   // leave it open.
   const GrpcServerOptions& g = flags->grpc;
@@ -388,6 +428,42 @@ int Main(int argc, char** argv) {
                            "raised"}});
     }
   }
+  // --take-over: the running daemon's memory and sockets, if one runs.
+  std::unique_ptr<HandoverClient> taking;
+  std::unique_ptr<DonatedCheckpoints> donated;
+  UniqueFd taken_handover_fd;
+  if (flags.take_over) {
+    auto begun = HandoverClient::Begin(flags.handover_socket, absl::Seconds(90));
+    if (absl::IsNotFound(begun.status())) {
+      LogEvent(LogLevel::kInfo, "take_over_none",
+               {{"handover_socket", flags.handover_socket},
+                {"reason", std::string(begun.status().message())},
+                {"action", "starting as usual"}});
+    } else if (!begun.ok()) {
+      return Fail(begun.status());
+    } else {
+      taking = std::move(*begun);
+      HandoverReceived& got = taking->received();
+      // The state comes from the predecessor's journal: the same directory.
+      std::error_code e1;
+      if (!std::filesystem::equivalent(got.state_dir, flags.state_dir, e1) || e1) {
+        return Fail(absl::FailedPreconditionError(absl::StrCat(
+            "--take-over: the running daemon journals in --state-dir ", got.state_dir,
+            ", this one in ", flags.state_dir, "; give both the same directory")));
+      }
+      LogEvent(LogLevel::kInfo, "take_over_begin",
+               {{"predecessor_pid", absl::StrCat(got.pid)},
+                {"checkpoints", absl::StrCat(got.checkpoints.size())},
+                {"segment_bytes", absl::StrCat(got.segment_bytes)},
+                {"verify", AdoptVerifyName(flags.take_over_verify)}});
+      donated = std::make_unique<DonatedCheckpoints>(flags.take_over_verify);
+      for (DonatedCheckpoint& c : got.checkpoints) donated->Add(std::move(c));
+      flags.service.donated = donated.get();
+      flags.grpc.adopt_unix_listen_fd = got.grpc_listen_fd.release();
+      flags.data.adopt_listen_fd = got.data_listen_fd.release();
+      taken_handover_fd = std::move(got.handover_listen_fd);
+    }
+  }
   // --state-dir: the journal of what was served, replayed into a restore
   // plan; from here on every change is journaled (into journal.new until
   // the restore is done).
@@ -412,7 +488,7 @@ int Main(int argc, char** argv) {
     };
   }
   const bool restoring = plan.entries() > 0;
-  if (restoring) {
+  if (restoring && taking == nullptr) {
     const absl::Status why = absl::UnavailableError(absl::StrCat(
         "weightd is restoring its state from ", flags.state_dir,
         " (--state-dir); retry when health says SERVING"));
@@ -461,7 +537,44 @@ int Main(int argc, char** argv) {
     }
     store->KeepOnly(keep);
   };
-  if (!restoring) {
+  auto term_pending = [&signals]() {
+    sigset_t pending;
+    if (sigpending(&pending) != 0) return false;
+    for (int s : {SIGTERM, SIGINT}) {
+      if (sigismember(&signals, s) && sigismember(&pending, s)) return true;
+    }
+    return false;
+  };
+  // A damaged journal may have lost a record of a higher generation
+  // number: restored models number past a wide margin then.
+  const uint64_t margin =
+      journal == nullptr || journal->previous().problems.empty() ? 0 : kDamagedJournalMargin;
+  if (taking != nullptr) {
+    // Taking over: the state comes back before this daemon serves (the
+    // predecessor serves meanwhile), its checkpoints adopted, not read.
+    if (restoring) {
+      const absl::Time start = absl::Now();
+      restored = RestoreState(**service, plan, journal.get(), term_pending, margin);
+      if (restored.interrupted) {
+        LogEvent(LogLevel::kInfo, "stopped",
+                 {{"reason", "signalled during the take-over; the running daemon serves on"}});
+        return 0;
+      }
+      LogEvent(LogLevel::kInfo, "take_over_restored",
+               {{"seconds", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - start))},
+                {"adopted", absl::StrCat(donated->adopted())},
+                {"read_instead", absl::StrCat(donated->refused())}});
+    }
+    if (absl::Status s = preload(); !s.ok()) return Fail(s);
+    if (size_t unused = donated->DropUnused(); unused > 0) {
+      LogEvent(LogLevel::kInfo, "take_over_unused",
+               {{"checkpoints", absl::StrCat(unused)},
+                {"reason", "no restored model serves their files"}});
+    }
+    auto next_lease = taking->Ready(absl::Seconds(30));
+    if (!next_lease.ok()) return Fail(next_lease.status());
+    (*service)->leases()->InheritIdsBelow(*next_lease + kLeaseIdMargin);
+  } else if (!restoring) {
     if (absl::Status s = preload(); !s.ok()) return Fail(s);
     if (journal != nullptr) {
       if (absl::Status s = journal->Commit(); !s.ok()) return Fail(s);
@@ -493,21 +606,21 @@ int Main(int argc, char** argv) {
     if (!started.ok()) return Fail(started.status());
     metrics = std::move(*started);
   }
-  if (restoring) {
+  if (taking != nullptr) {
+    // Serving on the predecessor's sockets: it may go.
+    if (absl::Status s = taking->Started(); !s.ok()) {
+      LogEvent(LogLevel::kWarning, "take_over_started_unsent", {{"error", s.ToString()}});
+    }
+    taking.reset();
+    if (journal != nullptr) {
+      if (absl::Status s = journal->Commit(); !s.ok()) return Fail(s);
+      keep_published(restored.published_files);
+    }
+    LogEvent(LogLevel::kInfo, "taken_over", {});
+  } else if (restoring) {
     // Serving (health NOT_SERVING, calls refused UNAVAILABLE unless
     // --serve-during-restore) while the models come back. A SIGTERM ends it
     // between two entries, and the old journal stays as it was.
-    auto term_pending = [&signals]() {
-      sigset_t pending;
-      if (sigpending(&pending) != 0) return false;
-      for (int s : {SIGTERM, SIGINT}) {
-        if (sigismember(&signals, s) && sigismember(&pending, s)) return true;
-      }
-      return false;
-    };
-    // A damaged journal may have lost a record of a higher generation
-    // number: restored models number past a wide margin then.
-    const uint64_t margin = journal->previous().problems.empty() ? 0 : kDamagedJournalMargin;
     restored = RestoreState(**service, plan, journal.get(), term_pending, margin);
     if (!restored.interrupted) {
       if (absl::Status s = preload(); !s.ok()) return Fail(s);
@@ -516,6 +629,68 @@ int Main(int argc, char** argv) {
       (*grpc)->Restored();
     }
   }
+  // A successor takes over through the hand-over socket (handover.h).
+  std::atomic<bool> handed_over{false};
+  HandoverServer::Hooks hooks;
+  GrpcServer* g = grpc->get();
+  ShmDataServer* d = data->get();
+  std::atomic<HandoverServer*> handover_raw{nullptr};
+  hooks.begin = [&, g, d, svc](int64_t pid) -> absl::StatusOr<HandoverOffer> {
+    if (handover_raw.load() == nullptr) return absl::UnavailableError("still starting");
+    if (flags.state_dir.empty()) {
+      return absl::FailedPreconditionError(
+          "this daemon runs without --state-dir: a successor could not restore what it serves");
+    }
+    if (restoring && restored.interrupted) {
+      return absl::FailedPreconditionError("this daemon did not finish restoring its state");
+    }
+    g->CloseChanges(absl::UnavailableError(absl::StrCat(
+        "weightd is handing over to a new daemon (pid ", pid, "); retry in a moment")));
+    if (int64_t left = g->WaitChangesIdle(absl::Now() + absl::Seconds(30)); left > 0) {
+      return absl::UnavailableError(absl::StrCat(
+          left, " loads, applies or publishes still ran after 30 s; try again later"));
+    }
+    if (PublishedStore* store = svc->published_store();
+        store != nullptr && !store->WaitIdle(absl::Seconds(60))) {
+      return absl::UnavailableError("published weights were still being saved after 60 s");
+    }
+    return MakeHandoverOffer(flags.state_dir, svc->leases()->next_id(), g->unix_listen_fd(),
+                             d->listen_fd(),
+                             handover_raw.load()->listen_fd(), svc->resident_checkpoints(),
+                             svc->checkpoint_segment_bytes());
+  };
+  hooks.pause = [&, g, d, svc]() -> uint64_t {
+    g->Restoring(absl::UnavailableError("weightd is handing over to a new daemon; retry"));
+    g->PauseAccepting();
+    d->Pause();
+    metrics.reset();  // its port, for the successor
+    return svc->leases()->next_id();
+  };
+  hooks.resume = [&, g, d, svc](const absl::Status& why) {
+    g->ResumeAccepting();
+    d->Resume();
+    g->Restored();
+    if (!flags.metrics_listen.empty() && metrics == nullptr) {
+      auto again = MetricsServer::Start(flags.metrics_listen, svc);
+      if (again.ok()) {
+        metrics = std::move(*again);
+      } else {
+        LogEvent(LogLevel::kError, "metrics_restart_failed", {{"error", again.status().ToString()}});
+      }
+    }
+  };
+  hooks.handed_over = [&, g, d]() {
+    handed_over.store(true);
+    g->KeepSocketFile();
+    d->KeepSocketFile();
+    ::pthread_kill(g_main_thread, SIGTERM);
+  };
+  auto handover = HandoverServer::Start(flags.handover_socket, std::move(hooks),
+                                        HandoverServer::Timeouts(),
+                                        taken_handover_fd.valid() ? taken_handover_fd.release()
+                                                                  : -1);
+  if (!handover.ok()) return Fail(handover.status());
+  handover_raw.store(handover->get());
   LogEvent(LogLevel::kInfo, "serving",
            {{"socket", flags.grpc.unix_socket},
             {"data_socket", flags.data.path},
@@ -527,13 +702,18 @@ int Main(int argc, char** argv) {
 
   int sig = 0;
   sigwait(&signals, &sig);
-  LogEvent(LogLevel::kInfo, "shutdown", {{"signal", strsignal(sig)}});
-  g_data_socket_path = flags.data.path.c_str();
+  // A successor that took over owns the sockets' paths from here on.
+  (*handover)->Stop();
+  LogEvent(LogLevel::kInfo, "shutdown",
+           {{"signal", strsignal(sig)},
+            {"reason", handed_over.load() ? "handed over to a successor" : "signal"}});
+  if (!handed_over.load()) g_data_socket_path = flags.data.path.c_str();
   signal(SIGALRM, OnTeardownStuck);
   alarm(static_cast<unsigned>(absl::ToInt64Seconds(flags.shutdown_grace)) + kTeardownSeconds);
   (*grpc)->Shutdown(flags.shutdown_grace);
   metrics.reset();
   (*data)->Stop();
+  handover->reset();
   grpc->reset();
   data->reset();
   service->reset();

@@ -75,8 +75,14 @@ absl::StatusOr<Principal> CallAuthenticator::AuthenticateAdmin(grpc::CallbackSer
 }
 
 absl::StatusOr<std::unique_ptr<UnixGrpcAcceptor>> UnixGrpcAcceptor::Start(
-    const std::string& path, mode_t mode, grpc::Server* server, UnixPeerRegistry* peers) {
-  WD_ASSIGN_OR_RETURN(UniqueFd listen_fd, ListenUnixWithMode(path, mode));
+    const std::string& path, mode_t mode, grpc::Server* server, UnixPeerRegistry* peers,
+    int adopt_fd) {
+  UniqueFd listen_fd;
+  if (adopt_fd >= 0) {
+    listen_fd.Reset(adopt_fd);
+  } else {
+    WD_ASSIGN_OR_RETURN(listen_fd, ListenUnixWithMode(path, mode));
+  }
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return ErrnoStatus(errno, "eventfd");
   auto acceptor = std::unique_ptr<UnixGrpcAcceptor>(
@@ -101,19 +107,50 @@ void UnixGrpcAcceptor::Stop() {
   (void)!::write(wake_fd_.get(), &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
   listen_fd_.Reset();
-  ::unlink(path_.c_str());
+  if (!keep_file_.load()) ::unlink(path_.c_str());
+}
+
+void UnixGrpcAcceptor::Pause() {
+  absl::MutexLock lock(&mu_);
+  if (paused_) return;
+  paused_ = true;
+  parked_ = false;
+  uint64_t one = 1;
+  (void)!::write(wake_fd_.get(), &one, sizeof(one));
+  auto parked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return parked_; };
+  if (!stopped_.load()) mu_.Await(absl::Condition(&parked));
+}
+
+void UnixGrpcAcceptor::Resume() {
+  absl::MutexLock lock(&mu_);
+  if (!paused_) return;
+  paused_ = false;
+  uint64_t one = 1;
+  (void)!::write(wake_fd_.get(), &one, sizeof(one));
 }
 
 void UnixGrpcAcceptor::Run() {
   while (true) {
-    pollfd pfds[2] = {{wake_fd_.get(), POLLIN, 0}, {listen_fd_.get(), POLLIN, 0}};
+    bool paused;
+    {
+      absl::MutexLock lock(&mu_);
+      parked_ = paused_;
+      paused = paused_;
+    }
+    // A negative fd is ignored by poll(): the listen socket while paused.
+    pollfd pfds[2] = {{wake_fd_.get(), POLLIN, 0}, {paused ? -1 : listen_fd_.get(), POLLIN, 0}};
     int n = ::poll(pfds, 2, -1);
     if (n < 0) {
       if (errno == EINTR) continue;
       WD_LOG(ERROR) << "gRPC socket poll: " << std::strerror(errno);
       return;
     }
-    if (pfds[0].revents) return;
+    if (pfds[0].revents) {
+      if (stopped_.load()) return;
+      uint64_t count;  // a pause or resume: seen at the top of the loop
+      (void)!::read(wake_fd_.get(), &count, sizeof(count));
+      continue;
+    }
     while (true) {
       int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd < 0) {

@@ -76,14 +76,23 @@ class CallAuthenticator {
 // started), recording each peer in `peers`. One thread; Stop() joins it.
 class UnixGrpcAcceptor {
  public:
+  // `adopt_fd` >= 0: a socket already listening at `path` (a predecessor's,
+  // at a hand-over), owned from now on, instead of binding one.
   static absl::StatusOr<std::unique_ptr<UnixGrpcAcceptor>> Start(const std::string& path,
                                                                  mode_t mode,
                                                                  grpc::Server* server,
-                                                                 UnixPeerRegistry* peers);
+                                                                 UnixPeerRegistry* peers,
+                                                                 int adopt_fd = -1);
   ~UnixGrpcAcceptor();  // Stop()s
-  // Stops accepting and unlinks the socket file; open connections stay
-  // with gRPC. Idempotent.
+  // Stops accepting and unlinks the socket file (unless KeepSocketFile());
+  // open connections stay with gRPC. Idempotent.
   void Stop();
+  // A hand-over: no accepts from when Pause() returns until Resume(); the
+  // listening socket stays open (a successor accepts on it).
+  void Pause() ABSL_LOCKS_EXCLUDED(mu_);
+  void Resume() ABSL_LOCKS_EXCLUDED(mu_);
+  void KeepSocketFile() { keep_file_.store(true); }
+  int listen_fd() const { return listen_fd_.get(); }
 
  private:
   UnixGrpcAcceptor(std::string path, UniqueFd listen_fd, UniqueFd wake_fd, grpc::Server* server,
@@ -96,6 +105,10 @@ class UnixGrpcAcceptor {
   grpc::Server* const server_;
   UnixPeerRegistry* const peers_;
   std::atomic<bool> stopped_{false};
+  std::atomic<bool> keep_file_{false};
+  absl::Mutex mu_;
+  bool paused_ ABSL_GUARDED_BY(mu_) = false;
+  bool parked_ ABSL_GUARDED_BY(mu_) = false;  // the thread saw paused_
   std::thread thread_;
 };
 

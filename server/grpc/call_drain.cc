@@ -6,13 +6,14 @@ CallDrain::Hold& CallDrain::Hold::operator=(Hold&& other) noexcept {
   if (this != &other) {
     Reset();
     drain_ = other.drain_;
+    change_ = other.change_;
     other.drain_ = nullptr;
   }
   return *this;
 }
 
 void CallDrain::Hold::Reset() {
-  if (drain_ != nullptr) drain_->Exit();
+  if (drain_ != nullptr) drain_->Exit(change_);
   drain_ = nullptr;
 }
 
@@ -26,7 +27,8 @@ absl::StatusOr<CallDrain::Hold> CallDrain::Enter(bool change) {
   if (!closed_.ok()) return closed_;
   if (change && !changes_closed_.ok()) return changes_closed_;
   ++in_flight_;
-  return Hold(this);
+  if (change) ++changes_in_flight_;
+  return Hold(this, change);
 }
 
 absl::Status CallDrain::CheckOpen() const {
@@ -54,9 +56,17 @@ bool CallDrain::draining() const {
   return draining_;
 }
 
-void CallDrain::Exit() {
+void CallDrain::Exit(bool change) {
   absl::MutexLock lock(&mu_);
   --in_flight_;
+  if (change) --changes_in_flight_;
+}
+
+int64_t CallDrain::WaitChangesIdle(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return changes_in_flight_ == 0; };
+  mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+  return changes_in_flight_;
 }
 
 int64_t CallDrain::WaitIdle(absl::Time deadline) {

@@ -23,7 +23,9 @@ class CallDrain {
   class Hold {
    public:
     Hold() = default;
-    Hold(Hold&& other) noexcept : drain_(other.drain_) { other.drain_ = nullptr; }
+    Hold(Hold&& other) noexcept : drain_(other.drain_), change_(other.change_) {
+      other.drain_ = nullptr;
+    }
     Hold& operator=(Hold&& other) noexcept;
     Hold(const Hold&) = delete;
     Hold& operator=(const Hold&) = delete;
@@ -33,8 +35,9 @@ class CallDrain {
 
    private:
     friend class CallDrain;
-    explicit Hold(CallDrain* drain) : drain_(drain) {}
+    Hold(CallDrain* drain, bool change) : drain_(drain), change_(change) {}
     CallDrain* drain_ = nullptr;
+    bool change_ = false;
   };
 
   // A hold on a new call, or UNAVAILABLE once BeginDrain() has been called.
@@ -55,17 +58,21 @@ class CallDrain {
   // left (0 = drained).
   int64_t WaitIdle(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
   int64_t in_flight() const ABSL_LOCKS_EXCLUDED(mu_);
+  // As WaitIdle, for the calls that change what is served (a hand-over
+  // closes changes, then waits for these before it describes the state).
+  int64_t WaitChangesIdle(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
 
   static absl::Status DrainingError();
 
  private:
-  void Exit() ABSL_LOCKS_EXCLUDED(mu_);
+  void Exit(bool change) ABSL_LOCKS_EXCLUDED(mu_);
 
   mutable absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status closed_ ABSL_GUARDED_BY(mu_);
   absl::Status changes_closed_ ABSL_GUARDED_BY(mu_);
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t changes_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace weightd

@@ -92,7 +92,9 @@ class GrpcServer::Impl {
       return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.tcp_listen));
     }
     auto acceptor = UnixGrpcAcceptor::Start(options_.unix_socket, options_.unix_socket_mode,
-                                            server_.get(), &peers_);
+                                            server_.get(), &peers_,
+                                            options_.adopt_unix_listen_fd);
+    options_.adopt_unix_listen_fd = -1;
     if (!acceptor.ok()) {
       return absl::Status(acceptor.status().code(),
                           absl::StrCat("cannot listen on unix:", options_.unix_socket, ": ",
@@ -148,6 +150,9 @@ class GrpcServer::Impl {
 
   void Wait() { server_->Wait(); }
 
+  CallDrain& drain() { return drain_; }
+  UnixGrpcAcceptor* acceptor() { return acceptor_.get(); }
+
  private:
   GrpcServerOptions options_;
   ThreadPool pool_;
@@ -194,5 +199,13 @@ void GrpcServer::Shutdown(absl::Duration grace) { impl_->Shutdown(grace); }
 void GrpcServer::Wait() { impl_->Wait(); }
 void GrpcServer::Restoring(absl::Status why) { impl_->SetRestoring(std::move(why)); }
 void GrpcServer::Restored() { impl_->SetRestoring(absl::OkStatus()); }
+void GrpcServer::CloseChanges(absl::Status why) { impl_->drain().SetChangesClosed(std::move(why)); }
+int64_t GrpcServer::WaitChangesIdle(absl::Time deadline) {
+  return impl_->drain().WaitChangesIdle(deadline);
+}
+void GrpcServer::PauseAccepting() { impl_->acceptor()->Pause(); }
+void GrpcServer::ResumeAccepting() { impl_->acceptor()->Resume(); }
+void GrpcServer::KeepSocketFile() { impl_->acceptor()->KeepSocketFile(); }
+int GrpcServer::unix_listen_fd() const { return impl_->acceptor()->listen_fd(); }
 
 }  // namespace weightd

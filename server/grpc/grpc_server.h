@@ -40,6 +40,9 @@ struct GrpcServerOptions {
   // refused with it until Restored() (--serve-during-restore serves the
   // rest meanwhile).
   absl::Status changes_closed_at_start;
+  // A socket already listening at unix_socket (a predecessor's, at a
+  // hand-over): accepted on instead of binding; the server owns it. -1: bind.
+  int adopt_unix_listen_fd = -1;
 };
 
 class GrpcServer {
@@ -57,6 +60,20 @@ class GrpcServer {
   // Health answered `why` (UNAVAILABLE); Restored() opens the service.
   void Restoring(absl::Status why);
   void Restored();
+
+  // Hand-over (server/state/handover.h). CloseChanges: loads, unloads,
+  // applies and publishes are refused with `why` (OK reopens them);
+  // WaitChangesIdle: until none is in flight or `deadline` (returns how
+  // many are left).
+  void CloseChanges(absl::Status why);
+  int64_t WaitChangesIdle(absl::Time deadline);
+  // No new Unix-socket connection is accepted from when PauseAccepting()
+  // returns until ResumeAccepting(); the listening socket stays open.
+  void PauseAccepting();
+  void ResumeAccepting();
+  // Shutdown() leaves the socket file in place (the successor serves it).
+  void KeepSocketFile();
+  int unix_listen_fd() const;
 
   class Impl;
 

@@ -2,6 +2,7 @@
 
 #include <sys/random.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -41,9 +42,7 @@ LeaseGrant LeaseTable::Grant(LeaseContents contents) {
 absl::StatusOr<LeaseTable::Lease*> LeaseTable::FindLocked(uint64_t id,
                                                           absl::string_view token) {
   auto it = leases_.find(id);
-  if (it == leases_.end()) {
-    return absl::NotFoundError(absl::StrCat("lease ", id, " is unknown or has ended"));
-  }
+  if (it == leases_.end()) return UnknownLocked(id);
   if (!TokenEquals(it->second.token, token)) {
     return absl::PermissionDeniedError(absl::StrCat("wrong token for lease ", id));
   }
@@ -62,7 +61,7 @@ absl::StatusOr<std::shared_ptr<const LeaseContents>> LeaseTable::Use(
 absl::StatusOr<std::shared_ptr<const LeaseContents>> LeaseTable::Peek(uint64_t id) const {
   absl::MutexLock lock(&mu_);
   auto it = leases_.find(id);
-  if (it == leases_.end()) return absl::NotFoundError(absl::StrCat("lease ", id, " is unknown or has ended"));
+  if (it == leases_.end()) return UnknownLocked(id);
   return it->second.contents;
 }
 
@@ -80,10 +79,33 @@ absl::StatusOr<std::shared_ptr<const LeaseContents>> LeaseTable::Attach(
   return (*lease)->contents;
 }
 
+absl::Status LeaseTable::UnknownLocked(uint64_t id) const {
+  if (id > 0 && id < inherited_below_) {
+    return absl::UnavailableError(absl::StrCat(
+        "lease ", id, " was granted by the daemon this one took over from (hand-over); "
+        "fetch again"));
+  }
+  return absl::NotFoundError(absl::StrCat("lease ", id, " is unknown or has ended"));
+}
+
+void LeaseTable::InheritIdsBelow(uint64_t predecessor_next) {
+  absl::MutexLock lock(&mu_);
+  inherited_below_ = std::max(inherited_below_, predecessor_next);
+  next_id_ = std::max(next_id_, predecessor_next);
+}
+
+uint64_t LeaseTable::next_id() const {
+  absl::MutexLock lock(&mu_);
+  return next_id_;
+}
+
 absl::Status LeaseTable::Release(uint64_t id, absl::string_view token) {
   std::vector<std::shared_ptr<const LeaseContents>> dropped;
   {
     absl::MutexLock lock(&mu_);
+    if (id > 0 && id < inherited_below_ && !leases_.contains(id)) {
+      return absl::OkStatus();  // the predecessor's: nothing held here
+    }
     auto lease = FindLocked(id, token);
     if (!lease.ok()) return lease.status();
     dropped.push_back(std::move((*lease)->contents));

@@ -92,6 +92,16 @@ class LeaseTable {
 
   absl::Status Release(uint64_t id, absl::string_view token) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // After a hand-over (server/state/handover.h): ids below `predecessor_next`
+  // were granted by the daemon this one took over from. New ids start there
+  // (an old lease's id never names a new lease); an attach or use of such
+  // an id is UNAVAILABLE ("fetch again": the client's retry then fetches
+  // from this daemon), and its Release is OK (nothing here holds it: the
+  // client's mappings keep their bytes).
+  void InheritIdsBelow(uint64_t predecessor_next) ABSL_LOCKS_EXCLUDED(mu_);
+  // The id the next grant gets (what a successor must not reuse).
+  uint64_t next_id() const ABSL_LOCKS_EXCLUDED(mu_);
+
   // Ends every lease attached to `connection`; returns how many.
   size_t ReleaseConnection(uint64_t connection) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -123,6 +133,9 @@ class LeaseTable {
   Disposer* const disposer_;
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t inherited_below_ ABSL_GUARDED_BY(mu_) = 0;
+  // NOT_FOUND for an id never granted here; UNAVAILABLE for a predecessor's.
+  absl::Status UnknownLocked(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::flat_hash_map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(mu_);
 };
 

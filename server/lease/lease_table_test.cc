@@ -86,5 +86,27 @@ TEST(LeaseTableTest, PeekNeedsNoTokenAndLeavesTheTtlAlone) {
   EXPECT_EQ(table.Peek(g.id).status().code(), absl::StatusCode::kNotFound);
 }
 
+// After a hand-over the predecessor's ids are never granted again; using
+// one is UNAVAILABLE (fetch again), releasing one is OK, and ids past the
+// predecessor's stay NOT_FOUND.
+TEST(LeaseTableTest, PredecessorIdsAreUnavailableAndReleasable) {
+  LeaseTable table(absl::Seconds(60));
+  table.InheritIdsBelow(100);
+  LeaseGrant g = table.Grant(LeaseContents{});
+  EXPECT_EQ(g.id, 100u);
+  EXPECT_EQ(table.next_id(), 101u);
+  const std::string token(16, 'x');
+  auto used = table.Attach(42, token, 7);
+  EXPECT_EQ(used.status().code(), absl::StatusCode::kUnavailable) << used.status();
+  EXPECT_NE(used.status().message().find("took over"), std::string::npos) << used.status();
+  EXPECT_EQ(table.Peek(42).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(table.Release(42, token).ok());
+  EXPECT_EQ(table.Release(101, token).code(), absl::StatusCode::kNotFound);
+  // The successor's own lease is still checked as usual.
+  EXPECT_EQ(table.Release(g.id, token).code(), absl::StatusCode::kPermissionDenied);
+  table.InheritIdsBelow(50);  // never moves back
+  EXPECT_EQ(table.Grant(LeaseContents{}).id, 101u);
+}
+
 }  // namespace
 }  // namespace weightd

@@ -45,6 +45,11 @@ absl::StatusOr<std::unique_ptr<Segment>> HostMemoryManager::Allocate(
   return Segment::Create(account_, options.purpose, size, options.prefault || options.warm);
 }
 
+absl::StatusOr<std::unique_ptr<Segment>> HostMemoryManager::Adopt(UniqueFd fd, PageKind pages,
+                                                                  absl::string_view purpose) {
+  return Segment::Adopt(account_, purpose, std::move(fd), pages);
+}
+
 absl::StatusOr<std::unique_ptr<MemoryCharge>> HostMemoryManager::Charge(uint64_t bytes,
                                                                         absl::string_view what) {
   return MemoryCharge::Reserve(account_, bytes, what);

@@ -82,6 +82,12 @@ class HostMemoryManager {
   absl::StatusOr<std::unique_ptr<Segment>> Allocate(uint64_t size,
                                                     const AllocateOptions& options);
 
+  // A sealed memfd another process filled (a predecessor daemon's segment
+  // at a hand-over), mapped read-only and charged to the budget as Allocate
+  // would (Segment::Adopt).
+  absl::StatusOr<std::unique_ptr<Segment>> Adopt(UniqueFd fd, PageKind pages,
+                                                 absl::string_view purpose);
+
   // Host memory the daemon holds outside segments (tensor metadata, adapter
   // factors), charged to the same budget for as long as the charge lives;
   // the reclaimer chain runs when short.

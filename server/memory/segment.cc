@@ -1,5 +1,8 @@
 #include "server/memory/segment.h"
 
+#include <errno.h>
+#include <sys/stat.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -130,6 +133,21 @@ absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(
                                    : std::string(),
       " (raise vm.nr_hugepages on the node, or the pod's hugepages-2Mi limit): ",
       huge_failed.message()));
+}
+
+absl::StatusOr<std::unique_ptr<Segment>> Segment::Adopt(std::shared_ptr<MemoryAccount> account,
+                                                       absl::string_view purpose, UniqueFd fd,
+                                                       PageKind pages) {
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat on an adopted memfd");
+  const uint64_t bytes = static_cast<uint64_t>(st.st_size);
+  WD_RETURN_IF_ERROR(account->Reserve(bytes, absl::StrCat("adopted segment for ", purpose)));
+  auto memfd = MemfdSegment::Adopt(std::move(fd), pages);
+  if (!memfd.ok()) {
+    account->Return(bytes);
+    return memfd.status();
+  }
+  return std::unique_ptr<Segment>(new Segment(std::move(account), std::move(*memfd)));
 }
 
 void Segment::NoteHugePageFallback(MemoryAccount& account, absl::string_view purpose,

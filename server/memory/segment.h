@@ -133,6 +133,12 @@ class Segment final : public Buffer {
       std::shared_ptr<MemoryAccount> account, absl::string_view purpose,
       uint64_t size, bool prefault, bool reclaim = true);
 
+  // A sealed memfd made by another process (MemfdSegment::Adopt), charged
+  // to `account` like a created one (its reclaimers run when short).
+  static absl::StatusOr<std::unique_ptr<Segment>> Adopt(std::shared_ptr<MemoryAccount> account,
+                                                        absl::string_view purpose, UniqueFd fd,
+                                                        PageKind pages);
+
   ~Segment();
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;

@@ -349,6 +349,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     opts.progress = progress;
     opts.files = &roots_;
     opts.resident = &resident_;
+    opts.donated = options_.donated;
     std::unique_ptr<MemoryCharge> shared_charge;
     opts.shared_charge = &shared_charge;
     auto model = std::make_shared<Model>();

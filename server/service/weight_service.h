@@ -80,6 +80,10 @@ struct WeightServiceOptions {
   // Where published weights are saved for restarts (--state-dir's
   // published/; server/state/published_store.h); empty: not saved.
   std::string published_dir;
+  // Segments a predecessor daemon handed over (--take-over): loads of the
+  // same files adopt them instead of reading (checkpoint.h). Borrowed; null
+  // = none.
+  DonatedCheckpoints* donated = nullptr;
 };
 
 struct ModelSummary {
@@ -427,6 +431,9 @@ class WeightService {
   ServiceStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
   LeaseTable* leases() { return &leases_; }
+  // The checkpoints resident by their files (what a hand-over gives away).
+  const ResidentCheckpoints& resident_checkpoints() const { return resident_; }
+  uint64_t checkpoint_segment_bytes() const { return options_.checkpoint_segment_bytes; }
   const WeightServiceOptions& options() const { return options_; }
 
  private:

@@ -214,12 +214,123 @@ std::string FilesKey(const std::vector<OpenFile>& files) {
   return key;
 }
 
+
+// The checkpoint over a predecessor's segments `d` for files laid out as
+// `segment_sizes`, with `tensors` where that layout puts them; the digests
+// checked as the donation's verify mode says. Any mismatch is an error (the
+// caller reads the files instead); `metadata_charge` is taken only on
+// success.
+absl::StatusOr<std::shared_ptr<const Checkpoint>> AdoptDonated(
+    const std::string& path, const CheckpointLoadOptions& options, DonatedCheckpoint d,
+    const std::vector<uint64_t>& segment_sizes, std::vector<StoredTensor> tensors,
+    const std::vector<size_t>& tensor_segment, const std::vector<std::string>& paths,
+    std::unique_ptr<MemoryCharge>& metadata_charge) {
+  if (d.segment_target_bytes != options.segment_target_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the predecessor laid the files out in segments of up to ", d.segment_target_bytes,
+        " bytes, this daemon in ", options.segment_target_bytes,
+        " (--checkpoint-segment-bytes differs)"));
+  }
+  if (d.segment_fds.size() != segment_sizes.size() ||
+      d.segment_pages.size() != segment_sizes.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the predecessor handed over ", d.segment_fds.size(), " segments for a layout of ",
+        segment_sizes.size()));
+  }
+  std::vector<SegmentPtr> segments;
+  for (size_t i = 0; i < segment_sizes.size(); ++i) {
+    WD_ASSIGN_OR_RETURN(std::unique_ptr<Segment> seg,
+                        options.memory->Adopt(std::move(d.segment_fds[i]), d.segment_pages[i],
+                                              "checkpoint"));
+    const uint64_t want = d.segment_pages[i] == PageKind::kSmall
+                              ? segment_sizes[i]
+                              : RoundUpToHugePage(segment_sizes[i]);
+    if (seg->size() != want) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "handed-over segment ", i, " holds ", seg->size(), " bytes; the layout needs ", want));
+    }
+    segments.push_back(SegmentPtr(std::move(seg)));
+  }
+  // Which tensors are digested again: all, a sample, or none.
+  const AdoptVerify verify = options.donated->verify();
+  std::vector<size_t> check;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    auto it = d.digests.find(tensors[i].name);
+    if (it == d.digests.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the predecessor sent no digest for tensor \"", tensors[i].name, "\""));
+    }
+    tensors[i].digest = it->second;
+    tensors[i].buffer = segments[tensor_segment[i]];
+    const bool sampled = i % 16 == 0 || i + 1 == tensors.size();
+    if (verify == AdoptVerify::kFull || (verify == AdoptVerify::kSample && sampled)) {
+      check.push_back(i);
+    }
+  }
+  std::atomic<size_t> bad{SIZE_MAX};
+  WD_RETURN_IF_ERROR(ParallelFor(nullptr, check.size(), options.read_threads, [&](size_t k) {
+    const StoredTensor& t = tensors[check[k]];
+    if (DigestBytes(t.host_data(), t.length) != t.digest) {
+      size_t expected = SIZE_MAX;
+      bad.compare_exchange_strong(expected, check[k]);
+    }
+    return absl::OkStatus();
+  }));
+  if (bad.load() != SIZE_MAX) {
+    const StoredTensor& t = tensors[bad.load()];
+    return absl::DataLossError(absl::StrCat("handed-over bytes of tensor \"", t.name, "\" (",
+                                            t.file, ") do not match the predecessor's digest"));
+  }
+  return std::make_shared<const Checkpoint>(path, paths, std::move(tensors), std::move(segments),
+                                            std::move(metadata_charge));
+}
 }  // namespace
 
 std::shared_ptr<const Checkpoint> ResidentCheckpoints::Find(const std::string& files_key) const {
   absl::MutexLock lock(&mu_);
   auto it = by_files_.find(files_key);
   return it == by_files_.end() ? nullptr : it->second.lock();
+}
+
+const char* AdoptVerifyName(AdoptVerify v) {
+  switch (v) {
+    case AdoptVerify::kFull: return "full";
+    case AdoptVerify::kSample: return "sample";
+    case AdoptVerify::kNone: return "none";
+  }
+  return "?";
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<const Checkpoint>>>
+ResidentCheckpoints::Snapshot() const {
+  std::vector<std::pair<std::string, std::shared_ptr<const Checkpoint>>> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, weak] : by_files_) {
+    if (auto c = weak.lock()) out.emplace_back(key, std::move(c));
+  }
+  return out;
+}
+
+void DonatedCheckpoints::Add(DonatedCheckpoint checkpoint) {
+  absl::MutexLock lock(&mu_);
+  std::string key = checkpoint.files_key;
+  by_files_[std::move(key)] = std::move(checkpoint);
+}
+
+std::optional<DonatedCheckpoint> DonatedCheckpoints::Take(const std::string& files_key) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_files_.find(files_key);
+  if (it == by_files_.end()) return std::nullopt;
+  DonatedCheckpoint d = std::move(it->second);
+  by_files_.erase(it);
+  return d;
+}
+
+size_t DonatedCheckpoints::DropUnused() {
+  absl::MutexLock lock(&mu_);
+  size_t n = by_files_.size();
+  by_files_.clear();
+  return n;
 }
 
 void ResidentCheckpoints::Add(const std::string& files_key,
@@ -353,6 +464,48 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     f.segment_offset = segment_sizes.back();
     segment_sizes.back() = AlignUp(segment_sizes.back() + data_len, kSegmentAlign);
   }
+  // The tensors where the layout puts them (and each one's segment).
+  std::vector<StoredTensor> tensors;
+  std::vector<size_t> tensor_segment;
+  tensors.reserve(tensors_total);
+  for (const OpenFile& f : files) {
+    for (const SafetensorsEntry& e : f.header.tensors) {
+      StoredTensor t;
+      t.name = e.name;
+      t.dtype = e.dtype;
+      t.shape = e.shape;
+      t.offset = f.segment_offset + e.begin;
+      t.length = e.end - e.begin;
+      t.file = f.path;
+      tensors.push_back(std::move(t));
+      tensor_segment.push_back(f.segment_index);
+    }
+  }
+
+  // Segments a predecessor daemon handed over for these very files are
+  // adopted instead of read, once they check out.
+  if (options.donated != nullptr) {
+    if (files_key.empty()) files_key = FilesKey(files);
+    if (std::optional<DonatedCheckpoint> d = options.donated->Take(files_key)) {
+      auto adopted = AdoptDonated(path, options, std::move(*d), segment_sizes, tensors,
+                                  tensor_segment, paths, metadata_charge);
+      if (adopted.ok()) {
+        options.donated->CountAdopted();
+        ReportDone(options.progress, bytes_total, tensors_total);
+        if (options.resident != nullptr) options.resident->Add(files_key, *adopted);
+        LogEvent(LogLevel::kInfo, "load_adopted",
+                 {{"path", path}, {"segments", absl::StrCat(segment_sizes.size())},
+                  {"bytes", absl::StrCat(bytes_total)},
+                  {"verify", AdoptVerifyName(options.donated->verify())}});
+        return *adopted;
+      }
+      options.donated->CountRefused();
+      LogEvent(LogLevel::kWarning, "handover_segments_refused",
+               {{"path", path}, {"error", adopted.status().ToString()},
+                {"action", "reading the files instead"}});
+    }
+  }
+
   std::vector<std::unique_ptr<Segment>> segments;
   for (uint64_t size : segment_sizes) {
     // Not prefaulted here: one thread allocating and mapping every page up
@@ -406,25 +559,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
                 now.st_ctim.tv_nsec == f.st.st_ctim.tv_nsec;
   }
 
-  std::vector<StoredTensor> tensors;
-  tensors.reserve(tensors_total);
-  for (const OpenFile& f : files) {
-    for (const SafetensorsEntry& e : f.header.tensors) {
-      StoredTensor t;
-      t.name = e.name;
-      t.dtype = e.dtype;
-      t.shape = e.shape;
-      t.offset = f.segment_offset + e.begin;
-      t.length = e.end - e.begin;
-      t.file = f.path;
-      tensors.push_back(std::move(t));
-    }
-  }
-  // Digest each tensor (segment index recovered from the file order).
-  std::vector<size_t> tensor_segment;
-  for (const OpenFile& f : files) {
-    tensor_segment.insert(tensor_segment.end(), f.header.tensors.size(), f.segment_index);
-  }
+  // Digest each tensor.
   WD_RETURN_IF_ERROR(ParallelFor(nullptr, tensors.size(), options.read_threads, [&](size_t i) {
     StoredTensor& t = tensors[i];
     t.digest = DigestBytes(segments[tensor_segment[i]]->mutable_data() + t.offset, t.length);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -102,12 +103,60 @@ class ResidentCheckpoints {
  public:
   std::shared_ptr<const Checkpoint> Find(const std::string& files_key) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Every live entry: (files key, checkpoint).
+  std::vector<std::pair<std::string, std::shared_ptr<const Checkpoint>>> Snapshot() const
+      ABSL_LOCKS_EXCLUDED(mu_);
   void Add(const std::string& files_key, const std::shared_ptr<const Checkpoint>& checkpoint)
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::weak_ptr<const Checkpoint>> by_files_ ABSL_GUARDED_BY(mu_);
+};
+
+// How a successor checks the segments a predecessor handed over
+// (--take-over-verify): every tensor's digest recomputed, one tensor in 16
+// (and the first and last), or the predecessor's digests trusted.
+enum class AdoptVerify { kFull, kSample, kNone };
+const char* AdoptVerifyName(AdoptVerify v);
+
+// A checkpoint a predecessor daemon held, handed over with its memory
+// (server/state/handover.h): the identity of its files (FilesKey: path,
+// device, inode, size, mtime, ctime of each), the segment size it was laid
+// out with, its segments' memfds in layout order and each tensor's digest.
+struct DonatedCheckpoint {
+  std::string files_key;
+  uint64_t segment_target_bytes = 0;
+  std::vector<UniqueFd> segment_fds;
+  std::vector<PageKind> segment_pages;
+  absl::flat_hash_map<std::string, Digest> digests;  // by tensor name
+};
+
+// The checkpoints handed over, until a load of the same files takes each
+// (LoadCheckpoint: instead of reading the files, it adopts the segments
+// once they check out). Thread-safe.
+class DonatedCheckpoints {
+ public:
+  explicit DonatedCheckpoints(AdoptVerify verify) : verify_(verify) {}
+  void Add(DonatedCheckpoint checkpoint) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes and returns the one whose files are `files_key`, if any.
+  std::optional<DonatedCheckpoint> Take(const std::string& files_key) ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops what no load took (their fds close); returns how many.
+  size_t DropUnused() ABSL_LOCKS_EXCLUDED(mu_);
+  AdoptVerify verify() const { return verify_; }
+  // Loads that adopted segments, and that read their files instead
+  // (refused: layout, digest or memfd mismatch).
+  uint64_t adopted() const { return adopted_.load(); }
+  uint64_t refused() const { return refused_.load(); }
+  void CountAdopted() { adopted_.fetch_add(1); }
+  void CountRefused() { refused_.fetch_add(1); }
+
+ private:
+  const AdoptVerify verify_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, DonatedCheckpoint> by_files_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> adopted_{0};
+  std::atomic<uint64_t> refused_{0};
 };
 
 struct LoadProgressInfo {
@@ -143,6 +192,11 @@ struct CheckpointLoadOptions {
   // which the caller holds for what it builds per model (names, layout,
   // generations); left null otherwise.
   std::unique_ptr<MemoryCharge>* shared_charge = nullptr;
+  // Optional: segments a predecessor daemon handed over. A load of files
+  // one of them describes adopts its segments instead of reading (checked
+  // as DonatedCheckpoints::verify() says); a mismatch is logged and the
+  // files are read.
+  DonatedCheckpoints* donated = nullptr;
 };
 
 // Loads `path`, which is a .safetensors file, a directory holding

@@ -1,6 +1,7 @@
 #include "server/store/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -170,6 +171,122 @@ TEST_F(CheckpointTest, TensorMetadataIsChargedToTheBudget) {
   EXPECT_NE(refused.status().message().find("metadata of 2000 tensors"), std::string::npos)
       << refused.status();
   EXPECT_EQ(small.stats().used_bytes, 0u);
+}
+
+// A hand-over: the same files' segments from a predecessor are adopted (the
+// same memory, no read) when they check out; a wrong digest, another
+// layout or an unsealed memfd is refused and the files are read instead.
+TEST_F(CheckpointTest, DonatedSegmentsAreAdoptedOnlyWhenTheyCheckOut) {
+  const std::string path = WriteFile("a.safetensors", {{"w", 3000}, {"bias", 10}, {"c", 7}});
+  ResidentCheckpoints resident;
+  std::unique_ptr<MemoryCharge> charge;
+  CheckpointLoadOptions o = Options();
+  o.resident = &resident;
+  o.shared_charge = &charge;
+  auto a = LoadCheckpoint(path, o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto snapshot = resident.Snapshot();
+  ASSERT_EQ(snapshot.size(), 1u);
+  auto inode = [](int fd) {
+    struct stat st;
+    EXPECT_EQ(::fstat(fd, &st), 0);
+    return st.st_ino;
+  };
+  auto donation = [&](uint64_t target) {
+    DonatedCheckpoint d;
+    d.files_key = snapshot[0].first;
+    d.segment_target_bytes = target;
+    for (const SegmentPtr& seg : (*a)->host_segments()) {
+      d.segment_fds.emplace_back(::fcntl(seg->fd(), F_DUPFD_CLOEXEC, 0));
+      d.segment_pages.push_back(seg->pages());
+    }
+    for (const StoredTensor& t : (*a)->tensors()) d.digests[t.name] = t.digest;
+    return d;
+  };
+  auto same_tensors = [&](const Checkpoint& b) {
+    ASSERT_EQ(b.tensors().size(), (*a)->tensors().size());
+    for (size_t i = 0; i < b.tensors().size(); ++i) {
+      const StoredTensor& x = (*a)->tensors()[i];
+      const StoredTensor& y = b.tensors()[i];
+      EXPECT_EQ(x.name, y.name);
+      EXPECT_EQ(x.digest, y.digest) << x.name;
+      ASSERT_EQ(x.length, y.length);
+      EXPECT_EQ(std::memcmp(x.host_data(), y.host_data(), x.length), 0) << x.name;
+    }
+  };
+  const ino_t original = inode((*a)->host_segments()[0]->fd());
+
+  for (AdoptVerify verify : {AdoptVerify::kFull, AdoptVerify::kSample, AdoptVerify::kNone}) {
+    DonatedCheckpoints donated(verify);
+    donated.Add(donation(o.segment_target_bytes));
+    CheckpointLoadOptions o2 = Options();
+    o2.donated = &donated;
+    auto b = LoadCheckpoint(path, o2);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(donated.adopted(), 1u) << AdoptVerifyName(verify);
+    EXPECT_EQ(donated.refused(), 0u);
+    EXPECT_EQ(inode((*b)->host_segments()[0]->fd()), original) << "the very same memory";
+    same_tensors(**b);
+    EXPECT_EQ(donated.DropUnused(), 0u) << "taken by the load";
+  }
+
+  // A digest that does not match the bytes: refused, the files read.
+  {
+    DonatedCheckpoints donated(AdoptVerify::kFull);
+    DonatedCheckpoint d = donation(o.segment_target_bytes);
+    d.digests["bias"].bytes[0] ^= 1;
+    donated.Add(std::move(d));
+    CheckpointLoadOptions o2 = Options();
+    o2.donated = &donated;
+    auto b = LoadCheckpoint(path, o2);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(donated.refused(), 1u);
+    EXPECT_EQ(donated.adopted(), 0u);
+    EXPECT_NE(inode((*b)->host_segments()[0]->fd()), original) << "read into new memory";
+    same_tensors(**b);
+  }
+  // Laid out with another --checkpoint-segment-bytes: refused.
+  {
+    DonatedCheckpoints donated(AdoptVerify::kNone);
+    donated.Add(donation(o.segment_target_bytes * 2));
+    CheckpointLoadOptions o2 = Options();
+    o2.donated = &donated;
+    auto b = LoadCheckpoint(path, o2);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(donated.refused(), 1u);
+    same_tensors(**b);
+  }
+  // A memfd anyone may still write: refused, whatever it holds.
+  {
+    DonatedCheckpoints donated(AdoptVerify::kNone);
+    DonatedCheckpoint d = donation(o.segment_target_bytes);
+    const uint64_t size = (*a)->host_segments()[0]->size();
+    UniqueFd open_fd(::memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    ASSERT_TRUE(open_fd.valid());
+    ASSERT_EQ(::ftruncate(open_fd.get(), static_cast<off_t>(size)), 0);
+    ASSERT_EQ(::pwrite(open_fd.get(), (*a)->host_segments()[0]->data(), size, 0),
+              static_cast<ssize_t>(size));
+    d.segment_fds[0] = std::move(open_fd);
+    donated.Add(std::move(d));
+    CheckpointLoadOptions o2 = Options();
+    o2.donated = &donated;
+    auto b = LoadCheckpoint(path, o2);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(donated.refused(), 1u);
+    same_tensors(**b);
+  }
+  // Files other than the donation's: it stays unused.
+  {
+    const std::string other = WriteFile("b.safetensors", {{"w", 3000}, {"bias", 10}, {"c", 7}});
+    DonatedCheckpoints donated(AdoptVerify::kNone);
+    donated.Add(donation(o.segment_target_bytes));
+    CheckpointLoadOptions o2 = Options();
+    o2.donated = &donated;
+    auto b = LoadCheckpoint(other, o2);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(donated.adopted() + donated.refused(), 0u);
+    EXPECT_EQ(donated.DropUnused(), 1u);
+  }
 }
 
 }  // namespace

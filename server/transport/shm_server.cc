@@ -202,7 +202,13 @@ absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options opti
   if (options.max_connections_per_uid == 0) {
     options.max_connections_per_uid = std::max<size_t>(1, options.max_connections / 2);
   }
-  WD_ASSIGN_OR_RETURN(UniqueFd listen_fd, ListenUnixWithMode(options.path, options.mode));
+  UniqueFd listen_fd;
+  if (options.adopt_listen_fd >= 0) {
+    listen_fd.Reset(options.adopt_listen_fd);
+    options.adopt_listen_fd = -1;
+  } else {
+    WD_ASSIGN_OR_RETURN(listen_fd, ListenUnixWithMode(options.path, options.mode));
+  }
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return ErrnoStatus(errno, "eventfd");
   UniqueFd done(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -250,7 +256,34 @@ void ShmDataServer::Stop() {
     closer = std::move(closer_);
   }
   closer.reset();  // runs what is queued
-  ::unlink(options_.path.c_str());
+  if (!keep_file_.load()) ::unlink(options_.path.c_str());
+}
+
+void ShmDataServer::Pause() {
+  absl::MutexLock lock(&pause_mu_);
+  if (paused_) return;
+  paused_ = true;
+  parked_ = false;
+  uint64_t one = 1;
+  (void)!::write(wake_fd_.get(), &one, sizeof(one));
+  auto parked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pause_mu_) {
+    return parked_ || stopping_.load();
+  };
+  pause_mu_.Await(absl::Condition(&parked));
+}
+
+void ShmDataServer::Resume() {
+  absl::MutexLock lock(&pause_mu_);
+  if (!paused_) return;
+  paused_ = false;
+  uint64_t one = 1;
+  (void)!::write(wake_fd_.get(), &one, sizeof(one));
+}
+
+bool ShmDataServer::AcceptAllowed() {
+  absl::MutexLock lock(&pause_mu_);
+  parked_ = paused_;
+  return !paused_;
 }
 
 void ShmDataServer::Discard(std::vector<UniqueFd> fds) {
@@ -638,7 +671,7 @@ void ShmDataServer::Run() {
   std::vector<pollfd> pfds;
   while (!stopping_.load()) {
     const absl::Time now = absl::Now();
-    const bool accepting = now >= accept_resume;
+    const bool accepting = AcceptAllowed() && now >= accept_resume;
     pfds.clear();
     pfds.push_back({wake_fd_.get(), POLLIN, 0});
     // A negative fd is ignored by poll(): the listen socket while backing off.
@@ -651,7 +684,7 @@ void ShmDataServer::Run() {
       pfds.push_back({fd, static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
     }
     int timeout_ms = -1;
-    if (!accepting) {
+    if (now < accept_resume) {
       timeout_ms = static_cast<int>(absl::ToInt64Milliseconds(accept_resume - now)) + 1;
     }
     int n = ::poll(pfds.data(), pfds.size(), timeout_ms);
@@ -660,7 +693,12 @@ void ShmDataServer::Run() {
       WD_LOG(ERROR) << "data socket poll: " << std::strerror(errno);
       break;
     }
-    if (pfds[0].revents) break;
+    if (pfds[0].revents) {
+      // Stop(), or a pause or resume: seen at the top of the loop.
+      uint64_t count;
+      (void)!::read(wake_fd_.get(), &count, sizeof(count));
+      continue;
+    }
     if (pfds[1].revents & POLLIN) accept_all();
     if (pfds[2].revents & POLLIN) answer_pushes();
     for (size_t i = 3; i < pfds.size(); ++i) {

@@ -75,6 +75,9 @@ class ShmDataServer {
         stage;
     // The GPUs a CUDA push may name (must outlive the server); null: none.
     const GpuInventory* gpus = nullptr;
+    // An fd already listening at `path` (a predecessor's, at a hand-over):
+    // served instead of binding a new socket; the server owns it. -1: bind.
+    int adopt_listen_fd = -1;
   };
 
   // Binds the socket and starts the polling thread. `leases` must outlive
@@ -86,6 +89,15 @@ class ShmDataServer {
   // Stops the thread, closes every connection (ending their leases) and
   // unlinks the socket file. Idempotent.
   void Stop();
+
+  // A hand-over: stops accepting new connections (open ones are served on)
+  // until Resume(); when Pause() returns, no accept is in progress. The
+  // listening socket stays open (a successor accepts on it).
+  void Pause() ABSL_LOCKS_EXCLUDED(pause_mu_);
+  void Resume() ABSL_LOCKS_EXCLUDED(pause_mu_);
+  // Stop() leaves the socket file (a successor serves it).
+  void KeepSocketFile() { keep_file_.store(true); }
+  int listen_fd() const { return listen_fd_.get(); }
 
   const std::string& path() const { return options_.path; }
   uint64_t connections_open() const { return open_.load(); }
@@ -119,6 +131,12 @@ class ShmDataServer {
   UniqueFd wake_fd_;  // eventfd that breaks poll() on Stop()
   UniqueFd done_fd_;  // eventfd: a push finished (see done_)
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> keep_file_{false};
+  absl::Mutex pause_mu_;
+  bool paused_ ABSL_GUARDED_BY(pause_mu_) = false;
+  bool parked_ ABSL_GUARDED_BY(pause_mu_) = false;  // the thread saw paused_
+  // Polling thread: whether to accept now (records that it saw a pause).
+  bool AcceptAllowed() ABSL_LOCKS_EXCLUDED(pause_mu_);
   std::atomic<uint64_t> open_{0};
   absl::Mutex done_mu_;
   std::vector<PushDone> done_ ABSL_GUARDED_BY(done_mu_);

@@ -85,6 +85,9 @@ _READ_MERGE_GAP = 1 << 16  # grpc transport: coalesce tensor ranges closer than 
 # open connection before any handler runs, and this client cancels none of
 # the calls it retries itself.
 _RETRY_CODES = ("UNAVAILABLE", "CANCELLED")
+# Release answers that closing a lease's data connection makes moot.
+_RELEASE_ENDED_BY_CONN = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
+                          grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 RETRY_INITIAL_BACKOFF = 0.05
 RETRY_MULTIPLIER = 2.0
 RETRY_MAX_BACKOFF = 2.0
@@ -425,8 +428,11 @@ class _Lease:
             self._shards.Release(pb.ReleaseRequest(lease_id=self.lease_id, token=self.token),
                                  timeout=timeout)
         except grpc.RpcError as e:
-            # The data connection closing ends the lease anyway.
-            if not (conn is not None and e.code() == grpc.StatusCode.NOT_FOUND):
+            # The data connection closing ends the lease anyway: with one,
+            # a lease the daemon no longer knows, or a daemon that cannot
+            # answer now (restarting, handing over to a successor), is not
+            # an error.
+            if not (conn is not None and e.code() in _RELEASE_ENDED_BY_CONN):
                 err = from_grpc(e, "releasing lease %d" % self.lease_id)
         except ValueError as e:  # the client's channel was closed
             if conn is None:

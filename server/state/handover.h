@@ -1,0 +1,171 @@
+// Hand-over on upgrade (README "Restarts"): a new daemon started with
+// --take-over receives the running daemon's checkpoint segments and
+// listening sockets, restores the same state from the same --state-dir
+// without reading the checkpoints again, and takes over the sockets while
+// the old daemon drains and exits; clients see no refused connection.
+//
+// The old daemon listens on its hand-over socket (--handover-socket,
+// default <socket>.handover; mode 0600, and only a peer of the daemon's own
+// uid is served). One successor at a time; the conversation is
+//
+//   successor                       predecessor
+//   BEGIN {pid}               ->
+//                                   closes changes (loads, unloads, applies,
+//                                   publishes: UNAVAILABLE), waits for those
+//                                   in flight and for published saves
+//                             <-    MANIFEST (JSON, in parts) and FDS: the
+//                                   gRPC and data listening sockets, then
+//                                   every resident checkpoint's segments
+//   restores from --state-dir,
+//   adopting the segments
+//   READY                     ->
+//                                   refuses new calls (UNAVAILABLE: clients
+//                                   retry), stops accepting, frees the
+//                                   metrics port
+//                             <-    GO
+//   serves on the sockets
+//   STARTED                   ->
+//                                   shuts down as on SIGTERM, leaving the
+//                                   socket files, and exits 0
+//
+// Every message is "WDH1" | u8 kind | 3 zero bytes | u32 length (LE) |
+// payload; fds ride on a message's header (SCM_RIGHTS, at most 250 each).
+// Until STARTED the predecessor owns the outcome: a successor that closes
+// the connection, lies (a malformed message) or stalls past the timeouts
+// leaves it serving exactly as before (changes reopened, accepting again).
+// Leases do not move: the successor's lease ids continue past the
+// predecessor's, an attach of a predecessor's lease is UNAVAILABLE (the
+// client fetches again, from the successor) and its Release is OK; the
+// clients' mappings keep their bytes either way.
+#ifndef WEIGHTD_SERVER_STATE_HANDOVER_H_
+#define WEIGHTD_SERVER_STATE_HANDOVER_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/fd.h"
+#include "server/store/checkpoint.h"
+
+namespace weightd {
+
+// What a predecessor hands over: the manifest (JSON) and the fds it names,
+// borrowed from whatever `keep_alive` holds until they are sent.
+struct HandoverOffer {
+  std::string manifest;
+  std::vector<int> fds;
+  std::shared_ptr<const void> keep_alive;
+};
+
+// The offer of a daemon: its pid, the next lease id, its listening sockets
+// and every checkpoint in `resident` with the segment size it was laid out
+// with.
+HandoverOffer MakeHandoverOffer(const std::string& state_dir, uint64_t next_lease_id,
+                                int grpc_listen_fd, int data_listen_fd, int handover_listen_fd,
+                                const ResidentCheckpoints& resident,
+                                uint64_t segment_target_bytes);
+
+// What a successor received.
+struct HandoverReceived {
+  int64_t pid = 0;
+  std::string state_dir;  // the predecessor's --state-dir (its journal)
+  uint64_t next_lease_id = 0;
+  UniqueFd grpc_listen_fd;
+  UniqueFd data_listen_fd;
+  UniqueFd handover_listen_fd;  // the successor serves its own successor on it
+  std::vector<DonatedCheckpoint> checkpoints;
+  uint64_t segment_bytes = 0;  // of all the checkpoints' segments
+};
+
+// Parses a manifest and takes its fds (in order). INVALID_ARGUMENT naming
+// what is wrong for a manifest that does not match its fds.
+absl::StatusOr<HandoverReceived> ParseHandoverManifest(const std::string& manifest,
+                                                       std::vector<UniqueFd> fds);
+
+// The predecessor's side: a thread serving the hand-over socket.
+class HandoverServer {
+ public:
+  struct Hooks {
+    // BEGIN from `successor_pid`: close changes, wait for what is in
+    // flight, describe what is served. An error is sent to the successor
+    // (the daemon serves on unchanged; `resume` is called).
+    std::function<absl::StatusOr<HandoverOffer>(int64_t successor_pid)> begin;
+    // READY: stop serving and accepting; returns the lease id past every
+    // lease granted (sent with GO).
+    std::function<uint64_t()> pause;
+    // The successor failed before STARTED: serve again as before `begin`.
+    std::function<void(const absl::Status& why)> resume;
+    // STARTED: the successor serves; shut down, leaving the socket files.
+    std::function<void()> handed_over;
+  };
+  struct Timeouts {
+    absl::Duration message = absl::Seconds(30);  // BEGIN, GO..STARTED, each part
+    absl::Duration restore = absl::Minutes(30);  // MANIFEST..READY (the restore)
+  };
+
+  // `adopt_fd` >= 0: the predecessor's hand-over socket, already listening
+  // at `path` (owned from now on), instead of binding one.
+  static absl::StatusOr<std::unique_ptr<HandoverServer>> Start(const std::string& path, Hooks hooks,
+                                                               Timeouts timeouts,
+                                                               int adopt_fd = -1);
+  static absl::StatusOr<std::unique_ptr<HandoverServer>> Start(const std::string& path,
+                                                               Hooks hooks) {
+    return Start(path, std::move(hooks), Timeouts());
+  }
+  int listen_fd() const { return listen_fd_.get(); }
+  ~HandoverServer();  // Stop()s
+  // Stops serving; the socket file is removed unless a hand-over completed
+  // (the successor then owns the path). Waits for a conversation in
+  // progress to end. Idempotent.
+  void Stop();
+
+ private:
+  HandoverServer(std::string path, UniqueFd listen_fd, UniqueFd wake_fd, Hooks hooks,
+                 Timeouts timeouts);
+  void Run();
+  // One successor's conversation; true when it completed (STARTED).
+  bool Serve(int fd);
+
+  const std::string path_;
+  UniqueFd listen_fd_;
+  UniqueFd wake_fd_;
+  const Hooks hooks_;
+  const Timeouts timeouts_;
+  std::atomic<bool> stopped_{false};
+  std::atomic<bool> handed_over_{false};
+  std::atomic<int> conn_fd_{-1};  // the conversation's socket (Stop() cuts it)
+  std::thread thread_;
+};
+
+// The successor's side.
+class HandoverClient {
+ public:
+  // Connects to the predecessor's hand-over socket: NOT_FOUND when nothing
+  // listens there (no socket file, or a stale one), UNAVAILABLE when it
+  // does not answer. Then sends BEGIN and receives the manifest and fds
+  // (FAILED_PRECONDITION with the predecessor's reason when it refuses).
+  static absl::StatusOr<std::unique_ptr<HandoverClient>> Begin(const std::string& path,
+                                                               absl::Duration timeout);
+  HandoverReceived& received() { return received_; }
+  // READY, then waits for GO; returns the lease id past every lease the
+  // predecessor granted (LeaseTable::InheritIdsBelow).
+  absl::StatusOr<uint64_t> Ready(absl::Duration timeout);
+  // STARTED: the predecessor exits now.
+  absl::Status Started();
+
+ private:
+  explicit HandoverClient(UniqueFd fd) : fd_(std::move(fd)) {}
+  UniqueFd fd_;
+  HandoverReceived received_;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_STATE_HANDOVER_H_

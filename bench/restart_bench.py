@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Time until a model is servable again after the daemon restarts.
 
-Both ways measured in the same run, interleaved, from the new process's
+Every way measured in the same run, interleaved, from the new process's
 start to the first shard a worker holds (world 2, rank 0, shm, bf16, page
 tables populated):
 

@@ -93,6 +93,19 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
   return fd;
 }
 
+absl::StatusOr<std::string> BoundUnixPath(int fd) {
+  sockaddr_un addr{};
+  socklen_t len = sizeof(addr);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    return ErrnoStatus(errno, "getsockname");
+  }
+  if (addr.sun_family != AF_UNIX || len <= offsetof(sockaddr_un, sun_path) ||
+      addr.sun_path[0] == '\0') {
+    return absl::InvalidArgumentError(absl::StrCat("fd ", fd, " is not a Unix socket bound to a path"));
+  }
+  return std::string(addr.sun_path, strnlen(addr.sun_path, sizeof(addr.sun_path)));
+}
+
 namespace {
 
 // One sendmsg of `data` with `fds` attached; -1 with errno on failure.

@@ -31,6 +31,8 @@ absl::Status RemoveStaleSocket(const std::string& path);
 // The socket is close-on-exec.
 absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode);
 absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path);
+// The path a Unix socket is bound to (getsockname).
+absl::StatusOr<std::string> BoundUnixPath(int fd);
 
 // Sends `data` (non-empty) with `fds` attached (<= kMaxFdsPerMessage).
 absl::Status SendWithFds(int sock, absl::string_view data,

@@ -2,6 +2,7 @@
 // here and only here, in one table (DaemonFlagTable), and parsed into the
 // Options structs of the parts they configure.
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <set>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -26,6 +28,7 @@
 #include "common/fd.h"
 #include "common/file_opener.h"
 #include "common/flag_table.h"
+#include "common/unix_socket.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "server/grpc/call_auth.h"
@@ -154,7 +157,7 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
             }})
       .Add({"handover-socket", "PATH",
             "where this daemon hands over to a successor, and where --take-over finds the "
-            "running one (default <socket>.handover)",
+            "running one (default <state-dir>/handover.sock; none without --state-dir)",
             K::kValue, StringInto(&f->handover_socket)})
       .Add({"take-over-verify", "full|sample|none",
             "check handed-over checkpoint bytes against the predecessor's digests: every "
@@ -289,7 +292,12 @@ absl::Status CheckFlags(const FlagTable& table, DaemonFlags* flags) {
     return absl::InvalidArgumentError(absl::StrCat("--model-root is required\n", table.Usage()));
   }
   if (flags->data.path.empty()) flags->data.path = flags->grpc.unix_socket + ".data";
-  if (flags->handover_socket.empty()) flags->handover_socket = flags->grpc.unix_socket + ".handover";
+  // The hand-over socket lives in the state directory, not beside the
+  // client sockets: whoever may connect there (e.g. a root worker pod on
+  // the shared socket directory) must not be able to take the daemon over.
+  if (flags->handover_socket.empty() && !flags->state_dir.empty()) {
+    flags->handover_socket = flags->state_dir + "/handover.sock";
+  }
   if (flags->take_over && flags->state_dir.empty()) {
     return absl::InvalidArgumentError(
         "--take-over needs --state-dir: the successor restores the running daemon's state from "
@@ -354,6 +362,12 @@ void OnTeardownStuck(int) {
 pthread_t g_main_thread;
 
 void ForwardToMainThread(int sig) { ::pthread_kill(g_main_thread, sig); }
+
+// True when a process accepts connections on the Unix socket at `path`.
+bool SomeoneListens(const std::string& path) {
+  auto fd = ConnectUnix(path);
+  return fd.ok();
+}
 
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "error: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
@@ -432,8 +446,10 @@ int Main(int argc, char** argv) {
   std::unique_ptr<HandoverClient> taking;
   std::unique_ptr<DonatedCheckpoints> donated;
   UniqueFd taken_handover_fd;
+  std::string took_over_from_host;
+  std::error_code e1;
   if (flags.take_over) {
-    auto begun = HandoverClient::Begin(flags.handover_socket, absl::Seconds(90));
+    auto begun = HandoverClient::Begin(flags.handover_socket, absl::Seconds(150));
     if (absl::IsNotFound(begun.status())) {
       LogEvent(LogLevel::kInfo, "take_over_none",
                {{"handover_socket", flags.handover_socket},
@@ -445,7 +461,6 @@ int Main(int argc, char** argv) {
       taking = std::move(*begun);
       HandoverReceived& got = taking->received();
       // The state comes from the predecessor's journal: the same directory.
-      std::error_code e1;
       if (!std::filesystem::equivalent(got.state_dir, flags.state_dir, e1) || e1) {
         return Fail(absl::FailedPreconditionError(absl::StrCat(
             "--take-over: the running daemon journals in --state-dir ", got.state_dir,
@@ -462,7 +477,34 @@ int Main(int argc, char** argv) {
       flags.grpc.adopt_unix_listen_fd = got.grpc_listen_fd.release();
       flags.data.adopt_listen_fd = got.data_listen_fd.release();
       taken_handover_fd = std::move(got.handover_listen_fd);
+      if (got.host != HostName()) took_over_from_host = got.host;
+      // The sockets handed over must be the ones this daemon was told to
+      // serve (a different --socket would advertise paths nobody serves).
+      for (const auto& [fd, want, what] :
+           {std::tuple<int, std::string, const char*>{flags.grpc.adopt_unix_listen_fd,
+                                                      flags.grpc.unix_socket, "--socket"},
+            {flags.data.adopt_listen_fd, flags.data.path, "--data-socket"}}) {
+        auto bound = BoundUnixPath(fd);
+        struct stat a, b;
+        if (!bound.ok() || ::stat(bound->c_str(), &a) != 0 || ::stat(want.c_str(), &b) != 0 ||
+            a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+          return Fail(absl::FailedPreconditionError(absl::StrCat(
+              "--take-over: the running daemon's ", what, " is ",
+              bound.ok() ? *bound : bound.status().ToString(), ", this one's ", want)));
+        }
+      }
     }
+  }
+  // Two daemons must not share sockets or a state directory: one already
+  // serving here is refused before anything of it is touched.
+  if (taking == nullptr && SomeoneListens(flags.grpc.unix_socket)) {
+    return Fail(absl::FailedPreconditionError(absl::StrCat(
+        "a daemon already serves on ", flags.grpc.unix_socket,
+        flags.take_over
+            ? absl::StrCat(" and offers no hand-over at ", flags.handover_socket.empty() ? "(none: no --state-dir)" : flags.handover_socket,
+                           " (it is still restoring, runs with another or no --state-dir, or "
+                           "predates hand-overs); retry later, or stop it first")
+            : "; stop it first, or start this one with --take-over")));
   }
   // --state-dir: the journal of what was served, replayed into a restore
   // plan; from here on every change is journaled (into journal.new until
@@ -571,6 +613,40 @@ int Main(int argc, char** argv) {
                {{"checkpoints", absl::StrCat(unused)},
                 {"reason", "no restored model serves their files"}});
     }
+    // Only a successor serving exactly what the predecessor serves takes
+    // over (the predecessor serves on otherwise).
+    if (!restored.skipped_names.empty()) {
+      return Fail(absl::FailedPreconditionError(absl::StrCat(
+          "--take-over: the restore skipped ", absl::StrJoin(restored.skipped_names, ", "),
+          " (restore_skipped in the log); the running daemon serves on")));
+    }
+    {
+      std::vector<HandoverModel> mine;
+      for (const ModelSummary& m : (*service)->ListModels()) {
+        mine.push_back({m.name, m.generation, m.content.Hex()});
+      }
+      std::vector<HandoverModel> theirs = taking->received().models;
+      auto by_name = [](const HandoverModel& a, const HandoverModel& b) { return a.name < b.name; };
+      std::sort(mine.begin(), mine.end(), by_name);
+      std::sort(theirs.begin(), theirs.end(), by_name);
+      if (mine != theirs) {
+        auto show = [](const std::vector<HandoverModel>& v) {
+          std::vector<std::string> out;
+          for (const HandoverModel& m : v) {
+            out.push_back(absl::StrCat(m.name, "@", m.generation, ":", m.content.substr(0, 12)));
+          }
+          return absl::StrJoin(out, " ");
+        };
+        return Fail(absl::FailedPreconditionError(absl::StrCat(
+            "--take-over: restored [", show(mine), "] but the running daemon serves [",
+            show(theirs), "]; it serves on")));
+      }
+    }
+    if (term_pending()) {
+      LogEvent(LogLevel::kInfo, "stopped",
+               {{"reason", "signalled during the take-over; the running daemon serves on"}});
+      return 0;
+    }
     auto next_lease = taking->Ready(absl::Seconds(30));
     if (!next_lease.ok()) return Fail(next_lease.status());
     (*service)->leases()->InheritIdsBelow(*next_lease + kLeaseIdMargin);
@@ -598,8 +674,12 @@ int Main(int argc, char** argv) {
   flags.data.gpus = &svc->gpus();
   auto data = ShmDataServer::Start(flags.data, (*service)->leases());
   if (!data.ok()) return Fail(data.status());
+  // Taking over: the socket files stay whatever happens until DONE (the
+  // predecessor may be serving on them again).
+  if (taking != nullptr) (*data)->KeepSocketFile(true);
   auto grpc = GrpcServer::Start(flags.grpc, service->get());
   if (!grpc.ok()) return Fail(grpc.status());
+  if (taking != nullptr) (*grpc)->KeepSocketFile(true);
   std::unique_ptr<MetricsServer> metrics;
   if (!flags.metrics_listen.empty()) {
     auto started = MetricsServer::Start(flags.metrics_listen, service->get());
@@ -607,14 +687,22 @@ int Main(int argc, char** argv) {
     metrics = std::move(*started);
   }
   if (taking != nullptr) {
-    // Serving on the predecessor's sockets: it may go.
-    if (absl::Status s = taking->Started(); !s.ok()) {
-      LogEvent(LogLevel::kWarning, "take_over_started_unsent", {{"error", s.ToString()}});
+    // Serving on the predecessor's sockets: it may go. Without its DONE it
+    // may be serving again: exit, leaving the socket files.
+    if (absl::Status s = taking->Started(absl::Seconds(30)); !s.ok()) {
+      return Fail(absl::UnavailableError(absl::StrCat(
+          "--take-over: the running daemon did not confirm the hand-over (", s.ToString(),
+          "); it serves on")));
     }
     taking.reset();
-    if (journal != nullptr) {
-      if (absl::Status s = journal->Commit(); !s.ok()) return Fail(s);
-      keep_published(restored.published_files);
+    (*data)->KeepSocketFile(false);
+    (*grpc)->KeepSocketFile(false);
+    // The journal is this daemon's now (the predecessor wrote its last
+    // record before the manifest). Saved published weights are left as
+    // they are: the predecessor's restore removed what no model serves.
+    if (absl::Status s = journal->Commit(); !s.ok()) {
+      LogEvent(LogLevel::kError, "state_journal_failed",
+               {{"entry", "commit after the take-over"}, {"error", s.ToString()}});
     }
     LogEvent(LogLevel::kInfo, "taken_over", {});
   } else if (restoring) {
@@ -635,8 +723,14 @@ int Main(int argc, char** argv) {
   GrpcServer* g = grpc->get();
   ShmDataServer* d = data->get();
   std::atomic<HandoverServer*> handover_raw{nullptr};
-  hooks.begin = [&, g, d, svc](int64_t pid) -> absl::StatusOr<HandoverOffer> {
+  hooks.begin = [&, g, d, svc](int64_t pid,
+                                const std::string& host) -> absl::StatusOr<HandoverOffer> {
     if (handover_raw.load() == nullptr) return absl::UnavailableError("still starting");
+    if (!took_over_from_host.empty() && host == took_over_from_host) {
+      // A restarted container of the pod this daemon replaced.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "this daemon took over from host ", host, "; it does not hand back to it"));
+    }
     if (flags.state_dir.empty()) {
       return absl::FailedPreconditionError(
           "this daemon runs without --state-dir: a successor could not restore what it serves");
@@ -654,10 +748,14 @@ int Main(int argc, char** argv) {
         store != nullptr && !store->WaitIdle(absl::Seconds(60))) {
       return absl::UnavailableError("published weights were still being saved after 60 s");
     }
+    std::vector<HandoverModel> models;
+    for (const ModelSummary& m : svc->ListModels()) {
+      models.push_back({m.name, m.generation, m.content.Hex()});
+    }
     return MakeHandoverOffer(flags.state_dir, svc->leases()->next_id(), g->unix_listen_fd(),
-                             d->listen_fd(),
-                             handover_raw.load()->listen_fd(), svc->resident_checkpoints(),
-                             svc->checkpoint_segment_bytes());
+                             d->listen_fd(), handover_raw.load()->listen_fd(),
+                             svc->resident_checkpoints(), svc->checkpoint_segment_bytes(),
+                             models);
   };
   hooks.pause = [&, g, d, svc]() -> uint64_t {
     g->Restoring(absl::UnavailableError("weightd is handing over to a new daemon; retry"));
@@ -681,16 +779,27 @@ int Main(int argc, char** argv) {
   };
   hooks.handed_over = [&, g, d]() {
     handed_over.store(true);
-    g->KeepSocketFile();
-    d->KeepSocketFile();
+    g->KeepSocketFile(true);
+    d->KeepSocketFile(true);
     ::pthread_kill(g_main_thread, SIGTERM);
   };
-  auto handover = HandoverServer::Start(flags.handover_socket, std::move(hooks),
-                                        HandoverServer::Timeouts(),
-                                        taken_handover_fd.valid() ? taken_handover_fd.release()
-                                                                  : -1);
-  if (!handover.ok()) return Fail(handover.status());
-  handover_raw.store(handover->get());
+  std::unique_ptr<HandoverServer> handover;
+  if (!flags.handover_socket.empty()) {
+    auto started = HandoverServer::Start(flags.handover_socket, std::move(hooks),
+                                         HandoverServer::Timeouts(),
+                                         taken_handover_fd.valid() ? taken_handover_fd.release()
+                                                                   : -1);
+    if (started.ok()) {
+      handover = std::move(*started);
+      handover_raw.store(handover.get());
+    } else {
+      // Serving matters more than upgrades without a reload.
+      LogEvent(LogLevel::kError, "handover_unavailable",
+               {{"handover_socket", flags.handover_socket},
+                {"error", started.status().ToString()},
+                {"effect", "no successor can take this daemon over"}});
+    }
+  }
   LogEvent(LogLevel::kInfo, "serving",
            {{"socket", flags.grpc.unix_socket},
             {"data_socket", flags.data.path},
@@ -702,18 +811,24 @@ int Main(int argc, char** argv) {
 
   int sig = 0;
   sigwait(&signals, &sig);
-  // A successor that took over owns the sockets' paths from here on.
-  (*handover)->Stop();
+  signal(SIGALRM, OnTeardownStuck);
+  alarm(static_cast<unsigned>(absl::ToInt64Seconds(flags.shutdown_grace)) + kTeardownSeconds);
+  // A successor that took over (or may have: stopped after GO) owns the
+  // sockets' paths from here on.
+  if (handover != nullptr) handover->Stop();
+  const bool successor = handover != nullptr && handover->successor_may_serve();
+  if (successor) {
+    (*grpc)->KeepSocketFile(true);
+    (*data)->KeepSocketFile(true);
+  }
   LogEvent(LogLevel::kInfo, "shutdown",
            {{"signal", strsignal(sig)},
             {"reason", handed_over.load() ? "handed over to a successor" : "signal"}});
-  if (!handed_over.load()) g_data_socket_path = flags.data.path.c_str();
-  signal(SIGALRM, OnTeardownStuck);
-  alarm(static_cast<unsigned>(absl::ToInt64Seconds(flags.shutdown_grace)) + kTeardownSeconds);
+  if (!successor) g_data_socket_path = flags.data.path.c_str();
   (*grpc)->Shutdown(flags.shutdown_grace);
   metrics.reset();
   (*data)->Stop();
-  handover->reset();
+  handover.reset();
   grpc->reset();
   data->reset();
   service->reset();

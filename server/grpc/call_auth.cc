@@ -87,7 +87,11 @@ absl::StatusOr<std::unique_ptr<UnixGrpcAcceptor>> UnixGrpcAcceptor::Start(
   if (!wake.valid()) return ErrnoStatus(errno, "eventfd");
   auto acceptor = std::unique_ptr<UnixGrpcAcceptor>(
       new UnixGrpcAcceptor(path, std::move(listen_fd), std::move(wake), server, peers));
-  acceptor->thread_ = std::thread([a = acceptor.get()] { a->Run(); });
+  acceptor->thread_ = std::thread([a = acceptor.get()] {
+    a->Run();
+    absl::MutexLock lock(&a->mu_);
+    a->exited_ = true;
+  });
   return acceptor;
 }
 
@@ -117,8 +121,8 @@ void UnixGrpcAcceptor::Pause() {
   parked_ = false;
   uint64_t one = 1;
   (void)!::write(wake_fd_.get(), &one, sizeof(one));
-  auto parked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return parked_; };
-  if (!stopped_.load()) mu_.Await(absl::Condition(&parked));
+  auto parked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return parked_ || exited_; };
+  mu_.Await(absl::Condition(&parked));
 }
 
 void UnixGrpcAcceptor::Resume() {

@@ -91,7 +91,7 @@ class UnixGrpcAcceptor {
   // listening socket stays open (a successor accepts on it).
   void Pause() ABSL_LOCKS_EXCLUDED(mu_);
   void Resume() ABSL_LOCKS_EXCLUDED(mu_);
-  void KeepSocketFile() { keep_file_.store(true); }
+  void KeepSocketFile(bool keep = true) { keep_file_.store(keep); }
   int listen_fd() const { return listen_fd_.get(); }
 
  private:
@@ -109,6 +109,7 @@ class UnixGrpcAcceptor {
   absl::Mutex mu_;
   bool paused_ ABSL_GUARDED_BY(mu_) = false;
   bool parked_ ABSL_GUARDED_BY(mu_) = false;  // the thread saw paused_
+  bool exited_ ABSL_GUARDED_BY(mu_) = false;  // the thread has returned
   std::thread thread_;
 };
 

@@ -205,7 +205,7 @@ int64_t GrpcServer::WaitChangesIdle(absl::Time deadline) {
 }
 void GrpcServer::PauseAccepting() { impl_->acceptor()->Pause(); }
 void GrpcServer::ResumeAccepting() { impl_->acceptor()->Resume(); }
-void GrpcServer::KeepSocketFile() { impl_->acceptor()->KeepSocketFile(); }
+void GrpcServer::KeepSocketFile(bool keep) { impl_->acceptor()->KeepSocketFile(keep); }
 int GrpcServer::unix_listen_fd() const { return impl_->acceptor()->listen_fd(); }
 
 }  // namespace weightd

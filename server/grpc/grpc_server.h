@@ -72,7 +72,7 @@ class GrpcServer {
   void PauseAccepting();
   void ResumeAccepting();
   // Shutdown() leaves the socket file in place (the successor serves it).
-  void KeepSocketFile();
+  void KeepSocketFile(bool keep = true);
   int unix_listen_fd() const;
 
   class Impl;

@@ -1,6 +1,7 @@
 #include "server/state/handover.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
@@ -32,6 +34,7 @@ enum class Kind : uint8_t {
   kGo = 6,
   kStarted = 7,
   kRefused = 8,
+  kDone = 9,
 };
 
 constexpr char kMagic[4] = {'W', 'D', 'H', '1'};
@@ -51,6 +54,7 @@ const char* KindName(Kind k) {
     case Kind::kGo: return "GO";
     case Kind::kStarted: return "STARTED";
     case Kind::kRefused: return "REFUSED";
+    case Kind::kDone: return "DONE";
   }
   return "?";
 }
@@ -143,14 +147,27 @@ std::optional<PageKind> ParsePageKind(const std::string& name) {
 
 }  // namespace
 
+std::string HostName() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "";
+  return buf;
+}
+
 HandoverOffer MakeHandoverOffer(const std::string& state_dir, uint64_t next_lease_id,
                                 int grpc_listen_fd, int data_listen_fd, int handover_listen_fd,
                                 const ResidentCheckpoints& resident,
-                                uint64_t segment_target_bytes) {
+                                uint64_t segment_target_bytes,
+                                const std::vector<HandoverModel>& models) {
   HandoverOffer offer;
   nlohmann::json m;
   m["version"] = 1;
   m["state_dir"] = state_dir;
+  m["host"] = HostName();
+  nlohmann::json served = nlohmann::json::array();
+  for (const HandoverModel& model : models) {
+    served.push_back({model.name, model.generation, model.content});
+  }
+  m["models"] = std::move(served);
   m["pid"] = static_cast<int64_t>(::getpid());
   m["next_lease_id"] = next_lease_id;
   offer.fds = {grpc_listen_fd, data_listen_fd, handover_listen_fd};
@@ -172,9 +189,18 @@ HandoverOffer MakeHandoverOffer(const std::string& state_dir, uint64_t next_leas
       offer.fds.push_back(seg->fd());
     }
     c["segments"] = std::move(segments);
+    // Each tensor's digest and place (segment, offset, length): the
+    // successor lays the files out itself and adopts only the same places.
+    std::map<const Buffer*, size_t> segment_index;
+    for (size_t i = 0; i < checkpoint->host_segments().size(); ++i) {
+      segment_index[checkpoint->host_segments()[i].get()] = i;
+    }
     nlohmann::json tensors = nlohmann::json::array();
     for (const StoredTensor& t : checkpoint->tensors()) {
-      tensors.push_back({t.name, t.digest.Hex()});
+      auto seg = segment_index.find(t.buffer.get());
+      tensors.push_back({t.name, t.digest.Hex(),
+                         seg == segment_index.end() ? -1 : static_cast<int64_t>(seg->second),
+                         t.offset, t.length});
     }
     c["tensors"] = std::move(tensors);
     checkpoints.push_back(std::move(c));
@@ -198,6 +224,11 @@ absl::StatusOr<HandoverReceived> ParseHandoverManifest(const std::string& manife
     HandoverReceived r;
     r.pid = m.at("pid").get<int64_t>();
     r.state_dir = m.at("state_dir").get<std::string>();
+    r.host = m.at("host").get<std::string>();
+    for (const nlohmann::json& model : m.at("models")) {
+      r.models.push_back({model.at(0).get<std::string>(), model.at(1).get<uint64_t>(),
+                          model.at(2).get<std::string>()});
+    }
     r.next_lease_id = m.at("next_lease_id").get<uint64_t>();
     if (m.at("fds").get<uint64_t>() != fds.size()) {
       return bad(absl::StrCat("names ", m.at("fds").get<uint64_t>(), " fds, ", fds.size(),
@@ -238,7 +269,10 @@ absl::StatusOr<HandoverReceived> ParseHandoverManifest(const std::string& manife
         }
         Digest digest;
         std::memcpy(digest.bytes.data(), bytes.data(), 16);
-        d.digests[t.at(0).get<std::string>()] = digest;
+        const std::string name = t.at(0).get<std::string>();
+        d.digests[name] = digest;
+        d.places[name] = {t.at(2).get<int64_t>(), t.at(3).get<uint64_t>(),
+                          t.at(4).get<uint64_t>()};
       }
       r.checkpoints.push_back(std::move(d));
     }
@@ -259,6 +293,11 @@ absl::StatusOr<std::unique_ptr<HandoverServer>> HandoverServer::Start(const std:
     listen_fd.Reset(adopt_fd);
   } else {
     WD_ASSIGN_OR_RETURN(listen_fd, ListenUnix(path, 0600));
+  }
+  // Non-blocking: the predecessor holds the same socket until it exits.
+  const int fl = ::fcntl(listen_fd.get(), F_GETFL);
+  if (fl < 0 || ::fcntl(listen_fd.get(), F_SETFL, fl | O_NONBLOCK) != 0) {
+    return ErrnoStatus(errno, "making the hand-over socket non-blocking");
   }
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return ErrnoStatus(errno, "eventfd");
@@ -301,7 +340,10 @@ void HandoverServer::Run() {
     }
     if (pfds[0].revents) return;
     UniqueFd conn(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!conn.valid()) continue;
+    if (!conn.valid()) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) ::usleep(10000);
+      continue;
+    }
     auto peer = ReadPeerIdentity(conn.get());
     if (!peer.ok() || peer->uid != ::geteuid()) {
       LogEvent(LogLevel::kWarning, "handover_refused",
@@ -328,13 +370,16 @@ bool HandoverServer::Serve(int fd) {
     return false;
   }
   int64_t pid = 0;
+  std::string host;
   {
     nlohmann::json j = nlohmann::json::parse(begin->payload, nullptr, false);
     if (j.is_object() && j.contains("pid") && j["pid"].is_number_integer()) pid = j["pid"];
+    if (j.is_object() && j.contains("host") && j["host"].is_string()) host = j["host"];
   }
-  LogEvent(LogLevel::kInfo, "handover_begin", {{"successor_pid", absl::StrCat(pid)}});
+  LogEvent(LogLevel::kInfo, "handover_begin",
+           {{"successor_pid", absl::StrCat(pid)}, {"successor_host", host}});
   const absl::Time start = absl::Now();
-  auto offer = hooks_.begin(pid);
+  auto offer = hooks_.begin(pid, host);
   if (!offer.ok()) {
     (void)Send(fd, Kind::kRefused, offer.status().ToString());
     hooks_.resume(offer.status());
@@ -342,7 +387,17 @@ bool HandoverServer::Serve(int fd) {
              {{"successor_pid", absl::StrCat(pid)}, {"error", offer.status().ToString()}});
     return false;
   }
+  bool go_sent = false;
   auto fail = [&](absl::string_view stage, const absl::Status& why) {
+    if (go_sent && stopped_.load()) {
+      // This daemon is stopping and the successor may be serving already:
+      // the sockets (and their files) are its.
+      abandoned_.store(true);
+      LogEvent(LogLevel::kWarning, "handover_abandoned",
+               {{"successor_pid", absl::StrCat(pid)}, {"stage", std::string(stage)},
+                {"reason", "stopped after GO; the socket files are left to the successor"}});
+      return false;
+    }
     hooks_.resume(why);
     LogEvent(LogLevel::kWarning, "handover_failed",
              {{"successor_pid", absl::StrCat(pid)},
@@ -367,9 +422,12 @@ bool HandoverServer::Serve(int fd) {
   if (!ready.ok()) return fail("READY", ready.status());
   const uint64_t next_lease_id = hooks_.pause();
   nlohmann::json go = {{"next_lease_id", next_lease_id}};
+  go_sent = true;
   if (absl::Status s = Send(fd, Kind::kGo, go.dump()); !s.ok()) return fail("GO", s);
   auto started = Expect(fd, Kind::kStarted, timeouts_.message, &unexpected);
   if (!started.ok()) return fail("STARTED", started.status());
+  // DONE: from here the successor is on its own (it commits its journal).
+  if (absl::Status s = Send(fd, Kind::kDone, ""); !s.ok()) return fail("DONE", s);
   LogEvent(LogLevel::kInfo, "handed_over",
            {{"successor_pid", absl::StrCat(pid)},
             {"seconds", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - start))}});
@@ -398,7 +456,7 @@ absl::StatusOr<std::unique_ptr<HandoverClient>> HandoverClient::Begin(const std:
     return absl::UnavailableError(absl::StrCat("connect ", path, ": ", std::strerror(err)));
   }
   SetTimeouts(fd.get(), timeout);
-  nlohmann::json begin = {{"pid", static_cast<int64_t>(::getpid())}};
+  nlohmann::json begin = {{"pid", static_cast<int64_t>(::getpid())}, {"host", HostName()}};
   WD_RETURN_IF_ERROR(Send(fd.get(), Kind::kBegin, begin.dump()));
   std::string manifest;
   std::vector<UniqueFd> fds;
@@ -438,6 +496,10 @@ absl::StatusOr<uint64_t> HandoverClient::Ready(absl::Duration timeout) {
   return std::max(j["next_lease_id"].get<uint64_t>(), received_.next_lease_id);
 }
 
-absl::Status HandoverClient::Started() { return Send(fd_.get(), Kind::kStarted, ""); }
+absl::Status HandoverClient::Started(absl::Duration timeout) {
+  WD_RETURN_IF_ERROR(Send(fd_.get(), Kind::kStarted, ""));
+  std::vector<UniqueFd> unexpected;
+  return Expect(fd_.get(), Kind::kDone, timeout, &unexpected).status();
+}
 
 }  // namespace weightd

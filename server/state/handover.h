@@ -5,11 +5,11 @@
 // the old daemon drains and exits; clients see no refused connection.
 //
 // The old daemon listens on its hand-over socket (--handover-socket,
-// default <socket>.handover; mode 0600, and only a peer of the daemon's own
+// default <state-dir>/handover.sock; mode 0600, and only a peer of the daemon's own
 // uid is served). One successor at a time; the conversation is
 //
 //   successor                       predecessor
-//   BEGIN {pid}               ->
+//   BEGIN {pid, host}         ->
 //                                   closes changes (loads, unloads, applies,
 //                                   publishes: UNAVAILABLE), waits for those
 //                                   in flight and for published saves
@@ -25,14 +25,22 @@
 //                             <-    GO
 //   serves on the sockets
 //   STARTED                   ->
-//                                   shuts down as on SIGTERM, leaving the
-//                                   socket files, and exits 0
+//                             <-    DONE; shuts down as on SIGTERM, leaving
+//                                   the socket files, and exits 0
+//   commits its journal
 //
 // Every message is "WDH1" | u8 kind | 3 zero bytes | u32 length (LE) |
 // payload; fds ride on a message's header (SCM_RIGHTS, at most 250 each).
-// Until STARTED the predecessor owns the outcome: a successor that closes
-// the connection, lies (a malformed message) or stalls past the timeouts
-// leaves it serving exactly as before (changes reopened, accepting again).
+// Until GO the predecessor owns the outcome: a successor that closes the
+// connection, lies (a malformed message) or stalls past the timeouts leaves
+// it serving exactly as before (changes reopened, accepting again). After
+// GO the successor serves on the shared sockets and keeps their files
+// whatever happens; the predecessor resumes if the successor goes away or
+// stalls before STARTED, and a successor that then gets no DONE exits (so
+// they never both serve for long). A predecessor stopped (SIGTERM) after GO
+// leaves the socket files to the successor. A daemon refuses to hand back
+// to the host (pod) it took over from: a restarted container of the
+// replaced pod must not take the sockets back.
 // Leases do not move: the successor's lease ids continue past the
 // predecessor's, an attach of a predecessor's lease is UNAVAILABLE (the
 // client fetches again, from the successor) and its Release is OK; the
@@ -59,23 +67,39 @@ namespace weightd {
 // What a predecessor hands over: the manifest (JSON) and the fds it names,
 // borrowed from whatever `keep_alive` holds until they are sent.
 struct HandoverOffer {
-  std::string manifest;
+  std::string manifest;  // MakeHandoverOffer
   std::vector<int> fds;
   std::shared_ptr<const void> keep_alive;
 };
 
-// The offer of a daemon: its pid, the next lease id, its listening sockets
-// and every checkpoint in `resident` with the segment size it was laid out
-// with.
+// A model as the predecessor serves it: the successor must restore it so.
+struct HandoverModel {
+  std::string name;
+  uint64_t generation = 0;
+  std::string content;  // hex digest of the served content (weights_id)
+  bool operator==(const HandoverModel& o) const {
+    return name == o.name && generation == o.generation && content == o.content;
+  }
+};
+
+// The offer of a daemon: its pid, host, --state-dir, models, the next lease
+// id, its listening sockets and every checkpoint in `resident` with the
+// segment size it was laid out with and each tensor's digest and place.
 HandoverOffer MakeHandoverOffer(const std::string& state_dir, uint64_t next_lease_id,
                                 int grpc_listen_fd, int data_listen_fd, int handover_listen_fd,
                                 const ResidentCheckpoints& resident,
-                                uint64_t segment_target_bytes);
+                                uint64_t segment_target_bytes,
+                                const std::vector<HandoverModel>& models);
+
+// This machine's host name (a pod's name in Kubernetes).
+std::string HostName();
 
 // What a successor received.
 struct HandoverReceived {
   int64_t pid = 0;
   std::string state_dir;  // the predecessor's --state-dir (its journal)
+  std::string host;
+  std::vector<HandoverModel> models;
   uint64_t next_lease_id = 0;
   UniqueFd grpc_listen_fd;
   UniqueFd data_listen_fd;
@@ -93,16 +117,19 @@ absl::StatusOr<HandoverReceived> ParseHandoverManifest(const std::string& manife
 class HandoverServer {
  public:
   struct Hooks {
-    // BEGIN from `successor_pid`: close changes, wait for what is in
-    // flight, describe what is served. An error is sent to the successor
-    // (the daemon serves on unchanged; `resume` is called).
-    std::function<absl::StatusOr<HandoverOffer>(int64_t successor_pid)> begin;
+    // BEGIN from `successor_pid` on `successor_host`: close changes, wait
+    // for what is in flight, describe what is served. An error is sent to
+    // the successor (the daemon serves on unchanged; `resume` is called).
+    std::function<absl::StatusOr<HandoverOffer>(int64_t successor_pid,
+                                                const std::string& successor_host)>
+        begin;
     // READY: stop serving and accepting; returns the lease id past every
     // lease granted (sent with GO).
     std::function<uint64_t()> pause;
     // The successor failed before STARTED: serve again as before `begin`.
     std::function<void(const absl::Status& why)> resume;
-    // STARTED: the successor serves; shut down, leaving the socket files.
+    // STARTED (DONE sent): the successor serves; shut down, leaving the
+    // socket files.
     std::function<void()> handed_over;
   };
   struct Timeouts {
@@ -120,6 +147,9 @@ class HandoverServer {
     return Start(path, std::move(hooks), Timeouts());
   }
   int listen_fd() const { return listen_fd_.get(); }
+  // True once a successor serves, or may: handed over, or cut off by Stop()
+  // after GO. The socket files are then the successor's.
+  bool successor_may_serve() const { return handed_over_.load() || abandoned_.load(); }
   ~HandoverServer();  // Stop()s
   // Stops serving; the socket file is removed unless a hand-over completed
   // (the successor then owns the path). Waits for a conversation in
@@ -140,6 +170,7 @@ class HandoverServer {
   const Timeouts timeouts_;
   std::atomic<bool> stopped_{false};
   std::atomic<bool> handed_over_{false};
+  std::atomic<bool> abandoned_{false};  // cut by Stop() after GO
   std::atomic<int> conn_fd_{-1};  // the conversation's socket (Stop() cuts it)
   std::thread thread_;
 };
@@ -157,8 +188,10 @@ class HandoverClient {
   // READY, then waits for GO; returns the lease id past every lease the
   // predecessor granted (LeaseTable::InheritIdsBelow).
   absl::StatusOr<uint64_t> Ready(absl::Duration timeout);
-  // STARTED: the predecessor exits now.
-  absl::Status Started();
+  // STARTED, then waits for DONE: the predecessor exits now. An error
+  // means it may have resumed serving: this daemon must exit at once,
+  // leaving the socket files.
+  absl::Status Started(absl::Duration timeout);
 
  private:
   explicit HandoverClient(UniqueFd fd) : fd_(std::move(fd)) {}

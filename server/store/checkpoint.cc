@@ -260,6 +260,14 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> AdoptDonated(
       return absl::FailedPreconditionError(absl::StrCat(
           "the predecessor sent no digest for tensor \"", tensors[i].name, "\""));
     }
+    auto place = d.places.find(tensors[i].name);
+    if (place == d.places.end() ||
+        place->second.segment != static_cast<int64_t>(tensor_segment[i]) ||
+        place->second.offset != tensors[i].offset || place->second.length != tensors[i].length) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor \"", tensors[i].name, "\" lies elsewhere in the predecessor's segments than "
+          "in this daemon's layout"));
+    }
     tensors[i].digest = it->second;
     tensors[i].buffer = segments[tensor_segment[i]];
     const bool sampled = i % 16 == 0 || i + 1 == tensors.size();

@@ -130,6 +130,13 @@ struct DonatedCheckpoint {
   std::vector<UniqueFd> segment_fds;
   std::vector<PageKind> segment_pages;
   absl::flat_hash_map<std::string, Digest> digests;  // by tensor name
+  // Where each tensor lay: segment index, offset, length (by tensor name).
+  struct Place {
+    int64_t segment = -1;
+    uint64_t offset = 0;
+    uint64_t length = 0;
+  };
+  absl::flat_hash_map<std::string, Place> places;
 };
 
 // The checkpoints handed over, until a load of the same files takes each

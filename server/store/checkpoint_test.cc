@@ -185,6 +185,7 @@ TEST_F(CheckpointTest, DonatedSegmentsAreAdoptedOnlyWhenTheyCheckOut) {
   o.shared_charge = &charge;
   auto a = LoadCheckpoint(path, o);
   ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ((*a)->host_segments().size(), 1u);
   auto snapshot = resident.Snapshot();
   ASSERT_EQ(snapshot.size(), 1u);
   auto inode = [](int fd) {
@@ -200,7 +201,10 @@ TEST_F(CheckpointTest, DonatedSegmentsAreAdoptedOnlyWhenTheyCheckOut) {
       d.segment_fds.emplace_back(::fcntl(seg->fd(), F_DUPFD_CLOEXEC, 0));
       d.segment_pages.push_back(seg->pages());
     }
-    for (const StoredTensor& t : (*a)->tensors()) d.digests[t.name] = t.digest;
+    for (const StoredTensor& t : (*a)->tensors()) {
+      d.digests[t.name] = t.digest;
+      d.places[t.name] = {0, t.offset, t.length};  // one segment
+    }
     return d;
   };
   auto same_tensors = [&](const Checkpoint& b) {
@@ -243,6 +247,19 @@ TEST_F(CheckpointTest, DonatedSegmentsAreAdoptedOnlyWhenTheyCheckOut) {
     EXPECT_EQ(donated.refused(), 1u);
     EXPECT_EQ(donated.adopted(), 0u);
     EXPECT_NE(inode((*b)->host_segments()[0]->fd()), original) << "read into new memory";
+    same_tensors(**b);
+  }
+  // A tensor the predecessor had elsewhere (another layout): refused.
+  {
+    DonatedCheckpoints donated(AdoptVerify::kNone);
+    DonatedCheckpoint d = donation(o.segment_target_bytes);
+    d.places["c"].offset += 4;
+    donated.Add(std::move(d));
+    CheckpointLoadOptions o2 = Options();
+    o2.donated = &donated;
+    auto b = LoadCheckpoint(path, o2);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(donated.refused(), 1u);
     same_tensors(**b);
   }
   // Laid out with another --checkpoint-segment-bytes: refused.

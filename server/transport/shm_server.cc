@@ -216,7 +216,11 @@ absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options opti
   auto server = std::unique_ptr<ShmDataServer>(new ShmDataServer(
       std::move(options), leases, std::move(listen_fd), std::move(wake), std::move(done)));
   try {
-    server->thread_ = std::thread([s = server.get()] { s->Run(); });
+    server->thread_ = std::thread([s = server.get()] {
+      s->Run();
+      absl::MutexLock lock(&s->pause_mu_);
+      s->exited_ = true;
+    });
   } catch (const std::system_error& e) {
     ::unlink(server->options_.path.c_str());
     server->stopping_ = true;  // nothing to stop
@@ -267,7 +271,7 @@ void ShmDataServer::Pause() {
   uint64_t one = 1;
   (void)!::write(wake_fd_.get(), &one, sizeof(one));
   auto parked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pause_mu_) {
-    return parked_ || stopping_.load();
+    return parked_ || exited_;
   };
   pause_mu_.Await(absl::Condition(&parked));
 }

@@ -96,7 +96,7 @@ class ShmDataServer {
   void Pause() ABSL_LOCKS_EXCLUDED(pause_mu_);
   void Resume() ABSL_LOCKS_EXCLUDED(pause_mu_);
   // Stop() leaves the socket file (a successor serves it).
-  void KeepSocketFile() { keep_file_.store(true); }
+  void KeepSocketFile(bool keep = true) { keep_file_.store(keep); }
   int listen_fd() const { return listen_fd_.get(); }
 
   const std::string& path() const { return options_.path; }
@@ -135,6 +135,7 @@ class ShmDataServer {
   absl::Mutex pause_mu_;
   bool paused_ ABSL_GUARDED_BY(pause_mu_) = false;
   bool parked_ ABSL_GUARDED_BY(pause_mu_) = false;  // the thread saw paused_
+  bool exited_ ABSL_GUARDED_BY(pause_mu_) = false;  // the thread has returned
   // Polling thread: whether to accept now (records that it saw a pause).
   bool AcceptAllowed() ABSL_LOCKS_EXCLUDED(pause_mu_);
   std::atomic<uint64_t> open_{0};

@@ -330,7 +330,7 @@ def test_a_successor_that_fails_halfway_leaves_the_daemon_serving(files, tmp_pat
         d.ctl_ok("load", "big", os.path.join(root, "big"))
         with weightd.Client(socket=d.socket) as c:
             before = _state(c)
-        m = _fake_successor(d.socket + ".handover", stage)
+        m = _fake_successor(os.path.join(state, "handover.sock"), stage)
         if stage in ("manifest", "go"):
             names = {t[0] for ck in m["checkpoints"] for t in ck["tensors"]}
             assert names == set(big)
@@ -421,20 +421,84 @@ def test_take_over_needs_the_same_state_dir_on_both_sides(files, tmp_path):
     r = subprocess.run([WEIGHTD, "--socket", str(tmp_path / "x.sock"), "--model-root", root,
                         "--take-over"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--take-over needs --state-dir" in r.stderr, r.stderr
-    # A running daemon without one refuses; one with another directory is
-    # refused by the successor. Either way the running daemon serves on.
-    for old_args, succ_state, why in (
-            ([], "s1", "runs without --state-dir"),
-            (["--state-dir", str(tmp_path / "s2")], "s3", "give both the same directory")):
+    # A running daemon without --state-dir, or with another one, offers no
+    # hand-over where the successor looks (its own state directory); told
+    # where the other's is, the successor refuses it. Either way the running
+    # daemon serves on and its journal is untouched.
+    s2, s4 = str(tmp_path / "s2"), str(tmp_path / "s4")
+    for old_args, succ_args, why in (
+            ([], ["--state-dir", str(tmp_path / "s1")], "offers no hand-over"),
+            (["--state-dir", s2], ["--state-dir", str(tmp_path / "s3")], "offers no hand-over"),
+            (["--state-dir", s4], ["--state-dir", str(tmp_path / "s5"), "--handover-socket",
+                                   os.path.join(s4, "handover.sock")],
+             "give both the same directory")):
         with Daemon(model_root=root, extra_args=old_args) as d:
             d.ctl_ok("load", "m1", os.path.join(root, "base32.safetensors"))
+            journal = os.path.join(old_args[1], "journal") if old_args else None
+            before = open(journal, "rb").read() if journal else None
             r = subprocess.run([WEIGHTD, "--socket", d.socket, "--model-root", root,
-                                "--take-over", "--state-dir", str(tmp_path / succ_state)],
+                                "--take-over", *succ_args],
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == 1 and "FAILED_PRECONDITION" in r.stderr, r.stderr
             assert why in r.stderr, r.stderr
-            _wait_for(lambda: "handover_refused" in d.log() or "handover_failed" in d.log(),
-                      10, "the refusal in the log")
+            if "--handover-socket" in succ_args:
+                _wait_for(lambda: "handover_failed" in d.log(), 10, "handover_failed")
             assert d.alive()
             d.ctl_ok("load", "m2", os.path.join(root, "base32.safetensors"))
             assert "m1" in d.ctl_ok("list").stdout
+            if before is not None:
+                assert open(journal, "rb").read().startswith(before)
+
+
+def test_a_second_daemon_is_refused_before_it_touches_the_state_dir(files, tmp_path):
+    root, _ = files
+    state = str(tmp_path / "state")
+    with Daemon(model_root=root, extra_args=["--state-dir", state]) as d:
+        d.ctl_ok("load", "m1", os.path.join(root, "base32.safetensors"))
+        journal = open(os.path.join(state, "journal"), "rb").read()
+        r = subprocess.run([WEIGHTD, "--socket", d.socket, "--model-root", root,
+                            "--state-dir", state], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "already serves on" in r.stderr, r.stderr
+        assert "--take-over" in r.stderr
+        assert open(os.path.join(state, "journal"), "rb").read() == journal
+        assert not os.path.exists(os.path.join(state, "journal.new"))
+        d.ctl_ok("load", "m2", os.path.join(root, "base32.safetensors"))
+
+
+def test_a_replaced_pods_restarted_container_cannot_take_the_sockets_back(files, tmp_path):
+    """Kubernetes restarts the old pod's container after it hands over (it
+    exits 0); with --take-over it must not take the node back from the pod
+    that replaced it. Pods differ by host name (a UTS namespace here)."""
+    root, big = files
+    state = str(tmp_path / "state")
+    d = Daemon(model_root=root, extra_args=_args(root, state), workdir=str(tmp_path / "run"))
+    d.start()
+    new_log = str(tmp_path / "new.log")
+    new = None
+    try:
+        d.ctl_ok("load", "big", os.path.join(root, "big"))
+        with open(new_log, "ab") as log:
+            new = subprocess.Popen(
+                ["unshare", "--uts", "sh", "-c", 'hostname weightd-new-pod && exec "$@"', "sh",
+                 WEIGHTD, "--socket", d.socket, "--model-root", root, *_args(root, state),
+                 "--take-over"], stdout=log, stderr=subprocess.STDOUT)
+        assert d.proc.wait(timeout=60) == 0, d.log()
+        _wait_for(lambda: "taken_over" in _read(new_log), 30, "taken_over")
+        # The old pod's container again (this host's name), with --take-over.
+        r = subprocess.run([WEIGHTD, "--socket", d.socket, "--model-root", root,
+                            *_args(root, state), "--take-over"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1, r.stderr
+        assert "does not hand back" in r.stderr, r.stderr
+        assert new.poll() is None
+        with weightd.Client(socket=d.socket) as c:
+            with c.fetch("big", world=2, rank=1) as h:
+                sd = h.state_dict()
+            for n, t in big.items():
+                assert torch.equal(sd[n], cast_shard_ref(t, 2, 1)), n
+            c.load("m1", os.path.join(root, "base32.safetensors"))  # changes open again
+    finally:
+        if new is not None and new.poll() is None:
+            new.send_signal(signal.SIGTERM)
+            assert new.wait(timeout=30) == 0
+        d.stop()

@@ -382,6 +382,14 @@ def test_daemonset_shape(overlay):
     pc = spec["priorityClassName"]
     assert pc == "system-node-critical" or one(objs, "PriorityClass", pc)["value"] >= 10**8
     assert ds["spec"]["updateStrategy"]["type"] in ("RollingUpdate", "OnDelete")
+    # Updates hand over (README "Restarts"): the new pod starts beside the
+    # old one and takes its memory and sockets through the state directory.
+    if ds["spec"]["updateStrategy"]["type"] == "RollingUpdate":
+        assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 1,
+                                                                 "maxUnavailable": 0}
+        assert "--take-over" in c["args"] and "--state-dir=/var/lib/weightd/state" in c["args"]
+        assert not any(a.startswith("--handover-socket") for a in c["args"]), \
+            "the default, in the state directory that worker pods do not mount"
     assert not any(o["kind"] == "Service" for o in objs), "node-local: no Service"
     # The namespace admits hostPath volumes.
     ns = one(objs, "Namespace")

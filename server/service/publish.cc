@@ -637,16 +637,16 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     }
     for (size_t f = 0; f < fresh.size(); ++f) {
       const Piece& p = *fresh[f];
-      auto t = std::make_shared<StoredTensor>();
-      t->name = p.key;
-      t->dtype = session.specs[p.spec].dtype;
-      t->shape = p.shape;
-      t->buffer = holder;
-      t->offset = offsets[f];
-      t->length = p.length;
-      t->digest = p.digest;
-      t->file = absl::StrCat("(published in session ", session.id, ")");
-      (*published)[p.key] = std::move(t);
+      StoredTensor t;
+      t.name = p.key;
+      t.dtype = session.specs[p.spec].dtype;
+      t.shape = p.shape;
+      t.buffer = holder;
+      t.offset = offsets[f];
+      t.length = p.length;
+      t.digest = p.digest;
+      t.file = absl::StrCat("(published in session ", session.id, ")");
+      WD_ASSIGN_OR_RETURN((*published)[p.key], ChargedPublished(std::move(t)));
     }
     result.bytes_stored = fresh.empty() ? 0 : (holder == segment ? segment->size() : fresh_bytes);
 

@@ -956,6 +956,19 @@ absl::StatusOr<GenerationInfo> WeightService::RestoreApply(const std::string& mo
   return ApplyImpl(model_name, stack, 0, number, &expect_content);
 }
 
+absl::StatusOr<std::shared_ptr<const StoredTensor>> WeightService::ChargedPublished(
+    StoredTensor t) {
+  struct Charged {
+    StoredTensor tensor;
+    std::unique_ptr<MemoryCharge> charge;
+  };
+  WD_ASSIGN_OR_RETURN(std::unique_ptr<MemoryCharge> charge,
+                      memory_.Charge(TensorMetadataBytes(t.name, t.shape.size()),
+                                     absl::StrCat("metadata of published tensor \"", t.name, "\"")));
+  auto held = std::make_shared<Charged>(Charged{std::move(t), std::move(charge)});
+  return std::shared_ptr<const StoredTensor>(held, &held->tensor);
+}
+
 absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& model_name,
                                                              const std::string& file_name,
                                                              const std::vector<AdapterRef>& stack,
@@ -1006,9 +1019,9 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
                                               "; the model stores ", DTypeName(dtype), " ",
                                               ShapeString(shape)));
     }
-    auto kept = std::make_shared<StoredTensor>(t);  // shares the file's segments
-    kept->file = absl::StrCat("(published, restored from ", path, ")");
-    (*published)[t.name] = std::move(kept);
+    StoredTensor kept = t;  // shares the file's segments
+    kept.file = absl::StrCat("(published, restored from ", path, ")");
+    WD_ASSIGN_OR_RETURN((*published)[t.name], ChargedPublished(std::move(kept)));
   }
   RestoredPublish restored{std::move(published), file_name};
   return ApplyImpl(model_name, stack, 0, number, &expect_content, &restored);

@@ -533,6 +533,10 @@ class WeightService {
   static std::vector<ReadGuard> ModelGuards(const Model& model);
   absl::StatusOr<std::shared_ptr<const Model>> FindModel(const std::string& name) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // A published tensor's entry, its metadata (TensorMetadataBytes) charged
+  // to the budget for as long as the entry lives: RESOURCE_EXHAUSTED when
+  // it does not fit.
+  absl::StatusOr<std::shared_ptr<const StoredTensor>> ChargedPublished(StoredTensor t);
   // The served tensors at `gen`: the model's plus those the generation adds.
   static std::vector<const Served*> ServedAt(const Model& model, const Generation& gen);
   static absl::StatusOr<std::shared_ptr<Generation>> BuildGeneration(

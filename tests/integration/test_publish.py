@@ -324,6 +324,44 @@ def test_refusals_leave_everything_as_it_was(env):
         _check(c, "big", big)
 
 
+def test_published_tensors_metadata_counts_against_the_budget(tmp_path):
+    """Each published tensor's bookkeeping is charged like a loaded one's
+    (TensorMetadataBytes, >= 1 KiB), for as long as a generation keeps it:
+    a publish of many tiny tensors that fits the bytes but not the metadata
+    is RESOURCE_EXHAUSTED with nothing visible, and the charge goes with
+    the generation that held it."""
+    models = tmp_path / "models"
+    models.mkdir()
+    n = 1000
+    tiny = {"t%04d" % i: torch.tensor([float(i)]) for i in range(n)}
+    path = str(models / "tiny.safetensors")
+    st_io.save(tiny, path)
+    new = {k: v + 0.5 for k, v in tiny.items()}
+    with Daemon(model_root=str(models)) as d, weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        before = c.stats()["bytes_resident"]
+        c.publish("m", new)
+        grown = c.stats()["bytes_resident"] - before
+        assert grown >= n * 1024, grown   # the data itself is a few KiB
+        c.publish("m", tiny)   # back to the file's bytes: nothing published is kept
+        assert c.stats()["bytes_resident"] - before < n * 1024 // 4
+        _check(c, "m", tiny, world=1)
+    # A budget the model fits in, and a publish's bytes, but not its metadata.
+    with Daemon(model_root=str(models)) as d, weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        loaded = c.stats()["bytes_resident"]
+    limit = loaded + grown // 2
+    with Daemon(model_root=str(models), extra_args=["--host-memory-bytes", str(limit)]) as d, \
+            weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        with pytest.raises(weightd.Error) as e:
+            c.publish("m", new)
+        assert e.value.code == "RESOURCE_EXHAUSTED", e.value
+        assert "metadata of published tensor" in e.value.message, e.value.message
+        assert c.info("m").generation == 1
+        _check(c, "m", tiny, world=1)
+
+
 def _wait_log(d, text, timeout=30):
     deadline = time.time() + timeout
     while time.time() < deadline and text not in d.log():

@@ -1148,8 +1148,13 @@ absl::Status ShardSet::Release() {
     req.set_token(token_);
     v1::ReleaseResponse resp;
     status = FromGrpc(channel_->shards->Release(&ctx, req, &resp));
-    // The data connection closing would end the lease anyway.
-    if (status.code() == absl::StatusCode::kNotFound && data_connection_.valid()) {
+    // The data connection closing ends the lease anyway: with one, a lease
+    // the daemon no longer knows, or a daemon that cannot answer now
+    // (restarting, handing over to a successor), is not an error.
+    const absl::StatusCode code = status.code();
+    if (data_connection_.valid() &&
+        (code == absl::StatusCode::kNotFound || code == absl::StatusCode::kUnavailable ||
+         code == absl::StatusCode::kCancelled || code == absl::StatusCode::kDeadlineExceeded)) {
       status = absl::OkStatus();
     }
   }

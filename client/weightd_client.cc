@@ -735,6 +735,27 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> Client::Verify(const std::string& 
   return std::make_pair(resp.tensors(), resp.bytes());
 }
 
+absl::StatusOr<PeersInfo> Client::Peers() {
+  v1::PeersRequest req;
+  v1::PeersResponse r;
+  WD_RETURN_IF_ERROR(Retrying(retry_deadline_, [&] {
+    grpc::ClientContext ctx;
+    return FromGrpc(channel_->models->Peers(&ctx, req, &r));
+  }));
+  PeersInfo out;
+  out.advertise = r.advertise();
+  out.poll_seconds = r.poll_seconds();
+  for (const v1::PeerInfo& p : r.peers()) {
+    PeerInfo info{p.address(), p.reachable(), p.error(), p.last_seen_unix_ms(),
+                  p.polled_unix_ms(), {}};
+    for (const v1::PeerModel& m : p.models()) {
+      info.models.push_back({m.name(), m.generation(), m.weights_id()});
+    }
+    out.peers.push_back(std::move(info));
+  }
+  return out;
+}
+
 absl::StatusOr<DaemonStats> Client::Stats() {
   v1::StatsRequest req;
   v1::StatsResponse r;

@@ -114,6 +114,26 @@ struct GpuInfo {
   bool pageable_memory_access = false, host_register = false, host_register_read_only = false;
 };
 
+// Models.Peers: the fleet's other daemons as this one last polled them.
+struct PeerModelInfo {
+  std::string name;
+  uint64_t generation = 0;
+  std::string weights_id;
+};
+struct PeerInfo {
+  std::string address;
+  bool reachable = false;
+  std::string error;
+  int64_t last_seen_unix_ms = 0;  // 0 = never
+  int64_t polled_unix_ms = 0;     // 0 = not yet
+  std::vector<PeerModelInfo> models;
+};
+struct PeersInfo {
+  std::string advertise;
+  uint32_t poll_seconds = 0;
+  std::vector<PeerInfo> peers;
+};
+
 struct DaemonStats {
   uint64_t models = 0, segments = 0, bytes_resident = 0, materializations = 0,
            materialization_bytes = 0, cache_hits = 0, cache_misses = 0, leases_open = 0,
@@ -273,6 +293,7 @@ class Client {
   absl::StatusOr<std::vector<ModelInfo>> List();
   absl::StatusOr<ModelInfo> GetModel(const std::string& name);
   absl::StatusOr<DaemonStats> Stats();
+  absl::StatusOr<PeersInfo> Peers();
   // Recomputes every resident tensor's digest in the daemon; DATA_LOSS on a
   // mismatch. Returns (tensors, bytes) checked.
   absl::StatusOr<std::pair<uint64_t, uint64_t>> Verify(const std::string& name);

@@ -35,6 +35,7 @@
 #include "server/gpu/gpu_devices.h"
 #include "server/memory/huge_pages.h"
 #include "server/grpc/grpc_server.h"
+#include "server/grpc/peer_table.h"
 #include "server/metrics/prometheus_exporter.h"
 #include "server/service/weight_service.h"
 #include "server/state/handover.h"
@@ -69,6 +70,7 @@ struct DaemonFlags {
   bool take_over = false;
   std::string handover_socket;  // default <socket>.handover
   AdoptVerify take_over_verify = AdoptVerify::kFull;
+  PeerOptions peers;
 };
 
 // Lease ids the predecessor's calls in flight at the switch may still
@@ -172,6 +174,32 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
               f->take_over_verify = it->second;
               return true;
             })})
+      .Add({"peers", "HOST:PORT,...",
+            "the fleet's other daemons (their --listen): polled for what they hold, shown by "
+            "weightctl peers",
+            K::kList, [f](const std::string& v) {
+              for (absl::string_view a : absl::StrSplit(v, ',', absl::SkipWhitespace())) {
+                f->peers.addresses.emplace_back(absl::StripAsciiWhitespace(a));
+              }
+              return absl::OkStatus();
+            }})
+      .Add({"advertise", "HOST:PORT", "this daemon's address as its peers reach it (reported)",
+            K::kValue, StringInto(&f->peers.advertise)})
+      .Add({"peer-poll-seconds", "N", "how often peers are polled (1..3600, default 10)",
+            K::kValue,
+            [f](const std::string& v) -> absl::Status {
+              uint64_t n = 0;
+              WD_RETURN_IF_ERROR(Uint64Into("peer-poll-seconds", &n, 1, 3600)(v));
+              f->peers.poll_interval = absl::Seconds(static_cast<int64_t>(n));
+              return absl::OkStatus();
+            }})
+      .Add({"peer-token-file", "FILE",
+            "the bearer token presented to peers (first line; a NAME TOKEN line works)",
+            K::kValue, StringInto(&f->peers.token_file)})
+      .Add({"peer-tls-ca", "FILE",
+            "TLS to peers, verified against this CA; --tls-cert/--tls-key are presented as "
+            "this daemon's client certificate",
+            K::kValue, StringInto(&f->peers.tls_ca_file)})
       .Add({"warm-reserve-bytes", "N", "pre-faulted output segments kept ready (0 = off)",
             K::kValue, Uint64Into("warm-reserve-bytes", &f->service.warm_reserve_bytes)})
       .Add({"reserve-chunk-bytes", "N", "size of a warm-reserve chunk (>= 4096)", K::kValue,
@@ -677,6 +705,15 @@ int Main(int argc, char** argv) {
   // Taking over: the socket files stay whatever happens until DONE (the
   // predecessor may be serving on them again).
   if (taking != nullptr) (*data)->KeepSocketFile(true);
+  std::unique_ptr<PeerTable> peer_table;
+  if (!flags.peers.addresses.empty()) {
+    flags.peers.tls_cert_file = flags.grpc.tls_cert_file;
+    flags.peers.tls_key_file = flags.grpc.tls_key_file;
+    auto started = PeerTable::Start(flags.peers);
+    if (!started.ok()) return Fail(started.status());
+    peer_table = std::move(*started);
+    flags.grpc.peers = peer_table.get();
+  }
   auto grpc = GrpcServer::Start(flags.grpc, service->get());
   if (!grpc.ok()) return Fail(grpc.status());
   if (taking != nullptr) (*grpc)->KeepSocketFile(true);
@@ -830,6 +867,7 @@ int Main(int argc, char** argv) {
   (*data)->Stop();
   handover.reset();
   grpc->reset();
+  peer_table.reset();
   data->reset();
   service->reset();
   LogEvent(LogLevel::kInfo, "stopped", {});

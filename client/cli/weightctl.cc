@@ -40,7 +40,7 @@ constexpr char kUsage[] =
     "   the daemon restarts, for up to SECONDS; default 0 = fail at once)\n"
     "  health\n"
     "  load NAME PATH [--profile FILE] [--readers uid:N,gid:N,token:NAME,cn:NAME]\n"
-    "  unload NAME | list | info NAME | stats | verify NAME | gpus\n"
+    "  unload NAME | list | info NAME | stats | verify NAME | gpus | peers\n"
     "  fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
     "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc|push|cuda [--device N]]\n"
     "        [--generation G] [--changed-since G] [--names a,b] [--verify] --out FILE\n"
@@ -241,6 +241,28 @@ absl::Status CmdInfo(Client& c, const Args& a) {
     std::printf("tensor: %s\t%s\t%s\t%s%s%s\n", t.name.c_str(),
                 std::string(DTypeName(t.dtype)).c_str(), ShapeString(t.shape).c_str(),
                 t.digest.Hex().c_str(), from.c_str(), by.c_str());
+  }
+  return absl::OkStatus();
+}
+
+// One "peer:" line per peer (reachable or why not, seconds since it last
+// answered), then one "model:" line per model it holds.
+absl::Status CmdPeers(Client& c, const Args& a) {
+  WD_RETURN_IF_ERROR(NeedPositional(a, 0, "peers"));
+  WD_ASSIGN_OR_RETURN(PeersInfo info, c.Peers());
+  if (!info.advertise.empty()) std::printf("advertise: %s\n", info.advertise.c_str());
+  const int64_t now = absl::ToUnixMillis(absl::Now());
+  for (const PeerInfo& p : info.peers) {
+    std::string seen = p.last_seen_unix_ms == 0
+                           ? "never"
+                           : absl::StrFormat("%.1fs ago", (now - p.last_seen_unix_ms) / 1000.0);
+    std::printf("peer: %s\t%s\tlast_seen=%s\tmodels=%zu%s\n", p.address.c_str(),
+                p.reachable ? "reachable" : "unreachable", seen.c_str(), p.models.size(),
+                p.reachable ? "" : absl::StrCat("\terror=", p.error).c_str());
+    for (const PeerModelInfo& m : p.models) {
+      std::printf("model: %s\t%s\tgeneration=%llu\tweights_id=%s\n", p.address.c_str(),
+                  m.name.c_str(), (unsigned long long)m.generation, m.weights_id.c_str());
+    }
   }
   return absl::OkStatus();
 }
@@ -667,6 +689,10 @@ absl::Status Run(int argc, char** argv) {
     std::printf("verified %s: %llu tensors, %s, every digest matches\n", a.positional[0].c_str(),
                 static_cast<unsigned long long>(r.first), HumanBytes(r.second).c_str());
     return absl::OkStatus();
+  }
+  if (verb == "peers") {
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
+    return CmdPeers(*client, a);
   }
   if (verb == "stats") {
     WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));

@@ -20,7 +20,7 @@ _weightctl() {
     cur="${COMP_WORDS[COMP_CWORD]}"
     prev="${COMP_WORDS[COMP_CWORD-1]}"
     local global="--socket --target --tls-ca --tls-cert --tls-key --tls-server-name --token-file --retry-deadline --help"
-    local verbs="health load unload list info stats verify gpus fetch adapter apply watch"
+    local verbs="health load unload list info stats verify gpus peers fetch adapter apply watch publish"
 
     case "$prev" in
         --socket|--tls-ca|--tls-cert|--tls-key|--token-file|--profile|--out)

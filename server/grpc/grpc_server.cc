@@ -37,7 +37,8 @@ class GrpcServer::Impl {
       : options_(std::move(options)),
         pool_(options_.worker_threads),
         auth_(&service->access(), &peers_, std::move(tokens), &drain_),
-        models_(MakeModelsService({service, &pool_, &long_calls_, &drain_, &auth_})),
+        models_(MakeModelsService({service, &pool_, &long_calls_, &drain_, &auth_,
+                                   options_.peers})),
         shards_(MakeShardsService({service, &pool_, &long_calls_, &drain_, &auth_}, options_.max_watch_streams)),
         adapters_(MakeAdaptersService({service, &pool_, &long_calls_, &drain_, &auth_})) {}
 

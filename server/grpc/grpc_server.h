@@ -17,6 +17,8 @@
 
 namespace weightd {
 
+class PeerTable;
+
 struct GrpcServerOptions {
   std::string unix_socket;  // required
   mode_t unix_socket_mode = 0660;
@@ -43,6 +45,9 @@ struct GrpcServerOptions {
   // A socket already listening at unix_socket (a predecessor's, at a
   // hand-over): accepted on instead of binding; the server owns it. -1: bind.
   int adopt_unix_listen_fd = -1;
+  // The fleet's other daemons (--peers), for Models.Peers; borrowed, may be
+  // null.
+  const PeerTable* peers = nullptr;
 };
 
 class GrpcServer {

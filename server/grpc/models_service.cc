@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "server/grpc/peer_table.h"
 #include "server/grpc/proto_convert.h"
 #include "server/grpc/reactors.h"
 #include "server/grpc/status_convert.h"
@@ -93,8 +94,13 @@ class PublishWriteReactor : public grpc::ServerReadReactor<v1::PublishChunk> {
 class ModelsImpl final : public v1::Models::CallbackService {
  public:
   ModelsImpl(WeightService* service, ThreadPool* pool, TaskThreads* long_calls, CallDrain* drain,
-             const CallAuthenticator* auth)
-      : service_(service), pool_(pool), long_calls_(long_calls), drain_(drain), auth_(auth) {}
+             const CallAuthenticator* auth, const PeerTable* peers)
+      : service_(service),
+        pool_(pool),
+        long_calls_(long_calls),
+        drain_(drain),
+        auth_(auth),
+        peers_(peers) {}
 
   grpc::ServerWriteReactor<v1::LoadProgress>* Load(grpc::CallbackServerContext* ctx,
                                                    const v1::LoadRequest* req) override {
@@ -281,6 +287,35 @@ class ModelsImpl final : public v1::Models::CallbackService {
         /*change=*/true);
   }
 
+  grpc::ServerUnaryReactor* Peers(grpc::CallbackServerContext* ctx, const v1::PeersRequest*,
+                                  v1::PeersResponse* resp) override {
+    auto who = auth_->Authenticate(ctx);
+    if (!who.ok()) return Refuse(ctx, who.status());
+    if (peers_ != nullptr) {
+      resp->set_advertise(peers_->options().advertise);
+      resp->set_poll_seconds(
+          static_cast<uint32_t>(absl::ToInt64Seconds(peers_->options().poll_interval)));
+      auto ms = [](absl::Time t) { return t == absl::InfinitePast() ? 0 : absl::ToUnixMillis(t); };
+      for (const PeerState& p : peers_->Snapshot()) {
+        v1::PeerInfo* out = resp->add_peers();
+        out->set_address(p.address);
+        out->set_reachable(p.reachable);
+        out->set_error(p.error);
+        out->set_last_seen_unix_ms(ms(p.last_seen));
+        out->set_polled_unix_ms(ms(p.polled));
+        for (const PeerModelState& m : p.models) {
+          v1::PeerModel* pm = out->add_models();
+          pm->set_name(m.name);
+          pm->set_generation(m.generation);
+          pm->set_weights_id(m.weights_id);
+        }
+      }
+    }
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest*,
                                   v1::StatsResponse* resp) override {
     auto who = auth_->Authenticate(ctx);
@@ -345,12 +380,13 @@ class ModelsImpl final : public v1::Models::CallbackService {
   TaskThreads* long_calls_;
   CallDrain* drain_;
   const CallAuthenticator* auth_;
+  const PeerTable* peers_;
 };
 
 }  // namespace
 
 std::unique_ptr<grpc::Service> MakeModelsService(const ServiceContext& c) {
-  return std::make_unique<ModelsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth);
+  return std::make_unique<ModelsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth, c.peers);
 }
 
 }  // namespace weightd

@@ -17,6 +17,8 @@
 
 namespace weightd {
 
+class PeerTable;
+
 // What every service borrows from the server (all outlive the services).
 struct ServiceContext {
   WeightService* service;
@@ -24,6 +26,7 @@ struct ServiceContext {
   TaskThreads* long_calls;   // loads and watch streams: a thread each, joined at shutdown
   CallDrain* drain;
   const CallAuthenticator* auth;
+  const PeerTable* peers = nullptr;  // --peers; null: none
 };
 
 std::unique_ptr<grpc::Service> MakeModelsService(const ServiceContext& c);

@@ -1105,6 +1105,17 @@ class Client:
         """ModelInfo of `name`, with its tensors."""
         return _model_info(self._read_call(self._models.Get, pb.GetModelRequest(name=name)))
 
+    def peers(self):
+        """The fleet's other daemons this one knows (--peers) as it last
+        polled them: a list of dicts (address, reachable, error, last_seen
+        (unix seconds or None), models: [{name, generation, weights_id}])."""
+        resp = self._read_call(self._models.Peers, pb.PeersRequest())
+        return [{"address": p.address, "reachable": p.reachable, "error": p.error,
+                 "last_seen": p.last_seen_unix_ms / 1000.0 if p.last_seen_unix_ms else None,
+                 "models": [{"name": m.name, "generation": m.generation,
+                             "weights_id": m.weights_id} for m in p.models]}
+                for p in resp.peers]
+
     def stats(self):
         """The daemon's counters as a dict (models, segments, bytes_resident,
         materializations, ..., leases_open, bytes_served, fetches)."""

@@ -15,8 +15,6 @@
 
 namespace weightd {
 
-namespace v1 = ::weightd::v1;
-
 // One channel and stub per peer, and the token presented.
 class PeerTable::Channels {
  public:

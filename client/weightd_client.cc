@@ -744,6 +744,8 @@ absl::StatusOr<PeersInfo> Client::Peers() {
   }));
   PeersInfo out;
   out.advertise = r.advertise();
+  out.peer_dns = r.peer_dns();
+  out.dns_error = r.dns_error();
   out.poll_seconds = r.poll_seconds();
   for (const v1::PeerInfo& p : r.peers()) {
     PeerInfo info{p.address(), p.reachable(), p.error(), p.last_seen_unix_ms(),

@@ -130,6 +130,7 @@ struct PeerInfo {
 };
 struct PeersInfo {
   std::string advertise;
+  std::string peer_dns, dns_error;
   uint32_t poll_seconds = 0;
   std::vector<PeerInfo> peers;
 };

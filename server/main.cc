@@ -183,7 +183,12 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
               }
               return absl::OkStatus();
             }})
-      .Add({"advertise", "HOST:PORT", "this daemon's address as its peers reach it (reported)",
+      .Add({"peer-dns", "NAME:PORT",
+            "peers are every address NAME resolves to (a headless Service), resolved again at "
+            "every poll; --advertise (this daemon) is left out",
+            K::kValue, StringInto(&f->peers.dns)})
+      .Add({"advertise", "HOST:PORT",
+            "this daemon's address as its peers reach it (reported; left out of --peer-dns)",
             K::kValue, StringInto(&f->peers.advertise)})
       .Add({"peer-poll-seconds", "N", "how often peers are polled (1..3600, default 10)",
             K::kValue,
@@ -706,7 +711,7 @@ int Main(int argc, char** argv) {
   // predecessor may be serving on them again).
   if (taking != nullptr) (*data)->KeepSocketFile(true);
   std::unique_ptr<PeerTable> peer_table;
-  if (!flags.peers.addresses.empty()) {
+  if (!flags.peers.addresses.empty() || !flags.peers.dns.empty()) {
     flags.peers.tls_cert_file = flags.grpc.tls_cert_file;
     flags.peers.tls_key_file = flags.grpc.tls_key_file;
     auto started = PeerTable::Start(flags.peers);

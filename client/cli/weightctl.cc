@@ -251,6 +251,10 @@ absl::Status CmdPeers(Client& c, const Args& a) {
   WD_RETURN_IF_ERROR(NeedPositional(a, 0, "peers"));
   WD_ASSIGN_OR_RETURN(PeersInfo info, c.Peers());
   if (!info.advertise.empty()) std::printf("advertise: %s\n", info.advertise.c_str());
+  if (!info.peer_dns.empty()) {
+    std::printf("peer_dns: %s%s\n", info.peer_dns.c_str(),
+                info.dns_error.empty() ? "" : absl::StrCat("\terror=", info.dns_error).c_str());
+  }
   const int64_t now = absl::ToUnixMillis(absl::Now());
   for (const PeerInfo& p : info.peers) {
     std::string seen = p.last_seen_unix_ms == 0

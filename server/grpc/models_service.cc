@@ -293,6 +293,8 @@ class ModelsImpl final : public v1::Models::CallbackService {
     if (!who.ok()) return Refuse(ctx, who.status());
     if (peers_ != nullptr) {
       resp->set_advertise(peers_->options().advertise);
+      resp->set_peer_dns(peers_->options().dns);
+      resp->set_dns_error(peers_->dns_error());
       resp->set_poll_seconds(
           static_cast<uint32_t>(absl::ToInt64Seconds(peers_->options().poll_interval)));
       auto ms = [](absl::Time t) { return t == absl::InfinitePast() ? 0 : absl::ToUnixMillis(t); };

@@ -1,6 +1,14 @@
 #include "server/grpc/peer_table.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <algorithm>
 #include <chrono>
+#include <map>
+#include <set>
 
 #include <grpcpp/grpcpp.h>
 
@@ -15,25 +23,73 @@
 
 namespace weightd {
 
-// One channel and stub per peer, and the token presented.
+// One stub per peer address, made when first polled; the credentials and
+// token presented. Touched by the polling thread only.
 class PeerTable::Channels {
  public:
-  std::vector<std::unique_ptr<v1::Models::Stub>> stubs;
+  std::shared_ptr<grpc::ChannelCredentials> creds;
+  std::map<std::string, std::unique_ptr<v1::Models::Stub>> stubs;
   std::string token;
+
+  v1::Models::Stub* StubFor(const std::string& address) {
+    auto it = stubs.find(address);
+    if (it != stubs.end()) return it->second.get();
+    grpc::ChannelArguments args;
+    // A peer that went away is tried again at the next poll, not after
+    // gRPC's reconnect backoff (up to 2 min).
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+    auto stub = v1::Models::NewStub(grpc::CreateCustomChannel(address, creds, args));
+    v1::Models::Stub* raw = stub.get();
+    stubs[address] = std::move(stub);
+    return raw;
+  }
 };
 
 namespace {
 
-absl::Status CheckHostPort(const std::string& address) {
+absl::Status CheckHostPort(const std::string& address, absl::string_view flag) {
   const size_t colon = address.rfind(':');
   uint32_t port = 0;
   if (colon == std::string::npos || colon == 0 ||
       !absl::SimpleAtoi(absl::string_view(address).substr(colon + 1), &port) || port == 0 ||
       port > 65535) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--peers: expected HOST:PORT, got \"", address, "\""));
+        absl::StrCat(flag, ": expected HOST:PORT, got \"", address, "\""));
   }
   return absl::OkStatus();
+}
+
+// Every address NAME of NAME:PORT resolves to, as IP:PORT ([IP]:PORT for
+// IPv6), sorted; UNAVAILABLE when it does not resolve.
+absl::StatusOr<std::vector<std::string>> Resolve(const std::string& name_port) {
+  const size_t colon = name_port.rfind(':');
+  const std::string name = name_port.substr(0, colon), port = name_port.substr(colon + 1);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const int rc = ::getaddrinfo(name.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("--peer-dns: resolving ", name, ": ", ::gai_strerror(rc)));
+  }
+  std::set<std::string> out;
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    char host[INET6_ADDRSTRLEN] = {};
+    if (a->ai_family == AF_INET) {
+      ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, host,
+                  sizeof(host));
+      out.insert(absl::StrCat(host, ":", port));
+    } else if (a->ai_family == AF_INET6) {
+      ::inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, host,
+                  sizeof(host));
+      out.insert(absl::StrCat("[", host, "]:", port));
+    }
+  }
+  ::freeaddrinfo(res);
+  return std::vector<std::string>(out.begin(), out.end());
 }
 
 // The token of a token file: its first non-blank, non-comment line's last
@@ -67,17 +123,11 @@ absl::StatusOr<std::unique_ptr<PeerTable>> PeerTable::Start(PeerOptions options)
   if (!options.token_file.empty()) {
     WD_ASSIGN_OR_RETURN(channels->token, ReadToken(options.token_file));
   }
+  channels->creds = std::move(creds);
   for (const std::string& address : options.addresses) {
-    WD_RETURN_IF_ERROR(CheckHostPort(address));
-    grpc::ChannelArguments args;
-    // A peer that went away is tried again at the next poll, not after
-    // gRPC's reconnect backoff (up to 2 min).
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
-    channels->stubs.push_back(
-        v1::Models::NewStub(grpc::CreateCustomChannel(address, creds, args)));
+    WD_RETURN_IF_ERROR(CheckHostPort(address, "--peers"));
   }
+  if (!options.dns.empty()) WD_RETURN_IF_ERROR(CheckHostPort(options.dns, "--peer-dns"));
   auto table =
       std::unique_ptr<PeerTable>(new PeerTable(std::move(options), std::move(channels)));
   table->thread_ = std::thread([t = table.get()] { t->Run(); });
@@ -107,42 +157,110 @@ std::vector<PeerState> PeerTable::Snapshot() const {
   return peers_;
 }
 
+std::string PeerTable::dns_error() const {
+  absl::MutexLock lock(&mu_);
+  return dns_error_;
+}
+
+std::vector<std::string> PeerTable::Targets() {
+  std::vector<std::string> targets = options_.addresses;
+  if (options_.dns.empty()) return targets;
+  auto resolved = Resolve(options_.dns);
+  absl::MutexLock lock(&mu_);
+  if (!resolved.ok()) {
+    // The peers found before are kept (and polled) until DNS answers again.
+    if (dns_error_.empty()) {
+      LogEvent(LogLevel::kWarning, "peer_dns_failed",
+               {{"peer_dns", options_.dns}, {"error", resolved.status().ToString()}});
+    }
+    dns_error_ = resolved.status().ToString();
+    for (const PeerState& p : peers_) {
+      if (std::find(targets.begin(), targets.end(), p.address) == targets.end()) {
+        targets.push_back(p.address);
+      }
+    }
+    return targets;
+  }
+  dns_error_.clear();
+  for (const std::string& a : *resolved) {
+    if (a == options_.advertise) continue;  // this daemon
+    if (std::find(targets.begin(), targets.end(), a) == targets.end()) targets.push_back(a);
+  }
+  // The table follows: new addresses added, the ones DNS no longer gives
+  // (and no flag names) dropped.
+  std::vector<PeerState> next;
+  for (const std::string& a : targets) {
+    auto it = std::find_if(peers_.begin(), peers_.end(),
+                           [&](const PeerState& p) { return p.address == a; });
+    if (it != peers_.end()) {
+      next.push_back(std::move(*it));
+    } else {
+      PeerState p;
+      p.address = a;
+      p.error = "not polled yet";
+      next.push_back(std::move(p));
+      LogEvent(LogLevel::kInfo, "peer_found", {{"peer", a}, {"peer_dns", options_.dns}});
+    }
+  }
+  for (const PeerState& p : peers_) {
+    if (std::find(targets.begin(), targets.end(), p.address) == targets.end()) {
+      LogEvent(LogLevel::kInfo, "peer_gone", {{"peer", p.address}, {"peer_dns", options_.dns}});
+    }
+  }
+  peers_ = std::move(next);
+  return targets;
+}
+
+void PeerTable::Poll(const std::string& address) {
+  v1::Models::Stub* stub = channels_->StubFor(address);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   absl::ToChronoMilliseconds(options_.call_timeout));
+  if (!channels_->token.empty()) ctx.AddMetadata("authorization", "Bearer " + channels_->token);
+  v1::ListModelsResponse resp;
+  grpc::Status s = stub->List(&ctx, v1::ListModelsRequest(), &resp);
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  auto it = std::find_if(peers_.begin(), peers_.end(),
+                         [&](const PeerState& p) { return p.address == address; });
+  if (it == peers_.end()) return;
+  PeerState& p = *it;
+  const bool was = p.reachable;
+  const bool first = p.polled == absl::InfinitePast();
+  p.polled = now;
+  if (s.ok()) {
+    p.reachable = true;
+    p.error.clear();
+    p.last_seen = now;
+    p.models.clear();
+    for (const v1::ModelInfo& m : resp.models()) {
+      p.models.push_back({m.name(), m.generation(), m.weights_id()});
+    }
+  } else {
+    p.reachable = false;
+    p.error = absl::StrCat(
+        absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())), ": ",
+        s.error_message());
+  }
+  if (first || was != p.reachable) {
+    LogEvent(p.reachable ? LogLevel::kInfo : LogLevel::kWarning,
+             p.reachable ? "peer_reachable" : "peer_unreachable",
+             {{"peer", p.address}, {"error", p.error}, {"models", absl::StrCat(p.models.size())}});
+  }
+}
+
 void PeerTable::Run() {
   while (true) {
-    for (size_t i = 0; i < channels_->stubs.size(); ++i) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() +
-                       absl::ToChronoMilliseconds(options_.call_timeout));
-      if (!channels_->token.empty()) {
-        ctx.AddMetadata("authorization", "Bearer " + channels_->token);
+    const std::vector<std::string> targets = Targets();
+    for (auto it = channels_->stubs.begin(); it != channels_->stubs.end();) {
+      auto cur = it++;
+      if (std::find(targets.begin(), targets.end(), cur->first) == targets.end()) {
+        channels_->stubs.erase(cur);
       }
-      v1::ListModelsResponse resp;
-      grpc::Status s = channels_->stubs[i]->List(&ctx, v1::ListModelsRequest(), &resp);
-      const absl::Time now = absl::Now();
+    }
+    for (const std::string& address : targets) {
+      Poll(address);
       absl::MutexLock lock(&mu_);
-      PeerState& p = peers_[i];
-      const bool was = p.reachable;
-      const bool first = p.polled == absl::InfinitePast();
-      p.polled = now;
-      if (s.ok()) {
-        p.reachable = true;
-        p.error.clear();
-        p.last_seen = now;
-        p.models.clear();
-        for (const v1::ModelInfo& m : resp.models()) {
-          p.models.push_back({m.name(), m.generation(), m.weights_id()});
-        }
-      } else {
-        p.reachable = false;
-        p.error = absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())),
-                               ": ", s.error_message());
-      }
-      if (first || was != p.reachable) {
-        LogEvent(p.reachable ? LogLevel::kInfo : LogLevel::kWarning,
-                 p.reachable ? "peer_reachable" : "peer_unreachable",
-                 {{"peer", p.address}, {"error", p.error},
-                  {"models", absl::StrCat(p.models.size())}});
-      }
       if (stop_) return;
     }
     absl::MutexLock lock(&mu_);

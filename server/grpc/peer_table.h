@@ -24,6 +24,10 @@ namespace weightd {
 
 struct PeerOptions {
   std::vector<std::string> addresses;  // HOST:PORT each
+  // NAME:PORT: every address NAME resolves to (a Kubernetes headless
+  // Service: every DaemonSet pod), resolved again at every poll; the
+  // advertised address is left out (this daemon itself).
+  std::string dns;
   std::string advertise;               // this daemon's HOST:PORT, as reported
   absl::Duration poll_interval = absl::Seconds(10);
   absl::Duration call_timeout = absl::Seconds(3);
@@ -59,17 +63,23 @@ class PeerTable {
 
   std::vector<PeerState> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
   const PeerOptions& options() const { return options_; }
+  // Why the last resolution of options().dns failed; empty when it worked.
+  std::string dns_error() const ABSL_LOCKS_EXCLUDED(mu_);
 
   class Channels;
 
  private:
   PeerTable(PeerOptions options, std::unique_ptr<Channels> channels);
   void Run() ABSL_LOCKS_EXCLUDED(mu_);
+  // The addresses to poll now: the static ones, then what DNS gives.
+  std::vector<std::string> Targets() ABSL_LOCKS_EXCLUDED(mu_);
+  void Poll(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
 
   const PeerOptions options_;
   std::unique_ptr<Channels> channels_;
   mutable absl::Mutex mu_;
   std::vector<PeerState> peers_ ABSL_GUARDED_BY(mu_);
+  std::string dns_error_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

@@ -40,6 +40,7 @@ OVERLAYS = {
     "sidecar": "overlays/sidecar",
     "large-model": "examples/daemonset-large-model",
     "hugepages": "overlays/daemonset-hugepages",
+    "fleet": "overlays/daemonset-fleet",
 }
 GiB = 1 << 30
 MiB = 1 << 20
@@ -160,6 +161,8 @@ def test_overlay_renders_and_validates(overlay, validator):
         "large-model": ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "PriorityClass"],
         "hugepages": ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "PriorityClass"],
         "sidecar": ["ConfigMap", "Deployment", "NetworkPolicy"],
+        "fleet": ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "PriorityClass",
+                  "Service"],
     }[overlay]
     assert kinds == expected
     # The image is set once, by the base component's `images:` entry.
@@ -449,6 +452,41 @@ def test_hugepages_overlay():
         oc = weightd_container(o)
         assert "--huge-pages" not in flags(oc), other
         assert not any(k.startswith("hugepages-") for part in oc["resources"].values() for k in part), other
+
+
+def test_fleet_overlay():
+    """overlays/daemonset-fleet: the DaemonSet plus a headless Service of
+    every daemon pod, --peer-dns on it at the gRPC port, --advertise from the
+    pod IP, and a NetworkPolicy that lets daemon pods, and only them, reach
+    each other's gRPC port (README: Peers)."""
+    base = weightd_container(one(render(OVERLAYS["daemonset"]), "DaemonSet"))
+    objs = render(OVERLAYS["fleet"])
+    ds = one(objs, "DaemonSet")
+    c = weightd_container(ds)
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    svc = one(objs, "Service")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
+    [port] = svc["spec"]["ports"]
+    grpc_port = [p for p in c["ports"] if p["name"] == "grpc"][0]["containerPort"]
+    assert port["targetPort"] == "grpc"
+    ns = ds["metadata"]["namespace"]
+    assert svc["metadata"]["namespace"] == ns
+    f = flags(c)
+    assert f["--peer-dns"] == ["%s.%s.svc.cluster.local:%d" % (svc["metadata"]["name"], ns,
+                                                              port["port"])]
+    assert port["port"] == grpc_port
+    assert f["--advertise"] == ["$(POD_IP):%d" % grpc_port]
+    assert f["--listen"] == ["0.0.0.0:%d" % grpc_port]
+    [pod_ip] = [e for e in c["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert c["args"][:len(base["args"])] == base["args"]
+    np = one(objs, "NetworkPolicy")
+    [rule] = np["spec"]["ingress"]
+    [src] = rule["from"]
+    assert set(src) == {"podSelector"}, "daemon pods of this namespace only"
+    assert all(labels[k] == v for k, v in src["podSelector"]["matchLabels"].items())
+    assert rule["ports"] == [{"port": grpc_port, "protocol": "TCP"}]
 
 
 def test_sidecar_shape():

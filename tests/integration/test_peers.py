@@ -117,3 +117,55 @@ def test_without_peers_the_list_is_empty(tmp_path):
     with Daemon() as d, weightd.Client(socket=d.socket) as c:
         assert c.peers() == []
         assert d.ctl_ok("peers").stdout == ""
+
+
+def test_peer_dns_finds_every_pod_and_follows_the_name(tmp_path):
+    """--peer-dns NAME:PORT (a headless Service in Kubernetes): every address
+    the name resolves to is a peer but this daemon's own (--advertise), and
+    the name is resolved again at every poll. Three daemons on 127.0.0.2-4,
+    each in a mount namespace whose /etc/hosts (bind-mounted, rewritten by
+    the test) gives fleet.test those addresses."""
+    models = tmp_path / "models"
+    models.mkdir()
+    st_io.save({"w": torch.arange(8, dtype=torch.float32)}, str(models / "m.safetensors"))
+    hosts = tmp_path / "hosts"
+    ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+
+    def write_hosts(names):
+        hosts.write_text("127.0.0.1 localhost\n" + "".join("%s fleet.test\n" % ip for ip in names))
+
+    write_hosts(ips)
+    port = free_port()
+    prefix = ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"',
+              str(hosts)]
+    daemons = [Daemon(model_root=str(models), workdir=str(tmp_path / ip), prefix=prefix,
+                      extra_args=["--listen", "%s:%d" % (ip, port),
+                                  "--advertise", "%s:%d" % (ip, port),
+                                  "--peer-dns", "fleet.test:%d" % port,
+                                  "--peer-poll-seconds", "1"]) for ip in ips]
+    for d in daemons:
+        d.start()
+    try:
+        daemons[1].ctl_ok("load", "m", str(models / "m.safetensors"))
+        others = ["%s:%d" % (ip, port) for ip in ips[1:]]
+        with weightd.Client(socket=daemons[0].socket) as c:
+            peers = _wait(lambda: (lambda p: p if set(p) == set(others) and all(
+                q["reachable"] for q in p.values()) and p[others[0]]["models"] else None)(
+                _by_address(c)), 15, "both other daemons, reachable")
+            assert [m["name"] for m in peers[others[0]]["models"]] == ["m"]
+            # The name loses a pod: it leaves the table at the next poll.
+            write_hosts(ips[:2])
+            _wait(lambda: set(_by_address(c)) == {others[0]}, 15, "the third peer gone")
+            # And gains it back.
+            write_hosts(ips)
+            _wait(lambda: set(_by_address(c)) == set(others), 15, "the third peer back")
+        out = daemons[0].ctl_ok("peers").stdout
+        assert "peer_dns: fleet.test:%d\n" % port in out
+        # A name that no longer resolves keeps the peers found before.
+        write_hosts([])
+        with weightd.Client(socket=daemons[0].socket) as c:
+            _wait(lambda: "error=" in daemons[0].ctl_ok("peers").stdout, 60, "the DNS error")
+            assert set(_by_address(c)) == set(others)
+    finally:
+        for d in daemons:
+            d.stop()

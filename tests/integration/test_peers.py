@@ -6,6 +6,7 @@ the same weights_id. Three real daemons on loopback ports; one stopped is
 reported unreachable, a wrong peer token UNAUTHENTICATED.
 """
 import os
+import subprocess
 import time
 
 import pytest
@@ -168,4 +169,65 @@ def test_peer_dns_finds_every_pod_and_follows_the_name(tmp_path):
             assert set(_by_address(c)) == set(others)
     finally:
         for d in daemons:
+            d.stop()
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl"] + list(args), cwd=cwd, check=True, capture_output=True)
+
+
+def test_peers_with_mutual_tls(tmp_path):
+    """Daemon-to-daemon calls with the listener's TLS: each daemon serves
+    its certificate and presents it as its client certificate
+    (--tls-cert/--tls-key), requires the fleet CA's client certificates
+    (--tls-client-ca) and verifies peers against it (--peer-tls-ca). Two
+    daemons of the fleet see each other; one whose certificate the CA never
+    signed is refused both ways."""
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+             "-subj", "/CN=fleet-ca", cwd=pki)
+    (pki / "node.ext").write_text(
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    for name in ("a", "b"):
+        _openssl("req", *ec, "-keyout", name + ".key", "-out", name + ".csr",
+                 "-subj", "/CN=node-" + name, cwd=pki)
+        _openssl("x509", "-req", "-in", name + ".csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", name + ".pem", "-days", "2", "-extfile", "node.ext",
+                 cwd=pki)
+    _openssl("req", "-x509", *ec, "-keyout", "rogue.key", "-out", "rogue.pem", "-days", "2",
+             "-subj", "/CN=node-rogue", "-addext", "subjectAltName=IP:127.0.0.1", cwd=pki)
+    models = tmp_path / "models"
+    models.mkdir()
+    st_io.save({"w": torch.arange(8, dtype=torch.float32)}, str(models / "m.safetensors"))
+    addrs = {n: "127.0.0.1:%d" % free_port() for n in ("a", "b", "rogue")}
+    daemons = {}
+    for n, addr in addrs.items():
+        others = ",".join(v for k, v in addrs.items() if k != n)
+        daemons[n] = Daemon(model_root=str(models), workdir=str(tmp_path / n), extra_args=[
+            "--listen", addr, "--peers", others, "--peer-poll-seconds", "1",
+            "--tls-cert", str(pki / (n + ".pem")), "--tls-key", str(pki / (n + ".key")),
+            "--tls-client-ca", str(pki / "ca.pem"), "--peer-tls-ca", str(pki / "ca.pem")])
+    for d in daemons.values():
+        d.start()
+    try:
+        daemons["b"].ctl_ok("load", "m", str(models / "m.safetensors"))
+        with weightd.Client(socket=daemons["a"].socket) as c:
+            peers = _wait(lambda: (lambda p: p if p[addrs["b"]]["models"] and
+                                   p[addrs["rogue"]]["error"] != "not polled yet" else None)(
+                _by_address(c)), 15, "a's polls")
+            assert peers[addrs["b"]]["reachable"]
+            assert [m["name"] for m in peers[addrs["b"]]["models"]] == ["m"]
+            # The rogue's server certificate is not the fleet CA's.
+            assert not peers[addrs["rogue"]]["reachable"]
+            assert peers[addrs["rogue"]]["error"].startswith("UNAVAILABLE"), peers
+        with weightd.Client(socket=daemons["rogue"].socket) as c:
+            # And its client certificate is refused by a and b.
+            peers = _wait(lambda: (lambda p: p if all(
+                q["error"] != "not polled yet" for q in p.values()) else None)(_by_address(c)),
+                15, "the rogue's polls")
+            assert not any(q["reachable"] for q in peers.values()), peers
+    finally:
+        for d in daemons.values():
             d.stop()

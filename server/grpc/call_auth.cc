@@ -89,8 +89,7 @@ absl::StatusOr<std::unique_ptr<UnixGrpcAcceptor>> UnixGrpcAcceptor::Start(
       new UnixGrpcAcceptor(path, std::move(listen_fd), std::move(wake), server, peers));
   acceptor->thread_ = std::thread([a = acceptor.get()] {
     a->Run();
-    absl::MutexLock lock(&a->mu_);
-    a->exited_ = true;
+    a->pause_.Exited();
   });
   return acceptor;
 }
@@ -101,7 +100,8 @@ UnixGrpcAcceptor::UnixGrpcAcceptor(std::string path, UniqueFd listen_fd, UniqueF
       listen_fd_(std::move(listen_fd)),
       wake_fd_(std::move(wake_fd)),
       server_(server),
-      peers_(peers) {}
+      peers_(peers),
+      pause_(wake_fd_.get()) {}
 
 UnixGrpcAcceptor::~UnixGrpcAcceptor() { Stop(); }
 
@@ -114,35 +114,12 @@ void UnixGrpcAcceptor::Stop() {
   if (!keep_file_.load()) ::unlink(path_.c_str());
 }
 
-void UnixGrpcAcceptor::Pause() {
-  absl::MutexLock lock(&mu_);
-  if (paused_) return;
-  paused_ = true;
-  parked_ = false;
-  uint64_t one = 1;
-  (void)!::write(wake_fd_.get(), &one, sizeof(one));
-  auto parked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return parked_ || exited_; };
-  mu_.Await(absl::Condition(&parked));
-}
-
-void UnixGrpcAcceptor::Resume() {
-  absl::MutexLock lock(&mu_);
-  if (!paused_) return;
-  paused_ = false;
-  uint64_t one = 1;
-  (void)!::write(wake_fd_.get(), &one, sizeof(one));
-}
-
 void UnixGrpcAcceptor::Run() {
   while (true) {
-    bool paused;
-    {
-      absl::MutexLock lock(&mu_);
-      parked_ = paused_;
-      paused = paused_;
-    }
+    const bool accepting = pause_.AcceptAllowed();
     // A negative fd is ignored by poll(): the listen socket while paused.
-    pollfd pfds[2] = {{wake_fd_.get(), POLLIN, 0}, {paused ? -1 : listen_fd_.get(), POLLIN, 0}};
+    pollfd pfds[2] = {{wake_fd_.get(), POLLIN, 0},
+                      {accepting ? listen_fd_.get() : -1, POLLIN, 0}};
     int n = ::poll(pfds, 2, -1);
     if (n < 0) {
       if (errno == EINTR) continue;

@@ -26,6 +26,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/accept_pause.h"
 #include "common/fd.h"
 #include "server/grpc/call_drain.h"
 #include "server/service/access_control.h"
@@ -89,8 +90,8 @@ class UnixGrpcAcceptor {
   void Stop();
   // A hand-over: no accepts from when Pause() returns until Resume(); the
   // listening socket stays open (a successor accepts on it).
-  void Pause() ABSL_LOCKS_EXCLUDED(mu_);
-  void Resume() ABSL_LOCKS_EXCLUDED(mu_);
+  void Pause() { pause_.Pause(); }
+  void Resume() { pause_.Resume(); }
   void KeepSocketFile(bool keep = true) { keep_file_.store(keep); }
   int listen_fd() const { return listen_fd_.get(); }
 
@@ -106,10 +107,7 @@ class UnixGrpcAcceptor {
   UnixPeerRegistry* const peers_;
   std::atomic<bool> stopped_{false};
   std::atomic<bool> keep_file_{false};
-  absl::Mutex mu_;
-  bool paused_ ABSL_GUARDED_BY(mu_) = false;
-  bool parked_ ABSL_GUARDED_BY(mu_) = false;  // the thread saw paused_
-  bool exited_ ABSL_GUARDED_BY(mu_) = false;  // the thread has returned
+  AcceptPause pause_;  // after wake_fd_, whose fd it borrows
   std::thread thread_;
 };
 

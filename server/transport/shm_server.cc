@@ -218,8 +218,7 @@ absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options opti
   try {
     server->thread_ = std::thread([s = server.get()] {
       s->Run();
-      absl::MutexLock lock(&s->pause_mu_);
-      s->exited_ = true;
+      s->pause_.Exited();
     });
   } catch (const std::system_error& e) {
     ::unlink(server->options_.path.c_str());
@@ -236,7 +235,8 @@ ShmDataServer::ShmDataServer(Options options, LeaseTable* leases, UniqueFd liste
       leases_(leases),
       listen_fd_(std::move(listen_fd)),
       wake_fd_(std::move(wake_fd)),
-      done_fd_(std::move(done_fd)) {}
+      done_fd_(std::move(done_fd)),
+      pause_(wake_fd_.get()) {}
 
 ShmDataServer::~ShmDataServer() { Stop(); }
 
@@ -261,33 +261,6 @@ void ShmDataServer::Stop() {
   }
   closer.reset();  // runs what is queued
   if (!keep_file_.load()) ::unlink(options_.path.c_str());
-}
-
-void ShmDataServer::Pause() {
-  absl::MutexLock lock(&pause_mu_);
-  if (paused_) return;
-  paused_ = true;
-  parked_ = false;
-  uint64_t one = 1;
-  (void)!::write(wake_fd_.get(), &one, sizeof(one));
-  auto parked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pause_mu_) {
-    return parked_ || exited_;
-  };
-  pause_mu_.Await(absl::Condition(&parked));
-}
-
-void ShmDataServer::Resume() {
-  absl::MutexLock lock(&pause_mu_);
-  if (!paused_) return;
-  paused_ = false;
-  uint64_t one = 1;
-  (void)!::write(wake_fd_.get(), &one, sizeof(one));
-}
-
-bool ShmDataServer::AcceptAllowed() {
-  absl::MutexLock lock(&pause_mu_);
-  parked_ = paused_;
-  return !paused_;
 }
 
 void ShmDataServer::Discard(std::vector<UniqueFd> fds) {
@@ -675,7 +648,7 @@ void ShmDataServer::Run() {
   std::vector<pollfd> pfds;
   while (!stopping_.load()) {
     const absl::Time now = absl::Now();
-    const bool accepting = AcceptAllowed() && now >= accept_resume;
+    const bool accepting = pause_.AcceptAllowed() && now >= accept_resume;
     pfds.clear();
     pfds.push_back({wake_fd_.get(), POLLIN, 0});
     // A negative fd is ignored by poll(): the listen socket while backing off.

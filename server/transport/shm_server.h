@@ -29,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/accept_pause.h"
 #include "common/fd.h"
 #include "common/thread_pool.h"
 #include "common/unix_socket.h"
@@ -93,8 +94,8 @@ class ShmDataServer {
   // A hand-over: stops accepting new connections (open ones are served on)
   // until Resume(); when Pause() returns, no accept is in progress. The
   // listening socket stays open (a successor accepts on it).
-  void Pause() ABSL_LOCKS_EXCLUDED(pause_mu_);
-  void Resume() ABSL_LOCKS_EXCLUDED(pause_mu_);
+  void Pause() { pause_.Pause(); }
+  void Resume() { pause_.Resume(); }
   // Stop() leaves the socket file (a successor serves it).
   void KeepSocketFile(bool keep = true) { keep_file_.store(keep); }
   int listen_fd() const { return listen_fd_.get(); }
@@ -132,12 +133,7 @@ class ShmDataServer {
   UniqueFd done_fd_;  // eventfd: a push finished (see done_)
   std::atomic<bool> stopping_{false};
   std::atomic<bool> keep_file_{false};
-  absl::Mutex pause_mu_;
-  bool paused_ ABSL_GUARDED_BY(pause_mu_) = false;
-  bool parked_ ABSL_GUARDED_BY(pause_mu_) = false;  // the thread saw paused_
-  bool exited_ ABSL_GUARDED_BY(pause_mu_) = false;  // the thread has returned
-  // Polling thread: whether to accept now (records that it saw a pause).
-  bool AcceptAllowed() ABSL_LOCKS_EXCLUDED(pause_mu_);
+  AcceptPause pause_;  // after wake_fd_, whose fd it borrows
   std::atomic<uint64_t> open_{0};
   absl::Mutex done_mu_;
   std::vector<PushDone> done_ ABSL_GUARDED_BY(done_mu_);

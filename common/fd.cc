@@ -13,8 +13,11 @@
 #include <cstdio>
 #include <cstring>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 #ifndef MFD_HUGE_2MB
 #define MFD_HUGE_2MB (21U << 26)  // MFD_HUGE_SHIFT = 26, log2(2 MiB) = 21
@@ -383,6 +386,19 @@ absl::StatusOr<std::string> ReadFdToString(int fd, absl::string_view path, uint6
     return absl::Status(read.code(), absl::StrCat("reading ", path, ": ", read.message()));
   }
   return out;
+}
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path, absl::string_view flag) {
+  absl::StatusOr<std::string> text = ReadFileToString(path, 1 << 20);
+  if (!text.ok()) return text.status();
+  for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || line[0] == '#') continue;
+    std::vector<absl::string_view> w =
+        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    return std::string(w.back());
+  }
+  return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": no token"));
 }
 
 absl::Status WriteFull(int fd, const void* buf, size_t size) {

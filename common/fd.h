@@ -182,6 +182,10 @@ absl::Status PreadFull(int fd, void* buf, size_t size, uint64_t offset);
 // socket or device is refused at once (opened O_NONBLOCK, checked before
 // any read), never waited on.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t cap);
+// The bearer token of a token file: its first non-blank, non-comment
+// line's last word (a "NAME TOKEN" line of a daemon's --auth-token-file
+// works too). INVALID_ARGUMENT "<flag> <path>: no token" when it has none.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path, absl::string_view flag);
 // As ReadFileToString, from an open fd (read with pread from offset 0);
 // `path` names it in messages.
 absl::StatusOr<std::string> ReadFdToString(int fd, absl::string_view path, uint64_t cap);

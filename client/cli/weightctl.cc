@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
@@ -647,20 +646,7 @@ absl::Status Run(int argc, char** argv) {
   if (i >= words.size()) return absl::InvalidArgumentError(absl::StrCat("no verb given\n", kUsage));
   if (copt.socket.empty() && copt.target.empty()) copt.socket = "/run/weightd/weightd.sock";
   if (!token_file.empty()) {
-    // The file's first non-blank line is the token (a "NAME TOKEN" line of
-    // the daemon's token file works too: the last word is the token).
-    WD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(token_file, 1 << 20));
-    copt.token.clear();
-    for (absl::string_view line : absl::StrSplit(text, '\n')) {
-      line = absl::StripAsciiWhitespace(line);
-      if (line.empty() || line[0] == '#') continue;
-      std::vector<absl::string_view> w = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
-      copt.token = std::string(w.back());
-      break;
-    }
-    if (copt.token.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("--token-file ", token_file, ": no token"));
-    }
+    WD_ASSIGN_OR_RETURN(copt.token, ReadTokenFile(token_file, "--token-file"));
   }
   std::string verb = words[i];
   std::vector<std::string> rest(words.begin() + i + 1, words.end());

@@ -12,10 +12,8 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "common/fd.h"
 #include "common/log.h"
 #include "common/status_macros.h"
@@ -92,20 +90,6 @@ absl::StatusOr<std::vector<std::string>> Resolve(const std::string& name_port) {
   return std::vector<std::string>(out.begin(), out.end());
 }
 
-// The token of a token file: its first non-blank, non-comment line's last
-// word (a "NAME TOKEN" line of a daemon's --auth-token-file works too).
-absl::StatusOr<std::string> ReadToken(const std::string& path) {
-  WD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, 1 << 20));
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    line = absl::StripAsciiWhitespace(line);
-    if (line.empty() || line[0] == '#') continue;
-    std::vector<absl::string_view> w =
-        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
-    return std::string(w.back());
-  }
-  return absl::InvalidArgumentError(absl::StrCat("--peer-token-file ", path, ": no token"));
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PeerTable>> PeerTable::Start(PeerOptions options) {
@@ -121,7 +105,7 @@ absl::StatusOr<std::unique_ptr<PeerTable>> PeerTable::Start(PeerOptions options)
     creds = grpc::SslCredentials(ssl);
   }
   if (!options.token_file.empty()) {
-    WD_ASSIGN_OR_RETURN(channels->token, ReadToken(options.token_file));
+    WD_ASSIGN_OR_RETURN(channels->token, ReadTokenFile(options.token_file, "--peer-token-file"));
   }
   channels->creds = std::move(creds);
   for (const std::string& address : options.addresses) {

@@ -68,7 +68,7 @@ struct DaemonFlags {
   std::string state_dir;
   bool serve_during_restore = false;
   bool take_over = false;
-  std::string handover_socket;  // default <socket>.handover
+  std::string handover_socket;  // default <state-dir>/handover.sock
   AdoptVerify take_over_verify = AdoptVerify::kFull;
   PeerOptions peers;
 };
@@ -396,6 +396,18 @@ pthread_t g_main_thread;
 
 void ForwardToMainThread(int sig) { ::pthread_kill(g_main_thread, sig); }
 
+// What a daemon serves, as a hand-over compares it: every model's name,
+// generation and served content (weights_id), by name.
+std::vector<HandoverModel> ServedModels(const WeightService& service) {
+  std::vector<HandoverModel> out;
+  for (const ModelSummary& m : service.ListModels()) {
+    out.push_back({m.name, m.generation, m.content.Hex()});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const HandoverModel& a, const HandoverModel& b) { return a.name < b.name; });
+  return out;
+}
+
 // True when a process accepts connections on the Unix socket at `path`.
 bool SomeoneListens(const std::string& path) {
   auto fd = ConnectUnix(path);
@@ -534,7 +546,7 @@ int Main(int argc, char** argv) {
     return Fail(absl::FailedPreconditionError(absl::StrCat(
         "a daemon already serves on ", flags.grpc.unix_socket,
         flags.take_over
-            ? absl::StrCat(" and offers no hand-over at ", flags.handover_socket.empty() ? "(none: no --state-dir)" : flags.handover_socket,
+            ? absl::StrCat(" and offers no hand-over at ", flags.handover_socket,
                            " (it is still restoring, runs with another or no --state-dir, or "
                            "predates hand-overs); retry later, or stop it first")
             : "; stop it first, or start this one with --take-over")));
@@ -654,14 +666,8 @@ int Main(int argc, char** argv) {
           " (restore_skipped in the log); the running daemon serves on")));
     }
     {
-      std::vector<HandoverModel> mine;
-      for (const ModelSummary& m : (*service)->ListModels()) {
-        mine.push_back({m.name, m.generation, m.content.Hex()});
-      }
-      std::vector<HandoverModel> theirs = taking->received().models;
-      auto by_name = [](const HandoverModel& a, const HandoverModel& b) { return a.name < b.name; };
-      std::sort(mine.begin(), mine.end(), by_name);
-      std::sort(theirs.begin(), theirs.end(), by_name);
+      const std::vector<HandoverModel> mine = ServedModels(**service);
+      const std::vector<HandoverModel>& theirs = taking->received().models;  // by name
       if (mine != theirs) {
         auto show = [](const std::vector<HandoverModel>& v) {
           std::vector<std::string> out;
@@ -790,14 +796,9 @@ int Main(int argc, char** argv) {
         store != nullptr && !store->WaitIdle(absl::Seconds(60))) {
       return absl::UnavailableError("published weights were still being saved after 60 s");
     }
-    std::vector<HandoverModel> models;
-    for (const ModelSummary& m : svc->ListModels()) {
-      models.push_back({m.name, m.generation, m.content.Hex()});
-    }
-    return MakeHandoverOffer(flags.state_dir, svc->leases()->next_id(), g->unix_listen_fd(),
-                             d->listen_fd(), handover_raw.load()->listen_fd(),
-                             svc->resident_checkpoints(), svc->checkpoint_segment_bytes(),
-                             models);
+    return MakeHandoverOffer(flags.state_dir, g->unix_listen_fd(), d->listen_fd(),
+                             handover_raw.load()->listen_fd(), svc->resident_checkpoints(),
+                             svc->checkpoint_segment_bytes(), ServedModels(*svc));
   };
   hooks.pause = [&, g, d, svc]() -> uint64_t {
     g->Restoring(absl::UnavailableError("weightd is handing over to a new daemon; retry"));

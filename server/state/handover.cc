@@ -153,8 +153,8 @@ std::string HostName() {
   return buf;
 }
 
-HandoverOffer MakeHandoverOffer(const std::string& state_dir, uint64_t next_lease_id,
-                                int grpc_listen_fd, int data_listen_fd, int handover_listen_fd,
+HandoverOffer MakeHandoverOffer(const std::string& state_dir, int grpc_listen_fd,
+                                int data_listen_fd, int handover_listen_fd,
                                 const ResidentCheckpoints& resident,
                                 uint64_t segment_target_bytes,
                                 const std::vector<HandoverModel>& models) {
@@ -169,7 +169,6 @@ HandoverOffer MakeHandoverOffer(const std::string& state_dir, uint64_t next_leas
   }
   m["models"] = std::move(served);
   m["pid"] = static_cast<int64_t>(::getpid());
-  m["next_lease_id"] = next_lease_id;
   offer.fds = {grpc_listen_fd, data_listen_fd, handover_listen_fd};
   m["grpc_listen_fd"] = 0;
   m["data_listen_fd"] = 1;
@@ -229,7 +228,8 @@ absl::StatusOr<HandoverReceived> ParseHandoverManifest(const std::string& manife
       r.models.push_back({model.at(0).get<std::string>(), model.at(1).get<uint64_t>(),
                           model.at(2).get<std::string>()});
     }
-    r.next_lease_id = m.at("next_lease_id").get<uint64_t>();
+    std::sort(r.models.begin(), r.models.end(),
+              [](const HandoverModel& a, const HandoverModel& b) { return a.name < b.name; });
     if (m.at("fds").get<uint64_t>() != fds.size()) {
       return bad(absl::StrCat("names ", m.at("fds").get<uint64_t>(), " fds, ", fds.size(),
                               " arrived"));
@@ -493,7 +493,7 @@ absl::StatusOr<uint64_t> HandoverClient::Ready(absl::Duration timeout) {
   if (!j.is_object() || !j.contains("next_lease_id") || !j["next_lease_id"].is_number_unsigned()) {
     return absl::InvalidArgumentError("GO without next_lease_id");
   }
-  return std::max(j["next_lease_id"].get<uint64_t>(), received_.next_lease_id);
+  return j["next_lease_id"].get<uint64_t>();
 }
 
 absl::Status HandoverClient::Started(absl::Duration timeout) {

@@ -82,11 +82,11 @@ struct HandoverModel {
   }
 };
 
-// The offer of a daemon: its pid, host, --state-dir, models, the next lease
-// id, its listening sockets and every checkpoint in `resident` with the
-// segment size it was laid out with and each tensor's digest and place.
-HandoverOffer MakeHandoverOffer(const std::string& state_dir, uint64_t next_lease_id,
-                                int grpc_listen_fd, int data_listen_fd, int handover_listen_fd,
+// The offer of a daemon: its pid, host, --state-dir, models, its
+// listening sockets and every checkpoint in `resident` with the segment
+// size it was laid out with and each tensor's digest and place. (The next
+// lease id comes with GO, once no call can grant another.)
+HandoverOffer MakeHandoverOffer(const std::string& state_dir, int grpc_listen_fd, int data_listen_fd, int handover_listen_fd,
                                 const ResidentCheckpoints& resident,
                                 uint64_t segment_target_bytes,
                                 const std::vector<HandoverModel>& models);
@@ -99,8 +99,7 @@ struct HandoverReceived {
   int64_t pid = 0;
   std::string state_dir;  // the predecessor's --state-dir (its journal)
   std::string host;
-  std::vector<HandoverModel> models;
-  uint64_t next_lease_id = 0;
+  std::vector<HandoverModel> models;  // by name
   UniqueFd grpc_listen_fd;
   UniqueFd data_listen_fd;
   UniqueFd handover_listen_fd;  // the successor serves its own successor on it

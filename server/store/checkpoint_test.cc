@@ -219,63 +219,54 @@ TEST_F(CheckpointTest, DonatedSegmentsAreAdoptedOnlyWhenTheyCheckOut) {
     }
   };
   const ino_t original = inode((*a)->host_segments()[0]->fd());
+  // Loads `file` with `d` donated: the checkpoint, and what became of `d`.
+  struct Outcome {
+    std::shared_ptr<const Checkpoint> loaded;
+    uint64_t adopted = 0, refused = 0;
+    size_t unused = 0;
+  };
+  auto load_with = [&](DonatedCheckpoint d, AdoptVerify verify, const std::string& file) {
+    DonatedCheckpoints donated(verify);
+    donated.Add(std::move(d));
+    CheckpointLoadOptions o2 = Options();
+    o2.donated = &donated;
+    auto b = LoadCheckpoint(file, o2);
+    EXPECT_TRUE(b.ok()) << b.status();
+    return Outcome{b.ok() ? *b : nullptr, donated.adopted(), donated.refused(),
+                   donated.DropUnused()};
+  };
+  // Refused: the files are read into new memory, the same bytes.
+  auto expect_read_instead = [&](DonatedCheckpoint d, AdoptVerify verify) {
+    Outcome r = load_with(std::move(d), verify, path);
+    ASSERT_NE(r.loaded, nullptr);
+    EXPECT_EQ(r.refused, 1u);
+    EXPECT_EQ(r.adopted, 0u);
+    EXPECT_NE(inode(r.loaded->host_segments()[0]->fd()), original) << "read into new memory";
+    same_tensors(*r.loaded);
+  };
 
   for (AdoptVerify verify : {AdoptVerify::kFull, AdoptVerify::kSample, AdoptVerify::kNone}) {
-    DonatedCheckpoints donated(verify);
-    donated.Add(donation(o.segment_target_bytes));
-    CheckpointLoadOptions o2 = Options();
-    o2.donated = &donated;
-    auto b = LoadCheckpoint(path, o2);
-    ASSERT_TRUE(b.ok()) << b.status();
-    EXPECT_EQ(donated.adopted(), 1u) << AdoptVerifyName(verify);
-    EXPECT_EQ(donated.refused(), 0u);
-    EXPECT_EQ(inode((*b)->host_segments()[0]->fd()), original) << "the very same memory";
-    same_tensors(**b);
-    EXPECT_EQ(donated.DropUnused(), 0u) << "taken by the load";
+    Outcome r = load_with(donation(o.segment_target_bytes), verify, path);
+    ASSERT_NE(r.loaded, nullptr);
+    EXPECT_EQ(r.adopted, 1u) << AdoptVerifyName(verify);
+    EXPECT_EQ(r.refused, 0u);
+    EXPECT_EQ(inode(r.loaded->host_segments()[0]->fd()), original) << "the very same memory";
+    same_tensors(*r.loaded);
+    EXPECT_EQ(r.unused, 0u) << "taken by the load";
   }
 
-  // A digest that does not match the bytes: refused, the files read.
+  // A digest that does not match the bytes.
+  DonatedCheckpoint wrong_digest = donation(o.segment_target_bytes);
+  wrong_digest.digests["bias"].bytes[0] ^= 1;
+  expect_read_instead(std::move(wrong_digest), AdoptVerify::kFull);
+  // A tensor the predecessor had elsewhere (another layout).
+  DonatedCheckpoint elsewhere = donation(o.segment_target_bytes);
+  elsewhere.places["c"].offset += 4;
+  expect_read_instead(std::move(elsewhere), AdoptVerify::kNone);
+  // Laid out with another --checkpoint-segment-bytes.
+  expect_read_instead(donation(o.segment_target_bytes * 2), AdoptVerify::kNone);
+  // A memfd anyone may still write, whatever it holds.
   {
-    DonatedCheckpoints donated(AdoptVerify::kFull);
-    DonatedCheckpoint d = donation(o.segment_target_bytes);
-    d.digests["bias"].bytes[0] ^= 1;
-    donated.Add(std::move(d));
-    CheckpointLoadOptions o2 = Options();
-    o2.donated = &donated;
-    auto b = LoadCheckpoint(path, o2);
-    ASSERT_TRUE(b.ok()) << b.status();
-    EXPECT_EQ(donated.refused(), 1u);
-    EXPECT_EQ(donated.adopted(), 0u);
-    EXPECT_NE(inode((*b)->host_segments()[0]->fd()), original) << "read into new memory";
-    same_tensors(**b);
-  }
-  // A tensor the predecessor had elsewhere (another layout): refused.
-  {
-    DonatedCheckpoints donated(AdoptVerify::kNone);
-    DonatedCheckpoint d = donation(o.segment_target_bytes);
-    d.places["c"].offset += 4;
-    donated.Add(std::move(d));
-    CheckpointLoadOptions o2 = Options();
-    o2.donated = &donated;
-    auto b = LoadCheckpoint(path, o2);
-    ASSERT_TRUE(b.ok()) << b.status();
-    EXPECT_EQ(donated.refused(), 1u);
-    same_tensors(**b);
-  }
-  // Laid out with another --checkpoint-segment-bytes: refused.
-  {
-    DonatedCheckpoints donated(AdoptVerify::kNone);
-    donated.Add(donation(o.segment_target_bytes * 2));
-    CheckpointLoadOptions o2 = Options();
-    o2.donated = &donated;
-    auto b = LoadCheckpoint(path, o2);
-    ASSERT_TRUE(b.ok()) << b.status();
-    EXPECT_EQ(donated.refused(), 1u);
-    same_tensors(**b);
-  }
-  // A memfd anyone may still write: refused, whatever it holds.
-  {
-    DonatedCheckpoints donated(AdoptVerify::kNone);
     DonatedCheckpoint d = donation(o.segment_target_bytes);
     const uint64_t size = (*a)->host_segments()[0]->size();
     UniqueFd open_fd(::memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
@@ -284,26 +275,14 @@ TEST_F(CheckpointTest, DonatedSegmentsAreAdoptedOnlyWhenTheyCheckOut) {
     ASSERT_EQ(::pwrite(open_fd.get(), (*a)->host_segments()[0]->data(), size, 0),
               static_cast<ssize_t>(size));
     d.segment_fds[0] = std::move(open_fd);
-    donated.Add(std::move(d));
-    CheckpointLoadOptions o2 = Options();
-    o2.donated = &donated;
-    auto b = LoadCheckpoint(path, o2);
-    ASSERT_TRUE(b.ok()) << b.status();
-    EXPECT_EQ(donated.refused(), 1u);
-    same_tensors(**b);
+    expect_read_instead(std::move(d), AdoptVerify::kNone);
   }
   // Files other than the donation's: it stays unused.
-  {
-    const std::string other = WriteFile("b.safetensors", {{"w", 3000}, {"bias", 10}, {"c", 7}});
-    DonatedCheckpoints donated(AdoptVerify::kNone);
-    donated.Add(donation(o.segment_target_bytes));
-    CheckpointLoadOptions o2 = Options();
-    o2.donated = &donated;
-    auto b = LoadCheckpoint(other, o2);
-    ASSERT_TRUE(b.ok()) << b.status();
-    EXPECT_EQ(donated.adopted() + donated.refused(), 0u);
-    EXPECT_EQ(donated.DropUnused(), 1u);
-  }
+  const std::string other = WriteFile("b.safetensors", {{"w", 3000}, {"bias", 10}, {"c", 7}});
+  Outcome r = load_with(donation(o.segment_target_bytes), AdoptVerify::kNone, other);
+  ASSERT_NE(r.loaded, nullptr);
+  EXPECT_EQ(r.adopted + r.refused, 0u);
+  EXPECT_EQ(r.unused, 1u);
 }
 
 }  // namespace

@@ -670,22 +670,31 @@ absl::Status Client::Health() {
 absl::StatusOr<ModelInfo> Client::Load(
     const std::string& name, const std::string& path, const std::string& profile_json,
     const std::function<void(const LoadProgressUpdate&)>& progress,
-    const std::vector<std::string>& readers) {
+    const std::vector<std::string>& readers, const std::string& source) {
   grpc::ClientContext ctx;
   v1::LoadRequest req;
   req.set_name(name);
   req.set_path(path);
   req.set_profile_json(profile_json);
   for (const std::string& r : readers) req.add_readers(r);
+  if (source == "storage") {
+    req.set_source(v1::LOAD_SOURCE_STORAGE);
+  } else if (source == "peers") {
+    req.set_source(v1::LOAD_SOURCE_PEERS);
+  } else if (source != "auto" && !source.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--source: expected auto, storage or peers, got \"", source, "\""));
+  }
   auto reader = channel_->models->Load(&ctx, req);
   v1::LoadProgress msg;
   std::optional<ModelInfo> info;
   while (reader->Read(&msg)) {
-    if (msg.done()) {
-      info = ToModelInfo(msg.model());
-    } else if (progress) {
+    if (msg.done()) info = ToModelInfo(msg.model());
+    if (progress) {
       progress(LoadProgressUpdate{msg.bytes_done(), msg.bytes_total(), msg.tensors_done(),
-                                  msg.tensors_total(), msg.current_file()});
+                                  msg.tensors_total(), msg.current_file(),
+                                  msg.bytes_from_storage(), msg.bytes_from_peers(),
+                                  {msg.peers().begin(), msg.peers().end()}, msg.done()});
     }
   }
   WD_RETURN_IF_ERROR(FromGrpc(reader->Finish()));

@@ -103,6 +103,10 @@ struct GenerationEvent {
 struct LoadProgressUpdate {
   uint64_t bytes_done = 0, bytes_total = 0, tensors_done = 0, tensors_total = 0;
   std::string current_file;
+  // Where the bytes done came from: storage, and peers (their addresses).
+  uint64_t bytes_from_storage = 0, bytes_from_peers = 0;
+  std::vector<std::string> peers;
+  bool done = false;  // the last update, once the model is loaded
 };
 
 // A GPU the daemon found (named by UUID on the wire).
@@ -289,7 +293,10 @@ class Client {
   absl::StatusOr<ModelInfo> Load(const std::string& name, const std::string& path,
                                  const std::string& profile_json,
                                  const std::function<void(const LoadProgressUpdate&)>& progress,
-                                 const std::vector<std::string>& readers = {});
+                                 const std::vector<std::string>& readers = {},
+                                 // "auto" (peers holding the same files, else
+                                 // storage), "storage" or "peers".
+                                 const std::string& source = "auto");
   absl::Status Unload(const std::string& name);
   absl::StatusOr<std::vector<ModelInfo>> List();
   absl::StatusOr<ModelInfo> GetModel(const std::string& name);

@@ -205,6 +205,19 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
             "TLS to peers, verified against this CA; --tls-cert/--tls-key are presented as "
             "this daemon's client certificate",
             K::kValue, StringInto(&f->peers.tls_ca_file)})
+      .Add({"read-chunk-bytes", "N",
+            "bytes per read of a checkpoint, from storage or a peer (1 MiB..256 MiB, default "
+            "16 MiB)",
+            K::kValue, Uint64Into("read-chunk-bytes", &f->service.read_chunk_bytes, 1ull << 20,
+                                  256ull << 20)})
+      .Add({"peer-streams", "N",
+            "ranges a load transfers from peers at once (1..64, default 4)", K::kValue,
+            [f](const std::string& v) -> absl::Status {
+              uint64_t n = 0;
+              WD_RETURN_IF_ERROR(Uint64Into("peer-streams", &n, 1, 64)(v));
+              f->service.peer_streams = static_cast<int>(n);
+              return absl::OkStatus();
+            }})
       .Add({"warm-reserve-bytes", "N", "pre-faulted output segments kept ready (0 = off)",
             K::kValue, Uint64Into("warm-reserve-bytes", &f->service.warm_reserve_bytes)})
       .Add({"reserve-chunk-bytes", "N", "size of a warm-reserve chunk (>= 4096)", K::kValue,
@@ -584,6 +597,18 @@ int Main(int argc, char** argv) {
     flags.grpc.changes_closed_at_start = why;
     if (!flags.serve_during_restore) flags.grpc.closed_at_start = why;
   }
+  // Before the service, which borrows it (loads ask peers for bytes), and
+  // destroyed after it.
+  std::unique_ptr<PeerTable> peer_table;
+  if (!flags.peers.addresses.empty() || !flags.peers.dns.empty()) {
+    flags.peers.tls_cert_file = flags.grpc.tls_cert_file;
+    flags.peers.tls_key_file = flags.grpc.tls_key_file;
+    auto started = PeerTable::Start(flags.peers);
+    if (!started.ok()) return Fail(started.status());
+    peer_table = std::move(*started);
+    flags.grpc.peers = peer_table.get();
+    flags.service.peers = peer_table.get();
+  }
   auto service = WeightService::Create(flags.service);
   if (!service.ok()) return Fail(service.status());
   // Preloads of names a restore brought back are skipped (the journal's
@@ -716,15 +741,6 @@ int Main(int argc, char** argv) {
   // Taking over: the socket files stay whatever happens until DONE (the
   // predecessor may be serving on them again).
   if (taking != nullptr) (*data)->KeepSocketFile(true);
-  std::unique_ptr<PeerTable> peer_table;
-  if (!flags.peers.addresses.empty() || !flags.peers.dns.empty()) {
-    flags.peers.tls_cert_file = flags.grpc.tls_cert_file;
-    flags.peers.tls_key_file = flags.grpc.tls_key_file;
-    auto started = PeerTable::Start(flags.peers);
-    if (!started.ok()) return Fail(started.status());
-    peer_table = std::move(*started);
-    flags.grpc.peers = peer_table.get();
-  }
   auto grpc = GrpcServer::Start(flags.grpc, service->get());
   if (!grpc.ok()) return Fail(grpc.status());
   if (taking != nullptr) (*grpc)->KeepSocketFile(true);

@@ -39,6 +39,7 @@ constexpr char kUsage[] =
     "   the daemon restarts, for up to SECONDS; default 0 = fail at once)\n"
     "  health\n"
     "  load NAME PATH [--profile FILE] [--readers uid:N,gid:N,token:NAME,cn:NAME]\n"
+    "       [--source auto|storage|peers]   (auto: peers holding the same files, else storage)\n"
     "  unload NAME | list | info NAME | stats | verify NAME | gpus | peers\n"
     "  fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
     "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc|push|cuda [--device N]]\n"
@@ -180,10 +181,15 @@ absl::Status CmdLoad(Client& c, const Args& a) {
   const bool tty = ::isatty(STDERR_FILENO);
   ProgressLine line("loading", a.positional[0], tty);
   absl::Time start = absl::Now();
-  auto progress = [&](const LoadProgressUpdate& p) { line.Report(p.bytes_done, p.bytes_total); };
+  LoadProgressUpdate last;
+  auto progress = [&](const LoadProgressUpdate& p) {
+    last = p;
+    if (!p.done) line.Report(p.bytes_done, p.bytes_total);
+  };
   std::vector<std::string> readers;
   if (a.Has("--readers")) readers.push_back(a.Get("--readers"));
-  auto info = c.Load(a.positional[0], a.positional[1], profile, progress, readers);
+  const std::string source = a.Has("--source") ? a.Get("--source") : "auto";
+  auto info = c.Load(a.positional[0], a.positional[1], profile, progress, readers, source);
   if (tty) std::fprintf(stderr, "\n");
   if (!info.ok()) return info.status();
   double secs = absl::ToDoubleSeconds(absl::Now() - start);
@@ -192,6 +198,11 @@ absl::Status CmdLoad(Client& c, const Args& a) {
               HumanBytes(info->total_bytes).c_str(), secs,
               secs > 0 ? info->total_bytes / secs / 1e9 : 0.0,
               static_cast<unsigned long long>(info->generation));
+  if (last.bytes_from_peers > 0) {
+    std::printf("from peers %s: %s; from storage: %s\n", absl::StrJoin(last.peers, ",").c_str(),
+                HumanBytes(last.bytes_from_peers).c_str(),
+                HumanBytes(last.bytes_from_storage).c_str());
+  }
   for (const std::string& line : info->report) std::printf("%s\n", line.c_str());
   return absl::OkStatus();
 }
@@ -657,7 +668,7 @@ absl::Status Run(int argc, char** argv) {
     return CmdHealth(*client);
   }
   if (verb == "load") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--profile", "--readers"}, {}));
+    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--profile", "--readers", "--source"}, {}));
     return CmdLoad(*client, a);
   }
   if (verb == "unload") {

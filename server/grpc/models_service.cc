@@ -1,5 +1,6 @@
 #include "server/grpc/services.h"
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -17,6 +18,16 @@
 
 namespace weightd {
 namespace {
+
+absl::StatusOr<Digest> KeyOf(const std::string& bytes) {
+  Digest d;
+  if (bytes.size() != d.bytes.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a checkpoint key is ", d.bytes.size(), " bytes, got ", bytes.size()));
+  }
+  std::memcpy(d.bytes.data(), bytes.data(), d.bytes.size());
+  return d;
+}
 
 void FillPublishResult(const WeightService::PublishResult& r, v1::PublishResult* out) {
   out->set_model(r.generation.model);
@@ -114,19 +125,35 @@ class ModelsImpl final : public v1::Models::CallbackService {
     v1::LoadRequest copy = *req;
     absl::Status started = long_calls_->Start([this, writer, copy = std::move(copy)] {
       std::vector<std::string> readers(copy.readers().begin(), copy.readers().end());
+      LoadSource source = LoadSource::kAuto;
+      switch (copy.source()) {
+        case v1::LOAD_SOURCE_STORAGE: source = LoadSource::kStorage; break;
+        case v1::LOAD_SOURCE_PEERS: source = LoadSource::kPeers; break;
+        default: break;
+      }
+      // The last report's sources go into the final message.
+      auto last = std::make_shared<LoadProgressInfo>();
       auto result = service_->LoadModel(
-          copy.name(), copy.path(), copy.profile_json(), [writer](const LoadProgressInfo& p) {
+          copy.name(), copy.path(), copy.profile_json(),
+          [writer, last](const LoadProgressInfo& p) {
+            *last = p;
             v1::LoadProgress msg;
             msg.set_bytes_done(p.bytes_done);
             msg.set_bytes_total(p.bytes_total);
             msg.set_tensors_done(p.tensors_done);
             msg.set_tensors_total(p.tensors_total);
             msg.set_current_file(p.current_file);
+            msg.set_bytes_from_storage(p.bytes_from_storage);
+            msg.set_bytes_from_peers(p.bytes_from_peers);
+            for (const std::string& peer : p.peers) msg.add_peers(peer);
             writer->Push(std::move(msg), /*replaceable=*/true);
           },
-          readers);
+          readers, source);
       if (result.ok()) {
         v1::LoadProgress done;
+        done.set_bytes_from_storage(last->bytes_from_storage);
+        done.set_bytes_from_peers(last->bytes_from_peers);
+        for (const std::string& peer : last->peers) done.add_peers(peer);
         done.set_done(true);
         done.set_bytes_done(result->total_bytes);
         done.set_bytes_total(result->total_bytes);
@@ -318,6 +345,44 @@ class ModelsImpl final : public v1::Models::CallbackService {
     return reactor;
   }
 
+  grpc::ServerUnaryReactor* FindCheckpoint(grpc::CallbackServerContext* ctx,
+                                           const v1::FindCheckpointRequest* req,
+                                           v1::FindCheckpointResponse* resp) override {
+    auto who = auth_->AuthenticateAdmin(ctx, "replicate checkpoints");
+    if (!who.ok()) return Refuse(ctx, who.status());
+    auto key = KeyOf(req->key());
+    if (!key.ok()) return Refuse(ctx, key.status());
+    std::vector<CheckpointRange> samples;
+    for (const v1::CheckpointRange& r : req->samples()) {
+      samples.push_back({r.file(), r.offset(), r.length()});
+    }
+    // Digests up to 4096 MiB of samples: on the pool.
+    return RunOnPool(ctx, pool_, drain_, [this, resp, key = *key, samples = std::move(samples)] {
+      WD_ASSIGN_OR_RETURN(PeerHolding held, service_->FindHeld(key, samples));
+      for (const std::vector<Digest>& file : held.tensor_digests) {
+        std::string* out = resp->add_tensor_digests();
+        out->reserve(file.size() * 16);
+        for (const Digest& d : file) out->append(d.View().data(), d.View().size());
+      }
+      for (const Digest& d : held.sample_digests) resp->add_sample_digests(std::string(d.View()));
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerWriteReactor<v1::ReadChunk>* ReadCheckpoint(
+      grpc::CallbackServerContext* ctx, const v1::ReadCheckpointRequest* req) override {
+    auto who = auth_->AuthenticateAdmin(ctx, "replicate checkpoints");
+    if (!who.ok()) return RefuseStream<v1::ReadChunk>(who.status());
+    auto key = KeyOf(req->key());
+    if (!key.ok()) return RefuseStream<v1::ReadChunk>(key.status());
+    const v1::CheckpointRange& r = req->range();
+    auto range = service_->ReadHeld(*key, {r.file(), r.offset(), r.length()});
+    if (!range.ok()) return RefuseStream<v1::ReadChunk>(range.status());
+    auto hold = drain_->Enter();
+    if (!hold.ok()) return RefuseStream<v1::ReadChunk>(hold.status());
+    return new ReadReactor(std::move(*range), std::move(*hold));  // deletes itself in OnDone
+  }
+
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest*,
                                   v1::StatsResponse* resp) override {
     auto who = auth_->Authenticate(ctx);
@@ -332,6 +397,15 @@ class ModelsImpl final : public v1::Models::CallbackService {
     resp->set_publish_bytes(s.publish_bytes);
     resp->set_publish_seconds(s.publish_seconds);
     resp->set_publish_sessions(s.publish_sessions);
+    resp->set_load_bytes_storage(s.load_bytes_storage);
+    resp->set_load_bytes_peers(s.load_bytes_peers);
+    resp->set_bytes_sent_to_peers(s.bytes_sent_to_peers);
+    for (const auto& [peer, c] : s.peer_transfers) {
+      v1::PeerTransfer* t = resp->add_peer_transfers();
+      t->set_peer(peer);
+      t->set_bytes(c.bytes);
+      t->set_failures(c.failures);
+    }
     resp->set_materializations(s.materializer.entries);
     resp->set_materialization_bytes(s.materializer.packed_bytes);
     resp->set_cache_hits(s.materializer.hits);

@@ -7,8 +7,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <map>
+#include <optional>
 #include <set>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 
@@ -21,28 +24,45 @@
 
 namespace weightd {
 
-// One stub per peer address, made when first polled; the credentials and
-// token presented. Touched by the polling thread only.
+// One stub per peer address, made when first used; the credentials and
+// token presented. Thread-safe: the polling thread and loads share it.
 class PeerTable::Channels {
  public:
   std::shared_ptr<grpc::ChannelCredentials> creds;
-  std::map<std::string, std::unique_ptr<v1::Models::Stub>> stubs;
   std::string token;
 
-  v1::Models::Stub* StubFor(const std::string& address) {
-    auto it = stubs.find(address);
-    if (it != stubs.end()) return it->second.get();
+  std::shared_ptr<v1::Models::Stub> StubFor(const std::string& address) {
+    absl::MutexLock lock(&mu_);
+    auto it = stubs_.find(address);
+    if (it != stubs_.end()) return it->second;
     grpc::ChannelArguments args;
     // A peer that went away is tried again at the next poll, not after
     // gRPC's reconnect backoff (up to 2 min).
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
-    auto stub = v1::Models::NewStub(grpc::CreateCustomChannel(address, creds, args));
-    v1::Models::Stub* raw = stub.get();
-    stubs[address] = std::move(stub);
-    return raw;
+    // FindCheckpoint answers carry every tensor's digest; ReadChunks 4 MiB.
+    args.SetMaxReceiveMessageSize(-1);
+    auto stub = std::shared_ptr<v1::Models::Stub>(
+        v1::Models::NewStub(grpc::CreateCustomChannel(address, creds, args)));
+    stubs_[address] = stub;
+    return stub;
   }
+  // Forgets the stubs of addresses not in `keep` (loads using one keep it).
+  void KeepOnly(const std::vector<std::string>& keep) {
+    absl::MutexLock lock(&mu_);
+    for (auto it = stubs_.begin(); it != stubs_.end();) {
+      auto cur = it++;
+      if (std::find(keep.begin(), keep.end(), cur->first) == keep.end()) stubs_.erase(cur);
+    }
+  }
+  void Authorize(grpc::ClientContext& ctx) const {
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<v1::Models::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
 };
 
 namespace {
@@ -196,11 +216,11 @@ std::vector<std::string> PeerTable::Targets() {
 }
 
 void PeerTable::Poll(const std::string& address) {
-  v1::Models::Stub* stub = channels_->StubFor(address);
+  std::shared_ptr<v1::Models::Stub> stub = channels_->StubFor(address);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    absl::ToChronoMilliseconds(options_.call_timeout));
-  if (!channels_->token.empty()) ctx.AddMetadata("authorization", "Bearer " + channels_->token);
+  channels_->Authorize(ctx);
   v1::ListModelsResponse resp;
   grpc::Status s = stub->List(&ctx, v1::ListModelsRequest(), &resp);
   const absl::Time now = absl::Now();
@@ -236,12 +256,7 @@ void PeerTable::Poll(const std::string& address) {
 void PeerTable::Run() {
   while (true) {
     const std::vector<std::string> targets = Targets();
-    for (auto it = channels_->stubs.begin(); it != channels_->stubs.end();) {
-      auto cur = it++;
-      if (std::find(targets.begin(), targets.end(), cur->first) == targets.end()) {
-        channels_->stubs.erase(cur);
-      }
-    }
+    channels_->KeepOnly(targets);
     for (const std::string& address : targets) {
       Poll(address);
       absl::MutexLock lock(&mu_);
@@ -251,6 +266,116 @@ void PeerTable::Run() {
     auto stopped = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
     if (mu_.AwaitWithTimeout(absl::Condition(&stopped), options_.poll_interval)) return;
   }
+}
+
+namespace {
+
+std::string GrpcError(const grpc::Status& s) {
+  return absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())),
+                      ": ", s.error_message());
+}
+
+absl::Status FromGrpc(const grpc::Status& s, absl::string_view what) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(what, ": ", s.error_message()));
+}
+
+}  // namespace
+
+std::vector<PeerHolding> PeerTable::FindHolders(const Digest& key,
+                                                const std::vector<CheckpointRange>& samples) {
+  std::vector<std::string> ask;
+  for (const PeerState& p : Snapshot()) {
+    if (p.reachable || p.polled == absl::InfinitePast()) ask.push_back(p.address);
+  }
+  v1::FindCheckpointRequest req;
+  req.set_key(std::string(key.View()));
+  for (const CheckpointRange& r : samples) {
+    v1::CheckpointRange* out = req.add_samples();
+    out->set_file(r.file);
+    out->set_offset(r.offset);
+    out->set_length(r.length);
+  }
+  std::vector<std::optional<PeerHolding>> answers(ask.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < ask.size(); ++i) {
+    threads.emplace_back([&, i] {
+      std::shared_ptr<v1::Models::Stub> stub = channels_->StubFor(ask[i]);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       absl::ToChronoMilliseconds(options_.call_timeout));
+      channels_->Authorize(ctx);
+      v1::FindCheckpointResponse resp;
+      grpc::Status s = stub->FindCheckpoint(&ctx, req, &resp);
+      if (s.error_code() == grpc::StatusCode::NOT_FOUND) return;  // not a holder
+      if (!s.ok()) {
+        LogEvent(LogLevel::kWarning, "peer_find_failed",
+                 {{"peer", ask[i]}, {"error", GrpcError(s)}, {"action", "not asked for bytes"}});
+        return;
+      }
+      PeerHolding h;
+      h.peer = ask[i];
+      for (const std::string& file : resp.tensor_digests()) {
+        if (file.size() % 16 != 0) return;  // malformed: fails the caller's checks below
+        std::vector<Digest> digests(file.size() / 16);
+        for (size_t k = 0; k < digests.size(); ++k) {
+          std::memcpy(digests[k].bytes.data(), file.data() + 16 * k, 16);
+        }
+        h.tensor_digests.push_back(std::move(digests));
+      }
+      for (const std::string& d : resp.sample_digests()) {
+        Digest digest;
+        if (d.size() == 16) std::memcpy(digest.bytes.data(), d.data(), 16);
+        h.sample_digests.push_back(digest);
+      }
+      answers[i] = std::move(h);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  std::vector<PeerHolding> out;
+  for (auto& a : answers) {
+    if (a.has_value()) out.push_back(std::move(*a));
+  }
+  return out;
+}
+
+absl::Status PeerTable::ReadRange(const std::string& peer, const Digest& key,
+                                  const CheckpointRange& range, uint8_t* dest) {
+  std::shared_ptr<v1::Models::Stub> stub = channels_->StubFor(peer);
+  grpc::ClientContext ctx;
+  const absl::Duration deadline =
+      2 * options_.call_timeout + absl::Seconds(static_cast<double>(range.length) / (32 << 20));
+  ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline));
+  channels_->Authorize(ctx);
+  v1::ReadCheckpointRequest req;
+  req.set_key(std::string(key.View()));
+  req.mutable_range()->set_file(range.file);
+  req.mutable_range()->set_offset(range.offset);
+  req.mutable_range()->set_length(range.length);
+  auto reader = stub->ReadCheckpoint(&ctx, req);
+  v1::ReadChunk chunk;
+  uint64_t pos = 0;
+  absl::Status bad;
+  while (reader->Read(&chunk)) {
+    if (!bad.ok()) continue;
+    if (chunk.offset() != pos || chunk.data().size() > range.length - pos) {
+      bad = absl::DataLossError(absl::StrCat(
+          "peer ", peer, " sent bytes ", chunk.offset(), "+", chunk.data().size(), " of a range of ",
+          range.length, " where ", pos, " was next"));
+      ctx.TryCancel();
+      continue;
+    }
+    std::memcpy(dest + pos, chunk.data().data(), chunk.data().size());
+    pos += chunk.data().size();
+  }
+  grpc::Status s = reader->Finish();
+  if (!bad.ok()) return bad;
+  if (!s.ok()) return FromGrpc(s, absl::StrCat("reading from peer ", peer));
+  if (pos != range.length) {
+    return absl::DataLossError(absl::StrCat("peer ", peer, " sent ", pos, " of ", range.length,
+                                            " bytes"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace weightd

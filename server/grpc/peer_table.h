@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/store/peer_source.h"
 
 namespace weightd {
 
@@ -52,12 +53,14 @@ struct PeerState {
   std::vector<PeerModelState> models;
 };
 
-class PeerTable {
+// Also the peers loads get checkpoint bytes from (CheckpointPeers): the
+// peers asked are those whose last poll answered (or not polled yet).
+class PeerTable : public CheckpointPeers {
  public:
   // INVALID_ARGUMENT for an address that is not HOST:PORT, or credentials
   // that cannot be read. Polls at once, then every poll_interval.
   static absl::StatusOr<std::unique_ptr<PeerTable>> Start(PeerOptions options);
-  ~PeerTable();  // stops polling
+  ~PeerTable() override;  // stops polling
   PeerTable(const PeerTable&) = delete;
   PeerTable& operator=(const PeerTable&) = delete;
 
@@ -65,6 +68,14 @@ class PeerTable {
   const PeerOptions& options() const { return options_; }
   // Why the last resolution of options().dns failed; empty when it worked.
   std::string dns_error() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // CheckpointPeers. A range's deadline: twice the call timeout plus 32
+  // MiB/s of its length.
+  std::vector<PeerHolding> FindHolders(const Digest& key,
+                                       const std::vector<CheckpointRange>& samples) override
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ReadRange(const std::string& peer, const Digest& key,
+                         const CheckpointRange& range, uint8_t* dest) override;
 
   class Channels;
 

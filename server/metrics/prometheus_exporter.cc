@@ -128,6 +128,40 @@ class StatsCollectable : public prometheus::Collectable {
       pages.metric.push_back(std::move(m));
     }
     out.push_back(std::move(pages));
+    prometheus::MetricFamily sources;
+    sources.name = "weightd_load_source_bytes_total";
+    sources.help = "Checkpoint bytes loads took from storage and from peers.";
+    sources.type = MetricType::Counter;
+    for (const auto& [label, value] : {std::pair<const char*, uint64_t>{"storage", s.load_bytes_storage},
+                                       {"peers", s.load_bytes_peers}}) {
+      prometheus::ClientMetric m;
+      m.label.push_back({"source", label});
+      m.counter.value = static_cast<double>(value);
+      sources.metric.push_back(std::move(m));
+    }
+    out.push_back(std::move(sources));
+    prometheus::MetricFamily received, failures;
+    received.name = "weightd_peer_received_bytes_total";
+    received.help = "Checkpoint bytes loads received from each peer.";
+    received.type = MetricType::Counter;
+    failures.name = "weightd_peer_failures_total";
+    failures.help =
+        "Peers dropped from a load: ranges failed (error, stall) or bytes wrong, by peer.";
+    failures.type = MetricType::Counter;
+    for (const auto& [peer, c] : s.peer_transfers) {
+      prometheus::ClientMetric r, f;
+      r.label.push_back({"peer", peer});
+      r.counter.value = static_cast<double>(c.bytes);
+      f.label.push_back({"peer", peer});
+      f.counter.value = static_cast<double>(c.failures);
+      received.metric.push_back(std::move(r));
+      failures.metric.push_back(std::move(f));
+    }
+    out.push_back(std::move(received));
+    out.push_back(std::move(failures));
+    out.push_back(Scalar("weightd_peer_sent_bytes_total",
+                         "Checkpoint bytes this daemon sent to peers loading from it.",
+                         MetricType::Counter, s.bytes_sent_to_peers));
     out.push_back(Scalar("weightd_huge_page_fallbacks_total",
                          "Segments --huge-pages=auto wanted huge that got smaller pages.",
                          MetricType::Counter, s.page_fallbacks));

@@ -1,6 +1,7 @@
 #include "server/service/weight_service.h"
 
 #include <algorithm>
+#include <tuple>
 #include <cmath>
 
 #include "absl/container/flat_hash_set.h"
@@ -307,8 +308,9 @@ absl::StatusOr<ModelSummary> WeightService::LoadModel(const std::string& name,
                                                       const std::string& path,
                                                       const std::string& profile_json,
                                                       const LoadProgressFn& progress,
-                                                      const std::vector<std::string>& readers) {
-  return LoadModelImpl(name, path, profile_json, progress, readers, nullptr);
+                                                      const std::vector<std::string>& readers,
+                                                      LoadSource source) {
+  return LoadModelImpl(name, path, profile_json, progress, readers, nullptr, source);
 }
 
 absl::StatusOr<ModelSummary> WeightService::RestoreLoadModel(
@@ -321,7 +323,7 @@ absl::StatusOr<ModelSummary> WeightService::RestoreLoadModel(
 absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     const std::string& name, const std::string& path, const std::string& profile_json,
     const LoadProgressFn& progress, const std::vector<std::string>& readers,
-    const RestoreExpect* expect) {
+    const RestoreExpect* expect, LoadSource source) {
   WD_RETURN_IF_ERROR(ValidateModelName(name));
   WD_ASSIGN_OR_RETURN(ReaderList reader_list, ReaderList::Parse(readers));
   std::shared_ptr<const Profile> profile;
@@ -350,6 +352,12 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     opts.files = &roots_;
     opts.resident = &resident_;
     opts.donated = options_.donated;
+    opts.peers = options_.peers;
+    opts.source = source;
+    opts.peer_streams = options_.peer_streams;
+    opts.read_chunk_bytes = options_.read_chunk_bytes;
+    LoadSourceReport report;
+    opts.report = &report;
     std::unique_ptr<MemoryCharge> shared_charge;
     opts.shared_charge = &shared_charge;
     auto model = std::make_shared<Model>();
@@ -362,6 +370,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     // merges; rebuilt on demand) make room first: they are in the memory
     // manager's reclaimer chain.
     auto checkpoint = LoadCheckpoint(resolved, opts);
+    CountLoadSources(report);
     if (!checkpoint.ok()) return checkpoint.status();
     model->checkpoint = std::move(*checkpoint);
     shared = shared_charge != nullptr;
@@ -1253,6 +1262,44 @@ absl::Status WeightService::Release(uint64_t lease_id, absl::string_view token,
   return absl::OkStatus();
 }
 
+void WeightService::CountLoadSources(const LoadSourceReport& report) {
+  absl::MutexLock lock(&peer_counters_mu_);
+  load_bytes_storage_ += report.storage_bytes;
+  load_bytes_peers_ += report.peer_bytes;
+  for (const auto& [peer, bytes] : report.by_peer) peer_transfers_[peer].bytes += bytes;
+  for (const auto& [peer, n] : report.peer_failures) peer_transfers_[peer].failures += n;
+}
+
+std::shared_ptr<const Checkpoint> WeightService::HeldCheckpoint(const Digest& key) const {
+  for (auto& [files, checkpoint] : resident_.Snapshot()) {
+    if (!checkpoint->file_info().empty() && checkpoint->content_key() == key) return checkpoint;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<PeerHolding> WeightService::FindHeld(
+    const Digest& key, const std::vector<CheckpointRange>& samples) const {
+  std::shared_ptr<const Checkpoint> c = HeldCheckpoint(key);
+  if (c == nullptr) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint with key ", key.Hex(), " is resident"));
+  }
+  return DescribeHolding(*c, samples);
+}
+
+absl::StatusOr<ReadRange> WeightService::ReadHeld(const Digest& key, const CheckpointRange& r) {
+  std::shared_ptr<const Checkpoint> c = HeldCheckpoint(key);
+  if (c == nullptr) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint with key ", key.Hex(), " is resident"));
+  }
+  WD_ASSIGN_OR_RETURN(HeldBytes held, FindHeldBytes(*c, r, kMaxPeerRangeBytes));
+  ReadRange out;
+  out.buffer = std::move(held.buffer);
+  out.offset = held.offset;
+  out.length = r.length;
+  bytes_sent_to_peers_.fetch_add(r.length);
+  return out;
+}
+
 ServiceStats WeightService::Stats() const {
   ServiceStats s;
   {
@@ -1294,6 +1341,13 @@ ServiceStats WeightService::Stats() const {
   s.fetch_errors = fetch_errors_.load();
   s.fetch_latency_shm = fetch_latency_shm_.Take();
   s.fetch_latency_grpc = fetch_latency_grpc_.Take();
+  {
+    absl::MutexLock lock(&peer_counters_mu_);
+    s.load_bytes_storage = load_bytes_storage_;
+    s.load_bytes_peers = load_bytes_peers_;
+    s.peer_transfers = peer_transfers_;
+  }
+  s.bytes_sent_to_peers = bytes_sent_to_peers_.load();
   {
     absl::MutexLock lock(&mu_);
     s.adapters = adapters_.size();

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <functional>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -84,6 +85,13 @@ struct WeightServiceOptions {
   // same files adopt them instead of reading (checkpoint.h). Borrowed; null
   // = none.
   DonatedCheckpoints* donated = nullptr;
+  // The daemon's peers (--peers, --peer-dns): loads whose source is not
+  // kStorage ask them for the files' bytes (checkpoint.h). Borrowed; null
+  // = none.
+  CheckpointPeers* peers = nullptr;
+  int peer_streams = 4;  // --peer-streams
+  // Bytes per read of a checkpoint, from storage or a peer (--read-chunk-bytes).
+  uint64_t read_chunk_bytes = 16ull << 20;
 };
 
 struct ModelSummary {
@@ -208,6 +216,16 @@ struct ServiceStats {
   uint64_t publish_sessions = 0;  // open now (their staging memory is held)
   LatencyHistogram::Snapshot fetch_latency_shm;
   LatencyHistogram::Snapshot fetch_latency_grpc;
+  // Checkpoint bytes loads took from storage and from peers; per peer the
+  // bytes received and the ranges it failed; bytes sent to loading peers.
+  uint64_t load_bytes_storage = 0;
+  uint64_t load_bytes_peers = 0;
+  struct PeerCounters {
+    uint64_t bytes = 0;
+    uint64_t failures = 0;
+  };
+  std::map<std::string, PeerCounters> peer_transfers;
+  uint64_t bytes_sent_to_peers = 0;
 };
 
 class WeightService {
@@ -223,7 +241,18 @@ class WeightService {
   absl::StatusOr<ModelSummary> LoadModel(const std::string& name, const std::string& path,
                                          const std::string& profile_json,
                                          const LoadProgressFn& progress,
-                                         const std::vector<std::string>& readers = {})
+                                         const std::vector<std::string>& readers = {},
+                                         LoadSource source = LoadSource::kStorage)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // For peers loading from this daemon (FindCheckpoint, ReadCheckpoint):
+  // the digests of the resident checkpoint `key` names (CheckpointKey), per
+  // file in data-offset order, and of `samples` of its bytes; and a range
+  // of one file's data section. NOT_FOUND when no checkpoint of that key is
+  // resident, INVALID_ARGUMENT for a range outside its files.
+  absl::StatusOr<PeerHolding> FindHeld(const Digest& key,
+                                       const std::vector<CheckpointRange>& samples) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<ReadRange> ReadHeld(const Digest& key, const CheckpointRange& range)
       ABSL_LOCKS_EXCLUDED(mu_);
   // For a restore (--state-dir): LoadModel that publishes the model only if
   // its served content is `content` (DATA_LOSS otherwise: nothing served,
@@ -515,8 +544,12 @@ class WeightService {
                                              const std::string& profile_json,
                                              const LoadProgressFn& progress,
                                              const std::vector<std::string>& readers,
-                                             const RestoreExpect* expect)
+                                             const RestoreExpect* expect,
+                                             LoadSource source = LoadSource::kStorage)
       ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
+  void CountLoadSources(const LoadSourceReport& report) ABSL_LOCKS_EXCLUDED(peer_counters_mu_);
+  // The resident checkpoint read from files whose CheckpointKey is `key`.
+  std::shared_ptr<const Checkpoint> HeldCheckpoint(const Digest& key) const;
   // One change of what is served, from its journal record to its
   // publication, under state_mu_: `check` (under mu_) may refuse it, and
   // then nothing is journaled; else the record gets the next seq and reaches
@@ -629,6 +662,12 @@ class WeightService {
   std::atomic<uint64_t> applies_{0};
   std::atomic<uint64_t> loads_{0};
   std::atomic<uint64_t> load_bytes_{0};
+  mutable absl::Mutex peer_counters_mu_;
+  uint64_t load_bytes_storage_ ABSL_GUARDED_BY(peer_counters_mu_) = 0;
+  uint64_t load_bytes_peers_ ABSL_GUARDED_BY(peer_counters_mu_) = 0;
+  std::map<std::string, ServiceStats::PeerCounters> peer_transfers_
+      ABSL_GUARDED_BY(peer_counters_mu_);
+  std::atomic<uint64_t> bytes_sent_to_peers_{0};
   std::atomic<uint64_t> load_ns_{0};
   std::atomic<uint64_t> fetch_errors_{0};
   LatencyHistogram fetch_latency_shm_;

@@ -10,7 +10,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <random>
+#include <set>
 #include <thread>
+#include <tuple>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
@@ -37,6 +40,7 @@ struct OpenFile {
   UniqueFd fd;
   struct stat st {};
   SafetensorsHeader header;
+  Digest header_digest;  // of the 8-byte length and the JSON
   // Placement of the data section.
   size_t segment_index = 0;
   uint64_t segment_offset = 0;
@@ -65,6 +69,10 @@ absl::StatusOr<OpenFile> OpenSafetensors(OpenedFile file) {
   auto header = ParseSafetensorsHeader(json, size);
   if (!header.ok()) return Annotate(header.status(), path);
   f.header = std::move(*header);
+  DigestBuilder digest;
+  digest.Update(prefix, 8);
+  digest.Update(json.data(), json.size());
+  f.header_digest = digest.Finish();
   return f;
 }
 
@@ -147,14 +155,25 @@ class ProgressTracker {
     info_.bytes_total = bytes_total;
     info_.tensors_total = tensors_total;
   }
-  void Add(uint64_t bytes, uint64_t tensors, const std::string& file) {
+  // `peer`: the address the bytes came from; empty: storage.
+  void Add(uint64_t bytes, uint64_t tensors, const std::string& file,
+           const std::string& peer = "") {
     if (!fn_) return;
     absl::MutexLock lock(&mu_);
     info_.bytes_done += bytes;
     info_.tensors_done += tensors;
     info_.current_file = file;
+    if (peer.empty()) {
+      info_.bytes_from_storage += bytes;
+    } else {
+      info_.bytes_from_peers += bytes;
+      if (std::find(info_.peers.begin(), info_.peers.end(), peer) == info_.peers.end()) {
+        info_.peers.push_back(peer);
+      }
+    }
     fn_(info_);
   }
+
 
  private:
   const LoadProgressFn& fn_;
@@ -162,12 +181,16 @@ class ProgressTracker {
   LoadProgressInfo info_ ABSL_GUARDED_BY(mu_);
 };
 
-// The last progress report of a load: everything done.
-void ReportDone(const LoadProgressFn& fn, uint64_t bytes, uint64_t tensors) {
+// The last progress report of a load: everything done (`sources`: where
+// the bytes came from, when they were read).
+void ReportDone(const LoadProgressFn& fn, uint64_t bytes, uint64_t tensors,
+                const LoadProgressInfo* sources = nullptr) {
   if (!fn) return;
   LoadProgressInfo done;
+  if (sources != nullptr) done = *sources;
   done.bytes_done = done.bytes_total = bytes;
   done.tensors_done = done.tensors_total = tensors;
+  done.current_file.clear();
   fn(done);
 }
 
@@ -224,7 +247,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> AdoptDonated(
     const std::string& path, const CheckpointLoadOptions& options, DonatedCheckpoint d,
     const std::vector<uint64_t>& segment_sizes, std::vector<StoredTensor> tensors,
     const std::vector<size_t>& tensor_segment, const std::vector<std::string>& paths,
-    std::unique_ptr<MemoryCharge>& metadata_charge) {
+    std::unique_ptr<MemoryCharge>& metadata_charge, std::vector<CheckpointFileInfo> file_info) {
   if (d.segment_target_bytes != options.segment_target_bytes) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the predecessor laid the files out in segments of up to ", d.segment_target_bytes,
@@ -290,8 +313,180 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> AdoptDonated(
                                             t.file, ") do not match the predecessor's digest"));
   }
   return std::make_shared<const Checkpoint>(path, paths, std::move(tensors), std::move(segments),
-                                            std::move(metadata_charge));
+                                            std::move(metadata_charge), std::move(file_info));
 }
+
+// A range of one file's data section that a load fills (from storage or
+// a peer), and where in the segments it goes.
+struct Chunk {
+  size_t file;
+  uint64_t file_offset;  // in the file (the data section's offset included)
+  uint64_t length;
+  uint8_t* dest;
+};
+
+// What the peers offered a load: the holders that agree on every tensor's
+// digest (expected[i] for tensor i), and the storage samples their bytes
+// were checked against.
+struct PeerPlan {
+  Digest key;
+  std::vector<std::string> holders;
+  std::vector<Digest> expected;
+  std::vector<CheckpointRange> samples;
+  std::vector<Digest> sample_digests;  // of storage's bytes
+};
+
+std::string Abbrev(const Digest& d) { return d.Hex().substr(0, 12); }
+
+// Samples storage, asks the peers who holds `files` and keeps the holders
+// whose samples match storage and who agree on the tensor digests (the
+// largest such group). `tensor_file`/`tensor_begin`: each tensor's file
+// and offset in that file's data section. No holder: an empty plan
+// (kAuto), UNAVAILABLE (kPeers).
+absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoadOptions& options,
+                                   const std::vector<OpenFile>& files,
+                                   const std::vector<std::string>& names,
+                                   const std::vector<StoredTensor>& tensors,
+                                   const std::vector<size_t>& tensor_file,
+                                   const std::vector<uint64_t>& tensor_begin,
+                                   LoadSourceReport& report) {
+  PeerPlan plan;
+  if (options.peers == nullptr) {
+    if (options.source == LoadSource::kPeers) {
+      return absl::FailedPreconditionError(
+          "--source peers: this daemon has no peers (--peers, --peer-dns)");
+    }
+    return plan;
+  }
+  std::vector<CheckpointFileId> ids;
+  for (size_t i = 0; i < files.size(); ++i) {
+    ids.push_back({names[i], static_cast<uint64_t>(files[i].st.st_size),
+                   files[i].header_digest});
+  }
+  plan.key = CheckpointKey(ids);
+  // Random places each load: a peer cannot have prepared for them.
+  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t piece = std::max<uint64_t>(1, options.peer_sample_bytes);
+  const uint64_t per_file = std::max<uint64_t>(
+      1, std::min<uint64_t>(options.peer_samples_per_file, 4096 / std::max<size_t>(1, files.size())));
+  for (size_t i = 0; i < files.size(); ++i) {
+    const uint64_t len = static_cast<uint64_t>(files[i].st.st_size) - files[i].header.data_offset;
+    if (len == 0) continue;
+    if (len <= piece * per_file) {
+      for (uint64_t off = 0; off < len; off += piece) {
+        plan.samples.push_back({static_cast<uint32_t>(i), off, std::min(piece, len - off)});
+      }
+    } else {
+      for (uint64_t k = 0; k < per_file; ++k) {
+        plan.samples.push_back({static_cast<uint32_t>(i), rng() % (len - piece + 1), piece});
+      }
+    }
+  }
+  std::string buf;
+  for (const CheckpointRange& r : plan.samples) {
+    const OpenFile& f = files[r.file];
+    buf.resize(r.length);
+    WD_RETURN_IF_ERROR_CTX(
+        PreadFull(f.fd.get(), buf.data(), r.length, f.header.data_offset + r.offset),
+        "reading ", f.path);
+    plan.sample_digests.push_back(DigestBytes(buf.data(), r.length));
+    report.storage_bytes += r.length;
+  }
+  // Each file's tensors in data-offset order (ties by name): the order of
+  // a peer's digests.
+  std::vector<std::vector<size_t>> order(files.size());
+  for (size_t i = 0; i < tensors.size(); ++i) order[tensor_file[i]].push_back(i);
+  for (auto& o : order) {
+    std::sort(o.begin(), o.end(), [&](size_t a, size_t b) {
+      return std::tie(tensor_begin[a], tensors[a].name) < std::tie(tensor_begin[b], tensors[b].name);
+    });
+  }
+  std::vector<PeerHolding> found = options.peers->FindHolders(plan.key, plan.samples);
+  auto differs = [&](const std::string& peer, const std::string& why) {
+    report.peer_failures[peer]++;
+    LogEvent(LogLevel::kWarning, "peer_content_differs",
+             {{"peer", peer}, {"path", path}, {"key", Abbrev(plan.key)}, {"why", why},
+              {"action", "not used"}});
+  };
+  std::vector<const PeerHolding*> usable;
+  for (const PeerHolding& h : found) {
+    bool ok = h.tensor_digests.size() == files.size() &&
+              h.sample_digests.size() == plan.samples.size();
+    for (size_t i = 0; ok && i < files.size(); ++i) ok = h.tensor_digests[i].size() == order[i].size();
+    if (!ok) {
+      differs(h.peer, "its answer does not fit the files' tensors and samples");
+      continue;
+    }
+    if (h.sample_digests != plan.sample_digests) {
+      size_t k = 0;
+      while (h.sample_digests[k] == plan.sample_digests[k]) ++k;
+      const CheckpointRange& r = plan.samples[k];
+      differs(h.peer, absl::StrCat("its bytes at ", files[r.file].path, " data offset ", r.offset,
+                                   " (", r.length, " bytes) differ from storage's"));
+      continue;
+    }
+    usable.push_back(&h);
+  }
+  // Holders that disagree on a digest cannot all be right: the largest
+  // group that agrees is used (the first found on a tie).
+  const PeerHolding* best = nullptr;
+  size_t best_count = 0;
+  for (const PeerHolding* a : usable) {
+    size_t n = 0;
+    for (const PeerHolding* b : usable) n += a->tensor_digests == b->tensor_digests;
+    if (n > best_count) best = a, best_count = n;
+  }
+  for (const PeerHolding* h : usable) {
+    if (h->tensor_digests == best->tensor_digests) {
+      plan.holders.push_back(h->peer);
+    } else {
+      differs(h->peer, absl::StrCat("its tensor digests differ from those of ", best->peer));
+    }
+  }
+  if (plan.holders.empty()) {
+    if (options.source == LoadSource::kPeers) {
+      return absl::UnavailableError(absl::StrCat(
+          "--source peers: no peer holds the files of ", path, " (checkpoint key ",
+          Abbrev(plan.key), "; ", found.size(), " answered holding them, ",
+          found.size() - usable.size(), " of those with other bytes)"));
+    }
+    LogEvent(LogLevel::kInfo, "load_source",
+             {{"path", path}, {"source", "storage"}, {"key", Abbrev(plan.key)},
+              {"reason", found.empty() ? "no peer holds the files"
+                                       : "no peer holds the same bytes"}});
+    return plan;
+  }
+  plan.expected.resize(tensors.size());
+  for (size_t i = 0; i < files.size(); ++i) {
+    for (size_t k = 0; k < order[i].size(); ++k) {
+      plan.expected[order[i][k]] = best->tensor_digests[i][k];
+    }
+  }
+  LogEvent(LogLevel::kInfo, "load_source",
+           {{"path", path}, {"source", "peers"}, {"key", Abbrev(plan.key)},
+            {"holders", absl::StrJoin(plan.holders, ",")}});
+  return plan;
+}
+
+// The holders of a range in rendezvous order: each range goes to the
+// holder scoring highest for it, so a fleet loading the same files spreads
+// its ranges over every holder, and a holder dropped moves only its own.
+std::vector<size_t> RendezvousOrder(const std::vector<std::string>& holders, const Digest& key,
+                                    size_t chunk) {
+  std::vector<std::pair<uint64_t, size_t>> scored;
+  for (size_t h = 0; h < holders.size(); ++h) {
+    const std::string seed = absl::StrCat(key.View(), "|", holders[h], "|", chunk);
+    const Digest d = DigestBytes(seed.data(), seed.size());
+    uint64_t score;
+    std::memcpy(&score, d.bytes.data(), sizeof(score));
+    scored.emplace_back(score, h);
+  }
+  std::sort(scored.rbegin(), scored.rend());
+  std::vector<size_t> out;
+  for (const auto& [score, h] : scored) out.push_back(h);
+  return out;
+}
+
 }  // namespace
 
 std::shared_ptr<const Checkpoint> ResidentCheckpoints::Find(const std::string& files_key) const {
@@ -362,12 +557,19 @@ uint64_t TensorMetadataBytes(absl::string_view name, size_t rank) {
 Checkpoint::Checkpoint(std::string path, std::vector<std::string> files,
                        std::vector<StoredTensor> tensors,
                        std::vector<SegmentPtr> host_segments,
-                       std::unique_ptr<MemoryCharge> metadata_charge)
+                       std::unique_ptr<MemoryCharge> metadata_charge,
+                       std::vector<CheckpointFileInfo> file_info)
     : path_(std::move(path)),
       files_(std::move(files)),
       tensors_(std::move(tensors)),
       host_segments_(std::move(host_segments)),
-      metadata_charge_(std::move(metadata_charge)) {
+      metadata_charge_(std::move(metadata_charge)),
+      file_info_(std::move(file_info)) {
+  if (!file_info_.empty()) {
+    std::vector<CheckpointFileId> ids;
+    for (const CheckpointFileInfo& f : file_info_) ids.push_back(f.id);
+    content_key_ = CheckpointKey(ids);
+  }
   std::sort(tensors_.begin(), tensors_.end(),
             [](const StoredTensor& a, const StoredTensor& b) { return a.name < b.name; });
   for (size_t i = 0; i < tensors_.size(); ++i) {
@@ -382,6 +584,54 @@ Checkpoint::Checkpoint(std::string path, std::vector<std::string> files,
 const StoredTensor* Checkpoint::Find(absl::string_view name) const {
   auto it = by_name_.find(name);
   return it == by_name_.end() ? nullptr : &tensors_[it->second];
+}
+
+absl::StatusOr<HeldBytes> FindHeldBytes(const Checkpoint& c, const CheckpointRange& r,
+                                        uint64_t max_length) {
+  if (r.file >= c.file_info().size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "file ", r.file, " of a checkpoint of ", c.file_info().size(), " files"));
+  }
+  const CheckpointFileInfo& f = c.file_info()[r.file];
+  if (r.length > max_length || r.offset > f.data_length || r.length > f.data_length - r.offset) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "range ", r.offset, "+", r.length, " of ", f.id.name, " (a data section of ",
+        f.data_length, " bytes; at most ", max_length, " at once)"));
+  }
+  return HeldBytes{c.host_segments()[f.segment], f.segment_offset + r.offset};
+}
+
+absl::StatusOr<PeerHolding> DescribeHolding(const Checkpoint& c,
+                                            const std::vector<CheckpointRange>& samples) {
+  if (samples.size() > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(samples.size(), " samples; at most 4096"));
+  }
+  PeerHolding out;
+  for (const CheckpointRange& r : samples) {
+    WD_ASSIGN_OR_RETURN(HeldBytes held, FindHeldBytes(c, r, 1 << 20));
+    out.sample_digests.push_back(
+        DigestBytes(held.buffer->host_data() + held.offset, r.length));
+  }
+  absl::flat_hash_map<std::string, size_t> file_of;
+  for (size_t i = 0; i < c.file_info().size(); ++i) file_of[c.file_info()[i].path] = i;
+  std::vector<std::vector<const StoredTensor*>> by_file(c.file_info().size());
+  for (const StoredTensor& t : c.tensors()) {
+    auto it = file_of.find(t.file);
+    if (it == file_of.end()) {
+      return absl::InternalError(absl::StrCat("tensor \"", t.name, "\" of no file"));
+    }
+    by_file[it->second].push_back(&t);
+  }
+  for (auto& v : by_file) {
+    std::sort(v.begin(), v.end(), [](const StoredTensor* a, const StoredTensor* b) {
+      return std::tie(a->offset, a->name) < std::tie(b->offset, b->name);
+    });
+    std::vector<Digest> digests;
+    digests.reserve(v.size());
+    for (const StoredTensor* t : v) digests.push_back(t->digest);
+    out.tensor_digests.push_back(std::move(digests));
+  }
+  return out;
 }
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
@@ -472,11 +722,29 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     f.segment_offset = segment_sizes.back();
     segment_sizes.back() = AlignUp(segment_sizes.back() + data_len, kSegmentAlign);
   }
-  // The tensors where the layout puts them (and each one's segment).
+  // Each file's identity and place (what peers ask for and serve).
+  std::vector<CheckpointFileInfo> file_info;
+  std::vector<std::string> names;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const OpenFile& f = files[i];
+    names.push_back(has_index ? found.index_names[i] : std::string(Basename(f.path)));
+    CheckpointFileInfo info;
+    info.path = f.path;
+    info.id = {names.back(), static_cast<uint64_t>(f.st.st_size), f.header_digest};
+    info.data_offset = f.header.data_offset;
+    info.data_length = static_cast<uint64_t>(f.st.st_size) - f.header.data_offset;
+    info.segment = f.segment_index;
+    info.segment_offset = f.segment_offset;
+    file_info.push_back(std::move(info));
+  }
+  // The tensors where the layout puts them (and each one's segment, file
+  // and offset in the file's data section).
   std::vector<StoredTensor> tensors;
-  std::vector<size_t> tensor_segment;
+  std::vector<size_t> tensor_segment, tensor_file;
+  std::vector<uint64_t> tensor_begin;
   tensors.reserve(tensors_total);
-  for (const OpenFile& f : files) {
+  for (size_t i = 0; i < files.size(); ++i) {
+    const OpenFile& f = files[i];
     for (const SafetensorsEntry& e : f.header.tensors) {
       StoredTensor t;
       t.name = e.name;
@@ -487,6 +755,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
       t.file = f.path;
       tensors.push_back(std::move(t));
       tensor_segment.push_back(f.segment_index);
+      tensor_file.push_back(i);
+      tensor_begin.push_back(e.begin);
     }
   }
 
@@ -496,7 +766,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     if (files_key.empty()) files_key = FilesKey(files);
     if (std::optional<DonatedCheckpoint> d = options.donated->Take(files_key)) {
       auto adopted = AdoptDonated(path, options, std::move(*d), segment_sizes, tensors,
-                                  tensor_segment, paths, metadata_charge);
+                                  tensor_segment, paths, metadata_charge, file_info);
       if (adopted.ok()) {
         options.donated->CountAdopted();
         ReportDone(options.progress, bytes_total, tensors_total);
@@ -514,6 +784,16 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     }
   }
 
+  // Peers holding the same files supply the bytes (checked below), before
+  // any memory is taken for them.
+  LoadSourceReport local_report;
+  LoadSourceReport& report = options.report != nullptr ? *options.report : local_report;
+  PeerPlan plan;
+  if (options.source != LoadSource::kStorage) {
+    WD_ASSIGN_OR_RETURN(plan, PlanPeers(path, options, files, names, tensors, tensor_file,
+                                        tensor_begin, report));
+  }
+
   std::vector<std::unique_ptr<Segment>> segments;
   for (uint64_t size : segment_sizes) {
     // Not prefaulted here: one thread allocating and mapping every page up
@@ -523,33 +803,200 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     segments.push_back(std::move(seg));
   }
 
-  // Read every data section in chunks, in parallel.
-  struct Chunk {
-    size_t file;
-    uint64_t file_offset;
-    uint64_t length;
-    uint8_t* dest;
-  };
+  // Every data section in chunks (file i's from first_chunk[i] on).
+  const uint64_t chunk_bytes = std::max<uint64_t>(1, options.read_chunk_bytes);
   std::vector<Chunk> chunks;
+  std::vector<size_t> first_chunk;
   for (size_t i = 0; i < files.size(); ++i) {
     const OpenFile& f = files[i];
+    first_chunk.push_back(chunks.size());
     uint64_t data_len = static_cast<uint64_t>(f.st.st_size) - f.header.data_offset;
     uint8_t* base = segments[f.segment_index]->mutable_data() + f.segment_offset;
-    for (uint64_t off = 0; off < data_len; off += options.read_chunk_bytes) {
-      uint64_t len = std::min(options.read_chunk_bytes, data_len - off);
+    for (uint64_t off = 0; off < data_len; off += chunk_bytes) {
+      uint64_t len = std::min(chunk_bytes, data_len - off);
       chunks.push_back({i, f.header.data_offset + off, len, base + off});
     }
   }
   ProgressTracker progress(options.progress, bytes_total, tensors_total);
-  WD_RETURN_IF_ERROR(ParallelFor(nullptr, chunks.size(), options.read_threads, [&](size_t i) {
-    const Chunk& c = chunks[i];
+  absl::Mutex report_mu;
+  auto read_storage = [&](const Chunk& c, bool count) -> absl::Status {
     const OpenFile& f = files[c.file];
     WD_RETURN_IF_ERROR_CTX(PopulateForWrite(c.dest, c.length), "reading ", f.path);
     WD_RETURN_IF_ERROR_CTX(PreadFull(f.fd.get(), c.dest, c.length, c.file_offset),
                            "reading ", f.path);
-    progress.Add(c.length, 0, f.path);
+    {
+      absl::MutexLock lock(&report_mu);
+      report.storage_bytes += c.length;
+    }
+    if (count) progress.Add(c.length, 0, f.path);
     return absl::OkStatus();
-  }));
+  };
+  auto digest_all = [&]() {
+    return ParallelFor(nullptr, tensors.size(), options.read_threads, [&](size_t i) {
+      StoredTensor& t = tensors[i];
+      t.digest = DigestBytes(segments[tensor_segment[i]]->mutable_data() + t.offset, t.length);
+      return absl::OkStatus();
+    });
+  };
+  // Where the bytes kept came from (what was fetched again replaced).
+  LoadProgressInfo sources;
+  sources.bytes_from_storage = bytes_total;
+  if (plan.holders.empty()) {
+    // Read every data section in chunks, in parallel.
+    WD_RETURN_IF_ERROR(ParallelFor(nullptr, chunks.size(), options.read_threads, [&](size_t i) {
+      return read_storage(chunks[i], /*count=*/true);
+    }));
+    WD_RETURN_IF_ERROR(digest_all());
+  } else {
+    // From the holders, each chunk from the first in its rendezvous order
+    // still in the load; what none supplies from storage (kAuto).
+    constexpr int kFromStorage = -1;
+    const std::vector<std::string>& holders = plan.holders;
+    std::vector<int> supplier(chunks.size(), kFromStorage);
+    auto dropped = std::make_unique<std::atomic<bool>[]>(holders.size());
+    for (size_t h = 0; h < holders.size(); ++h) dropped[h] = false;
+    auto drop = [&](size_t h, const absl::Status& why, const char* event) {
+      if (dropped[h].exchange(true)) return;
+      {
+        absl::MutexLock lock(&report_mu);
+        report.peer_failures[holders[h]]++;
+      }
+      LogEvent(LogLevel::kWarning, event,
+               {{"peer", holders[h]}, {"path", path}, {"error", why.ToString()},
+                {"action", "dropped from this load; its ranges come from other holders or "
+                           "storage"}});
+    };
+    auto fill = [&](const std::vector<size_t>& todo, bool count) {
+      return ParallelFor(nullptr, todo.size(), std::max(1, options.peer_streams), [&](size_t k) {
+        const size_t ci = todo[k];
+        const Chunk& c = chunks[ci];
+        const OpenFile& f = files[c.file];
+        WD_RETURN_IF_ERROR_CTX(PopulateForWrite(c.dest, c.length), "loading ", f.path);
+        absl::Status last;
+        for (size_t h : RendezvousOrder(holders, plan.key, ci)) {
+          if (dropped[h]) continue;
+          const CheckpointRange range{static_cast<uint32_t>(c.file),
+                                      c.file_offset - f.header.data_offset, c.length};
+          absl::Status s = options.peers->ReadRange(holders[h], plan.key, range, c.dest);
+          if (s.ok()) {
+            supplier[ci] = static_cast<int>(h);
+            {
+              absl::MutexLock lock(&report_mu);
+              report.peer_bytes += c.length;
+              report.by_peer[holders[h]] += c.length;
+            }
+            if (count) progress.Add(c.length, 0, f.path, holders[h]);
+            return absl::OkStatus();
+          }
+          drop(h, s, "peer_read_failed");
+          last = s;
+        }
+        if (options.source == LoadSource::kPeers) {
+          return absl::UnavailableError(absl::StrCat(
+              "--source peers: no peer holding ", path, " could supply ", f.path, " bytes ",
+              c.file_offset, "..", c.file_offset + c.length, " (last: ", last.ToString(), ")"));
+        }
+        supplier[ci] = kFromStorage;
+        return read_storage(c, count);
+      });
+    };
+    // The chunks under a byte range of a file's data section.
+    auto chunks_under = [&](size_t file, uint64_t begin, uint64_t length) {
+      std::vector<size_t> out;
+      if (length == 0) return out;
+      for (uint64_t k = begin / chunk_bytes; k <= (begin + length - 1) / chunk_bytes; ++k) {
+        out.push_back(first_chunk[file] + k);
+      }
+      return out;
+    };
+    std::vector<size_t> todo(chunks.size());
+    for (size_t i = 0; i < chunks.size(); ++i) todo[i] = i;
+    WD_RETURN_IF_ERROR(fill(todo, /*count=*/true));
+    bool trust_storage = false;  // storage disagreed with the holders' digests
+    for (size_t round = 0;; ++round) {
+      WD_RETURN_IF_ERROR(digest_all());
+      if (trust_storage) break;
+      // Wrong bytes: a tensor that misses its digest, a sample that differs
+      // from storage's. Whoever supplied them is dropped; they are fetched
+      // again.
+      std::set<size_t> redo;
+      bool storage_disagrees = false;
+      std::string first_bad;
+      auto blame = [&](const std::vector<size_t>& under, const std::string& what) {
+        bool from_peer = false;
+        for (size_t ci : under) {
+          if (supplier[ci] == kFromStorage) continue;
+          from_peer = true;
+          drop(static_cast<size_t>(supplier[ci]),
+               absl::DataLossError(absl::StrCat("its bytes of ", what, " are wrong")),
+               "peer_data_loss");
+        }
+        if (!from_peer) {
+          storage_disagrees = true;
+          if (first_bad.empty()) first_bad = what;
+        }
+        for (size_t ci : under) {
+          if (supplier[ci] != kFromStorage) redo.insert(ci);
+        }
+      };
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        if (tensors[i].digest != plan.expected[i]) {
+          blame(chunks_under(tensor_file[i], tensor_begin[i], tensors[i].length),
+                absl::StrCat("tensor \"", tensors[i].name, "\" (", tensors[i].file, ")"));
+        }
+      }
+      for (size_t k = 0; k < plan.samples.size(); ++k) {
+        const CheckpointRange& r = plan.samples[k];
+        const Chunk& c0 = chunks[first_chunk[r.file]];
+        if (DigestBytes(c0.dest + r.offset, r.length) != plan.sample_digests[k]) {
+          blame(chunks_under(r.file, r.offset, r.length),
+                absl::StrCat(files[r.file].path, " data offset ", r.offset));
+        }
+      }
+      if (storage_disagrees) {
+        // Storage's bytes are what the files say: the holders' digests are
+        // not those of these files.
+        if (options.source == LoadSource::kPeers) {
+          return absl::DataLossError(absl::StrCat(
+              "--source peers: storage's bytes of ", first_bad,
+              " differ from every holder's digest; the peers hold other content"));
+        }
+        LogEvent(LogLevel::kWarning, "peer_content_differs",
+                 {{"path", path}, {"holders", absl::StrJoin(holders, ",")},
+                  {"why", absl::StrCat("storage's bytes of ", first_bad,
+                                       " do not match their digests")},
+                  {"action", "reading everything from storage"}});
+        for (size_t h = 0; h < holders.size(); ++h) dropped[h] = true;
+        std::vector<size_t> peer_chunks;
+        for (size_t ci = 0; ci < chunks.size(); ++ci) {
+          if (supplier[ci] != kFromStorage) peer_chunks.push_back(ci);
+        }
+        WD_RETURN_IF_ERROR(fill(peer_chunks, /*count=*/false));
+        trust_storage = true;
+        continue;
+      }
+      if (redo.empty()) break;
+      if (round > holders.size() + 1) {
+        return absl::InternalError(absl::StrCat("loading ", path, " from peers did not converge"));
+      }
+      WD_RETURN_IF_ERROR(fill(std::vector<size_t>(redo.begin(), redo.end()), /*count=*/false));
+    }
+    sources.bytes_from_storage = 0;
+    std::set<int> used;
+    for (size_t ci = 0; ci < chunks.size(); ++ci) {
+      if (supplier[ci] == kFromStorage) {
+        sources.bytes_from_storage += chunks[ci].length;
+      } else {
+        sources.bytes_from_peers += chunks[ci].length;
+        used.insert(supplier[ci]);
+      }
+    }
+    for (int h : used) sources.peers.push_back(holders[h]);
+    LogEvent(LogLevel::kInfo, "load_sources",
+             {{"path", path}, {"from_peers", absl::StrCat(sources.bytes_from_peers)},
+              {"from_storage", absl::StrCat(sources.bytes_from_storage)},
+              {"peers", absl::StrJoin(sources.peers, ",")}});
+  }
 
   // A file replaced or rewritten while we read it would give torn tensors.
   // Any other change of its status (a ctime that moved: a write that put
@@ -566,13 +1013,6 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     shareable = shareable && now.st_ctim.tv_sec == f.st.st_ctim.tv_sec &&
                 now.st_ctim.tv_nsec == f.st.st_ctim.tv_nsec;
   }
-
-  // Digest each tensor.
-  WD_RETURN_IF_ERROR(ParallelFor(nullptr, tensors.size(), options.read_threads, [&](size_t i) {
-    StoredTensor& t = tensors[i];
-    t.digest = DigestBytes(segments[tensor_segment[i]]->mutable_data() + t.offset, t.length);
-    return absl::OkStatus();
-  }));
 
   // Sealing keeps each segment's mapping (read-only now) with the pages the
   // readers wrote still mapped. Where it has to remap (kernels before 5.1),
@@ -594,9 +1034,10 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   std::vector<SegmentPtr> sealed;
   for (auto& seg : segments) sealed.push_back(SegmentPtr(std::move(seg)));
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].buffer = sealed[tensor_segment[i]];
-  ReportDone(options.progress, bytes_total, tensors_total);
-  auto checkpoint = std::make_shared<const Checkpoint>(path, std::move(paths), std::move(tensors),
-                                                       std::move(sealed), std::move(metadata_charge));
+  ReportDone(options.progress, bytes_total, tensors_total, &sources);
+  auto checkpoint = std::make_shared<const Checkpoint>(
+      path, std::move(paths), std::move(tensors), std::move(sealed), std::move(metadata_charge),
+      std::move(file_info));
   if (options.resident != nullptr && shareable) options.resident->Add(files_key, checkpoint);
   return checkpoint;
 }

@@ -22,6 +22,7 @@
 #include "common/dtype.h"
 #include "server/memory/host_memory.h"
 #include "server/memory/segment.h"
+#include "server/store/peer_source.h"
 
 namespace weightd {
 
@@ -53,6 +54,18 @@ inline constexpr uint64_t kTensorMetadataBytesPerNameByte = 24;
 inline constexpr uint64_t kTensorMetadataBytesPerDim = 16;
 uint64_t TensorMetadataBytes(absl::string_view name, size_t rank);
 
+// One file of a checkpoint, as read: its content identity and where its
+// data section lies in the checkpoint's segments (a peer reads ranges of it
+// by file, whatever its own segment layout).
+struct CheckpointFileInfo {
+  std::string path;
+  CheckpointFileId id;       // name, size, header digest
+  uint64_t data_offset = 0;  // where the data section starts in the file
+  uint64_t data_length = 0;
+  size_t segment = 0;        // in host_segments()
+  uint64_t segment_offset = 0;
+};
+
 class Checkpoint {
  public:
   // `host_segments`: the host-memory segments behind the tensors' buffers
@@ -61,7 +74,8 @@ class Checkpoint {
   // (may be null), returned when the checkpoint is freed.
   Checkpoint(std::string path, std::vector<std::string> files,
              std::vector<StoredTensor> tensors, std::vector<SegmentPtr> host_segments = {},
-             std::unique_ptr<MemoryCharge> metadata_charge = nullptr);
+             std::unique_ptr<MemoryCharge> metadata_charge = nullptr,
+             std::vector<CheckpointFileInfo> file_info = {});
 
   const std::string& path() const { return path_; }
   const std::vector<std::string>& files() const { return files_; }
@@ -71,6 +85,10 @@ class Checkpoint {
   const StoredTensor* Find(absl::string_view name) const;
   uint64_t total_bytes() const { return total_bytes_; }
   const std::vector<SegmentPtr>& host_segments() const { return host_segments_; }
+  // Per file, in order (empty for checkpoints not read from files), and
+  // the CheckpointKey of their ids (zero when empty).
+  const std::vector<CheckpointFileInfo>& file_info() const { return file_info_; }
+  const Digest& content_key() const { return content_key_; }
   // Bytes of the checkpoint's segments by the pages behind them (indexed by
   // PageKind: 4 KiB, THP-advised shmem, 2 MiB hugetlb), rounding included.
   const std::array<uint64_t, kPageKinds>& page_bytes() const { return page_bytes_; }
@@ -89,6 +107,8 @@ class Checkpoint {
   uint64_t total_bytes_ = 0;
   std::array<uint64_t, kPageKinds> page_bytes_{};
   std::unique_ptr<MemoryCharge> metadata_charge_;
+  std::vector<CheckpointFileInfo> file_info_;
+  Digest content_key_;
   mutable std::atomic<bool> pin_claimed_{false};
 };
 
@@ -172,6 +192,10 @@ struct LoadProgressInfo {
   uint64_t tensors_done = 0;
   uint64_t tensors_total = 0;
   std::string current_file;
+  // Where the bytes done came from (peers: the addresses that sent some).
+  uint64_t bytes_from_storage = 0;
+  uint64_t bytes_from_peers = 0;
+  std::vector<std::string> peers;
 };
 using LoadProgressFn = std::function<void(const LoadProgressInfo&)>;
 
@@ -204,7 +228,34 @@ struct CheckpointLoadOptions {
   // as DonatedCheckpoints::verify() says); a mismatch is logged and the
   // files are read.
   DonatedCheckpoints* donated = nullptr;
+  // Optional: the daemon's peers, asked for the files' bytes unless
+  // `source` is kStorage (see LoadCheckpoint). kPeers without `peers` is
+  // FAILED_PRECONDITION.
+  CheckpointPeers* peers = nullptr;
+  LoadSource source = LoadSource::kStorage;
+  int peer_streams = 4;  // ranges transferred from peers at once
+  // Storage bytes sampled per file to check a peer's content against
+  // (pieces of peer_sample_bytes at random offsets, new ones each load).
+  int peer_samples_per_file = 8;
+  uint64_t peer_sample_bytes = 64 << 10;
+  // Optional out: where the bytes came from.
+  LoadSourceReport* report = nullptr;
 };
+
+// What a holder tells a peer loading `c` (FindCheckpoint): its tensors'
+// digests per file in data-offset order (ties by name), and the digests of
+// `samples` (at most 4096, each at most 1 MiB: INVALID_ARGUMENT otherwise).
+absl::StatusOr<PeerHolding> DescribeHolding(const Checkpoint& c,
+                                            const std::vector<CheckpointRange>& samples);
+// Where range `r` of one of c's files lies: its segment and the offset in
+// it. INVALID_ARGUMENT outside the files, or longer than `max_length`.
+struct HeldBytes {
+  SegmentPtr buffer;
+  uint64_t offset = 0;
+};
+inline constexpr uint64_t kMaxPeerRangeBytes = 256ull << 20;
+absl::StatusOr<HeldBytes> FindHeldBytes(const Checkpoint& c, const CheckpointRange& r,
+                                        uint64_t max_length);
 
 // Loads `path`, which is a .safetensors file, a directory holding
 // model.safetensors.index.json (or that index file itself), or a directory
@@ -215,6 +266,20 @@ struct CheckpointLoadOptions {
 // `options.memory` once the headers are parsed, before any data is read:
 // RESOURCE_EXHAUSTED when it does not fit.
 // Errors name the file and the tensor. On failure nothing stays allocated.
+//
+// From peers (options.source kAuto or kPeers, with options.peers): after
+// the headers are read, storage is sampled (peer_samples_per_file ranges
+// per file) and the peers are asked who holds the same files
+// (CheckpointKey) with the same bytes at the samples; holders that agree
+// on every tensor digest supply ranges of read_chunk_bytes, spread across
+// them by rendezvous hashing, peer_streams at once. A peer that fails a
+// range (error, stall past its deadline) is dropped for the rest of the
+// load; one whose bytes miss a tensor digest or a sample is dropped with a
+// peer_data_loss (DATA_LOSS) event, and what it sent is fetched again.
+// What no peer supplies comes from storage (kAuto), or the load fails
+// UNAVAILABLE (kPeers). Storage's bytes are the truth: when storage itself
+// disagrees with the peers' digests, everything is read from storage
+// (kPeers: DATA_LOSS). kPeers with no holder: UNAVAILABLE.
 absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     const std::string& path, const CheckpointLoadOptions& options);
 

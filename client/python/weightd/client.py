@@ -159,6 +159,11 @@ class LoadProgress:
     tensors_done: int
     tensors_total: int
     current_file: str
+    # Where the bytes done came from: storage, and peers (their addresses).
+    bytes_from_storage: int = 0
+    bytes_from_peers: int = 0
+    peers: Tuple[str, ...] = ()
+    done: bool = False  # the last report, sent once the model is loaded
 
 
 @dataclass(frozen=True)
@@ -1071,22 +1076,35 @@ class Client:
             return True
         return self._retrying(attempt)
 
-    def load(self, name, path, profile=None, progress=None, timeout=None, readers=None):
+    _SOURCES = {"auto": pb.LOAD_SOURCE_AUTO, "storage": pb.LOAD_SOURCE_STORAGE,
+                "peers": pb.LOAD_SOURCE_PEERS}
+
+    def load(self, name, path, profile=None, progress=None, timeout=None, readers=None,
+             source="auto"):
         """Loads checkpoint `path` as model `name` and returns its ModelInfo.
         profile: a dict, JSON text, or a path to a JSON file (DESIGN §4).
-        progress: optional callable receiving LoadProgress updates.
+        progress: optional callable receiving LoadProgress updates (the
+        last one with done=True, saying where the bytes came from).
         readers: makes the model private ("uid:N", "gid:N", "token:NAME",
-        "cn:NAME"); None = public."""
+        "cn:NAME"); None = public.
+        source: "auto" (peers holding the same files, else storage),
+        "storage", or "peers" (UNAVAILABLE when no peer holds them)."""
+        if source not in self._SOURCES:
+            raise Error("INVALID_ARGUMENT",
+                        f"source: expected auto, storage or peers, got {source!r}")
         req = _request(pb.LoadRequest, name=name, path=os.fspath(path),
-                       profile_json=_parse_profile(profile), readers=_readers(readers))
+                       profile_json=_parse_profile(profile), readers=_readers(readers),
+                       source=self._SOURCES[source])
         info = None
         try:
             for msg in self._models.Load(req, timeout=timeout):
                 if msg.done:
                     info = _model_info(msg.model)
-                elif progress is not None:
+                if progress is not None:
                     progress(LoadProgress(msg.bytes_done, msg.bytes_total, msg.tensors_done,
-                                          msg.tensors_total, msg.current_file))
+                                          msg.tensors_total, msg.current_file,
+                                          msg.bytes_from_storage, msg.bytes_from_peers,
+                                          tuple(msg.peers), msg.done))
         except grpc.RpcError as e:
             raise from_grpc(e) from None
         if info is None:
@@ -1120,7 +1138,10 @@ class Client:
         """The daemon's counters as a dict (models, segments, bytes_resident,
         materializations, ..., leases_open, bytes_served, fetches)."""
         resp = self._read_call(self._models.Stats, pb.StatsRequest())
-        return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
+        out = {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
+        out["peer_transfers"] = {t.peer: {"bytes": t.bytes, "failures": t.failures}
+                                 for t in resp.peer_transfers}
+        return out
 
     # -- adapters
 

@@ -1,0 +1,375 @@
+"""Fleets (issue [cluster]): a checkpoint read from storage once per fleet.
+One daemon loads from storage; the others, with --source auto, read only
+the headers and a few samples from storage and stream the tensor bytes from
+the peers that hold the same files, spread over every holder. Each daemon's
+storage reads are measured from outside (read_bytes in /proc/PID/io, the
+files' page cache dropped before each load) and checked against its own
+counters; the bytes served equal the files' (digests, and PyTorch reading
+the files). Faults: a holder SIGKILLed mid-transfer, a peer that flips a
+bit (a small proxy in this test), a peer whose file has the same name, size
+and header but other bytes, a peer that accepts and never answers, one that
+stalls mid-range; --source peers when nobody holds the files.
+"""
+import os
+import signal
+import socket
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+
+from harness import Daemon, free_port
+import st_io
+
+import weightd  # noqa: E402  (harness puts the build's package on the path)
+from weightd.v1 import weightd_pb2 as pb
+from weightd.v1 import weightd_pb2_grpc as pb_grpc
+
+CHUNK = 1 << 20  # --read-chunk-bytes: many ranges, so every holder gets some
+
+
+def _write_checkpoint(root, seed, mib=48):
+    """A two-shard checkpoint with an index, about `mib` MiB; returns its
+    directory and {name: tensor}."""
+    g = torch.Generator().manual_seed(seed)
+    d = root / "model"
+    d.mkdir(parents=True)
+    tensors, weight_map = {}, {}
+    per_shard = mib // 2
+    for s in range(2):
+        shard = {}
+        for i in range(per_shard // 2):  # 2 MiB tensors
+            name = "layers.%d.%d.weight" % (s, i)
+            shard[name] = torch.randn(1024, 512, generator=g)
+        shard["layers.%d.norm" % s] = torch.randn(333, generator=g).to(torch.bfloat16)
+        fname = "model-%05d-of-00002.safetensors" % (s + 1)
+        st_io.save(shard, str(d / fname))
+        tensors.update(shard)
+        weight_map.update({k: fname for k in shard})
+    import json
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return d, tensors
+
+
+def _drop_cache(directory):
+    os.sync()
+    for name in os.listdir(directory):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _read_bytes(pid):
+    with open("/proc/%d/io" % pid) as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise AssertionError("no read_bytes in /proc/%d/io" % pid)
+
+
+def _load(d, name, path, source="auto", **kw):
+    """Loads through the Python client; returns (ModelInfo, the last
+    progress report, the daemon's storage read_bytes during the load)."""
+    reports = []
+    before = _read_bytes(d.proc.pid)
+    with weightd.Client(socket=d.socket) as c:
+        info = c.load(name, str(path), source=source, progress=reports.append, **kw)
+    return info, reports[-1], _read_bytes(d.proc.pid) - before
+
+
+def _check_bytes(d, name, tensors):
+    """The served bytes are the files' (as PyTorch reads them)."""
+    with weightd.Client(socket=d.socket) as c, c.fetch(name, world=1, rank=0) as h:
+        got = h.state_dict()
+        assert set(got) == set(tensors)
+        for k, t in tensors.items():
+            assert torch.equal(got[k], t), k
+        return h.weights_id
+
+
+def _daemons(tmp_path, models, n, peers_of, extra=()):
+    addrs = ["127.0.0.1:%d" % free_port() for _ in range(n)]
+    out = []
+    for i, addr in enumerate(addrs):
+        peers = peers_of(i, addrs)
+        args = ["--listen", addr, "--advertise", addr, "--peer-poll-seconds", "1",
+                "--read-chunk-bytes", str(CHUNK)] + list(extra)
+        if peers:
+            args += ["--peers", ",".join(peers)]
+        out.append(Daemon(model_root=str(models), workdir=str(tmp_path / ("d%d" % i)),
+                          extra_args=args))
+    return addrs, out
+
+
+def _all_others(i, addrs):
+    return [a for j, a in enumerate(addrs) if j != i]
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    models = tmp_path / "models"
+    path, tensors = _write_checkpoint(models, seed=5)
+    return models, path, tensors
+
+
+def test_storage_is_read_once_per_fleet(tmp_path, checkpoint):
+    models, path, tensors = checkpoint
+    size = sum(os.path.getsize(path / f) for f in os.listdir(path))
+    addrs, ds = _daemons(tmp_path, models, 4, _all_others)
+    for d in ds:
+        d.start()
+    try:
+        a, b, c, d4 = ds
+        # a: storage (nobody holds it yet; auto would say so and read).
+        _drop_cache(path)
+        info, last, read = _load(a, "m", path)
+        assert last.done and last.bytes_from_peers == 0 and last.peers == ()
+        assert read >= 0.9 * size, (read, size)
+        want = _check_bytes(a, "m", tensors)
+        assert info.weights_id == want
+        # b, c, d: from peers; storage gives headers and samples only.
+        holders = [addrs[0]]
+        for i, node in [(1, b), (2, c), (3, d4)]:
+            _drop_cache(path)
+            info, last, read = _load(node, "m", path)
+            assert last.done and last.bytes_from_peers == last.bytes_total > 0, last
+            assert last.bytes_from_storage == 0
+            assert set(last.peers) <= set(holders), (last.peers, holders)
+            assert read < size / 6, "daemon %d read %d bytes from storage" % (i, read)
+            with weightd.Client(socket=node.socket) as cl:
+                s = cl.stats()
+            assert s["load_bytes_peers"] == last.bytes_from_peers
+            # Its own storage counter agrees with the kernel's (headers and
+            # samples; the headers are read besides the data counted).
+            assert s["load_bytes_storage"] <= read + (1 << 20), (s["load_bytes_storage"], read)
+            assert sum(t["bytes"] for t in s["peer_transfers"].values()) == last.bytes_from_peers
+            assert info.weights_id == want
+            assert _check_bytes(node, "m", tensors) == want
+            holders.append(addrs[i])
+        # With several holders the ranges are spread over them.
+        with weightd.Client(socket=d4.socket) as cl:
+            spread = cl.stats()["peer_transfers"]
+        assert set(spread) == set(addrs[:3]) and all(t["bytes"] > 0 for t in spread.values())
+        # The holders counted what they sent; the metric says where bytes came from.
+        sent = 0
+        for node in ds:
+            with weightd.Client(socket=node.socket) as cl:
+                sent += cl.stats()["bytes_sent_to_peers"]
+        assert sent >= 3 * (size - (1 << 20))
+        assert "load_sources" in d4.log()
+        # weightctl says where the bytes came from (a load of files already
+        # resident shares them: d unloads first); storage on request.
+        d4.ctl_ok("unload", "m")
+        out = d4.ctl_ok("load", "m", str(path), "--source", "peers").stdout
+        assert "from peers " in out
+        _drop_cache(path)
+        before = _read_bytes(b.proc.pid)
+        b.ctl_ok("load", "fresh", str(path / "model-00001-of-00002.safetensors"),
+                 "--source", "storage")
+        assert _read_bytes(b.proc.pid) - before >= 0.4 * size
+    finally:
+        for d in ds:
+            d.stop()
+
+
+def test_source_peers_without_a_holder_is_unavailable(tmp_path, checkpoint):
+    models, path, _ = checkpoint
+    addrs, (a, b) = _daemons(tmp_path, models, 2, _all_others)
+    a.start()
+    b.start()
+    try:
+        r = a.ctl("load", "m", str(path), "--source", "peers")
+        assert r.returncode != 0 and r.error_code == "UNAVAILABLE", r.stderr
+        assert "no peer holds the files" in r.error_message
+        with weightd.Client(socket=a.socket) as c:
+            assert c.stats()["bytes_resident"] == 0 and c.list() == []
+    finally:
+        a.stop()
+        b.stop()
+    with Daemon(model_root=str(models)) as alone:
+        r = alone.ctl("load", "m", str(path), "--source", "peers")
+        assert r.error_code == "FAILED_PRECONDITION" and "no peers" in r.error_message
+        r = alone.ctl("load", "m", str(path), "--source", "nearby")
+        assert r.returncode != 0 and "auto, storage or peers" in r.stderr
+
+
+def test_holder_killed_mid_transfer(tmp_path, checkpoint):
+    """c loads from a and b; a is SIGKILLed as c's first peer bytes arrive:
+    c finishes from b (and storage), with the right bytes."""
+    models, path, tensors = checkpoint
+    addrs, (a, b, c) = _daemons(tmp_path, models, 3, _all_others, extra=["--peer-streams", "1"])
+    for d in (a, b, c):
+        d.start()
+    try:
+        a.ctl_ok("load", "m", str(path))
+        b.ctl_ok("load", "m", str(path))
+        killed = []
+
+        def on_progress(p):
+            if p.bytes_from_peers > 0 and not killed:
+                os.kill(a.proc.pid, signal.SIGKILL)
+                killed.append(p.bytes_from_peers)
+
+        with weightd.Client(socket=c.socket) as cl:
+            cl.load("m", str(path), progress=on_progress)
+            s = cl.stats()
+        assert killed and killed[0] < sum(t.numel() * t.element_size() for t in tensors.values())
+        assert s["peer_transfers"][addrs[0]]["failures"] >= 1, s["peer_transfers"]
+        assert s["peer_transfers"][addrs[1]]["bytes"] > 0
+        assert "peer_read_failed" in c.log()
+        _check_bytes(c, "m", tensors)
+    finally:
+        for d in (a, b, c):
+            d.stop()
+
+
+class _Proxy:
+    """A peer in front of a real daemon: forwards Models.List and
+    FindCheckpoint, and ReadCheckpoint with a bit flipped ("flip") or never
+    answering it ("stall")."""
+
+    def __init__(self, upstream, mode):
+        self.mode = mode
+        self.channel = grpc.insecure_channel(
+            upstream, options=[("grpc.max_receive_message_length", -1)])
+        self.stub = pb_grpc.ModelsStub(self.channel)
+        self.stop_stalling = threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(8),
+                                  options=[("grpc.max_send_message_length", -1)])
+        handlers = {
+            "List": grpc.unary_unary_rpc_method_handler(
+                lambda req, ctx: self.stub.List(req),
+                request_deserializer=pb.ListModelsRequest.FromString,
+                response_serializer=pb.ListModelsResponse.SerializeToString),
+            "FindCheckpoint": grpc.unary_unary_rpc_method_handler(
+                self._find, request_deserializer=pb.FindCheckpointRequest.FromString,
+                response_serializer=pb.FindCheckpointResponse.SerializeToString),
+            "ReadCheckpoint": grpc.unary_stream_rpc_method_handler(
+                self._read, request_deserializer=pb.ReadCheckpointRequest.FromString,
+                response_serializer=pb.ReadChunk.SerializeToString),
+        }
+        self.server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler("weightd.v1.Models", handlers)])
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = "127.0.0.1:%d" % self.port
+        self.server.start()
+
+    def _find(self, req, ctx):
+        try:
+            return self.stub.FindCheckpoint(req)
+        except grpc.RpcError as e:
+            ctx.abort(e.code(), e.details())
+
+    def _read(self, req, ctx):
+        if self.mode == "stall":
+            self.stop_stalling.wait(120)
+            return
+        for chunk in self.stub.ReadCheckpoint(req):
+            if chunk.data:
+                data = bytearray(chunk.data)
+                data[len(data) // 2] ^= 0x10
+                chunk = pb.ReadChunk(offset=chunk.offset, data=bytes(data))
+            yield chunk
+
+    def close(self):
+        self.stop_stalling.set()
+        self.server.stop(0)
+        self.channel.close()
+
+
+@pytest.mark.parametrize("mode", ["flip", "stall"])
+def test_a_lying_or_stalling_peer_is_dropped(tmp_path, checkpoint, mode):
+    models, path, tensors = checkpoint
+    a_addr = "127.0.0.1:%d" % free_port()
+    a = Daemon(model_root=str(models), workdir=str(tmp_path / "a"),
+               extra_args=["--listen", a_addr])
+    a.start()
+    proxy = _Proxy(a_addr, mode)
+    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"),
+               extra_args=["--peers", proxy.address, "--read-chunk-bytes", str(CHUNK),
+                           "--peer-poll-seconds", "1"])
+    c.start()
+    try:
+        a.ctl_ok("load", "m", str(path))
+        start = time.monotonic()
+        info, last, _ = _load(c, "m", path)
+        took = time.monotonic() - start
+        _check_bytes(c, "m", tensors)
+        log = c.log()
+        if mode == "flip":
+            assert "peer_data_loss" in log and "DATA_LOSS" in log, log[-3000:]
+        else:
+            # The range's deadline: 2 x 3 s + 1 MiB at 32 MiB/s.
+            assert "peer_read_failed" in log and "DEADLINE_EXCEEDED" in log, log[-3000:]
+            assert took < 30, took
+        assert last.bytes_from_storage >= 0.9 * sum(
+            t.numel() * t.element_size() for t in tensors.values())
+        with weightd.Client(socket=c.socket) as cl:
+            assert cl.stats()["peer_transfers"][proxy.address]["failures"] >= 1
+        # --source peers: the only holder fails, so the load fails and
+        # leaves nothing behind (m unloaded first: files resident are shared).
+        c.ctl_ok("unload", "m")
+        r = c.ctl("load", "m2", str(path), "--source", "peers")
+        assert r.returncode != 0 and r.error_code in ("UNAVAILABLE", "DATA_LOSS"), r.stderr
+        with weightd.Client(socket=c.socket) as cl:
+            assert cl.list() == []
+    finally:
+        proxy.close()
+        c.stop()
+        a.stop()
+
+
+def test_a_peer_with_other_bytes_under_the_same_header_is_not_used(tmp_path, checkpoint):
+    models, path, tensors = checkpoint
+    # e's copy: the same names, sizes and headers, other bytes.
+    other_root = tmp_path / "other"
+    _, other = _write_checkpoint(other_root, seed=6)
+    for f in os.listdir(path):
+        assert os.path.getsize(path / f) == os.path.getsize(other_root / "model" / f)
+    e_addr = "127.0.0.1:%d" % free_port()
+    e = Daemon(model_root=str(other_root), workdir=str(tmp_path / "e"),
+               extra_args=["--listen", e_addr])
+    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"),
+               extra_args=["--peers", e_addr])
+    e.start()
+    c.start()
+    try:
+        e.ctl_ok("load", "m", str(other_root / "model"))
+        info, last, _ = _load(c, "m", path)
+        assert last.bytes_from_peers == 0
+        assert "peer_content_differs" in c.log()
+        _check_bytes(c, "m", tensors)
+        c.ctl_ok("unload", "m")
+        r = c.ctl("load", "m2", str(path), "--source", "peers")
+        assert r.error_code == "UNAVAILABLE" and "other bytes" in r.error_message, r.stderr
+    finally:
+        c.stop()
+        e.stop()
+
+
+def test_a_peer_that_never_answers_does_not_hang_the_load(tmp_path, checkpoint):
+    models, path, tensors = checkpoint
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # accepts (the kernel does), never answers
+    addr = "127.0.0.1:%d" % hung.getsockname()[1]
+    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"), extra_args=["--peers", addr])
+    c.start()
+    try:
+        start = time.monotonic()
+        _load(c, "m", path)
+        assert time.monotonic() - start < 20
+        _check_bytes(c, "m", tensors)
+        c.ctl_ok("unload", "m")
+        start = time.monotonic()
+        r = c.ctl("load", "m2", str(path), "--source", "peers")
+        assert r.error_code == "UNAVAILABLE"
+        assert time.monotonic() - start < 20
+    finally:
+        c.stop()
+        hung.close()

@@ -323,6 +323,8 @@ struct Chunk {
   uint64_t file_offset;  // in the file (the data section's offset included)
   uint64_t length;
   uint8_t* dest;
+  uint64_t data_begin;  // in the file's data section
+  size_t group;         // chunks of one group come from one holder
 };
 
 // What the peers offered a load: the holders that agree on every tensor's
@@ -803,19 +805,44 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     segments.push_back(std::move(seg));
   }
 
-  // Every data section in chunks (file i's from first_chunk[i] on).
+  // Every data section in chunks of at most chunk_bytes (file i's from
+  // first_chunk[i] on), in groups: whole tensors packed together, or one
+  // large tensor's pieces. A group comes from one holder (while it lasts),
+  // so a tensor that misses its digest names the peer that sent it.
   const uint64_t chunk_bytes = std::max<uint64_t>(1, options.read_chunk_bytes);
   std::vector<Chunk> chunks;
   std::vector<size_t> first_chunk;
-  for (size_t i = 0; i < files.size(); ++i) {
-    const OpenFile& f = files[i];
-    first_chunk.push_back(chunks.size());
-    uint64_t data_len = static_cast<uint64_t>(f.st.st_size) - f.header.data_offset;
-    uint8_t* base = segments[f.segment_index]->mutable_data() + f.segment_offset;
-    for (uint64_t off = 0; off < data_len; off += chunk_bytes) {
-      uint64_t len = std::min(chunk_bytes, data_len - off);
-      chunks.push_back({i, f.header.data_offset + off, len, base + off});
+  size_t groups = 0;
+  {
+    size_t t = 0;  // tensors are in file order, each file's by offset
+    for (size_t i = 0; i < files.size(); ++i) {
+      const OpenFile& f = files[i];
+      first_chunk.push_back(chunks.size());
+      const uint64_t data_len = static_cast<uint64_t>(f.st.st_size) - f.header.data_offset;
+      uint8_t* base = segments[f.segment_index]->mutable_data() + f.segment_offset;
+      auto emit = [&](uint64_t begin, uint64_t end) {
+        for (uint64_t off = begin; off < end; off += chunk_bytes) {
+          chunks.push_back({i, f.header.data_offset + off, std::min(chunk_bytes, end - off),
+                            base + off, off, groups});
+        }
+        ++groups;
+      };
+      uint64_t group_start = 0, pos = 0;
+      for (; t < tensors.size() && tensor_file[t] == i; ++t) {
+        const uint64_t end = std::max(pos, tensor_begin[t] + tensors[t].length);
+        if (end - group_start > chunk_bytes && pos > group_start) {
+          emit(group_start, pos);
+          group_start = pos;
+        }
+        pos = end;
+        if (pos - group_start > chunk_bytes) {
+          emit(group_start, pos);
+          group_start = pos;
+        }
+      }
+      if (data_len > group_start) emit(group_start, data_len);
     }
+    first_chunk.push_back(chunks.size());
   }
   ProgressTracker progress(options.progress, bytes_total, tensors_total);
   absl::Mutex report_mu;
@@ -853,6 +880,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     constexpr int kFromStorage = -1;
     const std::vector<std::string>& holders = plan.holders;
     std::vector<int> supplier(chunks.size(), kFromStorage);
+    // Holders a chunk is not asked again (changed only between fills).
+    std::vector<std::vector<int>> excluded(chunks.size());
     auto dropped = std::make_unique<std::atomic<bool>[]>(holders.size());
     for (size_t h = 0; h < holders.size(); ++h) dropped[h] = false;
     auto drop = [&](size_t h, const absl::Status& why, const char* event) {
@@ -873,10 +902,12 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
         const OpenFile& f = files[c.file];
         WD_RETURN_IF_ERROR_CTX(PopulateForWrite(c.dest, c.length), "loading ", f.path);
         absl::Status last;
-        for (size_t h : RendezvousOrder(holders, plan.key, ci)) {
-          if (dropped[h]) continue;
-          const CheckpointRange range{static_cast<uint32_t>(c.file),
-                                      c.file_offset - f.header.data_offset, c.length};
+        for (size_t h : RendezvousOrder(holders, plan.key, c.group)) {
+          if (dropped[h] || std::find(excluded[ci].begin(), excluded[ci].end(),
+                                      static_cast<int>(h)) != excluded[ci].end()) {
+            continue;
+          }
+          const CheckpointRange range{static_cast<uint32_t>(c.file), c.data_begin, c.length};
           absl::Status s = options.peers->ReadRange(holders[h], plan.key, range, c.dest);
           if (s.ok()) {
             supplier[ci] = static_cast<int>(h);
@@ -894,7 +925,9 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
         if (options.source == LoadSource::kPeers) {
           return absl::UnavailableError(absl::StrCat(
               "--source peers: no peer holding ", path, " could supply ", f.path, " bytes ",
-              c.file_offset, "..", c.file_offset + c.length, " (last: ", last.ToString(), ")"));
+              c.file_offset, "..", c.file_offset + c.length, " (",
+              last.ok() ? "every holder was dropped or sent wrong bytes" : last.ToString(),
+              ")"));
         }
         supplier[ci] = kFromStorage;
         return read_storage(c, count);
@@ -904,8 +937,14 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     auto chunks_under = [&](size_t file, uint64_t begin, uint64_t length) {
       std::vector<size_t> out;
       if (length == 0) return out;
-      for (uint64_t k = begin / chunk_bytes; k <= (begin + length - 1) / chunk_bytes; ++k) {
-        out.push_back(first_chunk[file] + k);
+      // The last chunk starting at or before `begin`, then on while they
+      // start before the end.
+      auto it = std::upper_bound(chunks.begin() + first_chunk[file],
+                                 chunks.begin() + first_chunk[file + 1], begin,
+                                 [](uint64_t b, const Chunk& c) { return b < c.data_begin; });
+      for (size_t ci = static_cast<size_t>(it - chunks.begin()) - 1;
+           ci < first_chunk[file + 1] && chunks[ci].data_begin < begin + length; ++ci) {
+        out.push_back(ci);
       }
       return out;
     };
@@ -922,21 +961,33 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
       std::set<size_t> redo;
       bool storage_disagrees = false;
       std::string first_bad;
+      // One peer sent the wrong bytes: it is dropped. Several (a group
+      // split by a holder dropped midway, a sample across groups): none is
+      // blamed, but each of their chunks comes from another source next.
       auto blame = [&](const std::vector<size_t>& under, const std::string& what) {
-        bool from_peer = false;
+        std::set<int> peers;
         for (size_t ci : under) {
-          if (supplier[ci] == kFromStorage) continue;
-          from_peer = true;
-          drop(static_cast<size_t>(supplier[ci]),
+          if (supplier[ci] != kFromStorage) peers.insert(supplier[ci]);
+        }
+        if (peers.empty()) {
+          storage_disagrees = true;
+          if (first_bad.empty()) first_bad = what;
+          return;
+        }
+        if (peers.size() == 1) {
+          drop(static_cast<size_t>(*peers.begin()),
                absl::DataLossError(absl::StrCat("its bytes of ", what, " are wrong")),
                "peer_data_loss");
         }
-        if (!from_peer) {
-          storage_disagrees = true;
-          if (first_bad.empty()) first_bad = what;
-        }
+        // A peer dropped already (for wrong bytes elsewhere) is presumed
+        // the culprit; else every chunk avoids the peer that sent it.
+        bool culprit = false;
+        for (int p : peers) culprit = culprit || dropped[p];
         for (size_t ci : under) {
-          if (supplier[ci] != kFromStorage) redo.insert(ci);
+          if (supplier[ci] == kFromStorage) continue;
+          if (culprit && !dropped[supplier[ci]]) continue;
+          if (!culprit) excluded[ci].push_back(supplier[ci]);
+          redo.insert(ci);
         }
       };
       for (size_t i = 0; i < tensors.size(); ++i) {
@@ -976,7 +1027,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
         continue;
       }
       if (redo.empty()) break;
-      if (round > holders.size() + 1) {
+      if (round > 2 * holders.size() + 2) {
         return absl::InternalError(absl::StrCat("loading ", path, " from peers did not converge"));
       }
       WD_RETURN_IF_ERROR(fill(std::vector<size_t>(redo.begin(), redo.end()), /*count=*/false));

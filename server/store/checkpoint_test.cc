@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -32,14 +33,16 @@ class CheckpointTest : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
 
   // Writes a file of F32 tensors [n] each filled with `base + i`.
+  // `bias` changes the bytes, not the header.
   std::string WriteFile(const std::string& name,
-                        const std::vector<std::pair<std::string, int>>& tensors) {
+                        const std::vector<std::pair<std::string, int>>& tensors,
+                        float bias = 0) {
     std::vector<SafetensorsWriteEntry> entries;
     std::string data;
     for (const auto& [tname, n] : tensors) {
       entries.push_back({tname, DType::kF32, {n}, static_cast<uint64_t>(n) * 4});
       for (int i = 0; i < n; ++i) {
-        float v = static_cast<float>(tname.size() * 1000 + i);
+        float v = static_cast<float>(tname.size() * 1000 + i) + bias;
         data.append(reinterpret_cast<const char*>(&v), 4);
       }
     }
@@ -283,6 +286,222 @@ TEST_F(CheckpointTest, DonatedSegmentsAreAdoptedOnlyWhenTheyCheckOut) {
   ASSERT_NE(r.loaded, nullptr);
   EXPECT_EQ(r.adopted + r.refused, 0u);
   EXPECT_EQ(r.unused, 1u);
+}
+
+
+// Peers in memory, answering as a daemon's FindCheckpoint and
+// ReadCheckpoint do (DescribeHolding, FindHeldBytes), with faults: a peer
+// that fails every range, one that flips a bit of every range, one that
+// reports a wrong digest for its first tensor.
+class MemoryPeers : public CheckpointPeers {
+ public:
+  struct Peer {
+    std::string address;
+    std::shared_ptr<const Checkpoint> held;
+    enum Fault { kNone, kFail, kFlip, kWrongDigest } fault = kNone;
+  };
+  void Add(Peer p) { peers_.push_back(std::move(p)); }
+  int reads(const std::string& address) {
+    absl::MutexLock lock(&mu_);
+    return reads_[address];
+  }
+
+  std::vector<PeerHolding> FindHolders(const Digest& key,
+                                       const std::vector<CheckpointRange>& samples) override {
+    std::vector<PeerHolding> out;
+    for (const Peer& p : peers_) {
+      if (p.held->content_key() != key) continue;
+      auto h = DescribeHolding(*p.held, samples);
+      EXPECT_TRUE(h.ok()) << h.status();
+      if (!h.ok()) continue;
+      h->peer = p.address;
+      if (p.fault == Peer::kWrongDigest) h->tensor_digests[0][0].bytes[0] ^= 1;
+      out.push_back(std::move(*h));
+    }
+    return out;
+  }
+  absl::Status ReadRange(const std::string& address, const Digest& key,
+                         const CheckpointRange& range, uint8_t* dest) override {
+    {
+      absl::MutexLock lock(&mu_);
+      reads_[address]++;
+    }
+    for (const Peer& p : peers_) {
+      if (p.address != address) continue;
+      if (p.fault == Peer::kFail) return absl::UnavailableError("connection reset");
+      auto held = FindHeldBytes(*p.held, range, kMaxPeerRangeBytes);
+      if (!held.ok()) return held.status();
+      std::memcpy(dest, held->buffer->host_data() + held->offset, range.length);
+      if (p.fault == Peer::kFlip && range.length > 0) dest[range.length / 2] ^= 0x10;
+      return absl::OkStatus();
+    }
+    return absl::NotFoundError(address);
+  }
+
+ private:
+  std::vector<Peer> peers_;
+  absl::Mutex mu_;
+  std::map<std::string, int> reads_ ABSL_GUARDED_BY(mu_);
+};
+
+class PeerLoadTest : public CheckpointTest {
+ protected:
+  void SetUp() override {
+    CheckpointTest::SetUp();
+    path_ = WriteFile("m.safetensors", Tensors());
+    auto held = LoadCheckpoint(path_, Options());
+    ASSERT_TRUE(held.ok()) << held.status();
+    held_ = *held;
+  }
+  // 60 tensors of 40..236 bytes, an empty one and a large one: with ranges
+  // of 64 bytes, some 80 groups, so that every holder gets some.
+  static std::vector<std::pair<std::string, int>> Tensors() {
+    std::vector<std::pair<std::string, int>> out;
+    for (int i = 0; i < 60; ++i) out.push_back({"t" + std::to_string(i), 10 + (i * 7) % 50});
+    out.push_back({"empty", 0});
+    out.push_back({"large", 300});
+    return out;
+  }
+  CheckpointLoadOptions PeerOptions(LoadSource source) {
+    CheckpointLoadOptions o = Options();
+    o.read_chunk_bytes = 64;
+    o.peers = &peers_;
+    o.source = source;
+    o.report = &report_;
+    o.peer_samples_per_file = 2;
+    o.peer_sample_bytes = 16;
+    return o;
+  }
+  // The load's tensors are the holder's, byte for byte and digest for digest.
+  void ExpectSameAsHeld(const Checkpoint& got) {
+    ASSERT_EQ(got.tensors().size(), held_->tensors().size());
+    for (const StoredTensor& t : held_->tensors()) {
+      const StoredTensor* g = got.Find(t.name);
+      ASSERT_NE(g, nullptr) << t.name;
+      EXPECT_EQ(g->digest, t.digest) << t.name;
+      EXPECT_EQ(g->digest, DigestBytes(g->host_data(), g->length)) << t.name;
+      EXPECT_EQ(std::memcmp(g->host_data(), t.host_data(), t.length), 0) << t.name;
+    }
+    EXPECT_EQ(got.content_key(), held_->content_key());
+  }
+  std::string path_;
+  std::shared_ptr<const Checkpoint> held_;
+  MemoryPeers peers_;
+  LoadSourceReport report_;
+};
+
+TEST_F(PeerLoadTest, TakesTheBytesFromAHolderAndSamplesStorage) {
+  peers_.Add({"p1", held_});
+  std::vector<LoadProgressInfo> progress;
+  auto o = PeerOptions(LoadSource::kAuto);
+  o.progress = [&](const LoadProgressInfo& p) { progress.push_back(p); };
+  auto got = LoadCheckpoint(path_, o);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameAsHeld(**got);
+  EXPECT_EQ(report_.peer_bytes, held_->total_bytes());
+  EXPECT_EQ(report_.by_peer["p1"], held_->total_bytes());
+  EXPECT_EQ(report_.storage_bytes, 2u * 16);  // the samples only
+  ASSERT_FALSE(progress.empty());
+  EXPECT_EQ(progress.back().bytes_from_peers, held_->total_bytes());
+  EXPECT_EQ(progress.back().bytes_from_storage, 0u);
+  EXPECT_EQ(progress.back().peers, std::vector<std::string>{"p1"});
+}
+
+TEST_F(PeerLoadTest, SpreadsRangesOverHoldersAndDropsOnesThatFailOrLie) {
+  peers_.Add({"good", held_});
+  peers_.Add({"flips", held_, MemoryPeers::Peer::kFlip});
+  peers_.Add({"fails", held_, MemoryPeers::Peer::kFail});
+  auto got = LoadCheckpoint(path_, PeerOptions(LoadSource::kPeers));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameAsHeld(**got);
+  // Every holder was asked for some of the ranges (rendezvous over their
+  // groups), the bad ones until dropped (flips: every range of a group in
+  // flight).
+  EXPECT_GT(peers_.reads("good"), 0);
+  EXPECT_GE(peers_.reads("flips"), 1);
+  EXPECT_GE(peers_.reads("fails"), 1);
+  EXPECT_EQ(report_.peer_failures["flips"], 1u);
+  EXPECT_EQ(report_.peer_failures["fails"], 1u);
+  EXPECT_EQ(report_.peer_failures.count("good"), 0u);
+  EXPECT_EQ(report_.storage_bytes, 2u * 16);  // nothing but samples from storage
+}
+
+TEST_F(PeerLoadTest, WhatNoHolderSuppliesComesFromStorageUnlessPeersOnly) {
+  peers_.Add({"flips", held_, MemoryPeers::Peer::kFlip});
+  {
+    auto got = LoadCheckpoint(path_, PeerOptions(LoadSource::kAuto));
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectSameAsHeld(**got);
+    EXPECT_EQ(report_.peer_failures["flips"], 1u);
+    EXPECT_GE(report_.storage_bytes, held_->total_bytes());
+  }
+  // Peers only: the load fails and leaves nothing allocated.
+  const uint64_t before = memory_->stats().used_bytes;
+  auto got = LoadCheckpoint(path_, PeerOptions(LoadSource::kPeers));
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  EXPECT_EQ(memory_->stats().used_bytes, before);
+}
+
+TEST_F(PeerLoadTest, OtherBytesUnderTheSameHeaderAreNotUsed) {
+  fs::create_directory(dir_ + "/other");
+  const std::string other = WriteFile("other/m.safetensors", Tensors(), 0.5f);
+  auto theirs = LoadCheckpoint(other, Options());
+  ASSERT_TRUE(theirs.ok());
+  ASSERT_EQ((*theirs)->content_key(), held_->content_key());  // names, sizes, headers
+  peers_.Add({"other", *theirs});
+  auto got = LoadCheckpoint(path_, PeerOptions(LoadSource::kAuto));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameAsHeld(**got);
+  EXPECT_EQ(peers_.reads("other"), 0);
+  EXPECT_EQ(report_.peer_bytes, 0u);
+  got = LoadCheckpoint(path_, PeerOptions(LoadSource::kPeers));
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+}
+
+TEST_F(PeerLoadTest, StorageDisagreeingWithTheHoldersDigestsWins) {
+  // The holder's bytes are right but it reports another digest for the
+  // first tensor: its range is fetched again from storage, which disagrees
+  // with that digest too, so everything is read from storage.
+  peers_.Add({"liar", held_, MemoryPeers::Peer::kWrongDigest});
+  auto got = LoadCheckpoint(path_, PeerOptions(LoadSource::kAuto));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameAsHeld(**got);
+  EXPECT_GE(report_.storage_bytes, held_->total_bytes());
+  got = LoadCheckpoint(path_, PeerOptions(LoadSource::kPeers));
+  ASSERT_FALSE(got.ok());
+  EXPECT_TRUE(got.status().code() == absl::StatusCode::kUnavailable ||
+              got.status().code() == absl::StatusCode::kDataLoss)
+      << got.status();
+}
+
+TEST_F(PeerLoadTest, PeersOnlyNeedsPeersAndAHolder) {
+  auto o = PeerOptions(LoadSource::kPeers);
+  o.peers = nullptr;
+  auto got = LoadCheckpoint(path_, o);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition) << got.status();
+  got = LoadCheckpoint(path_, PeerOptions(LoadSource::kPeers));
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  EXPECT_NE(got.status().message().find("no peer holds the files"), std::string::npos);
+  // Storage: the peers are not asked.
+  peers_.Add({"p1", held_});
+  report_ = {};
+  got = LoadCheckpoint(path_, PeerOptions(LoadSource::kStorage));
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(peers_.reads("p1"), 0);
+  EXPECT_EQ(report_.storage_bytes, held_->total_bytes());
+}
+
+TEST_F(PeerLoadTest, HoldersRefuseRangesOutsideTheirFiles) {
+  const uint64_t len = held_->file_info()[0].data_length;
+  EXPECT_TRUE(FindHeldBytes(*held_, {0, 0, len}, kMaxPeerRangeBytes).ok());
+  for (CheckpointRange r : {CheckpointRange{1, 0, 1}, CheckpointRange{0, len, 1},
+                            CheckpointRange{0, 1, ~uint64_t{0}}, CheckpointRange{0, ~uint64_t{0}, 2}}) {
+    EXPECT_EQ(FindHeldBytes(*held_, r, kMaxPeerRangeBytes).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(DescribeHolding(*held_, {{0, 0, (1 << 20) + 1}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

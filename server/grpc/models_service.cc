@@ -375,11 +375,11 @@ class ModelsImpl final : public v1::Models::CallbackService {
     if (!who.ok()) return RefuseStream<v1::ReadChunk>(who.status());
     auto key = KeyOf(req->key());
     if (!key.ok()) return RefuseStream<v1::ReadChunk>(key.status());
+    auto hold = drain_->Enter();
+    if (!hold.ok()) return RefuseStream<v1::ReadChunk>(hold.status());
     const v1::CheckpointRange& r = req->range();
     auto range = service_->ReadHeld(*key, {r.file(), r.offset(), r.length()});
     if (!range.ok()) return RefuseStream<v1::ReadChunk>(range.status());
-    auto hold = drain_->Enter();
-    if (!hold.ok()) return RefuseStream<v1::ReadChunk>(hold.status());
     return new ReadReactor(std::move(*range), std::move(*hold));  // deletes itself in OnDone
   }
 

@@ -284,9 +284,15 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view what) {
 
 std::vector<PeerHolding> PeerTable::FindHolders(const Digest& key,
                                                 const std::vector<CheckpointRange>& samples) {
+  // Every peer: one whose last poll failed may be back (it is given a
+  // short deadline, so that a peer down costs a load little).
   std::vector<std::string> ask;
+  std::vector<absl::Duration> deadline;
   for (const PeerState& p : Snapshot()) {
-    if (p.reachable || p.polled == absl::InfinitePast()) ask.push_back(p.address);
+    ask.push_back(p.address);
+    deadline.push_back(p.reachable || p.polled == absl::InfinitePast()
+                           ? options_.call_timeout
+                           : std::min(options_.call_timeout, absl::Milliseconds(500)));
   }
   v1::FindCheckpointRequest req;
   req.set_key(std::string(key.View()));
@@ -298,38 +304,48 @@ std::vector<PeerHolding> PeerTable::FindHolders(const Digest& key,
   }
   std::vector<std::optional<PeerHolding>> answers(ask.size());
   std::vector<std::thread> threads;
-  for (size_t i = 0; i < ask.size(); ++i) {
-    threads.emplace_back([&, i] {
-      std::shared_ptr<v1::Models::Stub> stub = channels_->StubFor(ask[i]);
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() +
-                       absl::ToChronoMilliseconds(options_.call_timeout));
-      channels_->Authorize(ctx);
-      v1::FindCheckpointResponse resp;
-      grpc::Status s = stub->FindCheckpoint(&ctx, req, &resp);
-      if (s.error_code() == grpc::StatusCode::NOT_FOUND) return;  // not a holder
-      if (!s.ok()) {
+  auto ask_one = [&](size_t i) {
+    std::shared_ptr<v1::Models::Stub> stub = channels_->StubFor(ask[i]);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline[i]));
+    channels_->Authorize(ctx);
+    v1::FindCheckpointResponse resp;
+    grpc::Status s = stub->FindCheckpoint(&ctx, req, &resp);
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) return;  // not a holder
+    if (!s.ok()) {
+      LogEvent(LogLevel::kWarning, "peer_find_failed",
+               {{"peer", ask[i]}, {"error", GrpcError(s)}, {"action", "not asked for bytes"}});
+      return;
+    }
+    PeerHolding h;
+    h.peer = ask[i];
+    for (const std::string& file : resp.tensor_digests()) {
+      if (file.size() % 16 != 0) {
         LogEvent(LogLevel::kWarning, "peer_find_failed",
-                 {{"peer", ask[i]}, {"error", GrpcError(s)}, {"action", "not asked for bytes"}});
+                 {{"peer", ask[i]},
+                  {"error", "a malformed answer (digests not of 16 bytes)"},
+                  {"action", "not asked for bytes"}});
         return;
       }
-      PeerHolding h;
-      h.peer = ask[i];
-      for (const std::string& file : resp.tensor_digests()) {
-        if (file.size() % 16 != 0) return;  // malformed: fails the caller's checks below
-        std::vector<Digest> digests(file.size() / 16);
-        for (size_t k = 0; k < digests.size(); ++k) {
-          std::memcpy(digests[k].bytes.data(), file.data() + 16 * k, 16);
-        }
-        h.tensor_digests.push_back(std::move(digests));
+      std::vector<Digest> digests(file.size() / 16);
+      for (size_t k = 0; k < digests.size(); ++k) {
+        std::memcpy(digests[k].bytes.data(), file.data() + 16 * k, 16);
       }
-      for (const std::string& d : resp.sample_digests()) {
-        Digest digest;
-        if (d.size() == 16) std::memcpy(digest.bytes.data(), d.data(), 16);
-        h.sample_digests.push_back(digest);
-      }
-      answers[i] = std::move(h);
-    });
+      h.tensor_digests.push_back(std::move(digests));
+    }
+    for (const std::string& d : resp.sample_digests()) {
+      Digest digest;
+      if (d.size() == 16) std::memcpy(digest.bytes.data(), d.data(), 16);
+      h.sample_digests.push_back(digest);
+    }
+    answers[i] = std::move(h);
+  };
+  for (size_t i = 0; i < ask.size(); ++i) {
+    try {
+      threads.emplace_back(ask_one, i);
+    } catch (const std::system_error&) {
+      ask_one(i);  // no thread to be had: asked in turn
+    }
   }
   for (std::thread& t : threads) t.join();
   std::vector<PeerHolding> out;

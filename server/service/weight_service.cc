@@ -1,5 +1,7 @@
 #include "server/service/weight_service.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <tuple>
 #include <cmath>
@@ -1271,8 +1273,18 @@ void WeightService::CountLoadSources(const LoadSourceReport& report) {
 }
 
 std::shared_ptr<const Checkpoint> WeightService::HeldCheckpoint(const Digest& key) const {
-  for (auto& [files, checkpoint] : resident_.Snapshot()) {
-    if (!checkpoint->file_info().empty() && checkpoint->content_key() == key) return checkpoint;
+  // The newest copy whose files are as they were when read: a file
+  // rewritten since (the same names, sizes and headers: a fine-tune saved
+  // in place) would offer peers stale bytes that agree with their digests.
+  for (std::shared_ptr<const Checkpoint>& c : resident_.FindByContent(key)) {
+    bool unchanged = !c->file_info().empty();
+    for (const CheckpointFileInfo& f : c->file_info()) {
+      struct stat st;
+      unchanged = unchanged && ::stat(f.path.c_str(), &st) == 0 &&
+                  static_cast<uint64_t>(st.st_size) == f.id.size &&
+                  st.st_mtim.tv_sec == f.mtime_sec && st.st_mtim.tv_nsec == f.mtime_nsec;
+    }
+    if (unchanged) return std::move(c);
   }
   return nullptr;
 }

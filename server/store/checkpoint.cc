@@ -368,18 +368,19 @@ absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoad
   plan.key = CheckpointKey(ids);
   // Random places each load: a peer cannot have prepared for them.
   std::mt19937_64 rng(std::random_device{}());
-  const uint64_t piece = std::max<uint64_t>(1, options.peer_sample_bytes);
+  constexpr size_t kMaxSamples = 4096;  // what a holder answers
+  const uint64_t piece = std::clamp<uint64_t>(options.peer_sample_bytes, 1, 1 << 20);
   const uint64_t per_file = std::max<uint64_t>(
       1, std::min<uint64_t>(options.peer_samples_per_file, 4096 / std::max<size_t>(1, files.size())));
   for (size_t i = 0; i < files.size(); ++i) {
     const uint64_t len = static_cast<uint64_t>(files[i].st.st_size) - files[i].header.data_offset;
     if (len == 0) continue;
     if (len <= piece * per_file) {
-      for (uint64_t off = 0; off < len; off += piece) {
+      for (uint64_t off = 0; off < len && plan.samples.size() < kMaxSamples; off += piece) {
         plan.samples.push_back({static_cast<uint32_t>(i), off, std::min(piece, len - off)});
       }
     } else {
-      for (uint64_t k = 0; k < per_file; ++k) {
+      for (uint64_t k = 0; k < per_file && plan.samples.size() < kMaxSamples; ++k) {
         plan.samples.push_back({static_cast<uint32_t>(i), rng() % (len - piece + 1), piece});
       }
     }
@@ -417,6 +418,17 @@ absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoad
     for (size_t i = 0; ok && i < files.size(); ++i) ok = h.tensor_digests[i].size() == order[i].size();
     if (!ok) {
       differs(h.peer, "its answer does not fit the files' tensors and samples");
+      continue;
+    }
+    // An empty tensor's digest is known: a holder saying otherwise lies.
+    static const Digest kEmpty = DigestBytes(nullptr, 0);
+    for (size_t i = 0; ok && i < files.size(); ++i) {
+      for (size_t k = 0; ok && k < order[i].size(); ++k) {
+        ok = tensors[order[i][k]].length > 0 || h.tensor_digests[i][k] == kEmpty;
+      }
+    }
+    if (!ok) {
+      differs(h.peer, "it reports a digest of bytes for an empty tensor");
       continue;
     }
     if (h.sample_digests != plan.sample_digests) {
@@ -494,7 +506,24 @@ std::vector<size_t> RendezvousOrder(const std::vector<std::string>& holders, con
 std::shared_ptr<const Checkpoint> ResidentCheckpoints::Find(const std::string& files_key) const {
   absl::MutexLock lock(&mu_);
   auto it = by_files_.find(files_key);
-  return it == by_files_.end() ? nullptr : it->second.lock();
+  return it == by_files_.end() ? nullptr : it->second.checkpoint.lock();
+}
+
+std::vector<std::shared_ptr<const Checkpoint>> ResidentCheckpoints::FindByContent(
+    const Digest& key) const {
+  std::vector<std::pair<uint64_t, std::shared_ptr<const Checkpoint>>> found;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [files, e] : by_files_) {
+      if (e.content_key != key) continue;
+      if (auto c = e.checkpoint.lock()) found.emplace_back(e.added, std::move(c));
+    }
+  }
+  std::sort(found.begin(), found.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::shared_ptr<const Checkpoint>> out;
+  for (auto& [added, c] : found) out.push_back(std::move(c));
+  return out;
 }
 
 const char* AdoptVerifyName(AdoptVerify v) {
@@ -510,8 +539,8 @@ std::vector<std::pair<std::string, std::shared_ptr<const Checkpoint>>>
 ResidentCheckpoints::Snapshot() const {
   std::vector<std::pair<std::string, std::shared_ptr<const Checkpoint>>> out;
   absl::MutexLock lock(&mu_);
-  for (const auto& [key, weak] : by_files_) {
-    if (auto c = weak.lock()) out.emplace_back(key, std::move(c));
+  for (const auto& [key, e] : by_files_) {
+    if (auto c = e.checkpoint.lock()) out.emplace_back(key, std::move(c));
   }
   return out;
 }
@@ -541,8 +570,8 @@ size_t DonatedCheckpoints::DropUnused() {
 void ResidentCheckpoints::Add(const std::string& files_key,
                               const std::shared_ptr<const Checkpoint>& checkpoint) {
   absl::MutexLock lock(&mu_);
-  absl::erase_if(by_files_, [](const auto& kv) { return kv.second.expired(); });
-  by_files_[files_key] = checkpoint;
+  absl::erase_if(by_files_, [](const auto& kv) { return kv.second.checkpoint.expired(); });
+  by_files_[files_key] = Entry{checkpoint, checkpoint->content_key(), ++adds_};
 }
 
 int64_t StoredTensor::NumElements() const {
@@ -737,6 +766,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     info.data_length = static_cast<uint64_t>(f.st.st_size) - f.header.data_offset;
     info.segment = f.segment_index;
     info.segment_offset = f.segment_offset;
+    info.mtime_sec = f.st.st_mtim.tv_sec;
+    info.mtime_nsec = f.st.st_mtim.tv_nsec;
     file_info.push_back(std::move(info));
   }
   // The tensors where the layout puts them (and each one's segment, file

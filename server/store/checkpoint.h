@@ -64,6 +64,10 @@ struct CheckpointFileInfo {
   uint64_t data_length = 0;
   size_t segment = 0;        // in host_segments()
   uint64_t segment_offset = 0;
+  // The file's size and mtime when it was read: a holder whose file changed
+  // since no longer offers it to peers.
+  int64_t mtime_sec = 0;
+  int64_t mtime_nsec = 0;
 };
 
 class Checkpoint {
@@ -128,10 +132,20 @@ class ResidentCheckpoints {
       ABSL_LOCKS_EXCLUDED(mu_);
   void Add(const std::string& files_key, const std::shared_ptr<const Checkpoint>& checkpoint)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The live ones read from files whose CheckpointKey is `key` (what a peer
+  // asks for), the newest first; only those are referenced.
+  std::vector<std::shared_ptr<const Checkpoint>> FindByContent(const Digest& key) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  struct Entry {
+    std::weak_ptr<const Checkpoint> checkpoint;
+    Digest content_key;
+    uint64_t added = 0;  // order of Add
+  };
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::weak_ptr<const Checkpoint>> by_files_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Entry> by_files_ ABSL_GUARDED_BY(mu_);
+  uint64_t adds_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // How a successor checks the segments a predecessor handed over

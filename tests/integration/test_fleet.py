@@ -13,6 +13,7 @@ stalls mid-range; --source peers when nobody holds the files.
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from concurrent import futures
@@ -62,6 +63,14 @@ def _drop_cache(directory):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def _kernel_counts_reads(path):
+    """read_bytes in /proc/PID/io counts reads from a block device; on
+    tmpfs or an overlay it says nothing (the daemons' counters still do)."""
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True,
+                        text=True).stdout.strip()
+    return fs not in ("tmpfs", "ramfs", "overlayfs", "overlay")
 
 
 def _read_bytes(pid):
@@ -129,7 +138,10 @@ def test_storage_is_read_once_per_fleet(tmp_path, checkpoint):
         _drop_cache(path)
         info, last, read = _load(a, "m", path)
         assert last.done and last.bytes_from_peers == 0 and last.peers == ()
-        assert read >= 0.9 * size, (read, size)
+        kernel = _kernel_counts_reads(path)
+        assert read >= 0.9 * size or not kernel, (read, size)
+        with weightd.Client(socket=a.socket) as cl:
+            assert cl.stats()["load_bytes_storage"] >= 0.99 * size - (1 << 20)
         want = _check_bytes(a, "m", tensors)
         assert info.weights_id == want
         # b, c, d: from peers; storage gives headers and samples only.
@@ -144,9 +156,11 @@ def test_storage_is_read_once_per_fleet(tmp_path, checkpoint):
             with weightd.Client(socket=node.socket) as cl:
                 s = cl.stats()
             assert s["load_bytes_peers"] == last.bytes_from_peers
-            # Its own storage counter agrees with the kernel's (headers and
-            # samples; the headers are read besides the data counted).
-            assert s["load_bytes_storage"] <= read + (1 << 20), (s["load_bytes_storage"], read)
+            # Its own storage counter (the samples) agrees with the kernel's
+            # (which also saw the headers and readahead).
+            assert s["load_bytes_storage"] < size / 6
+            if kernel:
+                assert s["load_bytes_storage"] <= read + (1 << 20), (s["load_bytes_storage"], read)
             assert sum(t["bytes"] for t in s["peer_transfers"].values()) == last.bytes_from_peers
             assert info.weights_id == want
             assert _check_bytes(node, "m", tensors) == want
@@ -199,42 +213,52 @@ def test_source_peers_without_a_holder_is_unavailable(tmp_path, checkpoint):
 
 
 def test_holder_killed_mid_transfer(tmp_path, checkpoint):
-    """c loads from a and b; a is SIGKILLed as c's first peer bytes arrive:
-    c finishes from b (and storage), with the right bytes."""
+    """c loads from a and b; a is SIGKILLed as the third of its ranges is
+    asked for (by a proxy in front of it, so the kill lands mid-transfer on
+    a machine of any speed): c finishes from b, with the right bytes."""
     models, path, tensors = checkpoint
-    addrs, (a, b, c) = _daemons(tmp_path, models, 3, _all_others, extra=["--peer-streams", "1"])
-    for d in (a, b, c):
-        d.start()
+    a_addr, b_addr = ("127.0.0.1:%d" % free_port() for _ in range(2))
+    a = Daemon(model_root=str(models), workdir=str(tmp_path / "a"),
+               extra_args=["--listen", a_addr])
+    b = Daemon(model_root=str(models), workdir=str(tmp_path / "b"),
+               extra_args=["--listen", b_addr])
+    a.start()
+    b.start()
+    proxy = _Proxy(a_addr, "kill", victim=a.proc)
+    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"),
+               extra_args=["--peers", "%s,%s" % (proxy.address, b_addr),
+                           "--read-chunk-bytes", str(CHUNK)])
+    c.start()
     try:
         a.ctl_ok("load", "m", str(path))
         b.ctl_ok("load", "m", str(path))
-        killed = []
-
-        def on_progress(p):
-            if p.bytes_from_peers > 0 and not killed:
-                os.kill(a.proc.pid, signal.SIGKILL)
-                killed.append(p.bytes_from_peers)
-
+        info, last, _ = _load(c, "m", path)
+        assert a.proc.poll() is not None, "a was not killed: the proxy got under 3 ranges"
         with weightd.Client(socket=c.socket) as cl:
-            cl.load("m", str(path), progress=on_progress)
             s = cl.stats()
-        assert killed and killed[0] < sum(t.numel() * t.element_size() for t in tensors.values())
-        assert s["peer_transfers"][addrs[0]]["failures"] >= 1, s["peer_transfers"]
-        assert s["peer_transfers"][addrs[1]]["bytes"] > 0
+        assert s["peer_transfers"][proxy.address]["failures"] >= 1, s["peer_transfers"]
+        assert s["peer_transfers"][proxy.address]["bytes"] >= 2 * CHUNK  # before the kill
+        assert s["peer_transfers"][b_addr]["bytes"] > 0
+        assert last.bytes_from_storage == 0 and b_addr in last.peers
         assert "peer_read_failed" in c.log()
         _check_bytes(c, "m", tensors)
     finally:
+        proxy.close()
         for d in (a, b, c):
             d.stop()
 
 
 class _Proxy:
     """A peer in front of a real daemon: forwards Models.List and
-    FindCheckpoint, and ReadCheckpoint with a bit flipped ("flip") or never
-    answering it ("stall")."""
+    FindCheckpoint, and ReadCheckpoint with a bit flipped ("flip"), never
+    answering it ("stall"), or SIGKILLing the daemon (`victim`, a Popen) as
+    the third range is asked for and forwarding what that leaves ("kill")."""
 
-    def __init__(self, upstream, mode):
+    def __init__(self, upstream, mode, victim=None):
         self.mode = mode
+        self.victim = victim
+        self.reads = 0
+        self.lock = threading.Lock()
         self.channel = grpc.insecure_channel(
             upstream, options=[("grpc.max_receive_message_length", -1)])
         self.stub = pb_grpc.ModelsStub(self.channel)
@@ -269,12 +293,20 @@ class _Proxy:
         if self.mode == "stall":
             self.stop_stalling.wait(120)
             return
-        for chunk in self.stub.ReadCheckpoint(req):
-            if chunk.data:
-                data = bytearray(chunk.data)
-                data[len(data) // 2] ^= 0x10
-                chunk = pb.ReadChunk(offset=chunk.offset, data=bytes(data))
-            yield chunk
+        with self.lock:
+            self.reads += 1
+            if self.mode == "kill" and self.reads == 3:
+                self.victim.send_signal(signal.SIGKILL)
+                self.victim.wait()
+        try:
+            for chunk in self.stub.ReadCheckpoint(req):
+                if chunk.data and self.mode == "flip":
+                    data = bytearray(chunk.data)
+                    data[len(data) // 2] ^= 0x10
+                    chunk = pb.ReadChunk(offset=chunk.offset, data=bytes(data))
+                yield chunk
+        except grpc.RpcError as e:
+            ctx.abort(e.code(), e.details())
 
     def close(self):
         self.stop_stalling.set()
@@ -373,3 +405,31 @@ def test_a_peer_that_never_answers_does_not_hang_the_load(tmp_path, checkpoint):
     finally:
         c.stop()
         hung.close()
+
+
+def test_a_holder_whose_file_changed_since_does_not_offer_it(tmp_path, checkpoint):
+    """A file rewritten in place on shared storage with the same names,
+    sizes and header (one small tensor changed: the samples would likely
+    miss it): the holder's copy is stale, so it no longer offers it, and
+    the new bytes come from storage."""
+    models, path, tensors = checkpoint
+    a_addr = "127.0.0.1:%d" % free_port()
+    a = Daemon(model_root=str(models), workdir=str(tmp_path / "a"),
+               extra_args=["--listen", a_addr])
+    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"),
+               extra_args=["--peers", a_addr])
+    a.start()
+    c.start()
+    try:
+        a.ctl_ok("load", "m", str(path))
+        shard = path / "model-00002-of-00002.safetensors"
+        raw = st_io.load_raw(str(shard))
+        changed = dict(tensors)
+        changed["layers.1.norm"] = -tensors["layers.1.norm"]
+        st_io.save({k: changed[k] for k in raw}, str(shard))
+        info, last, _ = _load(c, "m", path)
+        assert last.bytes_from_peers == 0, last
+        _check_bytes(c, "m", changed)
+    finally:
+        c.stop()
+        a.stop()

@@ -228,6 +228,12 @@ def test_peers_with_mutual_tls(tmp_path):
                 q["error"] != "not polled yet" for q in p.values()) else None)(_by_address(c)),
                 15, "the rogue's polls")
             assert not any(q["reachable"] for q in peers.values()), peers
+        # Loads replicate over the same mutual TLS: a takes m's bytes from
+        # b; the rogue, whose client certificate a and b refuse, cannot.
+        r = daemons["a"].ctl_ok("load", "m", str(models / "m.safetensors"), "--source", "peers")
+        assert "from peers %s:" % addrs["b"] in r.stdout, r.stdout
+        r = daemons["rogue"].ctl("load", "m", str(models / "m.safetensors"), "--source", "peers")
+        assert r.returncode != 0 and r.error_code == "UNAVAILABLE", r.stderr
     finally:
         for d in daemons.values():
             d.stop()

@@ -1,0 +1,130 @@
+// The loopback gRPC floor for peer replication (bench/replication_bench.py):
+// reads the data section of a checkpoint file held by a daemon through its
+// ReadCheckpoint RPC — the same call, ranges and streams a loading peer
+// uses — into memory faulted in beforehand, and does nothing else with the
+// bytes (no copy into segments, no page faults, no digests). What a load
+// from peers adds on top of this is the daemon's own work.
+//
+//   peer_read_floor --peer HOST:PORT --file PATH [--streams 4]
+//                   [--chunk-bytes 16777216] [--repeats 3]
+// PATH: the single .safetensors file the daemon loaded (its key is computed
+// from its header, as the daemon does). Prints one JSON line.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/numbers.h"
+#include "common/digest.h"
+#include "common/file_opener.h"
+#include "server/store/peer_source.h"
+#include "weightd/v1/weightd.grpc.pb.h"
+
+namespace {
+
+int Die(const std::string& why) {
+  std::fprintf(stderr, "peer_read_floor: %s\n", why.c_str());
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string peer, file;
+  uint64_t streams = 4, chunk = 16ull << 20, repeats = 3;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string flag = argv[i], v = argv[i + 1];
+    if (flag == "--peer") {
+      peer = v;
+    } else if (flag == "--file") {
+      file = v;
+    } else if (flag == "--streams" && absl::SimpleAtoi(v, &streams) && streams > 0) {
+    } else if (flag == "--chunk-bytes" && absl::SimpleAtoi(v, &chunk) && chunk > 0) {
+    } else if (flag == "--repeats" && absl::SimpleAtoi(v, &repeats) && repeats > 0) {
+    } else {
+      return Die("bad flag " + flag);
+    }
+  }
+  if (peer.empty() || file.empty()) return Die("--peer and --file are required");
+  int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  struct stat st;
+  if (fd < 0 || ::fstat(fd, &st) != 0) return Die("cannot open " + file);
+  uint64_t header_len = 0;
+  if (::pread(fd, &header_len, 8, 0) != 8) return Die("short file");
+  std::string header(8 + header_len, '\0');
+  if (::pread(fd, header.data(), header.size(), 0) != static_cast<ssize_t>(header.size())) {
+    return Die("short header");
+  }
+  ::close(fd);
+  weightd::CheckpointFileId id{weightd::Basename(file), static_cast<uint64_t>(st.st_size),
+                               weightd::DigestBytes(header.data(), header.size())};
+  const weightd::Digest key = weightd::CheckpointKey({id});
+  const uint64_t data_len = static_cast<uint64_t>(st.st_size) - header.size();
+
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  auto stub = weightd::v1::Models::NewStub(
+      grpc::CreateCustomChannel(peer, grpc::InsecureChannelCredentials(), args));
+  auto* dest = static_cast<uint8_t*>(::mmap(nullptr, data_len, PROT_READ | PROT_WRITE,
+                                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0));
+  if (dest == MAP_FAILED) return Die("mmap");
+  std::memset(dest, 1, data_len);  // every page resident before the clock starts
+  std::vector<double> gbps;
+  for (uint64_t r = 0; r < repeats; ++r) {
+    std::atomic<uint64_t> next{0};
+    std::atomic<bool> failed{false};
+    auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> threads;
+    for (uint64_t s = 0; s < streams; ++s) {
+      threads.emplace_back([&] {
+        while (true) {
+          const uint64_t off = next.fetch_add(chunk);
+          if (off >= data_len) return;
+          const uint64_t len = std::min(chunk, data_len - off);
+          grpc::ClientContext ctx;
+          weightd::v1::ReadCheckpointRequest req;
+          req.set_key(std::string(key.View()));
+          req.mutable_range()->set_file(0);
+          req.mutable_range()->set_offset(off);
+          req.mutable_range()->set_length(len);
+          auto reader = stub->ReadCheckpoint(&ctx, req);
+          weightd::v1::ReadChunk msg;
+          uint64_t pos = 0;
+          while (reader->Read(&msg)) {
+            std::memcpy(dest + off + pos, msg.data().data(),
+                        std::min<uint64_t>(msg.data().size(), len - pos));
+            pos += msg.data().size();
+          }
+          grpc::Status status = reader->Finish();
+          if (!status.ok() || pos != len) {
+            std::fprintf(stderr, "peer_read_floor: range %llu: %s\n",
+                         static_cast<unsigned long long>(off), status.error_message().c_str());
+            failed = true;
+            return;
+          }
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    if (failed) return 1;
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    gbps.push_back(static_cast<double>(data_len) / secs / 1e9);
+  }
+  std::string runs;
+  for (double g : gbps) runs += (runs.empty() ? "" : ", ") + std::to_string(g);
+  std::printf("{\"bytes\": %llu, \"streams\": %llu, \"chunk_bytes\": %llu, \"gbps\": [%s]}\n",
+              static_cast<unsigned long long>(data_len), static_cast<unsigned long long>(streams),
+              static_cast<unsigned long long>(chunk), runs.c_str());
+  return 0;
+}

@@ -28,6 +28,7 @@ _weightctl() {
         --dtype) COMPREPLY=($(compgen -W "keep f32 f16 bf16 f8_e4m3 f8_e5m2" -- "$cur")); return ;;
         --transport) COMPREPLY=($(compgen -W "shm grpc push cuda" -- "$cur")); return ;;
         --format) COMPREPLY=($(compgen -W "auto peft kohya dense" -- "$cur")); return ;;
+        --source) COMPREPLY=($(compgen -W "auto storage peers" -- "$cur")); return ;;
         --target|--tls-server-name|--retry-deadline|--readers|--world|--rank|--mesh|--coord|\
         --placements|--generation|--changed-since|--names|--device|--count|--expect-generation)
             return ;;
@@ -49,7 +50,7 @@ _weightctl() {
     fi
     case "$verb" in
         load)
-            if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "--profile --readers" -- "$cur"))
+            if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "--profile --readers --source" -- "$cur"))
             elif [ -n "$sub" ]; then COMPREPLY=($(compgen -f -- "$cur")); compopt -o filenames 2>/dev/null
             fi ;;
         unload|info|verify)

@@ -785,6 +785,12 @@ absl::StatusOr<DaemonStats> Client::Stats() {
   s.publish_bytes = r.publish_bytes();
   s.publish_seconds = r.publish_seconds();
   s.publish_sessions = r.publish_sessions();
+  s.load_bytes_storage = r.load_bytes_storage();
+  s.load_bytes_peers = r.load_bytes_peers();
+  s.bytes_sent_to_peers = r.bytes_sent_to_peers();
+  for (const v1::PeerTransfer& t : r.peer_transfers()) {
+    s.peer_transfers.push_back({t.peer(), t.bytes(), t.failures()});
+  }
   s.push_bytes = r.push_bytes();
   s.pinned_bytes = r.pinned_bytes();
   s.segment_bytes_4k = r.segment_bytes_4k();

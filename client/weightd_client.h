@@ -151,6 +151,14 @@ struct DaemonStats {
   // Publishes committed, their bytes, seconds (summed), sessions open now.
   uint64_t publishes = 0, publish_bytes = 0, publish_sessions = 0;
   double publish_seconds = 0;
+  // Checkpoint bytes loads took from storage and from peers; per peer the
+  // bytes received and ranges it failed; bytes sent to peers loading.
+  uint64_t load_bytes_storage = 0, load_bytes_peers = 0, bytes_sent_to_peers = 0;
+  struct PeerTransfer {
+    std::string peer;
+    uint64_t bytes = 0, failures = 0;
+  };
+  std::vector<PeerTransfer> peer_transfers;
   uint64_t pinned_bytes = 0;            // host memory registered with CUDA
   // Live segments' bytes by pages (--huge-pages), and the host's 2 MiB pool.
   uint64_t segment_bytes_4k = 0, segment_bytes_thp = 0, segment_bytes_hugetlb = 0;

@@ -303,6 +303,13 @@ absl::Status CmdStats(Client& c, const Args& a) {
   std::printf("publishes: %llu\npublish_bytes: %llu\npublish_seconds: %.3f\npublish_sessions: %llu\n",
               (unsigned long long)s.publishes, (unsigned long long)s.publish_bytes,
               s.publish_seconds, (unsigned long long)s.publish_sessions);
+  std::printf("load_bytes_storage: %llu\nload_bytes_peers: %llu\nbytes_sent_to_peers: %llu\n",
+              (unsigned long long)s.load_bytes_storage, (unsigned long long)s.load_bytes_peers,
+              (unsigned long long)s.bytes_sent_to_peers);
+  for (const DaemonStats::PeerTransfer& t : s.peer_transfers) {
+    std::printf("peer_transfer: %s\tbytes=%llu\tfailures=%llu\n", t.peer.c_str(),
+                (unsigned long long)t.bytes, (unsigned long long)t.failures);
+  }
   std::printf("pushes: %llu\npush_bytes: %llu\npinned_bytes: %llu\ngpus: %zu\n",
               (unsigned long long)s.pushes, (unsigned long long)s.push_bytes,
               (unsigned long long)s.pinned_bytes, s.gpus.size());

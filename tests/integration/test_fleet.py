@@ -22,7 +22,7 @@ import grpc
 import pytest
 import torch
 
-from harness import Daemon, free_port
+from harness import Daemon, free_port, scrape_metrics
 import st_io
 
 import weightd  # noqa: E402  (harness puts the build's package on the path)
@@ -129,7 +129,10 @@ def checkpoint(tmp_path):
 def test_storage_is_read_once_per_fleet(tmp_path, checkpoint):
     models, path, tensors = checkpoint
     size = sum(os.path.getsize(path / f) for f in os.listdir(path))
+    metrics_ports = [free_port() for _ in range(4)]
     addrs, ds = _daemons(tmp_path, models, 4, _all_others)
+    for d, port in zip(ds, metrics_ports):
+        d.extra_args += ["--metrics-listen", "127.0.0.1:%d" % port]
     for d in ds:
         d.start()
     try:
@@ -176,6 +179,18 @@ def test_storage_is_read_once_per_fleet(tmp_path, checkpoint):
                 sent += cl.stats()["bytes_sent_to_peers"]
         assert sent >= 3 * (size - (1 << 20))
         assert "load_sources" in d4.log()
+        # So do weightctl stats and the metrics.
+        out = d4.ctl_ok("stats").stdout
+        assert "load_bytes_peers: %d" % last.bytes_from_peers in out
+        for a_ in addrs[:3]:
+            assert "peer_transfer: %s\tbytes=%d\tfailures=0" % (a_, spread[a_]["bytes"]) in out
+        metrics = scrape_metrics(metrics_ports[3])
+        assert metrics['weightd_load_source_bytes_total{source="peers"}'] == \
+            last.bytes_from_peers, metrics
+        for a_ in addrs[:3]:
+            assert metrics['weightd_peer_received_bytes_total{peer="%s"}' % a_] == \
+                spread[a_]["bytes"]
+            assert metrics['weightd_peer_failures_total{peer="%s"}' % a_] == 0
         # weightctl says where the bytes came from (a load of files already
         # resident shares them: d unloads first); storage on request.
         d4.ctl_ok("unload", "m")

@@ -667,6 +667,18 @@ absl::Status Client::Health() {
   });
 }
 
+namespace {
+
+absl::StatusOr<v1::LoadSource> ParseSource(const std::string& source) {
+  if (source == "auto" || source.empty()) return v1::LOAD_SOURCE_AUTO;
+  if (source == "storage") return v1::LOAD_SOURCE_STORAGE;
+  if (source == "peers") return v1::LOAD_SOURCE_PEERS;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--source: expected auto, storage or peers, got \"", source, "\""));
+}
+
+}  // namespace
+
 absl::StatusOr<ModelInfo> Client::Load(
     const std::string& name, const std::string& path, const std::string& profile_json,
     const std::function<void(const LoadProgressUpdate&)>& progress,
@@ -677,14 +689,8 @@ absl::StatusOr<ModelInfo> Client::Load(
   req.set_path(path);
   req.set_profile_json(profile_json);
   for (const std::string& r : readers) req.add_readers(r);
-  if (source == "storage") {
-    req.set_source(v1::LOAD_SOURCE_STORAGE);
-  } else if (source == "peers") {
-    req.set_source(v1::LOAD_SOURCE_PEERS);
-  } else if (source != "auto" && !source.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--source: expected auto, storage or peers, got \"", source, "\""));
-  }
+  WD_ASSIGN_OR_RETURN(v1::LoadSource src, ParseSource(source));
+  req.set_source(src);
   auto reader = channel_->models->Load(&ctx, req);
   v1::LoadProgress msg;
   std::optional<ModelInfo> info;
@@ -940,7 +946,8 @@ AdapterInfo ToAdapterInfo(const v1::AdapterInfo& a) {
 
 absl::StatusOr<AdapterInfo> Client::LoadAdapter(const std::string& name, const std::string& path,
                                                 const std::string& format, bool strict,
-                                                const std::vector<std::string>& readers) {
+                                                const std::vector<std::string>& readers,
+                                                const std::string& source) {
   grpc::ClientContext ctx;
   v1::LoadAdapterRequest req;
   req.set_name(name);
@@ -948,6 +955,8 @@ absl::StatusOr<AdapterInfo> Client::LoadAdapter(const std::string& name, const s
   req.set_format(format);
   req.set_strict(strict);
   for (const std::string& r : readers) req.add_readers(r);
+  WD_ASSIGN_OR_RETURN(v1::LoadSource src, ParseSource(source));
+  req.set_source(src);
   v1::AdapterInfo resp;
   WD_RETURN_IF_ERROR(FromGrpc(channel_->adapters->Load(&ctx, req, &resp)));
   return ToAdapterInfo(resp);

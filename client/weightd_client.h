@@ -317,7 +317,9 @@ class Client {
 
   absl::StatusOr<AdapterInfo> LoadAdapter(const std::string& name, const std::string& path,
                                           const std::string& format, bool strict,
-                                          const std::vector<std::string>& readers = {});
+                                          const std::vector<std::string>& readers = {},
+                                          // as Load's: "auto", "storage" or "peers"
+                                          const std::string& source = "auto");
   absl::Status UnloadAdapter(const std::string& name);
   absl::StatusOr<std::vector<AdapterInfo>> ListAdapters();
   // Sets the model's whole stack; returns the new generation.

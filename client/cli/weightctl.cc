@@ -45,6 +45,7 @@ constexpr char kUsage[] =
     "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc|push|cuda [--device N]]\n"
     "        [--generation G] [--changed-since G] [--names a,b] [--verify] --out FILE\n"
     "  adapter load NAME PATH [--format auto|peft|kohya|dense] [--strict] [--readers LIST]\n"
+    "       [--source auto|storage|peers]\n"
     "  adapter list | adapter unload NAME\n"
     "  apply MODEL [ADAPTER[:STRENGTH] ...] [--expect-generation G]   (none = back to base)\n"
     "  watch MODEL [--count N]\n"
@@ -465,7 +466,8 @@ absl::Status CmdAdapter(Client& c, const Args& a) {
     if (a.Has("--readers")) readers.push_back(a.Get("--readers"));
     WD_ASSIGN_OR_RETURN(AdapterInfo info,
                         c.LoadAdapter(a.positional[1], a.positional[2], a.Get("--format", "auto"),
-                                      a.switches.count("--strict") > 0, readers));
+                                      a.switches.count("--strict") > 0, readers,
+                                      a.Get("--source", "auto")));
     std::printf("loaded adapter %s (%s): patches %llu parameters, %s\n", info.name.c_str(),
                 info.format.c_str(), static_cast<unsigned long long>(info.tensor_count),
                 HumanBytes(info.bytes).c_str());
@@ -711,7 +713,8 @@ absl::Status Run(int argc, char** argv) {
     return CmdGpus(*client, a);
   }
   if (verb == "adapter") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--format", "--readers"}, {"--strict"}));
+    WD_ASSIGN_OR_RETURN(Args a,
+                        ParseArgs(rest, {"--format", "--readers", "--source"}, {"--strict"}));
     return CmdAdapter(*client, a);
   }
   if (verb == "apply") {

@@ -71,7 +71,7 @@ _weightctl() {
         adapter)
             if [ -z "$sub" ]; then COMPREPLY=($(compgen -W "load list unload" -- "$cur"))
             elif [ "$sub" = load ] && [[ "$cur" == -* ]]; then
-                COMPREPLY=($(compgen -W "--format --strict --readers" -- "$cur"))
+                COMPREPLY=($(compgen -W "--format --strict --readers --source" -- "$cur"))
             elif [ "$sub" = load ]; then COMPREPLY=($(compgen -f -- "$cur")); compopt -o filenames 2>/dev/null
             fi ;;
     esac

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -100,9 +101,11 @@ using TensorMap = absl::flat_hash_map<std::string, LoadedTensor>;
 // Reads the whole file in order (the parser guarantees the tensors tile the
 // data section), feeding every byte to `digest`, and converts the `wanted`
 // tensors to fp32.
+// `fetched`: the data section in memory (AdapterLoadOptions::fetch), or
+// null to read it through the fd.
 absl::StatusOr<TensorMap> ReadTensors(const TensorFile& f,
                                       const absl::flat_hash_set<std::string>& wanted,
-                                      DigestBuilder* digest) {
+                                      DigestBuilder* digest, const uint8_t* fetched = nullptr) {
   digest->Update(f.prefix.data(), f.prefix.size());
   TensorMap out;
   std::vector<uint8_t> buf;
@@ -114,9 +117,13 @@ absl::StatusOr<TensorMap> ReadTensors(const TensorFile& f,
                       absl::StrCat("dtype ", DTypeName(e.dtype), " is not a floating type"));
     }
     buf.resize(static_cast<size_t>(length));
-    WD_RETURN_IF_ERROR_CTX(
-        PreadFull(f.file.fd.get(), buf.data(), buf.size(), f.header.data_offset + e.begin), f.path,
-        ": tensor \"", e.name, "\"");
+    if (fetched != nullptr) {
+      if (length > 0) std::memcpy(buf.data(), fetched + e.begin, buf.size());
+    } else {
+      WD_RETURN_IF_ERROR_CTX(
+          PreadFull(f.file.fd.get(), buf.data(), buf.size(), f.header.data_offset + e.begin),
+          f.path, ": tensor \"", e.name, "\"");
+    }
     digest->Update(buf.data(), buf.size());
     if (!want) continue;
     LoadedTensor t;
@@ -942,7 +949,17 @@ absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& pa
     }
     WD_ASSIGN_OR_RETURN(adapter->reservation, options.reserve(bytes));
   }
-  WD_ASSIGN_OR_RETURN(TensorMap tensors, ReadTensors(file, wanted, &digest));
+  const uint8_t* fetched = nullptr;
+  if (options.fetch) {
+    WD_ASSIGN_OR_RETURN(AdapterLoadOptions::FetchedBytes bytes,
+                        options.fetch(file.path, file.prefix));
+    if (bytes.length != file.size - file.header.data_offset) {
+      return absl::DataLossError(absl::StrCat(file.path, " changed while it was being loaded"));
+    }
+    fetched = bytes.data;
+    adapter->fetched = std::move(bytes.keep);
+  }
+  WD_ASSIGN_OR_RETURN(TensorMap tensors, ReadTensors(file, wanted, &digest, fetched));
   adapter->digest = digest.Finish();
 
   Builder bld;

@@ -86,6 +86,8 @@ struct Adapter {
   uint64_t bytes = 0;                     // fp32 bytes held by the patches
   // What AdapterLoadOptions::reserve returned (e.g. a memory-budget charge).
   std::shared_ptr<const void> reservation;
+  // What AdapterLoadOptions::fetch returned (the weights file's bytes).
+  std::shared_ptr<const void> fetched;
 };
 
 // Loads the adapter at `path` (see the header comment). With kAuto the
@@ -112,6 +114,20 @@ struct AdapterLoadOptions {
   // it, so it is dropped with the Adapter — or fails the load with its
   // status (RESOURCE_EXHAUSTED), before anything is allocated for them.
   std::function<absl::StatusOr<std::shared_ptr<const void>>(uint64_t bytes)> reserve;
+  // Optional: where the weights file's data section comes from instead of
+  // its fd (the daemon: from storage or its peers, kept resident so that
+  // peers can take it in turn). Called with the weights file's path as
+  // opened and its header bytes (8-byte length and JSON); returns the data
+  // section, valid while `keep` lives (the Adapter holds it). A fetch of
+  // other header bytes or length is DATA_LOSS (the file changed).
+  struct FetchedBytes {
+    const uint8_t* data = nullptr;
+    uint64_t length = 0;
+    std::shared_ptr<const void> keep;
+  };
+  std::function<absl::StatusOr<FetchedBytes>(const std::string& path,
+                                               absl::string_view header)>
+      fetch;
 };
 absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& path,
                                                            AdapterFormat format,

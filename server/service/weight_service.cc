@@ -859,7 +859,8 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
                                                           const std::string& path,
                                                           const std::string& format,
                                                           bool strict,
-                                                          const std::vector<std::string>& readers) {
+                                                          const std::vector<std::string>& readers,
+                                                          LoadSource source) {
   WD_RETURN_IF_ERROR(ValidateModelName(name));
   WD_ASSIGN_OR_RETURN(ReaderList reader_list, ReaderList::Parse(readers));
   WD_ASSIGN_OR_RETURN(AdapterFormat fmt, ParseAdapterFormat(format.empty() ? "auto" : format));
@@ -880,6 +881,43 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
     if (!charge.ok()) return charge.status();
     return std::shared_ptr<const void>(std::move(*charge));
   };
+  if (options_.peers != nullptr) {
+    load.fetch = [this, source](const std::string& file, absl::string_view header)
+        -> absl::StatusOr<AdapterLoadOptions::FetchedBytes> {
+      CheckpointLoadOptions opts;
+      opts.memory = &memory_;
+      opts.segment_target_bytes = options_.checkpoint_segment_bytes;
+      opts.read_threads = std::max(1, options_.worker_threads);
+      opts.read_chunk_bytes = options_.read_chunk_bytes;
+      opts.files = &roots_;
+      opts.resident = &resident_;
+      std::unique_ptr<MemoryCharge> shared_charge;
+      opts.shared_charge = &shared_charge;
+      opts.peers = options_.peers;
+      opts.source = source;
+      opts.peer_streams = options_.peer_streams;
+      LoadSourceReport report;
+      opts.report = &report;
+      auto checkpoint = LoadCheckpoint(file, opts);
+      CountLoadSources(report);
+      if (!checkpoint.ok()) return checkpoint.status();
+      const std::shared_ptr<const Checkpoint>& c = *checkpoint;
+      if (c->file_info().size() != 1 ||
+          c->file_info()[0].id.header != DigestBytes(header.data(), header.size())) {
+        return absl::DataLossError(absl::StrCat(file, " changed while it was being loaded"));
+      }
+      const CheckpointFileInfo& f = c->file_info()[0];
+      AdapterLoadOptions::FetchedBytes out;
+      out.data = c->host_segments().empty()
+                     ? nullptr
+                     : c->host_segments()[f.segment]->host_data() + f.segment_offset;
+      out.length = f.data_length;
+      out.keep = std::make_shared<std::pair<std::shared_ptr<const Checkpoint>,
+                                            std::shared_ptr<MemoryCharge>>>(
+          c, std::shared_ptr<MemoryCharge>(std::move(shared_charge)));
+      return out;
+    };
+  }
   auto adapter = ::weightd::LoadAdapter(resolved, fmt, load);
   if (!adapter.ok()) return Annotate(adapter.status(), absl::StrCat("loading adapter \"", name, "\""));
   AdapterSummary info;

@@ -330,9 +330,14 @@ class WeightService {
 
   // Adapters. `strict`: keys the parser does not understand fail the load.
   // `readers`: a tenant-private adapter (see GenerationInfo::guards).
+  // With peers (options().peers), the weights file is read as a one-file
+  // checkpoint from `source` (LoadCheckpoint: storage, or peers holding the
+  // same file) and its bytes stay resident while the adapter lives, so that
+  // peers can take them in turn; without, it is read from storage.
   absl::StatusOr<AdapterSummary> LoadAdapter(const std::string& name, const std::string& path,
                                              const std::string& format, bool strict,
-                                             const std::vector<std::string>& readers = {})
+                                             const std::vector<std::string>& readers = {},
+                                             LoadSource source = LoadSource::kStorage)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Models applying it keep their generations; the name becomes free.
   absl::Status UnloadAdapter(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);

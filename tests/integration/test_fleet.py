@@ -448,3 +448,59 @@ def test_a_holder_whose_file_changed_since_does_not_offer_it(tmp_path, checkpoin
     finally:
         c.stop()
         a.stop()
+
+
+def test_adapters_replicate_like_checkpoints(tmp_path, checkpoint):
+    """b takes a PEFT adapter's file from a (--source peers; a keeps the
+    file's bytes resident for its peers); applied on both, the generations
+    have the same weights_id and bytes."""
+    models, path, tensors = checkpoint
+    g = torch.Generator().manual_seed(9)
+    ad = models / "adapter"
+    ad.mkdir()
+    factors = {}
+    for m in ("layers.0.0", "layers.1.0"):
+        factors["base_model.model.%s.lora_A.weight" % m] = torch.randn(256, 512, generator=g)
+        factors["base_model.model.%s.lora_B.weight" % m] = torch.randn(1024, 256, generator=g)
+    import json
+    (ad / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 256, "lora_alpha": 16, "target_modules": ["0"]}))
+    st_io.save(factors, str(ad / "adapter_model.safetensors"))
+    data = sum(t.numel() * 4 for t in factors.values())
+    addrs, (a, b) = _daemons(tmp_path, models, 2, _all_others)
+    a.start()
+    b.start()
+    try:
+        r = b.ctl("adapter", "load", "lora", str(ad), "--source", "peers")
+        assert r.error_code == "UNAVAILABLE" and "no peer holds the files" in r.error_message
+        for d in (a, b):
+            d.ctl_ok("load", "m", str(path))
+        a.ctl_ok("adapter", "load", "lora", str(ad), "--source", "storage")
+        with weightd.Client(socket=b.socket) as cb:
+            before = cb.stats()
+            cb.load_adapter("lora", str(ad), source="peers")
+            after = cb.stats()
+        assert after["load_bytes_peers"] - before["load_bytes_peers"] == data
+        assert after["load_bytes_storage"] - before["load_bytes_storage"] < data / 2
+        ids, got = [], []
+        for d in (a, b):
+            with weightd.Client(socket=d.socket) as c:
+                c.apply("m", ["lora"])
+                with c.fetch("m", world=1, rank=0, names=["layers.0.0.weight"]) as h:
+                    ids.append(h.weights_id)
+                    got.append(h.state_dict()["layers.0.0.weight"].clone())
+        assert ids[0] == ids[1] and ids[0]
+        assert torch.equal(got[0], got[1])
+        assert not torch.equal(got[0], tensors["layers.0.0.weight"]), "the patch applied"
+        # A daemon without peers reads the adapter through its fd: the same.
+        with Daemon(model_root=str(models), workdir=str(tmp_path / "plain")) as plain, \
+                weightd.Client(socket=plain.socket) as c:
+            c.load("m", str(path))
+            c.load_adapter("lora", str(ad))
+            c.apply("m", ["lora"])
+            with c.fetch("m", world=1, rank=0, names=["layers.0.0.weight"]) as h:
+                assert h.weights_id == ids[0]
+                assert torch.equal(h.state_dict()["layers.0.0.weight"], got[0])
+    finally:
+        a.stop()
+        b.stop()

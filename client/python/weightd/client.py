@@ -1145,12 +1145,17 @@ class Client:
 
     # -- adapters
 
-    def load_adapter(self, name, path, format="auto", strict=False, readers=None):
+    def load_adapter(self, name, path, format="auto", strict=False, readers=None,
+                     source="auto"):
         """Loads a LoRA / dense patch (format auto|peft|kohya|dense).
-        readers: a tenant-private adapter (see load())."""
+        readers: a tenant-private adapter (see load()). source: as load()'s
+        (with --peers the daemon may take the file's bytes from a peer)."""
+        if source not in self._SOURCES:
+            raise Error("INVALID_ARGUMENT",
+                        f"source: expected auto, storage or peers, got {source!r}")
         r = self._call(self._adapters.Load, _request(
             pb.LoadAdapterRequest, name=name, path=os.fspath(path), format=format,
-            strict=strict, readers=_readers(readers)))
+            strict=strict, readers=_readers(readers), source=self._SOURCES[source]))
         return _adapter_info(r)
 
     def unload_adapter(self, name):

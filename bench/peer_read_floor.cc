@@ -61,6 +61,9 @@ int main(int argc, char** argv) {
   if (fd < 0 || ::fstat(fd, &st) != 0) return Die("cannot open " + file);
   uint64_t header_len = 0;
   if (::pread(fd, &header_len, 8, 0) != 8) return Die("short file");
+  if (header_len > static_cast<uint64_t>(st.st_size) - 8 || header_len > (100u << 20)) {
+    return Die("not a safetensors file: " + file);
+  }
   std::string header(8 + header_len, '\0');
   if (::pread(fd, header.data(), header.size(), 0) != static_cast<ssize_t>(header.size())) {
     return Die("short header");
@@ -70,11 +73,23 @@ int main(int argc, char** argv) {
                                weightd::DigestBytes(header.data(), header.size())};
   const weightd::Digest key = weightd::CheckpointKey({id});
   const uint64_t data_len = static_cast<uint64_t>(st.st_size) - header.size();
+  if (data_len == 0) return Die("no tensor bytes in " + file);
 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   auto stub = weightd::v1::Models::NewStub(
       grpc::CreateCustomChannel(peer, grpc::InsecureChannelCredentials(), args));
+  // The copy the daemon holds (FindCheckpoint), which every range names.
+  std::string copy;
+  {
+    grpc::ClientContext ctx;
+    weightd::v1::FindCheckpointRequest req;
+    req.set_key(std::string(key.View()));
+    weightd::v1::FindCheckpointResponse resp;
+    grpc::Status s = stub->FindCheckpoint(&ctx, req, &resp);
+    if (!s.ok()) return Die("FindCheckpoint: " + s.error_message());
+    copy = resp.copy();
+  }
   auto* dest = static_cast<uint8_t*>(::mmap(nullptr, data_len, PROT_READ | PROT_WRITE,
                                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0));
   if (dest == MAP_FAILED) return Die("mmap");
@@ -94,6 +109,7 @@ int main(int argc, char** argv) {
           grpc::ClientContext ctx;
           weightd::v1::ReadCheckpointRequest req;
           req.set_key(std::string(key.View()));
+          req.set_copy(copy);
           req.mutable_range()->set_file(0);
           req.mutable_range()->set_offset(off);
           req.mutable_range()->set_length(len);
@@ -101,8 +117,12 @@ int main(int argc, char** argv) {
           weightd::v1::ReadChunk msg;
           uint64_t pos = 0;
           while (reader->Read(&msg)) {
-            std::memcpy(dest + off + pos, msg.data().data(),
-                        std::min<uint64_t>(msg.data().size(), len - pos));
+            if (msg.data().size() > len - pos) {  // more than asked: fails below
+              ctx.TryCancel();
+              pos = len + 1;
+              break;
+            }
+            std::memcpy(dest + off + pos, msg.data().data(), msg.data().size());
             pos += msg.data().size();
           }
           grpc::Status status = reader->Finish();

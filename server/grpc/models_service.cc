@@ -19,11 +19,12 @@
 namespace weightd {
 namespace {
 
+// A 16-byte digest off the wire (a checkpoint key, a copy id, a sample's).
 absl::StatusOr<Digest> KeyOf(const std::string& bytes) {
   Digest d;
   if (bytes.size() != d.bytes.size()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("a checkpoint key is ", d.bytes.size(), " bytes, got ", bytes.size()));
+        absl::StrCat("a digest is ", d.bytes.size(), " bytes, got ", bytes.size()));
   }
   std::memcpy(d.bytes.data(), bytes.data(), d.bytes.size());
   return d;
@@ -356,9 +357,17 @@ class ModelsImpl final : public v1::Models::CallbackService {
     for (const v1::CheckpointRange& r : req->samples()) {
       samples.push_back({r.file(), r.offset(), r.length()});
     }
+    std::vector<Digest> sample_digests;
+    for (const std::string& d : req->sample_digests()) {
+      auto digest = KeyOf(d);
+      if (!digest.ok()) return Refuse(ctx, digest.status());
+      sample_digests.push_back(*digest);
+    }
     // Digests up to 4096 MiB of samples: on the pool.
-    return RunOnPool(ctx, pool_, drain_, [this, resp, key = *key, samples = std::move(samples)] {
-      WD_ASSIGN_OR_RETURN(PeerHolding held, service_->FindHeld(key, samples));
+    return RunOnPool(ctx, pool_, drain_, [this, resp, key = *key, samples = std::move(samples),
+                                          sample_digests = std::move(sample_digests)] {
+      WD_ASSIGN_OR_RETURN(PeerHolding held, service_->FindHeld(key, samples, sample_digests));
+      resp->set_copy(std::string(held.copy.View()));
       for (const std::vector<Digest>& file : held.tensor_digests) {
         std::string* out = resp->add_tensor_digests();
         out->reserve(file.size() * 16);
@@ -377,8 +386,10 @@ class ModelsImpl final : public v1::Models::CallbackService {
     if (!key.ok()) return RefuseStream<v1::ReadChunk>(key.status());
     auto hold = drain_->Enter();
     if (!hold.ok()) return RefuseStream<v1::ReadChunk>(hold.status());
+    auto copy = KeyOf(req->copy());
+    if (!copy.ok()) return RefuseStream<v1::ReadChunk>(copy.status());
     const v1::CheckpointRange& r = req->range();
-    auto range = service_->ReadHeld(*key, {r.file(), r.offset(), r.length()});
+    auto range = service_->ReadHeld(*key, *copy, {r.file(), r.offset(), r.length()});
     if (!range.ok()) return RefuseStream<v1::ReadChunk>(range.status());
     return new ReadReactor(std::move(*range), std::move(*hold));  // deletes itself in OnDone
   }

@@ -283,7 +283,8 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view what) {
 }  // namespace
 
 std::vector<PeerHolding> PeerTable::FindHolders(const Digest& key,
-                                                const std::vector<CheckpointRange>& samples) {
+                                                const std::vector<CheckpointRange>& samples,
+                                                const std::vector<Digest>& sample_digests) {
   // Every peer: one whose last poll failed may be back (it is given a
   // short deadline, so that a peer down costs a load little).
   std::vector<std::string> ask;
@@ -302,8 +303,10 @@ std::vector<PeerHolding> PeerTable::FindHolders(const Digest& key,
     out->set_offset(r.offset);
     out->set_length(r.length);
   }
+  for (const Digest& d : sample_digests) req.add_sample_digests(std::string(d.View()));
   std::vector<std::optional<PeerHolding>> answers(ask.size());
   std::vector<std::thread> threads;
+  threads.reserve(ask.size());
   auto ask_one = [&](size_t i) {
     std::shared_ptr<v1::Models::Stub> stub = channels_->StubFor(ask[i]);
     grpc::ClientContext ctx;
@@ -319,6 +322,9 @@ std::vector<PeerHolding> PeerTable::FindHolders(const Digest& key,
     }
     PeerHolding h;
     h.peer = ask[i];
+    if (resp.copy().size() == h.copy.bytes.size()) {
+      std::memcpy(h.copy.bytes.data(), resp.copy().data(), h.copy.bytes.size());
+    }
     for (const std::string& file : resp.tensor_digests()) {
       if (file.size() % 16 != 0) {
         LogEvent(LogLevel::kWarning, "peer_find_failed",
@@ -356,7 +362,8 @@ std::vector<PeerHolding> PeerTable::FindHolders(const Digest& key,
 }
 
 absl::Status PeerTable::ReadRange(const std::string& peer, const Digest& key,
-                                  const CheckpointRange& range, uint8_t* dest) {
+                                  const Digest& copy, const CheckpointRange& range,
+                                  uint8_t* dest) {
   std::shared_ptr<v1::Models::Stub> stub = channels_->StubFor(peer);
   grpc::ClientContext ctx;
   const absl::Duration deadline =
@@ -365,6 +372,7 @@ absl::Status PeerTable::ReadRange(const std::string& peer, const Digest& key,
   channels_->Authorize(ctx);
   v1::ReadCheckpointRequest req;
   req.set_key(std::string(key.View()));
+  req.set_copy(std::string(copy.View()));
   req.mutable_range()->set_file(range.file);
   req.mutable_range()->set_offset(range.offset);
   req.mutable_range()->set_length(range.length);

@@ -72,9 +72,10 @@ class PeerTable : public CheckpointPeers {
   // CheckpointPeers. A range's deadline: twice the call timeout plus 32
   // MiB/s of its length.
   std::vector<PeerHolding> FindHolders(const Digest& key,
-                                       const std::vector<CheckpointRange>& samples) override
+                                       const std::vector<CheckpointRange>& samples,
+                                       const std::vector<Digest>& sample_digests) override
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status ReadRange(const std::string& peer, const Digest& key,
+  absl::Status ReadRange(const std::string& peer, const Digest& key, const Digest& copy,
                          const CheckpointRange& range, uint8_t* dest) override;
 
   class Channels;

@@ -871,6 +871,10 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
       return absl::AlreadyExistsError(absl::StrCat("adapter \"", name, "\" is already loaded"));
     }
   }
+  if (source == LoadSource::kPeers && options_.peers == nullptr) {
+    return absl::FailedPreconditionError(
+        "--source peers: this daemon has no peers (--peers, --peer-dns)");
+  }
   AdapterLoadOptions load;
   load.files = &roots_;
   // The patches' fp32 factors count against --host-memory-bytes for as long
@@ -1310,44 +1314,59 @@ void WeightService::CountLoadSources(const LoadSourceReport& report) {
   for (const auto& [peer, n] : report.peer_failures) peer_transfers_[peer].failures += n;
 }
 
-std::shared_ptr<const Checkpoint> WeightService::HeldCheckpoint(const Digest& key) const {
-  // The newest copy whose files are as they were when read: a file
-  // rewritten since (the same names, sizes and headers: a fine-tune saved
-  // in place) would offer peers stale bytes that agree with their digests.
+std::vector<std::shared_ptr<const Checkpoint>> WeightService::HeldCopies(const Digest& key,
+                                                                         int only_file) const {
+  // Only copies whose files are as they were when read: a file rewritten
+  // since (the same names, sizes and headers: a fine-tune saved in place)
+  // would offer peers stale bytes that agree with their digests.
+  std::vector<std::shared_ptr<const Checkpoint>> out;
   for (std::shared_ptr<const Checkpoint>& c : resident_.FindByContent(key)) {
     bool unchanged = !c->file_info().empty();
-    for (const CheckpointFileInfo& f : c->file_info()) {
+    for (size_t i = 0; i < c->file_info().size() && unchanged; ++i) {
+      if (only_file >= 0 && static_cast<size_t>(only_file) != i) continue;
+      const CheckpointFileInfo& f = c->file_info()[i];
       struct stat st;
-      unchanged = unchanged && ::stat(f.path.c_str(), &st) == 0 &&
-                  static_cast<uint64_t>(st.st_size) == f.id.size &&
-                  st.st_mtim.tv_sec == f.mtime_sec && st.st_mtim.tv_nsec == f.mtime_nsec;
+      unchanged = ::stat(f.path.c_str(), &st) == 0 &&
+                  static_cast<uint64_t>(st.st_size) == f.id.size && st.st_dev == f.dev &&
+                  st.st_ino == f.ino && st.st_mtim.tv_sec == f.mtime_sec &&
+                  st.st_mtim.tv_nsec == f.mtime_nsec;
     }
-    if (unchanged) return std::move(c);
+    if (unchanged) out.push_back(std::move(c));
   }
-  return nullptr;
+  return out;
 }
 
 absl::StatusOr<PeerHolding> WeightService::FindHeld(
-    const Digest& key, const std::vector<CheckpointRange>& samples) const {
-  std::shared_ptr<const Checkpoint> c = HeldCheckpoint(key);
-  if (c == nullptr) {
+    const Digest& key, const std::vector<CheckpointRange>& samples,
+    const std::vector<Digest>& sample_digests) const {
+  std::vector<std::shared_ptr<const Checkpoint>> copies = HeldCopies(key);
+  if (copies.empty()) {
     return absl::NotFoundError(absl::StrCat("no checkpoint with key ", key.Hex(), " is resident"));
   }
-  return DescribeHolding(*c, samples);
+  std::optional<PeerHolding> newest;
+  for (const std::shared_ptr<const Checkpoint>& c : copies) {
+    WD_ASSIGN_OR_RETURN(PeerHolding held, DescribeHolding(*c, samples));
+    if (held.sample_digests == sample_digests) return held;
+    if (!newest) newest = std::move(held);
+  }
+  return *std::move(newest);
 }
 
-absl::StatusOr<ReadRange> WeightService::ReadHeld(const Digest& key, const CheckpointRange& r) {
-  std::shared_ptr<const Checkpoint> c = HeldCheckpoint(key);
-  if (c == nullptr) {
-    return absl::NotFoundError(absl::StrCat("no checkpoint with key ", key.Hex(), " is resident"));
+absl::StatusOr<ReadRange> WeightService::ReadHeld(const Digest& key, const Digest& copy,
+                                                  const CheckpointRange& r) {
+  for (const std::shared_ptr<const Checkpoint>& c :
+       HeldCopies(key, static_cast<int>(std::min<uint64_t>(r.file, INT32_MAX)))) {
+    if (c->copy_id() != copy) continue;
+    WD_ASSIGN_OR_RETURN(HeldBytes held, FindHeldBytes(*c, r, kMaxPeerRangeBytes));
+    ReadRange out;
+    out.buffer = std::move(held.buffer);
+    out.offset = held.offset;
+    out.length = r.length;
+    bytes_sent_to_peers_.fetch_add(r.length);
+    return out;
   }
-  WD_ASSIGN_OR_RETURN(HeldBytes held, FindHeldBytes(*c, r, kMaxPeerRangeBytes));
-  ReadRange out;
-  out.buffer = std::move(held.buffer);
-  out.offset = held.offset;
-  out.length = r.length;
-  bytes_sent_to_peers_.fetch_add(r.length);
-  return out;
+  return absl::NotFoundError(absl::StrCat("copy ", copy.Hex().substr(0, 12), " of checkpoint ",
+                                          key.Hex().substr(0, 12), " is not resident (any more)"));
 }
 
 ServiceStats WeightService::Stats() const {

@@ -249,11 +249,15 @@ class WeightService {
   // file in data-offset order, and of `samples` of its bytes; and a range
   // of one file's data section. NOT_FOUND when no checkpoint of that key is
   // resident, INVALID_ARGUMENT for a range outside its files.
+  // Of several copies of the key (sibling checkpoints with the same names,
+  // sizes and headers), FindHeld answers with the one whose samples are
+  // `sample_digests`, else the newest; ReadHeld reads copy `copy`.
   absl::StatusOr<PeerHolding> FindHeld(const Digest& key,
-                                       const std::vector<CheckpointRange>& samples) const
+                                       const std::vector<CheckpointRange>& samples,
+                                       const std::vector<Digest>& sample_digests) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<ReadRange> ReadHeld(const Digest& key, const CheckpointRange& range)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<ReadRange> ReadHeld(const Digest& key, const Digest& copy,
+                                     const CheckpointRange& range) ABSL_LOCKS_EXCLUDED(mu_);
   // For a restore (--state-dir): LoadModel that publishes the model only if
   // its served content is `content` (DATA_LOSS otherwise: nothing served,
   // nothing journaled), with its next generation numbered at least
@@ -553,8 +557,11 @@ class WeightService {
                                              LoadSource source = LoadSource::kStorage)
       ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
   void CountLoadSources(const LoadSourceReport& report) ABSL_LOCKS_EXCLUDED(peer_counters_mu_);
-  // The resident checkpoint read from files whose CheckpointKey is `key`.
-  std::shared_ptr<const Checkpoint> HeldCheckpoint(const Digest& key) const;
+  // The resident checkpoints read from files whose CheckpointKey is `key`
+  // and that are unchanged since (all of them, or file `only_file`), the
+  // newest first.
+  std::vector<std::shared_ptr<const Checkpoint>> HeldCopies(const Digest& key,
+                                                           int only_file = -1) const;
   // One change of what is served, from its journal record to its
   // publication, under state_mu_: `check` (under mu_) may refuse it, and
   // then nothing is journaled; else the record gets the next seq and reaches

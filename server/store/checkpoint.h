@@ -68,6 +68,8 @@ struct CheckpointFileInfo {
   // since no longer offers it to peers.
   int64_t mtime_sec = 0;
   int64_t mtime_nsec = 0;
+  uint64_t dev = 0;
+  uint64_t ino = 0;
 };
 
 class Checkpoint {
@@ -93,6 +95,9 @@ class Checkpoint {
   // the CheckpointKey of their ids (zero when empty).
   const std::vector<CheckpointFileInfo>& file_info() const { return file_info_; }
   const Digest& content_key() const { return content_key_; }
+  // XXH3-128 over the tensors' digests in name order: which copy of a key
+  // a holder offers (PeerHolding::copy).
+  const Digest& copy_id() const { return copy_id_; }
   // Bytes of the checkpoint's segments by the pages behind them (indexed by
   // PageKind: 4 KiB, THP-advised shmem, 2 MiB hugetlb), rounding included.
   const std::array<uint64_t, kPageKinds>& page_bytes() const { return page_bytes_; }
@@ -113,6 +118,7 @@ class Checkpoint {
   std::unique_ptr<MemoryCharge> metadata_charge_;
   std::vector<CheckpointFileInfo> file_info_;
   Digest content_key_;
+  Digest copy_id_;
   mutable std::atomic<bool> pin_claimed_{false};
 };
 
@@ -256,9 +262,10 @@ struct CheckpointLoadOptions {
   LoadSourceReport* report = nullptr;
 };
 
-// What a holder tells a peer loading `c` (FindCheckpoint): its tensors'
-// digests per file in data-offset order (ties by name), and the digests of
-// `samples` (at most 4096, each at most 1 MiB: INVALID_ARGUMENT otherwise).
+// What a holder tells a peer loading `c` (FindCheckpoint): its copy id, its
+// tensors' digests per file in data-offset order (ties by name), and the
+// digests of `samples` (at most 4096, each at most 1 MiB: INVALID_ARGUMENT
+// otherwise).
 absl::StatusOr<PeerHolding> DescribeHolding(const Checkpoint& c,
                                             const std::vector<CheckpointRange>& samples);
 // Where range `r` of one of c's files lies: its segment and the offset in

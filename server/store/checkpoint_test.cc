@@ -307,7 +307,8 @@ class MemoryPeers : public CheckpointPeers {
   }
 
   std::vector<PeerHolding> FindHolders(const Digest& key,
-                                       const std::vector<CheckpointRange>& samples) override {
+                                       const std::vector<CheckpointRange>& samples,
+                                       const std::vector<Digest>&) override {
     std::vector<PeerHolding> out;
     for (const Peer& p : peers_) {
       if (p.held->content_key() != key) continue;
@@ -320,7 +321,7 @@ class MemoryPeers : public CheckpointPeers {
     }
     return out;
   }
-  absl::Status ReadRange(const std::string& address, const Digest& key,
+  absl::Status ReadRange(const std::string& address, const Digest& key, const Digest& copy,
                          const CheckpointRange& range, uint8_t* dest) override {
     {
       absl::MutexLock lock(&mu_);
@@ -329,6 +330,7 @@ class MemoryPeers : public CheckpointPeers {
     for (const Peer& p : peers_) {
       if (p.address != address) continue;
       if (p.fault == Peer::kFail) return absl::UnavailableError("connection reset");
+      EXPECT_EQ(copy, p.held->copy_id());
       auto held = FindHeldBytes(*p.held, range, kMaxPeerRangeBytes);
       if (!held.ok()) return held.status();
       std::memcpy(dest, held->buffer->host_data() + held->offset, range.length);

@@ -48,6 +48,10 @@ struct CheckpointRange {
 // What a peer says it holds.
 struct PeerHolding {
   std::string peer;  // its address
+  // Which of the holder's copies answered (Checkpoint::copy_id): the files
+  // of two checkpoints may share a key (sibling training steps: the same
+  // names, sizes and headers), and a range is read from this one.
+  Digest copy;
   // Per file: its tensors' digests, in data-offset order (ties by name).
   std::vector<std::vector<Digest>> tensor_digests;
   std::vector<Digest> sample_digests;  // one per sample asked for
@@ -58,13 +62,16 @@ class CheckpointPeers {
   virtual ~CheckpointPeers() = default;
   // Asks every peer that may hold `key` (in parallel, each within its
   // deadline) and returns those that do, with the digests of `samples` of
-  // their bytes. Peers that fail to answer are logged, not returned.
+  // their bytes (of the copy whose samples are `sample_digests`, storage's,
+  // when a peer holds several). Peers that fail to answer are logged, not
+  // returned.
   virtual std::vector<PeerHolding> FindHolders(const Digest& key,
-                                               const std::vector<CheckpointRange>& samples) = 0;
-  // Reads `range` of the checkpoint `key` from `peer` into `dest`
-  // (range.length bytes): an error for anything refused, short, out of
-  // order or later than the transfer deadline.
-  virtual absl::Status ReadRange(const std::string& peer, const Digest& key,
+                                               const std::vector<CheckpointRange>& samples,
+                                               const std::vector<Digest>& sample_digests) = 0;
+  // Reads `range` of copy `copy` of the checkpoint `key` from `peer` into
+  // `dest` (range.length bytes): an error for anything refused, short, out
+  // of order or later than the transfer deadline.
+  virtual absl::Status ReadRange(const std::string& peer, const Digest& key, const Digest& copy,
                                  const CheckpointRange& range, uint8_t* dest) = 0;
 };
 

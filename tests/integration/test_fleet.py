@@ -200,7 +200,7 @@ def test_storage_is_read_once_per_fleet(tmp_path, checkpoint):
         before = _read_bytes(b.proc.pid)
         b.ctl_ok("load", "fresh", str(path / "model-00001-of-00002.safetensors"),
                  "--source", "storage")
-        assert _read_bytes(b.proc.pid) - before >= 0.4 * size
+        assert _read_bytes(b.proc.pid) - before >= 0.4 * size or not kernel
     finally:
         for d in ds:
             d.stop()
@@ -223,6 +223,8 @@ def test_source_peers_without_a_holder_is_unavailable(tmp_path, checkpoint):
     with Daemon(model_root=str(models)) as alone:
         r = alone.ctl("load", "m", str(path), "--source", "peers")
         assert r.error_code == "FAILED_PRECONDITION" and "no peers" in r.error_message
+        r = alone.ctl("adapter", "load", "a", str(path), "--source", "peers")
+        assert r.error_code == "FAILED_PRECONDITION" and "no peers" in r.error_message
         r = alone.ctl("load", "m", str(path), "--source", "nearby")
         assert r.returncode != 0 and "auto, storage or peers" in r.stderr
 
@@ -242,7 +244,7 @@ def test_holder_killed_mid_transfer(tmp_path, checkpoint):
     proxy = _Proxy(a_addr, "kill", victim=a.proc)
     c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"),
                extra_args=["--peers", "%s,%s" % (proxy.address, b_addr),
-                           "--read-chunk-bytes", str(CHUNK)])
+                           "--read-chunk-bytes", str(CHUNK), "--peer-streams", "1"])
     c.start()
     try:
         a.ctl_ok("load", "m", str(path))
@@ -504,3 +506,29 @@ def test_adapters_replicate_like_checkpoints(tmp_path, checkpoint):
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_holder_of_sibling_checkpoints_offers_the_one_asked_for(tmp_path, checkpoint):
+    """Two training steps saved with the same names, sizes and headers
+    share a checkpoint key. a holds both (step 2 loaded last); c loading
+    either gets its bytes from a: a answers with the copy whose samples
+    match c's storage."""
+    models, step1, tensors1 = checkpoint
+    step2, tensors2 = _write_checkpoint(models / "step2", seed=7)
+    a_addr = "127.0.0.1:%d" % free_port()
+    a = Daemon(model_root=str(models), workdir=str(tmp_path / "a"),
+               extra_args=["--listen", a_addr])
+    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"),
+               extra_args=["--peers", a_addr])
+    a.start()
+    c.start()
+    try:
+        a.ctl_ok("load", "s1", str(step1))
+        a.ctl_ok("load", "s2", str(step2))
+        for name, path, tensors in (("m1", step1, tensors1), ("m2", step2, tensors2)):
+            info, last, _ = _load(c, name, path, source="peers")
+            assert last.bytes_from_peers == last.bytes_total > 0, last
+            _check_bytes(c, name, tensors)
+    finally:
+        c.stop()
+        a.stop()

@@ -19,7 +19,7 @@ does nothing else with the bytes. Goal: one daemon replicating from a peer
 at >= 0.7x that floor.
 
   bench/replication_bench.py [--config 2g] [--repeats 3] [--streams 4]
-                             [--build build] [--out FILE]
+                             [--daemons 1,2,3] [--build build] [--out FILE]
 """
 import argparse
 import json
@@ -50,9 +50,13 @@ def main():
     ap.add_argument("--config", default="2g")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--daemons", default="1,2,3", help="how many load at once, per round")
     ap.add_argument("--build", default=os.path.join(REPO, "build"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    ks = [int(k) for k in args.daemons.split(",")]
+    if not ks or min(ks) < 1 or max(ks) > 3:
+        ap.error("--daemons: numbers from 1 to 3")
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(args.build, "python"))
     import suite
@@ -126,7 +130,7 @@ def main():
                                  check=True, capture_output=True, text=True).stdout
             floors.append(json.loads(out)["gbps"][0])
             print("round %d floor: %.2f GB/s" % (r + 1, floors[-1]), file=sys.stderr)
-            for k in (1, 2, 3):
+            for k in ks:
                 for source in ("peers", "storage"):
                     if source == "storage":
                         evict()
@@ -148,7 +152,7 @@ def main():
         print("| daemons loading at once | from a peer | from storage, cold cache | "
               "from a peer: GB/s in all | vs the floor |")
         print("|---|---|---|---|---|")
-        for k in (1, 2, 3):
+        for k in ks:
             p = result["seconds"]["%d_peers" % k]["median"]
             s = result["seconds"]["%d_storage" % k]["median"]
             agg = k * nbytes / p / 1e9

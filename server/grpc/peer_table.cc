@@ -383,9 +383,9 @@ absl::Status PeerTable::ReadRange(const std::string& peer, const Digest& key,
   while (reader->Read(&chunk)) {
     if (!bad.ok()) continue;
     if (chunk.offset() != pos || chunk.data().size() > range.length - pos) {
-      bad = absl::DataLossError(absl::StrCat(
-          "peer ", peer, " sent bytes ", chunk.offset(), "+", chunk.data().size(), " of a range of ",
-          range.length, " where ", pos, " was next"));
+      bad = absl::DataLossError(absl::StrCat("peer ", peer, " sent bytes ", chunk.offset(), "+",
+                                             chunk.data().size(), " of a range of ", range.length,
+                                             " where ", pos, " was next"));
       ctx.TryCancel();
       continue;
     }

@@ -372,7 +372,8 @@ absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoad
   constexpr size_t kMaxSamples = 4096;  // what a holder answers
   const uint64_t piece = std::clamp<uint64_t>(options.peer_sample_bytes, 1, 1 << 20);
   const uint64_t per_file = std::max<uint64_t>(
-      1, std::min<uint64_t>(options.peer_samples_per_file, 4096 / std::max<size_t>(1, files.size())));
+      1,
+      std::min<uint64_t>(options.peer_samples_per_file, 4096 / std::max<size_t>(1, files.size())));
   for (size_t i = 0; i < files.size(); ++i) {
     const uint64_t len = static_cast<uint64_t>(files[i].st.st_size) - files[i].header.data_offset;
     if (len == 0) continue;
@@ -402,10 +403,12 @@ absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoad
   for (size_t i = 0; i < tensors.size(); ++i) order[tensor_file[i]].push_back(i);
   for (auto& o : order) {
     std::sort(o.begin(), o.end(), [&](size_t a, size_t b) {
-      return std::tie(tensor_begin[a], tensors[a].name) < std::tie(tensor_begin[b], tensors[b].name);
+      return std::tie(tensor_begin[a], tensors[a].name) <
+             std::tie(tensor_begin[b], tensors[b].name);
     });
   }
-  std::vector<PeerHolding> found = options.peers->FindHolders(plan.key, plan.samples, plan.sample_digests);
+  std::vector<PeerHolding> found =
+      options.peers->FindHolders(plan.key, plan.samples, plan.sample_digests);
   auto differs = [&](const std::string& peer, const std::string& why) {
     report.peer_failures[peer]++;
     LogEvent(LogLevel::kWarning, "peer_content_differs",
@@ -416,7 +419,8 @@ absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoad
   for (const PeerHolding& h : found) {
     bool ok = h.tensor_digests.size() == files.size() &&
               h.sample_digests.size() == plan.samples.size();
-    for (size_t i = 0; ok && i < files.size(); ++i) ok = h.tensor_digests[i].size() == order[i].size();
+    for (size_t i = 0; ok && i < files.size(); ++i)
+      ok = h.tensor_digests[i].size() == order[i].size();
     if (!ok) {
       differs(h.peer, "its answer does not fit the files' tensors and samples");
       continue;
@@ -994,12 +998,22 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     std::vector<size_t> rank_in_group(chunks.size());
     for (size_t i = 0; i < chunks.size(); ++i) {
       todo[i] = i;
-      rank_in_group[i] = i > 0 && chunks[i - 1].group == chunks[i].group ? rank_in_group[i - 1] + 1 : 0;
+      const bool same_group = i > 0 && chunks[i - 1].group == chunks[i].group;
+      rank_in_group[i] = same_group ? rank_in_group[i - 1] + 1 : 0;
     }
     std::stable_sort(todo.begin(), todo.end(), [&](size_t a, size_t b) {
       return rank_in_group[a] < rank_in_group[b];
     });
     WD_RETURN_IF_ERROR(fill(todo, /*count=*/true));
+    // Every holder dropped, what they sent read from storage again.
+    auto all_from_storage = [&]() {
+      for (size_t h = 0; h < holders.size(); ++h) dropped[h] = true;
+      std::vector<size_t> peer_chunks;
+      for (size_t ci = 0; ci < chunks.size(); ++ci) {
+        if (supplier[ci] != kFromStorage) peer_chunks.push_back(ci);
+      }
+      return fill(peer_chunks, /*count=*/false);
+    };
     bool trust_storage = false;  // storage disagreed with the holders' digests
     for (size_t round = 0;; ++round) {
       WD_RETURN_IF_ERROR(digest_all());
@@ -1066,12 +1080,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
                   {"why", absl::StrCat("storage's bytes of ", first_bad,
                                        " do not match their digests")},
                   {"action", "reading everything from storage"}});
-        for (size_t h = 0; h < holders.size(); ++h) dropped[h] = true;
-        std::vector<size_t> peer_chunks;
-        for (size_t ci = 0; ci < chunks.size(); ++ci) {
-          if (supplier[ci] != kFromStorage) peer_chunks.push_back(ci);
-        }
-        WD_RETURN_IF_ERROR(fill(peer_chunks, /*count=*/false));
+        WD_RETURN_IF_ERROR(all_from_storage());
         trust_storage = true;
         continue;
       }
@@ -1080,14 +1089,10 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
         // Each round drops a holder or keeps a chunk from one: not reached
         // but by a bug. Storage still has the bytes (kAuto).
         if (options.source == LoadSource::kPeers) {
-          return absl::InternalError(absl::StrCat("loading ", path, " from peers did not converge"));
+          return absl::InternalError(
+              absl::StrCat("loading ", path, " from peers did not converge"));
         }
-        for (size_t h = 0; h < holders.size(); ++h) dropped[h] = true;
-        std::vector<size_t> peer_chunks;
-        for (size_t ci = 0; ci < chunks.size(); ++ci) {
-          if (supplier[ci] != kFromStorage) peer_chunks.push_back(ci);
-        }
-        WD_RETURN_IF_ERROR(fill(peer_chunks, /*count=*/false));
+        WD_RETURN_IF_ERROR(all_from_storage());
         trust_storage = true;
         continue;
       }

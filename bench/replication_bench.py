@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def main():
@@ -61,6 +52,8 @@ def main():
     sys.path.insert(0, os.path.join(args.build, "python"))
     import suite
     import weightd
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from harness import free_port
 
     path = suite.checkpoint(args.config)
     nbytes = os.path.getsize(path)

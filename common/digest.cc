@@ -22,6 +22,13 @@ Digest FromHash(XXH128_hash_t h) {
 
 std::string Digest::Hex() const { return absl::BytesToHexString(View()); }
 
+std::optional<Digest> DigestFromBytes(absl::string_view bytes) {
+  Digest d;
+  if (bytes.size() != d.bytes.size()) return std::nullopt;
+  std::memcpy(d.bytes.data(), bytes.data(), d.bytes.size());
+  return d;
+}
+
 Digest DigestBytes(const void* data, size_t size) {
   return FromHash(XXH3_128bits(data, size));
 }

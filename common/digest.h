@@ -7,6 +7,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/strings/string_view.h"
@@ -30,6 +31,9 @@ struct Digest {
 };
 
 Digest DigestBytes(const void* data, size_t size);
+// The digest whose 16 bytes are `bytes` (off the wire); nullopt for any
+// other length.
+std::optional<Digest> DigestFromBytes(absl::string_view bytes);
 
 // Incremental form, for data that arrives in pieces.
 class DigestBuilder {

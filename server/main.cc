@@ -212,12 +212,7 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
                                   256ull << 20)})
       .Add({"peer-streams", "N",
             "ranges a load transfers from peers at once (1..64, default 4)", K::kValue,
-            [f](const std::string& v) -> absl::Status {
-              uint64_t n = 0;
-              WD_RETURN_IF_ERROR(Uint64Into("peer-streams", &n, 1, 64)(v));
-              f->service.peer_streams = static_cast<int>(n);
-              return absl::OkStatus();
-            }})
+            NumberInto("peer-streams", &f->service.peer_streams, 1, 64)})
       .Add({"warm-reserve-bytes", "N", "pre-faulted output segments kept ready (0 = off)",
             K::kValue, Uint64Into("warm-reserve-bytes", &f->service.warm_reserve_bytes)})
       .Add({"reserve-chunk-bytes", "N", "size of a warm-reserve chunk (>= 4096)", K::kValue,

@@ -1,6 +1,5 @@
 #include "server/grpc/services.h"
 
-#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -21,13 +20,12 @@ namespace {
 
 // A 16-byte digest off the wire (a checkpoint key, a copy id, a sample's).
 absl::StatusOr<Digest> KeyOf(const std::string& bytes) {
-  Digest d;
-  if (bytes.size() != d.bytes.size()) {
+  std::optional<Digest> d = DigestFromBytes(bytes);
+  if (!d) {
     return absl::InvalidArgumentError(
-        absl::StrCat("a digest is ", d.bytes.size(), " bytes, got ", bytes.size()));
+        absl::StrCat("a digest is ", sizeof(Digest::bytes), " bytes, got ", bytes.size()));
   }
-  std::memcpy(d.bytes.data(), bytes.data(), d.bytes.size());
-  return d;
+  return *d;
 }
 
 void FillPublishResult(const WeightService::PublishResult& r, v1::PublishResult* out) {

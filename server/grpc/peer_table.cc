@@ -322,9 +322,8 @@ std::vector<PeerHolding> PeerTable::FindHolders(const Digest& key,
     }
     PeerHolding h;
     h.peer = ask[i];
-    if (resp.copy().size() == h.copy.bytes.size()) {
-      std::memcpy(h.copy.bytes.data(), resp.copy().data(), h.copy.bytes.size());
-    }
+    // A digest of another length stays zero: it fails the caller's checks.
+    h.copy = DigestFromBytes(resp.copy()).value_or(Digest{});
     for (const std::string& file : resp.tensor_digests()) {
       if (file.size() % 16 != 0) {
         LogEvent(LogLevel::kWarning, "peer_find_failed",
@@ -333,16 +332,14 @@ std::vector<PeerHolding> PeerTable::FindHolders(const Digest& key,
                   {"action", "not asked for bytes"}});
         return;
       }
-      std::vector<Digest> digests(file.size() / 16);
-      for (size_t k = 0; k < digests.size(); ++k) {
-        std::memcpy(digests[k].bytes.data(), file.data() + 16 * k, 16);
+      std::vector<Digest> digests;
+      for (size_t at = 0; at < file.size(); at += 16) {
+        digests.push_back(*DigestFromBytes(absl::string_view(file).substr(at, 16)));
       }
       h.tensor_digests.push_back(std::move(digests));
     }
     for (const std::string& d : resp.sample_digests()) {
-      Digest digest;
-      if (d.size() == 16) std::memcpy(digest.bytes.data(), d.data(), 16);
-      h.sample_digests.push_back(digest);
+      h.sample_digests.push_back(DigestFromBytes(d).value_or(Digest{}));
     }
     answers[i] = std::move(h);
   };

@@ -346,22 +346,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
   absl::Time start = absl::Now();
   bool shared = false;  // the checkpoint is another model's (the same files)
   auto build = [&]() -> absl::StatusOr<std::shared_ptr<Model>> {
-    CheckpointLoadOptions opts;
-    opts.memory = &memory_;
-    opts.segment_target_bytes = options_.checkpoint_segment_bytes;
-    opts.read_threads = options_.worker_threads;
-    opts.progress = progress;
-    opts.files = &roots_;
-    opts.resident = &resident_;
-    opts.donated = options_.donated;
-    opts.peers = options_.peers;
-    opts.source = source;
-    opts.peer_streams = options_.peer_streams;
-    opts.read_chunk_bytes = options_.read_chunk_bytes;
-    LoadSourceReport report;
-    opts.report = &report;
     std::unique_ptr<MemoryCharge> shared_charge;
-    opts.shared_charge = &shared_charge;
     auto model = std::make_shared<Model>();
     model->name = name;
     model->instance = next_model_instance_.fetch_add(1);
@@ -371,8 +356,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     // Over the memory budget, the unleased materializations (casts, shards,
     // merges; rebuilt on demand) make room first: they are in the memory
     // manager's reclaimer chain.
-    auto checkpoint = LoadCheckpoint(resolved, opts);
-    CountLoadSources(report);
+    auto checkpoint = ReadCheckpoint(resolved, source, &shared_charge, progress, options_.donated);
     if (!checkpoint.ok()) return checkpoint.status();
     model->checkpoint = std::move(*checkpoint);
     shared = shared_charge != nullptr;
@@ -888,22 +872,8 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
   if (options_.peers != nullptr) {
     load.fetch = [this, source](const std::string& file, absl::string_view header)
         -> absl::StatusOr<AdapterLoadOptions::FetchedBytes> {
-      CheckpointLoadOptions opts;
-      opts.memory = &memory_;
-      opts.segment_target_bytes = options_.checkpoint_segment_bytes;
-      opts.read_threads = std::max(1, options_.worker_threads);
-      opts.read_chunk_bytes = options_.read_chunk_bytes;
-      opts.files = &roots_;
-      opts.resident = &resident_;
       std::unique_ptr<MemoryCharge> shared_charge;
-      opts.shared_charge = &shared_charge;
-      opts.peers = options_.peers;
-      opts.source = source;
-      opts.peer_streams = options_.peer_streams;
-      LoadSourceReport report;
-      opts.report = &report;
-      auto checkpoint = LoadCheckpoint(file, opts);
-      CountLoadSources(report);
+      auto checkpoint = ReadCheckpoint(file, source, &shared_charge);
       if (!checkpoint.ok()) return checkpoint.status();
       const std::shared_ptr<const Checkpoint>& c = *checkpoint;
       if (c->file_info().size() != 1 ||
@@ -1304,6 +1274,29 @@ absl::Status WeightService::Release(uint64_t lease_id, absl::string_view token,
   PruneGenerations();
   materializer_.Sweep();
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadCheckpoint(
+    const std::string& path, LoadSource source, std::unique_ptr<MemoryCharge>* shared_charge,
+    const LoadProgressFn& progress, DonatedCheckpoints* donated) {
+  CheckpointLoadOptions opts;
+  opts.memory = &memory_;
+  opts.segment_target_bytes = options_.checkpoint_segment_bytes;
+  opts.read_threads = options_.worker_threads;
+  opts.read_chunk_bytes = options_.read_chunk_bytes;
+  opts.progress = progress;
+  opts.files = &roots_;
+  opts.resident = &resident_;
+  opts.shared_charge = shared_charge;
+  opts.donated = donated;
+  opts.peers = options_.peers;
+  opts.source = source;
+  opts.peer_streams = options_.peer_streams;
+  LoadSourceReport report;
+  opts.report = &report;
+  auto checkpoint = LoadCheckpoint(path, opts);
+  CountLoadSources(report);
+  return checkpoint;
 }
 
 void WeightService::CountLoadSources(const LoadSourceReport& report) {

@@ -556,6 +556,14 @@ class WeightService {
                                              const RestoreExpect* expect,
                                              LoadSource source = LoadSource::kStorage)
       ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
+  // Reads `path` as this daemon reads checkpoints (its memory, segment and
+  // read sizes, threads, model roots, resident files and peers) from
+  // `source`, and counts where the bytes came from. `shared_charge`,
+  // `progress`, `donated`: as CheckpointLoadOptions'.
+  absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadCheckpoint(
+      const std::string& path, LoadSource source, std::unique_ptr<MemoryCharge>* shared_charge,
+      const LoadProgressFn& progress = nullptr, DonatedCheckpoints* donated = nullptr)
+      ABSL_LOCKS_EXCLUDED(peer_counters_mu_);
   void CountLoadSources(const LoadSourceReport& report) ABSL_LOCKS_EXCLUDED(peer_counters_mu_);
   // The resident checkpoints read from files whose CheckpointKey is `key`
   // and that are unchanged since (all of them, or file `only_file`), the

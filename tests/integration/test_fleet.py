@@ -10,6 +10,7 @@ bit (a small proxy in this test), a peer whose file has the same name, size
 and header but other bytes, a peer that accepts and never answers, one that
 stalls mid-range; --source peers when nobody holds the files.
 """
+import contextlib
 import os
 import signal
 import socket
@@ -119,6 +120,34 @@ def _all_others(i, addrs):
     return [a for j, a in enumerate(addrs) if j != i]
 
 
+def _holder(tmp_path, root, name):
+    """A daemon serving gRPC on a loopback port (what its peers dial):
+    (Daemon, its address)."""
+    addr = "127.0.0.1:%d" % free_port()
+    return Daemon(model_root=str(root), workdir=str(tmp_path / name),
+                  extra_args=["--listen", addr]), addr
+
+
+def _loader(tmp_path, root, peers, *extra):
+    """Daemon "c", whose peers are the addresses `peers`."""
+    return Daemon(model_root=str(root), workdir=str(tmp_path / "c"),
+                  extra_args=["--peers", ",".join(peers), *extra])
+
+
+@contextlib.contextmanager
+def _running(*daemons):
+    """Starts the daemons in order; stops every one started, the last first."""
+    started = []
+    try:
+        for d in daemons:
+            d.start()
+            started.append(d)
+        yield
+    finally:
+        for d in reversed(started):
+            d.stop()
+
+
 @pytest.fixture
 def checkpoint(tmp_path):
     models = tmp_path / "models"
@@ -133,9 +162,7 @@ def test_storage_is_read_once_per_fleet(tmp_path, checkpoint):
     addrs, ds = _daemons(tmp_path, models, 4, _all_others)
     for d, port in zip(ds, metrics_ports):
         d.extra_args += ["--metrics-listen", "127.0.0.1:%d" % port]
-    for d in ds:
-        d.start()
-    try:
+    with _running(*ds):
         a, b, c, d4 = ds
         # a: storage (nobody holds it yet; auto would say so and read).
         _drop_cache(path)
@@ -201,25 +228,17 @@ def test_storage_is_read_once_per_fleet(tmp_path, checkpoint):
         b.ctl_ok("load", "fresh", str(path / "model-00001-of-00002.safetensors"),
                  "--source", "storage")
         assert _read_bytes(b.proc.pid) - before >= 0.4 * size or not kernel
-    finally:
-        for d in ds:
-            d.stop()
 
 
 def test_source_peers_without_a_holder_is_unavailable(tmp_path, checkpoint):
     models, path, _ = checkpoint
     addrs, (a, b) = _daemons(tmp_path, models, 2, _all_others)
-    a.start()
-    b.start()
-    try:
+    with _running(a, b):
         r = a.ctl("load", "m", str(path), "--source", "peers")
         assert r.returncode != 0 and r.error_code == "UNAVAILABLE", r.stderr
         assert "no peer holds the files" in r.error_message
         with weightd.Client(socket=a.socket) as c:
             assert c.stats()["bytes_resident"] == 0 and c.list() == []
-    finally:
-        a.stop()
-        b.stop()
     with Daemon(model_root=str(models)) as alone:
         r = alone.ctl("load", "m", str(path), "--source", "peers")
         assert r.error_code == "FAILED_PRECONDITION" and "no peers" in r.error_message
@@ -234,35 +253,24 @@ def test_holder_killed_mid_transfer(tmp_path, checkpoint):
     asked for (by a proxy in front of it, so the kill lands mid-transfer on
     a machine of any speed): c finishes from b, with the right bytes."""
     models, path, tensors = checkpoint
-    a_addr, b_addr = ("127.0.0.1:%d" % free_port() for _ in range(2))
-    a = Daemon(model_root=str(models), workdir=str(tmp_path / "a"),
-               extra_args=["--listen", a_addr])
-    b = Daemon(model_root=str(models), workdir=str(tmp_path / "b"),
-               extra_args=["--listen", b_addr])
-    a.start()
-    b.start()
-    proxy = _Proxy(a_addr, "kill", victim=a.proc)
-    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"),
-               extra_args=["--peers", "%s,%s" % (proxy.address, b_addr),
-                           "--read-chunk-bytes", str(CHUNK), "--peer-streams", "1"])
-    c.start()
-    try:
-        a.ctl_ok("load", "m", str(path))
-        b.ctl_ok("load", "m", str(path))
-        info, last, _ = _load(c, "m", path)
-        assert a.proc.poll() is not None, "a was not killed: the proxy got under 3 ranges"
-        with weightd.Client(socket=c.socket) as cl:
-            s = cl.stats()
-        assert s["peer_transfers"][proxy.address]["failures"] >= 1, s["peer_transfers"]
-        assert s["peer_transfers"][proxy.address]["bytes"] >= 2 * CHUNK  # before the kill
-        assert s["peer_transfers"][b_addr]["bytes"] > 0
-        assert last.bytes_from_storage == 0 and b_addr in last.peers
-        assert "peer_read_failed" in c.log()
-        _check_bytes(c, "m", tensors)
-    finally:
-        proxy.close()
-        for d in (a, b, c):
-            d.stop()
+    a, a_addr = _holder(tmp_path, models, "a")
+    b, b_addr = _holder(tmp_path, models, "b")
+    with _running(a, b), _Proxy(a_addr, "kill", victim=a.proc) as proxy:
+        c = _loader(tmp_path, models, [proxy.address, b_addr],
+                    "--read-chunk-bytes", str(CHUNK), "--peer-streams", "1")
+        with _running(c):
+            a.ctl_ok("load", "m", str(path))
+            b.ctl_ok("load", "m", str(path))
+            info, last, _ = _load(c, "m", path)
+            assert a.proc.poll() is not None, "a was not killed: the proxy got under 3 ranges"
+            with weightd.Client(socket=c.socket) as cl:
+                s = cl.stats()
+            assert s["peer_transfers"][proxy.address]["failures"] >= 1, s["peer_transfers"]
+            assert s["peer_transfers"][proxy.address]["bytes"] >= 2 * CHUNK  # before the kill
+            assert s["peer_transfers"][b_addr]["bytes"] > 0
+            assert last.bytes_from_storage == 0 and b_addr in last.peers
+            assert "peer_read_failed" in c.log()
+            _check_bytes(c, "m", tensors)
 
 
 class _Proxy:
@@ -325,6 +333,12 @@ class _Proxy:
         except grpc.RpcError as e:
             ctx.abort(e.code(), e.details())
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def close(self):
         self.stop_stalling.set()
         self.server.stop(0)
@@ -334,43 +348,34 @@ class _Proxy:
 @pytest.mark.parametrize("mode", ["flip", "stall"])
 def test_a_lying_or_stalling_peer_is_dropped(tmp_path, checkpoint, mode):
     models, path, tensors = checkpoint
-    a_addr = "127.0.0.1:%d" % free_port()
-    a = Daemon(model_root=str(models), workdir=str(tmp_path / "a"),
-               extra_args=["--listen", a_addr])
-    a.start()
-    proxy = _Proxy(a_addr, mode)
-    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"),
-               extra_args=["--peers", proxy.address, "--read-chunk-bytes", str(CHUNK),
-                           "--peer-poll-seconds", "1"])
-    c.start()
-    try:
-        a.ctl_ok("load", "m", str(path))
-        start = time.monotonic()
-        info, last, _ = _load(c, "m", path)
-        took = time.monotonic() - start
-        _check_bytes(c, "m", tensors)
-        log = c.log()
-        if mode == "flip":
-            assert "peer_data_loss" in log and "DATA_LOSS" in log, log[-3000:]
-        else:
-            # The range's deadline: 2 x 3 s + 1 MiB at 32 MiB/s.
-            assert "peer_read_failed" in log and "DEADLINE_EXCEEDED" in log, log[-3000:]
-            assert took < 30, took
-        assert last.bytes_from_storage >= 0.9 * sum(
-            t.numel() * t.element_size() for t in tensors.values())
-        with weightd.Client(socket=c.socket) as cl:
-            assert cl.stats()["peer_transfers"][proxy.address]["failures"] >= 1
-        # --source peers: the only holder fails, so the load fails and
-        # leaves nothing behind (m unloaded first: files resident are shared).
-        c.ctl_ok("unload", "m")
-        r = c.ctl("load", "m2", str(path), "--source", "peers")
-        assert r.returncode != 0 and r.error_code in ("UNAVAILABLE", "DATA_LOSS"), r.stderr
-        with weightd.Client(socket=c.socket) as cl:
-            assert cl.list() == []
-    finally:
-        proxy.close()
-        c.stop()
-        a.stop()
+    a, a_addr = _holder(tmp_path, models, "a")
+    with _running(a), _Proxy(a_addr, mode) as proxy:
+        c = _loader(tmp_path, models, [proxy.address], "--read-chunk-bytes", str(CHUNK),
+                    "--peer-poll-seconds", "1")
+        with _running(c):
+            a.ctl_ok("load", "m", str(path))
+            start = time.monotonic()
+            info, last, _ = _load(c, "m", path)
+            took = time.monotonic() - start
+            _check_bytes(c, "m", tensors)
+            log = c.log()
+            if mode == "flip":
+                assert "peer_data_loss" in log and "DATA_LOSS" in log, log[-3000:]
+            else:
+                # The range's deadline: 2 x 3 s + 1 MiB at 32 MiB/s.
+                assert "peer_read_failed" in log and "DEADLINE_EXCEEDED" in log, log[-3000:]
+                assert took < 30, took
+            assert last.bytes_from_storage >= 0.9 * sum(
+                t.numel() * t.element_size() for t in tensors.values())
+            with weightd.Client(socket=c.socket) as cl:
+                assert cl.stats()["peer_transfers"][proxy.address]["failures"] >= 1
+            # --source peers: the only holder fails, so the load fails and
+            # leaves nothing behind (m unloaded first: files resident are shared).
+            c.ctl_ok("unload", "m")
+            r = c.ctl("load", "m2", str(path), "--source", "peers")
+            assert r.returncode != 0 and r.error_code in ("UNAVAILABLE", "DATA_LOSS"), r.stderr
+            with weightd.Client(socket=c.socket) as cl:
+                assert cl.list() == []
 
 
 def test_a_peer_with_other_bytes_under_the_same_header_is_not_used(tmp_path, checkpoint):
@@ -380,14 +385,9 @@ def test_a_peer_with_other_bytes_under_the_same_header_is_not_used(tmp_path, che
     _, other = _write_checkpoint(other_root, seed=6)
     for f in os.listdir(path):
         assert os.path.getsize(path / f) == os.path.getsize(other_root / "model" / f)
-    e_addr = "127.0.0.1:%d" % free_port()
-    e = Daemon(model_root=str(other_root), workdir=str(tmp_path / "e"),
-               extra_args=["--listen", e_addr])
-    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"),
-               extra_args=["--peers", e_addr])
-    e.start()
-    c.start()
-    try:
+    e, e_addr = _holder(tmp_path, other_root, "e")
+    c = _loader(tmp_path, models, [e_addr])
+    with _running(e, c):
         e.ctl_ok("load", "m", str(other_root / "model"))
         info, last, _ = _load(c, "m", path)
         assert last.bytes_from_peers == 0
@@ -396,9 +396,6 @@ def test_a_peer_with_other_bytes_under_the_same_header_is_not_used(tmp_path, che
         c.ctl_ok("unload", "m")
         r = c.ctl("load", "m2", str(path), "--source", "peers")
         assert r.error_code == "UNAVAILABLE" and "other bytes" in r.error_message, r.stderr
-    finally:
-        c.stop()
-        e.stop()
 
 
 def test_a_peer_that_never_answers_does_not_hang_the_load(tmp_path, checkpoint):
@@ -407,9 +404,8 @@ def test_a_peer_that_never_answers_does_not_hang_the_load(tmp_path, checkpoint):
     hung.bind(("127.0.0.1", 0))
     hung.listen(16)  # accepts (the kernel does), never answers
     addr = "127.0.0.1:%d" % hung.getsockname()[1]
-    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"), extra_args=["--peers", addr])
-    c.start()
-    try:
+    c = _loader(tmp_path, models, [addr])
+    with hung, _running(c):
         start = time.monotonic()
         _load(c, "m", path)
         assert time.monotonic() - start < 20
@@ -419,9 +415,6 @@ def test_a_peer_that_never_answers_does_not_hang_the_load(tmp_path, checkpoint):
         r = c.ctl("load", "m2", str(path), "--source", "peers")
         assert r.error_code == "UNAVAILABLE"
         assert time.monotonic() - start < 20
-    finally:
-        c.stop()
-        hung.close()
 
 
 def test_a_holder_whose_file_changed_since_does_not_offer_it(tmp_path, checkpoint):
@@ -430,14 +423,9 @@ def test_a_holder_whose_file_changed_since_does_not_offer_it(tmp_path, checkpoin
     miss it): the holder's copy is stale, so it no longer offers it, and
     the new bytes come from storage."""
     models, path, tensors = checkpoint
-    a_addr = "127.0.0.1:%d" % free_port()
-    a = Daemon(model_root=str(models), workdir=str(tmp_path / "a"),
-               extra_args=["--listen", a_addr])
-    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"),
-               extra_args=["--peers", a_addr])
-    a.start()
-    c.start()
-    try:
+    a, a_addr = _holder(tmp_path, models, "a")
+    c = _loader(tmp_path, models, [a_addr])
+    with _running(a, c):
         a.ctl_ok("load", "m", str(path))
         shard = path / "model-00002-of-00002.safetensors"
         raw = st_io.load_raw(str(shard))
@@ -447,9 +435,6 @@ def test_a_holder_whose_file_changed_since_does_not_offer_it(tmp_path, checkpoin
         info, last, _ = _load(c, "m", path)
         assert last.bytes_from_peers == 0, last
         _check_bytes(c, "m", changed)
-    finally:
-        c.stop()
-        a.stop()
 
 
 def test_adapters_replicate_like_checkpoints(tmp_path, checkpoint):
@@ -470,9 +455,7 @@ def test_adapters_replicate_like_checkpoints(tmp_path, checkpoint):
     st_io.save(factors, str(ad / "adapter_model.safetensors"))
     data = sum(t.numel() * 4 for t in factors.values())
     addrs, (a, b) = _daemons(tmp_path, models, 2, _all_others)
-    a.start()
-    b.start()
-    try:
+    with _running(a, b):
         r = b.ctl("adapter", "load", "lora", str(ad), "--source", "peers")
         assert r.error_code == "UNAVAILABLE" and "no peer holds the files" in r.error_message
         for d in (a, b):
@@ -503,9 +486,6 @@ def test_adapters_replicate_like_checkpoints(tmp_path, checkpoint):
             with c.fetch("m", world=1, rank=0, names=["layers.0.0.weight"]) as h:
                 assert h.weights_id == ids[0]
                 assert torch.equal(h.state_dict()["layers.0.0.weight"], got[0])
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_a_holder_of_sibling_checkpoints_offers_the_one_asked_for(tmp_path, checkpoint):
@@ -515,20 +495,12 @@ def test_a_holder_of_sibling_checkpoints_offers_the_one_asked_for(tmp_path, chec
     match c's storage."""
     models, step1, tensors1 = checkpoint
     step2, tensors2 = _write_checkpoint(models / "step2", seed=7)
-    a_addr = "127.0.0.1:%d" % free_port()
-    a = Daemon(model_root=str(models), workdir=str(tmp_path / "a"),
-               extra_args=["--listen", a_addr])
-    c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"),
-               extra_args=["--peers", a_addr])
-    a.start()
-    c.start()
-    try:
+    a, a_addr = _holder(tmp_path, models, "a")
+    c = _loader(tmp_path, models, [a_addr])
+    with _running(a, c):
         a.ctl_ok("load", "s1", str(step1))
         a.ctl_ok("load", "s2", str(step2))
         for name, path, tensors in (("m1", step1, tensors1), ("m2", step2, tensors2)):
             info, last, _ = _load(c, name, path, source="peers")
             assert last.bytes_from_peers == last.bytes_total > 0, last
             _check_bytes(c, name, tensors)
-    finally:
-        c.stop()
-        a.stop()

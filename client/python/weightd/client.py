@@ -248,6 +248,15 @@ def _model_info(m):
         weights_id=_opt(m, "weights_id", ""))
 
 
+def _load_source(source):
+    """LoadRequest.source for "auto", "storage" or "peers"."""
+    sources = {"auto": pb.LOAD_SOURCE_AUTO, "storage": pb.LOAD_SOURCE_STORAGE,
+               "peers": pb.LOAD_SOURCE_PEERS}
+    if source not in sources:
+        raise Error("INVALID_ARGUMENT", f"source: expected auto, storage or peers, got {source!r}")
+    return sources[source]
+
+
 def _readers(readers):
     """readers= as a list of "uid:N"/"gid:N"/"token:NAME"/"cn:NAME" strings
     (a comma-separated string works too)."""
@@ -1076,9 +1085,6 @@ class Client:
             return True
         return self._retrying(attempt)
 
-    _SOURCES = {"auto": pb.LOAD_SOURCE_AUTO, "storage": pb.LOAD_SOURCE_STORAGE,
-                "peers": pb.LOAD_SOURCE_PEERS}
-
     def load(self, name, path, profile=None, progress=None, timeout=None, readers=None,
              source="auto"):
         """Loads checkpoint `path` as model `name` and returns its ModelInfo.
@@ -1089,12 +1095,10 @@ class Client:
         "cn:NAME"); None = public.
         source: "auto" (peers holding the same files, else storage),
         "storage", or "peers" (UNAVAILABLE when no peer holds them)."""
-        if source not in self._SOURCES:
-            raise Error("INVALID_ARGUMENT",
-                        f"source: expected auto, storage or peers, got {source!r}")
+        src = _load_source(source)
         req = _request(pb.LoadRequest, name=name, path=os.fspath(path),
                        profile_json=_parse_profile(profile), readers=_readers(readers),
-                       source=self._SOURCES[source])
+                       source=src)
         info = None
         try:
             for msg in self._models.Load(req, timeout=timeout):
@@ -1150,12 +1154,10 @@ class Client:
         """Loads a LoRA / dense patch (format auto|peft|kohya|dense).
         readers: a tenant-private adapter (see load()). source: as load()'s
         (with --peers the daemon may take the file's bytes from a peer)."""
-        if source not in self._SOURCES:
-            raise Error("INVALID_ARGUMENT",
-                        f"source: expected auto, storage or peers, got {source!r}")
+        src = _load_source(source)
         r = self._call(self._adapters.Load, _request(
             pb.LoadAdapterRequest, name=name, path=os.fspath(path), format=format,
-            strict=strict, readers=_readers(readers), source=self._SOURCES[source]))
+            strict=strict, readers=_readers(readers), source=src))
         return _adapter_info(r)
 
     def unload_adapter(self, name):

@@ -2,14 +2,20 @@
 
 #include <xxhash.h>
 
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/string_view.h"
+#include "common/digest_kernel.h"
 
 namespace weightd {
 namespace {
 
-Digest FromHash(XXH128_hash_t h) {
+Digest FromHash(WdHash128 w) {
+  XXH128_hash_t h;
+  h.low64 = w.low64;
+  h.high64 = w.high64;
   XXH128_canonical_t canon;
   XXH128_canonicalFromHash(&canon, h);
   Digest d;
@@ -18,7 +24,43 @@ Digest FromHash(XXH128_hash_t h) {
   return d;
 }
 
+bool CpuRuns(absl::string_view name) {
+#if defined(WEIGHTD_DIGEST_X86)
+  if (name == "avx2") return __builtin_cpu_supports("avx2");
+  if (name == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2");
+  }
+#endif
+  return name == "baseline";
+}
+
+const WdDigestKernel& SelectKernel() {
+  const std::vector<const WdDigestKernel*> usable = UsableDigestKernels();
+  const char* env = std::getenv("WEIGHTD_DIGEST_KERNEL");
+  const absl::string_view want = env != nullptr ? env : "";
+  const WdDigestKernel* pick = usable.front();
+  for (const WdDigestKernel* k : usable) {
+    pick = k;
+    if (k->name == want) break;
+  }
+  return *pick;
+}
+
 }  // namespace
+
+std::vector<const WdDigestKernel*> UsableDigestKernels() {
+  std::vector<const WdDigestKernel*> out = {wd_digest_kernel_baseline()};
+#if defined(WEIGHTD_DIGEST_X86)
+  if (CpuRuns("avx2")) out.push_back(wd_digest_kernel_avx2());
+  if (CpuRuns("avx512")) out.push_back(wd_digest_kernel_avx512());
+#endif
+  return out;
+}
+
+const WdDigestKernel& ActiveDigestKernel() {
+  static const WdDigestKernel& k = SelectKernel();
+  return k;
+}
 
 std::string Digest::Hex() const { return absl::BytesToHexString(View()); }
 
@@ -30,23 +72,17 @@ std::optional<Digest> DigestFromBytes(absl::string_view bytes) {
 }
 
 Digest DigestBytes(const void* data, size_t size) {
-  return FromHash(XXH3_128bits(data, size));
+  return FromHash(ActiveDigestKernel().hash(data, size));
 }
 
-DigestBuilder::DigestBuilder() : state_(XXH3_createState()) {
-  XXH3_128bits_reset(static_cast<XXH3_state_t*>(state_));
+DigestBuilder::DigestBuilder() : kernel_(&ActiveDigestKernel()), state_(kernel_->new_state()) {
+  if (state_ == nullptr) std::abort();  // 576 bytes: as new would
 }
 
-DigestBuilder::~DigestBuilder() {
-  XXH3_freeState(static_cast<XXH3_state_t*>(state_));
-}
+DigestBuilder::~DigestBuilder() { kernel_->free_state(state_); }
 
-void DigestBuilder::Update(const void* data, size_t size) {
-  XXH3_128bits_update(static_cast<XXH3_state_t*>(state_), data, size);
-}
+void DigestBuilder::Update(const void* data, size_t size) { kernel_->update(state_, data, size); }
 
-Digest DigestBuilder::Finish() {
-  return FromHash(XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_)));
-}
+Digest DigestBuilder::Finish() { return FromHash(kernel_->finish(state_)); }
 
 }  // namespace weightd

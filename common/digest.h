@@ -1,5 +1,6 @@
 // Content digests: XXH3-128 of a tensor's bytes, 16 bytes, stable across
-// runs and machines. Used to address identical tensors and to let clients
+// runs and machines (computed with the widest vector code the CPU runs,
+// digest_kernel.h; every variant gives the same digest). Used to address identical tensors and to let clients
 // check what they received (not a cryptographic hash).
 #ifndef WEIGHTD_COMMON_DIGEST_H_
 #define WEIGHTD_COMMON_DIGEST_H_
@@ -11,6 +12,8 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
+
+struct WdDigestKernel;  // digest_kernel.h
 
 namespace weightd {
 
@@ -46,7 +49,8 @@ class DigestBuilder {
   Digest Finish();
 
  private:
-  void* state_;  // XXH3_state_t, kept opaque so xxhash.h stays out of headers
+  const WdDigestKernel* kernel_;
+  void* state_;  // its XXH3_state_t, kept opaque so xxhash.h stays out of headers
 };
 
 }  // namespace weightd

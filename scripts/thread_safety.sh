@@ -16,7 +16,7 @@ python3 - "$db" <<'PY' > "$build/thread_safety.cmds"
 import json, shlex, sys
 for c in json.load(open(sys.argv[1])):
     f = c["file"]
-    if "/proto/gen/" in f or f.endswith(".cu"):  # generated code; nvcc units
+    if "/proto/gen/" in f or f.endswith((".cu", ".c")):  # generated code; nvcc and C units
         continue
     args = shlex.split(c["command"])[1:]
     out, skip = [], False

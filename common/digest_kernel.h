@@ -39,9 +39,10 @@ const WdDigestKernel* wd_digest_kernel_avx512(void);
 namespace weightd {
 // The variants this CPU runs, narrowest first (baseline is always there).
 std::vector<const WdDigestKernel*> UsableDigestKernels();
-// The one DigestBytes and DigestBuilder use: the widest usable, or the one
-// WEIGHTD_DIGEST_KERNEL=baseline|avx2|avx512 names (a wider one than the
-// CPU has falls back to the widest it runs).
+// The one DigestBytes and DigestBuilder use: AVX2 where the CPU has it,
+// else the baseline, or the usable one WEIGHTD_DIGEST_KERNEL=
+// baseline|avx2|avx512 names (AVX-512 only then: slower on the machines
+// measured).
 const WdDigestKernel& ActiveDigestKernel();
 }  // namespace weightd
 #endif

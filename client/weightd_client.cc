@@ -791,6 +791,9 @@ absl::StatusOr<DaemonStats> Client::Stats() {
   s.publish_bytes = r.publish_bytes();
   s.publish_seconds = r.publish_seconds();
   s.publish_sessions = r.publish_sessions();
+  s.publish_staging_prepared = r.publish_staging_prepared();
+  s.publish_staging_allocated = r.publish_staging_allocated();
+  s.publish_staging_ahead_bytes = r.publish_staging_ahead_bytes();
   s.load_bytes_storage = r.load_bytes_storage();
   s.load_bytes_peers = r.load_bytes_peers();
   s.bytes_sent_to_peers = r.bytes_sent_to_peers();

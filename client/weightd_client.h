@@ -150,6 +150,10 @@ struct DaemonStats {
   uint64_t pushes = 0, push_bytes = 0;  // pushes into clients' memory
   // Publishes committed, their bytes, seconds (summed), sessions open now.
   uint64_t publishes = 0, publish_bytes = 0, publish_sessions = 0;
+  // Sessions begun on staging prepared ahead / allocated at begin; the
+  // bytes prepared and waiting now (--publish-staging-ahead).
+  uint64_t publish_staging_prepared = 0, publish_staging_allocated = 0,
+           publish_staging_ahead_bytes = 0;
   double publish_seconds = 0;
   // Checkpoint bytes loads took from storage and from peers; per peer the
   // bytes received and ranges it failed; bytes sent to peers loading.

@@ -249,6 +249,16 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
               f->service.pin_host_memory = it->second;
               return true;
             })})
+      .Add({"publish-staging-ahead", "on|off",
+            "after a model's publish, allocate and fault in the staging of its next one (the "
+            "same size) in the background, while the memory budget has room; taken back first "
+            "when memory is short (default on)",
+            K::kValue,
+            OneOf("publish-staging-ahead", "on or off", [f](const std::string& v) {
+              if (v != "on" && v != "off") return false;
+              f->service.publish_staging_ahead = v == "on";
+              return true;
+            })})
       .Add({"huge-pages", "auto|off|require",
             "2 MiB pages for segments of 2 MiB or more: auto - hugetlb while the pool has room, "
             "else shmem THP where the host honours it, else 4 KiB; require - hugetlb or the load "

@@ -304,6 +304,11 @@ absl::Status CmdStats(Client& c, const Args& a) {
   std::printf("publishes: %llu\npublish_bytes: %llu\npublish_seconds: %.3f\npublish_sessions: %llu\n",
               (unsigned long long)s.publishes, (unsigned long long)s.publish_bytes,
               s.publish_seconds, (unsigned long long)s.publish_sessions);
+  std::printf("publish_staging_prepared: %llu\npublish_staging_allocated: %llu\n"
+              "publish_staging_ahead_bytes: %llu\n",
+              (unsigned long long)s.publish_staging_prepared,
+              (unsigned long long)s.publish_staging_allocated,
+              (unsigned long long)s.publish_staging_ahead_bytes);
   std::printf("load_bytes_storage: %llu\nload_bytes_peers: %llu\nbytes_sent_to_peers: %llu\n",
               (unsigned long long)s.load_bytes_storage, (unsigned long long)s.load_bytes_peers,
               (unsigned long long)s.bytes_sent_to_peers);

@@ -406,6 +406,9 @@ class ModelsImpl final : public v1::Models::CallbackService {
     resp->set_publish_bytes(s.publish_bytes);
     resp->set_publish_seconds(s.publish_seconds);
     resp->set_publish_sessions(s.publish_sessions);
+    resp->set_publish_staging_prepared(s.publish_staging_prepared);
+    resp->set_publish_staging_allocated(s.publish_staging_allocated);
+    resp->set_publish_staging_ahead_bytes(s.publish_staging_ahead_bytes);
     resp->set_load_bytes_storage(s.load_bytes_storage);
     resp->set_load_bytes_peers(s.load_bytes_peers);
     resp->set_bytes_sent_to_peers(s.bytes_sent_to_peers);

@@ -187,13 +187,24 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
     bytes += spec.bytes();
     if (plan.per_part) per_part.push_back(spec.name);
   }
+  // Prepared after the model's last publish (StagerLoop) when this one is
+  // the same size; else allocated now.
+  std::unique_ptr<Segment> ahead = TakeStagingAhead(model->instance, layout.total);
+  const bool took_ahead = ahead != nullptr;
+  (took_ahead ? staging_prepared_ : staging_allocated_).fetch_add(1);
   HostMemoryManager::AllocateOptions alloc;
   alloc.purpose = "publish";
   // Faulted in at once: the writers' copies then run at memory speed
   // instead of taking a page fault per 4 KiB.
   alloc.prefault = true;
   alloc.warm = true;  // a pre-faulted reserve chunk when the staging fits one
-  auto staging = memory_.Allocate(layout.total, alloc);
+  absl::StatusOr<std::unique_ptr<Segment>> staging = std::move(ahead);
+  if (!took_ahead) staging = memory_.Allocate(layout.total, alloc);
+  if (!staging.ok() && ReclaimStagingAhead() > 0) {
+    // Other models' prepared staging held the pages (huge pages are not
+    // the budget's to reclaim): once more without it.
+    staging = memory_.Allocate(layout.total, alloc);
+  }
   if (!staging.ok()) {
     return Annotate(staging.status(),
                     absl::StrCat("staging ", layout.total, " bytes to publish to model \"",
@@ -238,7 +249,8 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
             {"session", absl::StrCat(info.id)},
             {"tensors", absl::StrCat(params.tensors.size())},
             {"bytes", absl::StrCat(bytes)},
-            {"base_generation", absl::StrCat(info.base_generation)}});
+            {"base_generation", absl::StrCat(info.base_generation)},
+            {"staging", took_ahead ? "prepared ahead" : "allocated"}});
   return info;
 }
 
@@ -404,7 +416,139 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitAndRecord(
   session.state = PublishSession::State::kDone;
   session.result = *result;
   session.changed.SignalAll();
+  WantStagingAhead(session.model, session.model_instance, session.layout.total);
   return result;
+}
+
+void WeightService::WantStagingAhead(const std::string& model, uint64_t instance,
+                                     uint64_t bytes) {
+  if (!options_.publish_staging_ahead || bytes == 0) return;
+  absl::MutexLock lock(&ahead_mu_);
+  StagingAhead& a = ahead_[instance];
+  if (a.segment != nullptr && a.bytes == bytes) return;
+  a.model = model;
+  a.bytes = bytes;
+  a.segment.reset();
+  ahead_wanted_.Signal();
+}
+
+std::unique_ptr<Segment> WeightService::TakeStagingAhead(uint64_t instance, uint64_t bytes) {
+  std::unique_ptr<Segment> out;
+  std::unique_ptr<Segment> drop;  // another size: freed outside the lock
+  {
+    absl::MutexLock lock(&ahead_mu_);
+    auto it = ahead_.find(instance);
+    if (it == ahead_.end()) return nullptr;
+    if (it->second.segment != nullptr && it->second.bytes == bytes) {
+      out = std::move(it->second.segment);
+    } else {
+      drop = std::move(it->second.segment);
+    }
+    // The stager makes the next one after this session commits.
+    ahead_.erase(it);
+  }
+  return out;
+}
+
+uint64_t WeightService::StagingAheadBytes() const {
+  absl::MutexLock lock(&ahead_mu_);
+  uint64_t bytes = 0;
+  for (const auto& [instance, a] : ahead_) bytes += a.segment != nullptr ? a.segment->size() : 0;
+  return bytes;
+}
+
+void WeightService::DropStagingAhead(uint64_t instance) {
+  std::unique_ptr<Segment> drop;
+  absl::MutexLock lock(&ahead_mu_);
+  auto it = ahead_.find(instance);
+  if (it == ahead_.end()) return;
+  drop = std::move(it->second.segment);
+  ahead_.erase(it);
+}
+
+uint64_t WeightService::ReclaimStagingAhead() {
+  std::vector<std::unique_ptr<Segment>> dropped;
+  uint64_t freed = 0;
+  {
+    absl::MutexLock lock(&ahead_mu_);
+    for (auto& [instance, a] : ahead_) {
+      if (a.segment == nullptr) continue;
+      freed += a.segment->size();
+      dropped.push_back(std::move(a.segment));
+    }
+    ahead_.clear();  // nothing is prepared again before the next publish
+  }
+  dropped.clear();  // returns the bytes to the budget
+  if (freed > 0) {
+    LogEvent(LogLevel::kDebug, "publish_staging_reclaimed", {{"bytes", absl::StrCat(freed)}});
+  }
+  return freed;
+}
+
+void WeightService::StagerLoop() {
+  for (;;) {
+    uint64_t instance = 0;
+    uint64_t bytes = 0;
+    std::string model;
+    {
+      absl::MutexLock lock(&ahead_mu_);
+      auto next = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ahead_mu_) {
+        for (const auto& [i, a] : ahead_) {
+          if (a.segment == nullptr && a.bytes > 0) {
+            instance = i;
+            bytes = a.bytes;
+            model = a.model;
+            return true;
+          }
+        }
+        return false;
+      };
+      while (!ahead_stop_ && !next()) ahead_wanted_.Wait(&ahead_mu_);
+      if (ahead_stop_) return;
+    }
+    // Only into room the budget has: never evicting anything for it. And
+    // not for a model unloaded since its publish.
+    const HostMemoryStats m = memory_.stats();
+    auto loaded = FindModel(model);
+    absl::StatusOr<std::unique_ptr<Segment>> segment =
+        absl::ResourceExhaustedError("the memory budget has no room for it");
+    if (!loaded.ok() || (*loaded)->instance != instance) {
+      segment = absl::NotFoundError("the model was unloaded");
+    } else if (m.limit_bytes == 0 || m.used_bytes + bytes <= m.limit_bytes) {
+      HostMemoryManager::AllocateOptions alloc;
+      alloc.purpose = "publish";
+      alloc.prefault = true;
+      segment = memory_.Allocate(bytes, alloc);
+    }
+    std::unique_ptr<Segment> unused;
+    absl::MutexLock lock(&ahead_mu_);
+    auto it = ahead_.find(instance);
+    const bool still = it != ahead_.end() && it->second.bytes == bytes &&
+                       it->second.segment == nullptr;
+    if (!segment.ok()) {
+      if (still) ahead_.erase(it);  // not again before the next publish
+      LogEvent(LogLevel::kDebug, "publish_staging_ahead_skipped",
+               {{"bytes", absl::StrCat(bytes)}, {"error", segment.status().ToString()}});
+      continue;
+    }
+    if (still) {
+      it->second.segment = std::move(*segment);
+    } else {
+      unused = std::move(*segment);  // taken, dropped or resized meanwhile
+    }
+  }
+}
+
+void WeightService::StopStager() {
+  {
+    absl::MutexLock lock(&ahead_mu_);
+    ahead_stop_ = true;
+    ahead_wanted_.SignalAll();
+  }
+  if (stager_.joinable()) stager_.join();
+  if (ahead_reclaimer_ != 0) memory_.RemoveReclaimer(ahead_reclaimer_);
+  ahead_reclaimer_ = 0;
+  ReclaimStagingAhead();
 }
 
 absl::Status WeightService::AbortPublish(uint64_t id, absl::string_view token) {
@@ -435,6 +579,7 @@ uint64_t WeightService::OpenPublishSessions() const {
 }
 
 void WeightService::EndPublishesOf(uint64_t instance, const std::string& why) {
+  DropStagingAhead(instance);
   for (const auto& s : PublishSessions()) {
     if (s->model_instance != instance) continue;
     absl::MutexLock lock(&s->mu);
@@ -475,6 +620,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     handed_out = session.handed_out;
   }
   if (staged == nullptr) return absl::InternalError("publish session lost its staging memory");
+  const absl::Time commit_start = absl::Now();
   if (handed_out) {
     // Written in place by other processes: sealed only once none of them
     // can write any more, so the digests below describe the bytes for good.
@@ -488,6 +634,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
   }
   const SegmentPtr segment(std::move(staged));
   const uint8_t* base = segment->data();
+  const absl::Time sealed_at = absl::Now();
 
   // The model as the session found it, and each spec's served tensor.
   WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(session.model));
@@ -538,6 +685,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
                                        DigestBytes(base + pieces[i].offset, pieces[i].length);
                                    return absl::OkStatus();
                                  }));
+  const absl::Time digested_at = absl::Now();
 
   auto finish = [&](PublishResult result) {
     publish_count_.fetch_add(1);
@@ -552,7 +700,11 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
               {"changed", absl::StrCat(result.changed)},
               {"bytes", absl::StrCat(result.bytes)},
               {"bytes_stored", absl::StrCat(result.bytes_stored)},
-              {"seconds", absl::StrCat(absl::ToDoubleSeconds(took))}});
+              {"seconds", absl::StrCat(absl::ToDoubleSeconds(took))},
+              // Of which the commit, from the last byte: sealing, digests, the rest.
+              {"seal_seconds", absl::StrCat(absl::ToDoubleSeconds(sealed_at - commit_start))},
+              {"digest_seconds", absl::StrCat(absl::ToDoubleSeconds(digested_at - sealed_at))},
+              {"commit_seconds", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - commit_start))}});
     return result;
   };
   for (int attempt = 0;; ++attempt) {

@@ -62,9 +62,15 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
     published_store_ = std::make_unique<PublishedStore>(options_.published_dir);
   }
   reaper_ = std::thread([this] { ReapLoop(); });
+  if (options_.publish_staging_ahead) {
+    ahead_reclaimer_ = memory_.AddReclaimer(MemoryAccount::kRankWarmReserve,
+                                            [this](uint64_t) { return ReclaimStagingAhead(); });
+    stager_ = std::thread([this] { StagerLoop(); });
+  }
 }
 
 WeightService::~WeightService() {
+  StopStager();
   stop_.Notify();
   if (reaper_.joinable()) reaper_.join();
 }
@@ -1395,6 +1401,9 @@ ServiceStats WeightService::Stats() const {
   s.publish_bytes = publish_bytes_.load();
   s.publish_seconds = static_cast<double>(publish_ns_.load()) / 1e9;
   s.publish_sessions = OpenPublishSessions();
+  s.publish_staging_prepared = staging_prepared_.load();
+  s.publish_staging_allocated = staging_allocated_.load();
+  s.publish_staging_ahead_bytes = StagingAheadBytes();
   s.fetches = fetches_.load();
   s.applies = applies_.load();
   s.loads = loads_.load();

@@ -92,6 +92,11 @@ struct WeightServiceOptions {
   int peer_streams = 4;  // --peer-streams
   // Bytes per read of a checkpoint, from storage or a peer (--read-chunk-bytes).
   uint64_t read_chunk_bytes = 16ull << 20;
+  // --publish-staging-ahead: after a model's publish, its next publish's
+  // staging (the same size) is allocated and faulted in the background,
+  // while the budget has room for it without evicting anything; the
+  // memory manager takes it back first when short (like the warm reserve).
+  bool publish_staging_ahead = true;
 };
 
 struct ModelSummary {
@@ -214,6 +219,11 @@ struct ServiceStats {
   uint64_t publish_bytes = 0;     // the bytes they received
   double publish_seconds = 0;     // from begin to visible, summed
   uint64_t publish_sessions = 0;  // open now (their staging memory is held)
+  // Sessions begun on staging prepared ahead / allocated at begin; bytes
+  // prepared and waiting now (WeightServiceOptions::publish_staging_ahead).
+  uint64_t publish_staging_prepared = 0;
+  uint64_t publish_staging_allocated = 0;
+  uint64_t publish_staging_ahead_bytes = 0;
   LatencyHistogram::Snapshot fetch_latency_shm;
   LatencyHistogram::Snapshot fetch_latency_grpc;
   // Checkpoint bytes loads took from storage and from peers; per peer the
@@ -664,6 +674,35 @@ class WeightService {
   std::atomic<uint64_t> next_model_instance_{1};
   // Fails the open publish sessions of `model` instance `instance` (unload).
   void EndPublishesOf(uint64_t instance, const std::string& why) ABSL_LOCKS_EXCLUDED(publish_mu_);
+  // Staging prepared ahead for a model's next publish
+  // (options_.publish_staging_ahead; publish.cc): per model instance, the
+  // size its last publish staged and, once the stager made it, a segment of
+  // that size, faulted in. A session of that size takes it (BeginPublish).
+  struct StagingAhead {
+    std::string model;
+    uint64_t bytes = 0;
+    std::unique_ptr<Segment> segment;
+  };
+  mutable absl::Mutex ahead_mu_;  // a leaf: nothing else is taken while it is held
+  absl::CondVar ahead_wanted_;
+  absl::flat_hash_map<uint64_t, StagingAhead> ahead_ ABSL_GUARDED_BY(ahead_mu_);
+  bool ahead_stop_ ABSL_GUARDED_BY(ahead_mu_) = false;
+  std::thread stager_;
+  uint64_t ahead_reclaimer_ = 0;
+  std::atomic<uint64_t> staging_prepared_{0};
+  std::atomic<uint64_t> staging_allocated_{0};
+  uint64_t StagingAheadBytes() const ABSL_LOCKS_EXCLUDED(ahead_mu_);
+  // Asks the stager for a segment of `bytes` for `instance`'s next publish.
+  void WantStagingAhead(const std::string& model, uint64_t instance, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(ahead_mu_);
+  // The prepared segment for `instance` if it is `bytes` long, else null.
+  std::unique_ptr<Segment> TakeStagingAhead(uint64_t instance, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(ahead_mu_);
+  void DropStagingAhead(uint64_t instance) ABSL_LOCKS_EXCLUDED(ahead_mu_);
+  // The memory manager's reclaimer: frees every prepared segment.
+  uint64_t ReclaimStagingAhead() ABSL_LOCKS_EXCLUDED(ahead_mu_);
+  void StagerLoop() ABSL_LOCKS_EXCLUDED(ahead_mu_);
+  void StopStager() ABSL_LOCKS_EXCLUDED(ahead_mu_);
   std::atomic<uint64_t> publish_count_{0};
   std::atomic<uint64_t> publish_bytes_{0};
   std::atomic<uint64_t> publish_ns_{0};

@@ -619,8 +619,10 @@ def test_in_place_staging(env):
         _check(c, "m", dict(base, **new))
 
         # A trainer killed mid-staging, its mapping half written: nothing is
-        # visible, and the deadline frees the memory.
-        resident = c.stats()["bytes_resident"]
+        # visible, and the deadline frees the memory. (The staging prepared
+        # after the last publish is freed too: this one is another size.)
+        st = _wait_stat(c, "publish_staging_ahead_bytes", lambda v: v > 0)
+        resident = st["bytes_resident"] - st["publish_staging_ahead_bytes"]
         s = c.begin_publish("m", {"w.f32": base["w.f32"]}, timeout=1)
         child = subprocess.run(
             [sys.executable, "-c", """
@@ -702,3 +704,94 @@ def test_sharded_publish_from_trainer_processes(env, tmp_path, world, split, tra
         _check(c, "m", dict(base, **full), world=world)
         _check(c, "m", dict(base, **full), world=3, dtype="f32")
         assert c.stats()["publish_sessions"] == 0
+
+
+def _wait_stat(c, key, pred, timeout=20):
+    deadline = time.time() + timeout
+    s = c.stats()
+    while time.time() < deadline and not pred(s[key]):
+        time.sleep(0.02)
+        s = c.stats()
+    assert pred(s[key]), (key, s[key])
+    return s
+
+
+def test_staging_prepared_ahead_of_the_next_publish(env, tmp_path):
+    """After a model's publish the daemon allocates and faults in the next
+    publish's staging (the same size) in the background: the next session
+    of that size takes it, a publish of another size allocates its own, an
+    unload frees it, and memory that a load needs takes it back first.
+    Every publish still serves exactly the published bytes."""
+    models, path, base = env
+    port = free_port()
+    with Daemon(model_root=models, extra_args=["--metrics-listen", "127.0.0.1:%d" % port]) as d, \
+            weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        c.load("other", path)
+        assert c.stats()["publish_staging_ahead_bytes"] == 0
+        want = dict(base)
+        for step in range(3):
+            new = {n: (t.float() + step + 1).to(t.dtype) for n, t in base.items()}
+            c.publish("m", new)
+            want = new
+            _check(c, "m", want)
+            s = _wait_stat(c, "publish_staging_ahead_bytes", lambda v: v > 0)
+            assert s["publish_staging_prepared"] == step, s
+            assert s["publish_staging_allocated"] == 1, s
+        staging = s["publish_staging_ahead_bytes"]
+        assert staging >= sum(t.numel() * t.element_size() for t in base.values()), staging
+        m = scrape_metrics(port)
+        assert m["weightd_publish_staging_prepared_total"] == 2
+        assert m["weightd_publish_staging_allocated_total"] == 1
+        assert m["weightd_publish_staging_ahead_bytes"] == staging
+        out = d.ctl_ok("stats").stdout
+        assert "publish_staging_prepared: 2" in out and \
+            "publish_staging_ahead_bytes: %d" % staging in out, out
+        assert d.log().count('staging="prepared ahead"') == 2, d.log()[-2000:]
+        # Another size: allocated at begin; the prepared one is freed.
+        part = {"w.f32": _rand((10, 8), torch.float32)}
+        c.publish("m", part)
+        want = dict(want, **part)
+        _check(c, "m", want)
+        s = c.stats()
+        assert (s["publish_staging_prepared"], s["publish_staging_allocated"]) == (2, 2), s
+        _wait_stat(c, "publish_staging_ahead_bytes", lambda v: 0 < v < staging)
+        # The other model's first publish allocates; each model has its own.
+        c.publish("other", part)
+        s = _wait_stat(c, "publish_staging_allocated", lambda v: v == 3)
+        _wait_stat(c, "publish_staging_ahead_bytes", lambda v: v > 0 and v % 2 == 0)
+        # An unload frees its model's.
+        c.unload("other")
+        c.unload("m")
+        _wait_stat(c, "publish_staging_ahead_bytes", lambda v: v == 0)
+    # Off: never prepared. (And what a full publish leaves resident.)
+    new = {n: (t.float() + 7).to(t.dtype) for n, t in base.items()}
+    with Daemon(model_root=models, extra_args=["--publish-staging-ahead", "off"]) as d, \
+            weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        c.publish("m", new)
+        time.sleep(0.3)
+        published = c.stats()["bytes_resident"]
+        c.publish("m", {n: (t.float() - 1).to(t.dtype) for n, t in base.items()})
+        time.sleep(0.3)
+        s = c.stats()
+        assert (s["publish_staging_prepared"], s["publish_staging_allocated"],
+                s["publish_staging_ahead_bytes"]) == (0, 2, 0), s
+        assert d.log().count("staging=allocated") == 2
+    # Under a budget with room for the prepared staging and 2 KiB more: a
+    # load of 8 KiB fits only once the memory manager takes it back.
+    extra = str(tmp_path / "models" / "extra.safetensors")
+    x = _rand((32, 64), torch.float32)
+    st_io.save({"x": x}, extra)
+    limit = published + staging + 2048
+    with Daemon(model_root=models, extra_args=["--host-memory-bytes", str(limit)]) as d, \
+            weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        c.publish("m", new)
+        s = _wait_stat(c, "publish_staging_ahead_bytes", lambda v: v == staging)
+        assert s["bytes_resident"] <= limit, s
+        c.load("x", extra)
+        s = c.stats()
+        assert s["publish_staging_ahead_bytes"] == 0, s
+        _check(c, "m", new)
+        _check(c, "x", {"x": x}, world=1)

@@ -24,15 +24,16 @@ Digest FromHash(WdHash128 w) {
   return d;
 }
 
-bool CpuRuns(absl::string_view name) {
 #if defined(WEIGHTD_DIGEST_X86)
+bool CpuRuns(absl::string_view name) {
+  __builtin_cpu_init();  // in case a digest is taken during static initialization
   if (name == "avx2") return __builtin_cpu_supports("avx2");
   if (name == "avx512") {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2");
   }
-#endif
-  return name == "baseline";
+  return false;
 }
+#endif
 
 const WdDigestKernel& SelectKernel() {
   const std::vector<const WdDigestKernel*> usable = UsableDigestKernels();

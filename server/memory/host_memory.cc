@@ -42,7 +42,8 @@ absl::StatusOr<std::unique_ptr<Segment>> HostMemoryManager::Allocate(
       return seg;
     }
   }
-  return Segment::Create(account_, options.purpose, size, options.prefault || options.warm);
+  return Segment::Create(account_, options.purpose, size, options.prefault || options.warm,
+                         options.reclaim);
 }
 
 absl::StatusOr<std::unique_ptr<Segment>> HostMemoryManager::Adopt(UniqueFd fd, PageKind pages,

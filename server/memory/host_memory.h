@@ -68,6 +68,9 @@ class HostMemoryManager {
     // (output that must be fast to write right after a request); a fresh
     // segment when the reserve is empty or the size exceeds a chunk.
     bool warm = false;
+    // false: charged to the budget without running the reclaimer chain
+    // (memory made ahead of need must not evict anything for itself).
+    bool reclaim = true;
   };
 
   // Registers the disposer's reclaimer and starts the reserve's filler.

@@ -168,5 +168,35 @@ TEST(SegmentTest, ReleaseHooksRunLastFirstWhileTheMappingIsStillThere) {
   EXPECT_EQ(account->used(), 0u);
 }
 
+TEST(HostMemoryManagerTest, ReclaimUpToAsksOnlyTheCheapRanksAndStopsWhenEnough) {
+  // What a hugetlb pool short of pages runs (Segment::Create): the warm
+  // reserve and prepared staging (rank <= kRankWarmReserve), never the cache.
+  auto account = std::make_shared<MemoryAccount>(0);
+  std::vector<int> asked;
+  account->AddReclaimer(MemoryAccount::kRankCache, [&](uint64_t) {
+    asked.push_back(MemoryAccount::kRankCache);
+    return uint64_t{100};
+  });
+  std::vector<uint64_t> needs;
+  account->AddReclaimer(MemoryAccount::kRankWarmReserve, [&](uint64_t need) {
+    asked.push_back(MemoryAccount::kRankWarmReserve);
+    needs.push_back(need);
+    return uint64_t{70};
+  });
+  account->AddReclaimer(MemoryAccount::kRankDisposer, [&](uint64_t need) {
+    asked.push_back(MemoryAccount::kRankDisposer);
+    needs.push_back(need);
+    return uint64_t{30};
+  });
+  EXPECT_EQ(account->ReclaimUpTo(MemoryAccount::kRankWarmReserve, 100), 100u);
+  EXPECT_EQ(asked, (std::vector<int>{MemoryAccount::kRankDisposer,
+                                     MemoryAccount::kRankWarmReserve}));
+  EXPECT_EQ(needs, (std::vector<uint64_t>{100, 70}));  // each asked for what is still missing
+  asked.clear();
+  // Enough after the first: the next is not asked.
+  EXPECT_EQ(account->ReclaimUpTo(MemoryAccount::kRankWarmReserve, 30), 30u);
+  EXPECT_EQ(asked, (std::vector<int>{MemoryAccount::kRankDisposer}));
+}
+
 }  // namespace
 }  // namespace weightd

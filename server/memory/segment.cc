@@ -39,6 +39,26 @@ absl::Status MemoryAccount::Reserve(uint64_t bytes, absl::string_view what) {
   return ReserveNoReclaim(bytes, what);
 }
 
+uint64_t MemoryAccount::ReclaimUpTo(int max_rank, uint64_t bytes) {
+  std::shared_ptr<const std::vector<Reclaimer>> chain;
+  {
+    absl::MutexLock lock(&mu_);
+    if (reclaimers_ == nullptr || reclaimers_->empty()) return 0;
+    chain = reclaimers_;
+    ++calls_in_flight_;
+  }
+  uint64_t freed = 0;
+  for (const Reclaimer& r : *chain) {  // called without the lock
+    if (r.rank > max_rank || freed >= bytes) break;
+    freed += r.fn(bytes - freed);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    --calls_in_flight_;
+  }
+  return freed;
+}
+
 uint64_t MemoryAccount::AddReclaimer(int rank, std::function<uint64_t(uint64_t)> fn) {
   absl::MutexLock lock(&mu_);
   auto next = std::make_shared<std::vector<Reclaimer>>();
@@ -115,6 +135,12 @@ absl::StatusOr<std::unique_ptr<Segment>> Segment::Create(
     WD_RETURN_IF_ERROR(reclaim ? account->Reserve(bytes, what)
                                : account->ReserveNoReclaim(bytes, what));
     auto memfd = MemfdSegment::Create(absl::StrCat("weightd:", purpose), size, prefault, kind);
+    if (!memfd.ok() && kind == PageKind::kHugetlb && reclaim &&
+        account->ReclaimUpTo(MemoryAccount::kRankWarmReserve, bytes) > 0) {
+      // The pool was short: what is cheap to drop (the warm reserve,
+      // prepared publish staging) may have held its pages.
+      memfd = MemfdSegment::Create(absl::StrCat("weightd:", purpose), size, prefault, kind);
+    }
     if (memfd.ok()) {
       if (!huge_failed.ok()) NoteHugePageFallback(*account, purpose, huge_failed, kind);
       return std::unique_ptr<Segment>(new Segment(std::move(account), std::move(*memfd)));

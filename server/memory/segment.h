@@ -52,6 +52,11 @@ class MemoryAccount {
   // adds its own and removes it before it goes away; RemoveReclaimer waits
   // for calls of it in flight. Returns the id RemoveReclaimer takes.
   uint64_t AddReclaimer(int rank, std::function<uint64_t(uint64_t)> fn) ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs the reclaimers of rank <= `max_rank` for `bytes` (the budget may
+  // have room: a hugetlb pool short of pages asks what is cheap to drop,
+  // the warm reserve and prepared publish staging, for theirs). Returns
+  // the bytes they freed.
+  uint64_t ReclaimUpTo(int max_rank, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void RemoveReclaimer(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
   // Ranks of the daemon's reclaimers.
   static constexpr int kRankDisposer = 0;     // frees already waiting to happen

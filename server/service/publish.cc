@@ -191,7 +191,6 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   // the same size; else allocated now.
   std::unique_ptr<Segment> ahead = TakeStagingAhead(model->instance, layout.total);
   const bool took_ahead = ahead != nullptr;
-  (took_ahead ? staging_prepared_ : staging_allocated_).fetch_add(1);
   HostMemoryManager::AllocateOptions alloc;
   alloc.purpose = "publish";
   // Faulted in at once: the writers' copies then run at memory speed
@@ -200,16 +199,12 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   alloc.warm = true;  // a pre-faulted reserve chunk when the staging fits one
   absl::StatusOr<std::unique_ptr<Segment>> staging = std::move(ahead);
   if (!took_ahead) staging = memory_.Allocate(layout.total, alloc);
-  if (!staging.ok() && ReclaimStagingAhead() > 0) {
-    // Other models' prepared staging held the pages (huge pages are not
-    // the budget's to reclaim): once more without it.
-    staging = memory_.Allocate(layout.total, alloc);
-  }
   if (!staging.ok()) {
     return Annotate(staging.status(),
                     absl::StrCat("staging ", layout.total, " bytes to publish to model \"",
                                  params.model, "\""));
   }
+  (took_ahead ? staging_prepared_ : staging_allocated_).fetch_add(1);
   auto session = std::make_shared<PublishSession>();
   session->token = RandomHex(16);
   session->model = params.model;
@@ -423,12 +418,13 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitAndRecord(
 void WeightService::WantStagingAhead(const std::string& model, uint64_t instance,
                                      uint64_t bytes) {
   if (!options_.publish_staging_ahead || bytes == 0) return;
+  std::unique_ptr<Segment> drop;  // another size: freed outside the lock
   absl::MutexLock lock(&ahead_mu_);
   StagingAhead& a = ahead_[instance];
-  if (a.segment != nullptr && a.bytes == bytes) return;
+  if (a.bytes == bytes && (a.segment != nullptr || a.in_flight)) return;
   a.model = model;
   a.bytes = bytes;
-  a.segment.reset();
+  drop = std::move(a.segment);
   ahead_wanted_.Signal();
 }
 
@@ -437,8 +433,16 @@ std::unique_ptr<Segment> WeightService::TakeStagingAhead(uint64_t instance, uint
   std::unique_ptr<Segment> drop;  // another size: freed outside the lock
   {
     absl::MutexLock lock(&ahead_mu_);
+    // One the stager is faulting in now is waited for (a trainer that
+    // publishes again at once), rather than allocated a second time.
+    const absl::Time until = absl::Now() + absl::Seconds(10);
     auto it = ahead_.find(instance);
-    if (it == ahead_.end()) return nullptr;
+    while (it != ahead_.end() && it->second.in_flight && it->second.bytes == bytes &&
+           !ahead_ready_.WaitWithDeadline(&ahead_mu_, until)) {
+      it = ahead_.find(instance);
+    }
+    it = ahead_.find(instance);
+    if (it == ahead_.end() || it->second.in_flight) return nullptr;
     if (it->second.segment != nullptr && it->second.bytes == bytes) {
       out = std::move(it->second.segment);
     } else {
@@ -464,19 +468,29 @@ void WeightService::DropStagingAhead(uint64_t instance) {
   if (it == ahead_.end()) return;
   drop = std::move(it->second.segment);
   ahead_.erase(it);
+  ahead_ready_.SignalAll();
 }
 
-uint64_t WeightService::ReclaimStagingAhead() {
+uint64_t WeightService::ReclaimStagingAhead(absl::Duration idle) {
   std::vector<std::unique_ptr<Segment>> dropped;
   uint64_t freed = 0;
+  const absl::Time now = absl::Now();
   {
     absl::MutexLock lock(&ahead_mu_);
-    for (auto& [instance, a] : ahead_) {
-      if (a.segment == nullptr) continue;
-      freed += a.segment->size();
-      dropped.push_back(std::move(a.segment));
+    for (auto it = ahead_.begin(); it != ahead_.end();) {
+      StagingAhead& a = it->second;
+      if (a.in_flight || (a.segment != nullptr && now - a.ready_at < idle)) {
+        ++it;
+        continue;
+      }
+      if (a.segment != nullptr) {
+        freed += a.segment->size();
+        dropped.push_back(std::move(a.segment));
+      }
+      // Nothing is prepared again before the model's next publish.
+      ahead_.erase(it++);
     }
-    ahead_.clear();  // nothing is prepared again before the next publish
+    ahead_ready_.SignalAll();
   }
   dropped.clear();  // returns the bytes to the budget
   if (freed > 0) {
@@ -493,8 +507,9 @@ void WeightService::StagerLoop() {
     {
       absl::MutexLock lock(&ahead_mu_);
       auto next = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ahead_mu_) {
-        for (const auto& [i, a] : ahead_) {
-          if (a.segment == nullptr && a.bytes > 0) {
+        for (auto& [i, a] : ahead_) {
+          if (a.segment == nullptr && !a.in_flight && a.bytes > 0) {
+            a.in_flight = true;
             instance = i;
             bytes = a.bytes;
             model = a.model;
@@ -506,35 +521,36 @@ void WeightService::StagerLoop() {
       while (!ahead_stop_ && !next()) ahead_wanted_.Wait(&ahead_mu_);
       if (ahead_stop_) return;
     }
-    // Only into room the budget has: never evicting anything for it. And
-    // not for a model unloaded since its publish.
-    const HostMemoryStats m = memory_.stats();
-    auto loaded = FindModel(model);
+    // Not for a model unloaded since its publish; only into room the
+    // budget has (never evicting anything for it).
     absl::StatusOr<std::unique_ptr<Segment>> segment =
-        absl::ResourceExhaustedError("the memory budget has no room for it");
-    if (!loaded.ok() || (*loaded)->instance != instance) {
-      segment = absl::NotFoundError("the model was unloaded");
-    } else if (m.limit_bytes == 0 || m.used_bytes + bytes <= m.limit_bytes) {
+        absl::NotFoundError("the model was unloaded");
+    auto loaded = FindModel(model);
+    if (loaded.ok() && (*loaded)->instance == instance) {
       HostMemoryManager::AllocateOptions alloc;
       alloc.purpose = "publish";
       alloc.prefault = true;
+      alloc.reclaim = false;
       segment = memory_.Allocate(bytes, alloc);
     }
     std::unique_ptr<Segment> unused;
-    absl::MutexLock lock(&ahead_mu_);
-    auto it = ahead_.find(instance);
-    const bool still = it != ahead_.end() && it->second.bytes == bytes &&
-                       it->second.segment == nullptr;
+    {
+      absl::MutexLock lock(&ahead_mu_);
+      auto it = ahead_.find(instance);
+      const bool still = it != ahead_.end() && it->second.in_flight && it->second.bytes == bytes;
+      if (still) it->second.in_flight = false;
+      if (segment.ok() && still) {
+        it->second.segment = std::move(*segment);
+        it->second.ready_at = absl::Now();
+      } else {
+        if (segment.ok()) unused = std::move(*segment);  // taken, dropped or resized meanwhile
+        if (still) ahead_.erase(it);                     // not again before the next publish
+      }
+      ahead_ready_.SignalAll();
+    }
     if (!segment.ok()) {
-      if (still) ahead_.erase(it);  // not again before the next publish
       LogEvent(LogLevel::kDebug, "publish_staging_ahead_skipped",
                {{"bytes", absl::StrCat(bytes)}, {"error", segment.status().ToString()}});
-      continue;
-    }
-    if (still) {
-      it->second.segment = std::move(*segment);
-    } else {
-      unused = std::move(*segment);  // taken, dropped or resized meanwhile
     }
   }
 }

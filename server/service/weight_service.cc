@@ -83,6 +83,8 @@ void WeightService::ReapLoop() {
     }
     PruneGenerations();
     ExpirePublishes();
+    // A model that stopped publishing does not keep a staging for good.
+    if (options_.publish_staging_ahead) ReclaimStagingAhead(absl::Minutes(10));
     materializer_.Sweep();
   }
 }

@@ -682,9 +682,12 @@ class WeightService {
     std::string model;
     uint64_t bytes = 0;
     std::unique_ptr<Segment> segment;
+    bool in_flight = false;  // the stager is allocating it now
+    absl::Time ready_at;     // when the segment was made
   };
   mutable absl::Mutex ahead_mu_;  // a leaf: nothing else is taken while it is held
-  absl::CondVar ahead_wanted_;
+  absl::CondVar ahead_wanted_;  // an entry wants a segment, or stop
+  absl::CondVar ahead_ready_;   // an in-flight entry was made, dropped or failed
   absl::flat_hash_map<uint64_t, StagingAhead> ahead_ ABSL_GUARDED_BY(ahead_mu_);
   bool ahead_stop_ ABSL_GUARDED_BY(ahead_mu_) = false;
   std::thread stager_;
@@ -699,8 +702,10 @@ class WeightService {
   std::unique_ptr<Segment> TakeStagingAhead(uint64_t instance, uint64_t bytes)
       ABSL_LOCKS_EXCLUDED(ahead_mu_);
   void DropStagingAhead(uint64_t instance) ABSL_LOCKS_EXCLUDED(ahead_mu_);
-  // The memory manager's reclaimer: frees every prepared segment.
-  uint64_t ReclaimStagingAhead() ABSL_LOCKS_EXCLUDED(ahead_mu_);
+  // Frees the prepared segments unused for `idle` or more (the memory
+  // manager's reclaimer: all of them; the reaper: those unused 10 minutes).
+  uint64_t ReclaimStagingAhead(absl::Duration idle = absl::ZeroDuration())
+      ABSL_LOCKS_EXCLUDED(ahead_mu_);
   void StagerLoop() ABSL_LOCKS_EXCLUDED(ahead_mu_);
   void StopStager() ABSL_LOCKS_EXCLUDED(ahead_mu_);
   std::atomic<uint64_t> publish_count_{0};

@@ -532,6 +532,42 @@ std::vector<std::shared_ptr<const Checkpoint>> ResidentCheckpoints::FindByConten
   return out;
 }
 
+std::shared_ptr<const Checkpoint> FindIdenticalCopy(const ResidentCheckpoints& resident,
+                                                    const Checkpoint& c) {
+  const std::vector<CheckpointFileInfo>& files = c.file_info();
+  if (files.empty()) return nullptr;
+  for (auto& [key, other] : resident.Snapshot()) {
+    const std::vector<CheckpointFileInfo>& theirs = other->file_info();
+    if (other.get() == &c || theirs.size() != files.size() || other->copy_id() != c.copy_id() ||
+        other->tensors().size() != c.tensors().size()) {
+      continue;
+    }
+    bool same = true;
+    for (size_t i = 0; i < files.size() && same; ++i) {
+      const CheckpointFileInfo& a = files[i];
+      const CheckpointFileInfo& b = theirs[i];
+      same = a.id.size == b.id.size && a.id.header == b.id.header &&
+             a.data_length == b.data_length;
+    }
+    // Equal digests are not proof: the bytes are compared.
+    for (size_t i = 0; i < files.size() && same; ++i) {
+      const CheckpointFileInfo& a = files[i];
+      const CheckpointFileInfo& b = theirs[i];
+      if (a.data_length == 0) continue;
+      if (a.segment >= c.host_segments().size() || b.segment >= other->host_segments().size()) {
+        same = false;
+        break;
+      }
+      const uint8_t* pa = c.host_segments()[a.segment]->host_data();
+      const uint8_t* pb = other->host_segments()[b.segment]->host_data();
+      same = pa != nullptr && pb != nullptr &&
+             std::memcmp(pa + a.segment_offset, pb + b.segment_offset, a.data_length) == 0;
+    }
+    if (same) return other;
+  }
+  return nullptr;
+}
+
 const char* AdoptVerifyName(AdoptVerify v) {
   switch (v) {
     case AdoptVerify::kFull: return "full";
@@ -1152,9 +1188,22 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   for (auto& seg : segments) sealed.push_back(SegmentPtr(std::move(seg)));
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].buffer = sealed[tensor_segment[i]];
   ReportDone(options.progress, bytes_total, tensors_total, &sources);
-  auto checkpoint = std::make_shared<const Checkpoint>(
-      path, std::move(paths), std::move(tensors), std::move(sealed), std::move(metadata_charge),
-      std::move(file_info));
+  auto fresh = std::make_shared<Checkpoint>(path, std::move(paths), std::move(tensors),
+                                            std::move(sealed), std::move(metadata_charge),
+                                            std::move(file_info));
+  if (options.resident != nullptr) {
+    // The same bytes at other paths (a copy): what was just read is freed.
+    // (Not registered under these files: a hand-over sends each resident
+    // entry's segments, and would send that copy's twice.)
+    if (std::shared_ptr<const Checkpoint> same = FindIdenticalCopy(*options.resident, *fresh)) {
+      *options.shared_charge = fresh->TakeMetadataCharge();
+      LogEvent(LogLevel::kInfo, "load_deduplicated",
+               {{"path", path}, {"same_as", same->path()},
+                {"bytes_freed", absl::StrCat(fresh->total_bytes())}});
+      return same;
+    }
+  }
+  std::shared_ptr<const Checkpoint> checkpoint = std::move(fresh);
   if (options.resident != nullptr && shareable) options.resident->Add(files_key, checkpoint);
   return checkpoint;
 }

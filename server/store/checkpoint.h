@@ -106,6 +106,9 @@ class Checkpoint {
   // True for the first caller only: a checkpoint that several models share
   // (ResidentCheckpoints) is registered with CUDA once.
   bool ClaimPinning() const { return !pin_claimed_.exchange(true); }
+  // The metadata charge, for a caller that drops this checkpoint in favour
+  // of an identical resident one (LoadCheckpoint) and keeps the charge.
+  std::unique_ptr<MemoryCharge> TakeMetadataCharge() { return std::move(metadata_charge_); }
 
  private:
   std::string path_;
@@ -153,6 +156,12 @@ class ResidentCheckpoints {
   absl::flat_hash_map<std::string, Entry> by_files_ ABSL_GUARDED_BY(mu_);
   uint64_t adds_ ABSL_GUARDED_BY(mu_) = 0;
 };
+
+// A resident checkpoint other than `c` whose files are byte for byte c's
+// (in order: the same sizes, headers and data sections; names and paths may
+// differ), or null.
+std::shared_ptr<const Checkpoint> FindIdenticalCopy(const ResidentCheckpoints& resident,
+                                                    const Checkpoint& c);
 
 // How a successor checks the segments a predecessor handed over
 // (--take-over-verify): every tensor's digest recomputed, one tensor in 16
@@ -239,9 +248,10 @@ struct CheckpointLoadOptions {
   // once both read (the later one is what later loads share).
   ResidentCheckpoints* resident = nullptr;
   // Required with `resident`. When the checkpoint returned is shared
-  // (nothing was read), set to the budget charge for the tensors' metadata,
-  // which the caller holds for what it builds per model (names, layout,
-  // generations); left null otherwise.
+  // (nothing was read, or what was read is identical to a resident copy of
+  // other files and was freed), set to the budget charge for the tensors'
+  // metadata, which the caller holds for what it builds per model (names,
+  // layout, generations); left null otherwise.
   std::unique_ptr<MemoryCharge>* shared_charge = nullptr;
   // Optional: segments a predecessor daemon handed over. A load of files
   // one of them describes adopts its segments instead of reading (checked
@@ -301,6 +311,12 @@ absl::StatusOr<HeldBytes> FindHeldBytes(const Checkpoint& c, const CheckpointRan
 // UNAVAILABLE (kPeers). Storage's bytes are the truth: when storage itself
 // disagrees with the peers' digests, everything is read from storage
 // (kPeers: DATA_LOSS). kPeers with no holder: UNAVAILABLE.
+//
+// With options.resident, files that are byte for byte those of a resident
+// checkpoint at other paths (a copy: the same number of files, each with
+// the same size and header, and data sections that compare equal after
+// reading) are not kept twice: the copy just read is freed and the resident
+// checkpoint returned, as for the same files (options.shared_charge).
 absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     const std::string& path, const CheckpointLoadOptions& options);
 

@@ -1,12 +1,15 @@
 """Checkpoints loaded from the same files are held once (issue [publish],
 its dedupe part): the same files loaded under three names and seen through
-a profile share one copy, every model serves bytes equal to PyTorch's
+a profile share one copy, and so do identical files at other paths (a
+copy, a copied sharded directory: read, compared, freed), every model serves bytes equal to PyTorch's
 torch.chunk of the file's tensors, unloading one leaves the others serving,
 and a file rewritten between loads (even with its mtime put back) is read
 again, never mistaken for the resident one. Real daemon, real Python
 client; stats and weightctl report logical and resident checkpoint bytes.
 """
+import json
 import os
+import shutil
 
 import torch
 
@@ -133,3 +136,78 @@ def test_a_shared_load_is_charged_the_metadata_it_builds(tmp_path):
         assert [m.name for m in c.list()] == ["a"]
         assert c.stats()["bytes_resident"] == data + metadata
         _serves(c, "a", ref)
+
+
+def _sharded(directory, seed):
+    """A two-shard checkpoint with its index in `directory`; its tensors."""
+    os.makedirs(directory)
+    g = torch.Generator().manual_seed(seed)
+    tensors, weight_map = {}, {}
+    for s in range(2):
+        shard = {"layers.%d.%d" % (s, i): torch.randn(128, 512, generator=g) for i in range(3)}
+        name = "model-%05d-of-00002.safetensors" % (s + 1)
+        st_io.save(shard, os.path.join(directory, name))
+        tensors.update(shard)
+        weight_map.update({k: name for k in shard})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    return tensors
+
+
+def test_identical_files_at_another_path_are_held_once(tmp_path):
+    """Files byte for byte those of a resident checkpoint, at other paths
+    (a copy of the file under another name, a copied sharded directory),
+    are read, compared and freed: the load shares the resident copy, which
+    serves both models and stays while either does. A copy with one byte of
+    one tensor changed under the same header, or the same tensors in
+    another order, is kept as its own copy and serves its own bytes."""
+    models, path, ref, size = _model_file(tmp_path)
+    copy = str(models / "copy.safetensors")
+    shutil.copy(path, copy)
+    changed = str(models / "changed.safetensors")
+    shutil.copy(path, changed)
+    with open(changed, "r+b") as f:   # the last bf16's lowest mantissa bit
+        f.seek(-2, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-2, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x01]))
+    changed_ref = st_io.load(changed)
+    assert any(not torch.equal(changed_ref[n], ref[n]) for n in ref)
+    reordered = str(models / "reordered.safetensors")
+    st_io.save(dict(reversed(list(ref.items()))), reordered)
+    sharded = _sharded(str(models / "sharded"), 5)
+    shutil.copytree(str(models / "sharded"), str(models / "sharded-copy"))
+    sharded_size = sum(t.numel() * 4 for t in sharded.values())
+    with Daemon(model_root=str(models)) as d, weightd.Client(socket=d.socket) as c:
+        c.load("a", path)
+        first, _, resident = _held(c)
+        assert resident == size
+        c.load("b", copy)
+        now, logical, resident = _held(c)
+        assert (logical, resident) == (2 * size, size)
+        assert now - first < 0.05 * size, (now, first)
+        assert "load_deduplicated" in d.log() and "bytes_freed=%d" % size in d.log(), \
+            d.log()[-2000:]
+        _serves(c, "b", ref)
+        c.unload("a")
+        _serves(c, "b", ref)
+        assert _held(c)[2] == size
+        # One byte off: its own copy, its own bytes.
+        c.load("x", changed)
+        assert _held(c)[1:] == (2 * size, 2 * size)
+        _serves(c, "x", changed_ref)
+        _serves(c, "b", ref)
+        # The same tensors in another order: other files, not deduplicated.
+        c.load("r", reordered)
+        assert _held(c)[2] == 3 * size
+        _serves(c, "r", ref)
+        # A copied sharded directory (index and two shards).
+        c.load("s1", str(models / "sharded"))
+        c.load("s2", str(models / "sharded-copy"))
+        assert _held(c)[1:] == (3 * size + 2 * sharded_size, 3 * size + sharded_size)
+        _serves(c, "s2", sharded)
+        c.unload("s1")
+        _serves(c, "s2", sharded)
+        assert d.log().count("load_deduplicated") == 2
+        d.ctl_ok("verify", "s2")
+        d.ctl_ok("verify", "b")

@@ -128,7 +128,8 @@ ModelSummary WeightService::Summarize(const Model& model) {
   s.tensor_count = model.served->size() + model.current->added.size();
   s.total_bytes = model.checkpoint->total_bytes();
   s.page_bytes = model.checkpoint->page_bytes();
-  s.files = model.checkpoint->files();
+  // Its own files (an identical copy it shares lists another's).
+  s.files = model.files.empty() ? model.checkpoint->files() : model.files;
   for (const AdapterRef& r : model.current->stack) s.adapters.push_back(absl::StrCat(r.name, ":", r.strength));
   s.report = model.layout->report.Summary();
   s.readers = model.readers.ToStrings();
@@ -364,7 +365,8 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     // Over the memory budget, the unleased materializations (casts, shards,
     // merges; rebuilt on demand) make room first: they are in the memory
     // manager's reclaimer chain.
-    auto checkpoint = ReadCheckpoint(resolved, source, &shared_charge, progress, options_.donated);
+    auto checkpoint = ReadCheckpoint(resolved, source, &shared_charge, progress, options_.donated,
+                                     &model->files);
     if (!checkpoint.ok()) return checkpoint.status();
     model->checkpoint = std::move(*checkpoint);
     shared = shared_charge != nullptr;
@@ -1286,7 +1288,8 @@ absl::Status WeightService::Release(uint64_t lease_id, absl::string_view token,
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadCheckpoint(
     const std::string& path, LoadSource source, std::unique_ptr<MemoryCharge>* shared_charge,
-    const LoadProgressFn& progress, DonatedCheckpoints* donated) {
+    const LoadProgressFn& progress, DonatedCheckpoints* donated,
+    std::vector<std::string>* opened_files) {
   CheckpointLoadOptions opts;
   opts.memory = &memory_;
   opts.segment_target_bytes = options_.checkpoint_segment_bytes;
@@ -1300,6 +1303,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadCheckpoint(
   opts.peers = options_.peers;
   opts.source = source;
   opts.peer_streams = options_.peer_streams;
+  opts.opened_files = opened_files;
   LoadSourceReport report;
   opts.report = &report;
   auto checkpoint = LoadCheckpoint(path, opts);

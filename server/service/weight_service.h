@@ -528,6 +528,7 @@ class WeightService {
     // unloaded and loaded again under its name is another instance.
     uint64_t instance = 0;
     std::string path;
+    std::vector<std::string> files;  // the files its load opened
     std::shared_ptr<const Checkpoint> checkpoint;
     // A model that shares its checkpoint with another (loaded from the same
     // files) holds its own charge for the metadata it builds (names,
@@ -572,8 +573,8 @@ class WeightService {
   // `progress`, `donated`: as CheckpointLoadOptions'.
   absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadCheckpoint(
       const std::string& path, LoadSource source, std::unique_ptr<MemoryCharge>* shared_charge,
-      const LoadProgressFn& progress = nullptr, DonatedCheckpoints* donated = nullptr)
-      ABSL_LOCKS_EXCLUDED(peer_counters_mu_);
+      const LoadProgressFn& progress = nullptr, DonatedCheckpoints* donated = nullptr,
+      std::vector<std::string>* opened_files = nullptr) ABSL_LOCKS_EXCLUDED(peer_counters_mu_);
   void CountLoadSources(const LoadSourceReport& report) ABSL_LOCKS_EXCLUDED(peer_counters_mu_);
   // The resident checkpoints read from files whose CheckpointKey is `key`
   // and that are unchanged since (all of them, or file `only_file`), the

@@ -728,6 +728,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     WD_ASSIGN_OR_RETURN(OpenFile f, OpenSafetensors(std::move(found.files[i])));
     const std::string& p = f.path;
     paths.push_back(p);
+    if (options.opened_files != nullptr) options.opened_files->push_back(p);
     for (const SafetensorsEntry& e : f.header.tensors) {
       auto [it, inserted] = owner.emplace(e.name, p);
       if (!inserted) {

@@ -270,6 +270,9 @@ struct CheckpointLoadOptions {
   uint64_t peer_sample_bytes = 64 << 10;
   // Optional out: where the bytes came from.
   LoadSourceReport* report = nullptr;
+  // Optional out: the files this load opened, in order (the checkpoint
+  // returned may list another copy's: a shared identical copy).
+  std::vector<std::string>* opened_files = nullptr;
 };
 
 // What a holder tells a peer loading `c` (FindCheckpoint): its copy id, its

@@ -189,6 +189,8 @@ def test_identical_files_at_another_path_are_held_once(tmp_path):
         assert "load_deduplicated" in d.log() and "bytes_freed=%d" % size in d.log(), \
             d.log()[-2000:]
         _serves(c, "b", ref)
+        # Each model lists the files it was loaded from.
+        assert list(c.info("b").files) == [copy] and list(c.info("a").files) == [path]
         c.unload("a")
         _serves(c, "b", ref)
         assert _held(c)[2] == size

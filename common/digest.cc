@@ -12,18 +12,6 @@
 namespace weightd {
 namespace {
 
-Digest FromHash(WdHash128 w) {
-  XXH128_hash_t h;
-  h.low64 = w.low64;
-  h.high64 = w.high64;
-  XXH128_canonical_t canon;
-  XXH128_canonicalFromHash(&canon, h);
-  Digest d;
-  static_assert(sizeof(canon.digest) == 16);
-  std::memcpy(d.bytes.data(), canon.digest, 16);
-  return d;
-}
-
 #if defined(WEIGHTD_DIGEST_X86)
 bool CpuRuns(absl::string_view name) {
   __builtin_cpu_init();  // in case a digest is taken during static initialization
@@ -51,6 +39,18 @@ const WdDigestKernel& SelectKernel() {
 
 }  // namespace
 
+Digest DigestFromHash(WdHash128 w) {
+  XXH128_hash_t h;
+  h.low64 = w.low64;
+  h.high64 = w.high64;
+  XXH128_canonical_t canon;
+  XXH128_canonicalFromHash(&canon, h);
+  Digest d;
+  static_assert(sizeof(canon.digest) == 16);
+  std::memcpy(d.bytes.data(), canon.digest, 16);
+  return d;
+}
+
 std::vector<const WdDigestKernel*> UsableDigestKernels() {
   std::vector<const WdDigestKernel*> out = {wd_digest_kernel_baseline()};
 #if defined(WEIGHTD_DIGEST_X86)
@@ -75,7 +75,7 @@ std::optional<Digest> DigestFromBytes(absl::string_view bytes) {
 }
 
 Digest DigestBytes(const void* data, size_t size) {
-  return FromHash(ActiveDigestKernel().hash(data, size));
+  return DigestFromHash(ActiveDigestKernel().hash(data, size));
 }
 
 DigestBuilder::DigestBuilder() : kernel_(&ActiveDigestKernel()), state_(kernel_->new_state()) {
@@ -86,6 +86,6 @@ DigestBuilder::~DigestBuilder() { kernel_->free_state(state_); }
 
 void DigestBuilder::Update(const void* data, size_t size) { kernel_->update(state_, data, size); }
 
-Digest DigestBuilder::Finish() { return FromHash(kernel_->finish(state_)); }
+Digest DigestBuilder::Finish() { return DigestFromHash(kernel_->finish(state_)); }
 
 }  // namespace weightd

@@ -36,7 +36,11 @@ const WdDigestKernel* wd_digest_kernel_avx512(void);
 
 #include <vector>
 
+#include "common/digest.h"
+
 namespace weightd {
+// A kernel's hash as a Digest (XXH3-128's canonical, big-endian bytes).
+Digest DigestFromHash(WdHash128 hash);
 // The variants this CPU runs, narrowest first (baseline is always there).
 std::vector<const WdDigestKernel*> UsableDigestKernels();
 // The one DigestBytes and DigestBuilder use: AVX2 where the CPU has it,

@@ -33,16 +33,7 @@ Digest Reference(const void* data, size_t size) {
   return d;
 }
 
-Digest Of(WdHash128 h) {
-  XXH128_hash_t x;
-  x.low64 = h.low64;
-  x.high64 = h.high64;
-  XXH128_canonical_t canon;
-  XXH128_canonicalFromHash(&canon, x);
-  Digest d;
-  std::memcpy(d.bytes.data(), canon.digest, 16);
-  return d;
-}
+Digest Of(WdHash128 h) { return DigestFromHash(h); }
 
 std::vector<uint8_t> RandomBytes(size_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -17,25 +18,9 @@ std::atomic<uint64_t> next_segment_id{1};
 absl::Status MemoryAccount::Reserve(uint64_t bytes, absl::string_view what) {
   absl::Status s = ReserveNoReclaim(bytes, what);
   if (s.ok()) return s;
-  std::shared_ptr<const std::vector<Reclaimer>> chain;
-  {
-    absl::MutexLock lock(&mu_);
-    if (reclaimers_ == nullptr || reclaimers_->empty()) return s;
-    chain = reclaimers_;
-    ++calls_in_flight_;
-  }
   const uint64_t cur = used_.load(std::memory_order_relaxed);
   const uint64_t short_by = cur + bytes > limit_ ? cur + bytes - limit_ : 0;
-  uint64_t freed = 0;
-  for (const Reclaimer& r : *chain) {  // called without the lock
-    freed += r.fn(short_by - std::min(freed, short_by));
-    if (freed >= short_by) break;
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    --calls_in_flight_;
-  }
-  if (freed == 0) return s;
+  if (ReclaimUpTo(std::numeric_limits<int>::max(), short_by) == 0) return s;
   return ReserveNoReclaim(bytes, what);
 }
 
@@ -49,8 +34,9 @@ uint64_t MemoryAccount::ReclaimUpTo(int max_rank, uint64_t bytes) {
   }
   uint64_t freed = 0;
   for (const Reclaimer& r : *chain) {  // called without the lock
-    if (r.rank > max_rank || freed >= bytes) break;
-    freed += r.fn(bytes - freed);
+    if (r.rank > max_rank) break;
+    freed += r.fn(bytes - std::min(freed, bytes));
+    if (freed >= bytes) break;
   }
   {
     absl::MutexLock lock(&mu_);

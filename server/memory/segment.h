@@ -52,10 +52,11 @@ class MemoryAccount {
   // adds its own and removes it before it goes away; RemoveReclaimer waits
   // for calls of it in flight. Returns the id RemoveReclaimer takes.
   uint64_t AddReclaimer(int rank, std::function<uint64_t(uint64_t)> fn) ABSL_LOCKS_EXCLUDED(mu_);
-  // Runs the reclaimers of rank <= `max_rank` for `bytes` (the budget may
-  // have room: a hugetlb pool short of pages asks what is cheap to drop,
-  // the warm reserve and prepared publish staging, for theirs). Returns
-  // the bytes they freed.
+  // Runs the reclaimers of rank <= `max_rank` in rank order for `bytes`
+  // (each asked for what is still missing) until they freed that much:
+  // Reserve asks them all for what the budget is short of; a hugetlb pool
+  // short of pages asks the cheap ones, the warm reserve and prepared
+  // publish staging, for theirs. Returns the bytes they freed.
   uint64_t ReclaimUpTo(int max_rank, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void RemoveReclaimer(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
   // Ranks of the daemon's reclaimers.

@@ -794,6 +794,8 @@ absl::StatusOr<DaemonStats> Client::Stats() {
   s.publish_staging_prepared = r.publish_staging_prepared();
   s.publish_staging_allocated = r.publish_staging_allocated();
   s.publish_staging_ahead_bytes = r.publish_staging_ahead_bytes();
+  s.published_bytes_logical = r.published_bytes_logical();
+  s.published_bytes_resident = r.published_bytes_resident();
   s.load_bytes_storage = r.load_bytes_storage();
   s.load_bytes_peers = r.load_bytes_peers();
   s.bytes_sent_to_peers = r.bytes_sent_to_peers();
@@ -1018,6 +1020,8 @@ PublishOutcome ToPublishOutcome(const v1::PublishResult& r) {
   o.changed = r.changed();
   o.bytes = r.bytes();
   o.bytes_stored = r.bytes_stored();
+  o.bytes_shared = r.bytes_shared();
+  o.shared_with.assign(r.shared_with().begin(), r.shared_with().end());
   o.adapters.assign(r.adapters().begin(), r.adapters().end());
   return o;
 }

@@ -154,6 +154,9 @@ struct DaemonStats {
   // bytes prepared and waiting now (--publish-staging-ahead).
   uint64_t publish_staging_prepared = 0, publish_staging_allocated = 0,
            publish_staging_ahead_bytes = 0;
+  // Published bytes of the current generations summed over models, and the
+  // segments holding them beside the checkpoints' (shared bytes once).
+  uint64_t published_bytes_logical = 0, published_bytes_resident = 0;
   double publish_seconds = 0;
   // Checkpoint bytes loads took from storage and from peers; per peer the
   // bytes received and ranges it failed; bytes sent to peers loading.
@@ -255,6 +258,10 @@ struct PublishOutcome {
   std::string weights_id;
   uint64_t tensors = 0, changed = 0, bytes = 0, bytes_stored = 0;
   std::vector<std::string> adapters;  // the stack merged again on the new weights
+  // Changed bytes some loaded model already held, shared instead of stored
+  // again, and those models.
+  uint64_t bytes_shared = 0;
+  std::vector<std::string> shared_with;
 };
 
 class Client;

@@ -309,6 +309,9 @@ absl::Status CmdStats(Client& c, const Args& a) {
               (unsigned long long)s.publish_staging_prepared,
               (unsigned long long)s.publish_staging_allocated,
               (unsigned long long)s.publish_staging_ahead_bytes);
+  std::printf("published_bytes_logical: %llu\npublished_bytes_resident: %llu\n",
+              (unsigned long long)s.published_bytes_logical,
+              (unsigned long long)s.published_bytes_resident);
   std::printf("load_bytes_storage: %llu\nload_bytes_peers: %llu\nbytes_sent_to_peers: %llu\n",
               (unsigned long long)s.load_bytes_storage, (unsigned long long)s.load_bytes_peers,
               (unsigned long long)s.bytes_sent_to_peers);
@@ -586,12 +589,17 @@ absl::Status CmdPublish(Client& c, const Args& a) {
   auto r = c.Publish(a.positional[0], tensors, options);
   if (tty) std::fprintf(stderr, "\n");
   if (!r.ok()) return r.status();
-  std::printf("published %s generation %llu: %llu tensors, %llu changed, %s sent, %s stored, "
+  const std::string shared =
+      r->bytes_shared == 0 ? ""
+                           : absl::StrCat(" (", HumanBytes(r->bytes_shared), " shared with ",
+                                          absl::StrJoin(r->shared_with, ", "), ")");
+  std::printf("published %s generation %llu: %llu tensors, %llu changed, %s sent, %s stored%s, "
               "%.2f s, weights_id %s%s%s\n",
               r->model.c_str(), static_cast<unsigned long long>(r->generation),
               static_cast<unsigned long long>(r->tensors),
               static_cast<unsigned long long>(r->changed), HumanBytes(r->bytes).c_str(),
-              HumanBytes(r->bytes_stored).c_str(), absl::ToDoubleSeconds(absl::Now() - start),
+              HumanBytes(r->bytes_stored).c_str(), shared.c_str(),
+              absl::ToDoubleSeconds(absl::Now() - start),
               r->weights_id.c_str(), r->adapters.empty() ? "" : ", adapters ",
               absl::StrJoin(r->adapters, " ").c_str());
   return absl::OkStatus();

@@ -36,6 +36,8 @@ void FillPublishResult(const WeightService::PublishResult& r, v1::PublishResult*
   out->set_changed(r.changed);
   out->set_bytes(r.bytes);
   out->set_bytes_stored(r.bytes_stored);
+  out->set_bytes_shared(r.bytes_shared);
+  for (const std::string& m : r.shared_with) out->add_shared_with(m);
   for (const std::string& a : r.generation.adapters) out->add_adapters(a);
 }
 
@@ -402,6 +404,8 @@ class ModelsImpl final : public v1::Models::CallbackService {
     resp->set_bytes_resident(s.bytes_resident);
     resp->set_checkpoint_bytes_logical(s.checkpoint_bytes_logical);
     resp->set_checkpoint_bytes_resident(s.checkpoint_bytes_resident);
+    resp->set_published_bytes_logical(s.published_bytes_logical);
+    resp->set_published_bytes_resident(s.published_bytes_resident);
     resp->set_publishes(s.publishes);
     resp->set_publish_bytes(s.publish_bytes);
     resp->set_publish_seconds(s.publish_seconds);

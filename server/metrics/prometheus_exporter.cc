@@ -62,6 +62,13 @@ class StatsCollectable : public prometheus::Collectable {
         Scalar("weightd_checkpoint_resident_bytes",
                "Checkpoint bytes held: models loaded from the same files share one copy.",
                MetricType::Gauge, s.checkpoint_bytes_resident),
+        Scalar("weightd_published_logical_bytes",
+               "Published bytes of the models' current generations, summed over the models.",
+               MetricType::Gauge, s.published_bytes_logical),
+        Scalar("weightd_published_resident_bytes",
+               "Segments holding published bytes beside the checkpoints' (bytes shared between "
+               "models count once).",
+               MetricType::Gauge, s.published_bytes_resident),
         Scalar("weightd_reserve_ready_bytes", "Pre-faulted output bytes ready (--warm-reserve-bytes).",
                MetricType::Gauge, s.reserve.ready_bytes),
         Scalar("weightd_reserve_misses_total", "Output segments made fresh: the reserve was empty.",

@@ -10,9 +10,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <tuple>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
@@ -716,6 +718,8 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
               {"changed", absl::StrCat(result.changed)},
               {"bytes", absl::StrCat(result.bytes)},
               {"bytes_stored", absl::StrCat(result.bytes_stored)},
+              {"bytes_shared", absl::StrCat(result.bytes_shared)},
+              {"shared_with", absl::StrJoin(result.shared_with, ",")},
               {"seconds", absl::StrCat(absl::ToDoubleSeconds(took))},
               // Of which the commit, from the last byte: sealing, digests, the rest.
               {"seal_seconds", absl::StrCat(absl::ToDoubleSeconds(sealed_at - commit_start))},
@@ -761,6 +765,56 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     result.tensors = session.specs.size();
     result.changed = changed_specs.size();
     result.bytes = session.bytes_total;
+    // Changed bytes that some loaded model holds already (the same publish
+    // sent to another profile of the base, a tensor of another checkpoint)
+    // are shared instead of stored again; so are repeats within this
+    // publish (below).
+    std::vector<std::optional<ResidentCopy>> resident(fresh.size());
+    if (!fresh.empty()) {
+      absl::flat_hash_set<std::string> replaced;
+      for (const Piece* p : fresh) replaced.insert(p->key);
+      absl::flat_hash_set<uint64_t> held;  // what the new generation holds anyway
+      for (const StoredTensor& t : model->checkpoint->tensors()) {
+        if (t.buffer != nullptr) held.insert(t.buffer->id());
+      }
+      for (const auto& [key, t] : *published) {
+        if (!replaced.contains(key) && t->buffer != nullptr) held.insert(t->buffer->id());
+      }
+      std::vector<WantedBytes> wanted;
+      wanted.reserve(fresh.size());
+      for (const Piece* p : fresh) {
+        wanted.push_back(WantedBytes{p->digest, base + p->offset, p->length});
+      }
+      resident = FindResidentCopies(*model, wanted, held);
+    }
+    // What stays to be stored: one copy of each run of bytes no model holds.
+    std::vector<int64_t> same_as(fresh.size(), -1);  // an earlier fresh piece with its bytes
+    fresh_bytes = 0;
+    {
+      absl::flat_hash_map<Digest, std::vector<size_t>> stored_by_digest;
+      for (size_t f = 0; f < fresh.size(); ++f) {
+        const Piece& p = *fresh[f];
+        if (resident[f].has_value()) {
+          result.bytes_shared += p.length;
+          if (std::find(result.shared_with.begin(), result.shared_with.end(),
+                        resident[f]->model) == result.shared_with.end()) {
+            result.shared_with.push_back(resident[f]->model);
+          }
+          continue;
+        }
+        std::vector<size_t>& earlier = stored_by_digest[p.digest];
+        for (size_t e : earlier) {
+          if (fresh[e]->length == p.length &&
+              std::memcmp(base + fresh[e]->offset, base + p.offset, p.length) == 0) {
+            same_as[f] = static_cast<int64_t>(e);
+            break;
+          }
+        }
+        if (same_as[f] >= 0) continue;
+        earlier.push_back(f);
+        fresh_bytes += (p.length + 63) / 64 * 64;
+      }
+    }
     if (changed_specs.empty()) {
       // Nothing differs: no new generation.
       absl::MutexLock lock(&mu_);
@@ -776,47 +830,53 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     // Only the changed bytes stay: when some published tensors are
     // unchanged, the changed ones move to a segment of their size.
     SegmentPtr holder = segment;
-    std::vector<uint64_t> offsets;
+    std::vector<uint64_t> offsets(fresh.size(), 0);
     // (When they are at most 7/8 of what was sent: a copy to save little
     // is not worth it.)
-    if (!fresh.empty() && fresh_bytes + session.bytes_total / 8 < session.bytes_total) {
+    if (fresh_bytes > 0 && fresh_bytes + session.bytes_total / 8 < session.bytes_total) {
       HostMemoryManager::AllocateOptions alloc;
       alloc.purpose = "publish";
       alloc.prefault = true;
-      auto packed = memory_.Allocate(std::max<uint64_t>(fresh_bytes, 1), alloc);
+      auto packed = memory_.Allocate(fresh_bytes, alloc);
       if (packed.ok()) {
         uint64_t at = 0;
-        for (const Piece* p : fresh) {
-          std::memcpy((*packed)->mutable_data() + at, base + p->offset, p->length);
-          offsets.push_back(at);
-          at += (p->length + 63) / 64 * 64;
+        for (size_t f = 0; f < fresh.size(); ++f) {
+          const Piece& p = *fresh[f];
+          if (resident[f].has_value() || same_as[f] >= 0) continue;
+          std::memcpy((*packed)->mutable_data() + at, base + p.offset, p.length);
+          offsets[f] = at;
+          at += (p.length + 63) / 64 * 64;
         }
-        if ((*packed)->Seal(/*populate=*/false).ok()) {
-          holder = SegmentPtr(std::move(*packed));
-        } else {
-          offsets.clear();
-        }
+        if ((*packed)->Seal(/*populate=*/false).ok()) holder = SegmentPtr(std::move(*packed));
       }
       // No room for the copy: the staging segment is kept as it is.
     }
     if (holder == segment) {
-      offsets.clear();
-      for (const Piece* p : fresh) offsets.push_back(p->offset);
+      for (size_t f = 0; f < fresh.size(); ++f) offsets[f] = fresh[f]->offset;
     }
+    bool holder_used = false;
     for (size_t f = 0; f < fresh.size(); ++f) {
       const Piece& p = *fresh[f];
       StoredTensor t;
       t.name = p.key;
       t.dtype = session.specs[p.spec].dtype;
       t.shape = p.shape;
-      t.buffer = holder;
-      t.offset = offsets[f];
       t.length = p.length;
       t.digest = p.digest;
-      t.file = absl::StrCat("(published in session ", session.id, ")");
+      if (resident[f].has_value()) {
+        t.buffer = resident[f]->buffer;
+        t.offset = resident[f]->offset;
+        t.file = absl::StrCat("(published in session ", session.id, "; bytes shared with model \"",
+                              resident[f]->model, "\")");
+      } else {
+        t.buffer = holder;
+        t.offset = offsets[same_as[f] >= 0 ? static_cast<size_t>(same_as[f]) : f];
+        t.file = absl::StrCat("(published in session ", session.id, ")");
+        holder_used = true;
+      }
       WD_ASSIGN_OR_RETURN((*published)[p.key], ChargedPublished(std::move(t)));
     }
-    result.bytes_stored = fresh.empty() ? 0 : (holder == segment ? segment->size() : fresh_bytes);
+    result.bytes_stored = !holder_used ? 0 : (holder == segment ? segment->size() : fresh_bytes);
 
     const uint64_t number = std::max(cur->number + 1, model->generation_floor);
     WD_ASSIGN_OR_RETURN(std::shared_ptr<Generation> gen,
@@ -876,6 +936,69 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     }
     return finish(std::move(result));
   }
+}
+
+std::vector<std::optional<WeightService::ResidentCopy>> WeightService::FindResidentCopies(
+    const Model& model, absl::Span<const WantedBytes> wanted,
+    const absl::flat_hash_set<uint64_t>& held) const {
+  std::vector<std::optional<ResidentCopy>> found(wanted.size());
+  absl::flat_hash_map<Digest, std::vector<size_t>> by_digest;
+  for (size_t i = 0; i < wanted.size(); ++i) by_digest[wanted[i].digest].push_back(i);
+  std::vector<std::shared_ptr<const Model>> models;
+  {
+    absl::MutexLock lock(&mu_);
+    models.reserve(models_.size());
+    for (const auto& [name, m] : models_) models.push_back(m);
+  }
+  // The same answer whatever the map's order: the model's own bytes first,
+  // then the others' by name.
+  std::sort(models.begin(), models.end(), [&](const auto& l, const auto& r) {
+    const bool l_other = l->name != model.name, r_other = r->name != model.name;
+    return std::tie(l_other, l->name) < std::tie(r_other, r->name);
+  });
+  // Models are immutable: what each holds is read without the lock.
+  // Who may read `model`'s base, in any generation (its adapters' guards
+  // come and go); a holder counts with every guard its generation has.
+  const std::string scope = ReadScope(ModelGuards(model));
+  absl::flat_hash_set<const Checkpoint*> seen;
+  auto consider = [&](const StoredTensor& t, const std::string& owner) {
+    auto it = by_digest.find(t.digest);
+    if (it == by_digest.end() || t.buffer == nullptr) return;
+    const uint8_t* bytes = t.host_data();
+    if (bytes == nullptr) return;
+    for (size_t i : it->second) {
+      if (found[i].has_value() || t.length != wanted[i].length) continue;
+      if (std::memcmp(bytes, wanted[i].data, t.length) != 0) continue;
+      found[i] = ResidentCopy{t.buffer, t.offset, owner};
+    }
+  };
+  for (const std::shared_ptr<const Model>& m : models) {
+    const std::string holder_scope = ReadScope(GuardsOf(*m, *m->current));
+    if (!holder_scope.empty() && holder_scope != scope) continue;
+    if (seen.insert(m->checkpoint.get()).second) {
+      for (const StoredTensor& t : m->checkpoint->tensors()) consider(t, m->name);
+    }
+    if (m->current->published != nullptr) {
+      for (const auto& [key, t] : *m->current->published) consider(*t, m->name);
+    }
+  }
+  // Shared only where that pins no more than it saves: per segment, the
+  // distinct runs taken from it must make up half of it (or the new
+  // generation holds it anyway).
+  absl::flat_hash_map<uint64_t, uint64_t> taken;  // buffer id -> bytes of distinct runs
+  absl::flat_hash_set<std::pair<uint64_t, uint64_t>> counted;  // (buffer id, offset)
+  for (size_t i = 0; i < found.size(); ++i) {
+    if (!found[i].has_value()) continue;
+    const uint64_t id = found[i]->buffer->id();
+    if (counted.insert({id, found[i]->offset}).second) taken[id] += wanted[i].length;
+  }
+  for (std::optional<ResidentCopy>& c : found) {
+    if (!c.has_value()) continue;
+    const uint64_t id = c->buffer->id();
+    if (held.contains(id)) continue;
+    if (taken[id] * 2 < c->buffer->size()) c.reset();
+  }
+  return found;
 }
 
 }  // namespace weightd

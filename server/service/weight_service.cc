@@ -1380,10 +1380,25 @@ ServiceStats WeightService::Stats() const {
     absl::MutexLock lock(&mu_);
     s.models = models_.size();
     absl::flat_hash_set<const Checkpoint*> held;
+    absl::flat_hash_set<uint64_t> checkpoint_buffers;
     for (const auto& [name, model] : models_) {
       s.checkpoint_bytes_logical += model->checkpoint->total_bytes();
       if (held.insert(model->checkpoint.get()).second) {
         s.checkpoint_bytes_resident += model->checkpoint->total_bytes();
+        for (const SegmentPtr& seg : model->checkpoint->host_segments()) {
+          checkpoint_buffers.insert(seg->id());
+        }
+      }
+    }
+    absl::flat_hash_set<uint64_t> published_buffers;
+    for (const auto& [name, model] : models_) {
+      if (model->current->published == nullptr) continue;
+      for (const auto& [key, t] : *model->current->published) {
+        s.published_bytes_logical += t->length;
+        if (t->buffer == nullptr || checkpoint_buffers.contains(t->buffer->id())) continue;
+        if (published_buffers.insert(t->buffer->id()).second) {
+          s.published_bytes_resident += t->buffer->size();
+        }
       }
     }
   }

@@ -195,6 +195,10 @@ struct ServiceStats {
   // several models share (ResidentCheckpoints) counts once.
   uint64_t checkpoint_bytes_logical = 0;
   uint64_t checkpoint_bytes_resident = 0;
+  // Published bytes of the current generations summed over models, and the
+  // segments that hold them beside the checkpoints', each counted once.
+  uint64_t published_bytes_logical = 0;
+  uint64_t published_bytes_resident = 0;
   uint64_t memory_limit = 0;
   SegmentPoolStats reserve;  // zeros without a reserve
   MaterializerStats materializer;
@@ -437,6 +441,10 @@ class WeightService {
     uint64_t changed = 0;         // served tensors whose bytes differ
     uint64_t bytes = 0;           // received
     uint64_t bytes_stored = 0;    // new memory held for the changed ones
+    // Changed bytes that some loaded model already held, shared instead of
+    // stored again (FindResidentCopies), and the models that held them.
+    uint64_t bytes_shared = 0;
+    std::vector<std::string> shared_with;
   };
   struct PublishProgress {
     uint64_t bytes_done = 0;
@@ -623,6 +631,32 @@ class WeightService {
   // completed the session calls it).
   absl::StatusOr<PublishResult> CommitStaged(PublishSession& session)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+  // Where published bytes can be shared instead of stored (CommitStaged).
+  // For each wanted run of bytes: a tensor some loaded model holds now (a
+  // checkpoint tensor, served or not, or a published one of its current
+  // generation) with the same digest and the same bytes (memcmp), in host
+  // memory, such that
+  //  - the readers of `model` could read its segment already: clients map
+  //    whole segments, so the holder (with its current generation's
+  //    guards) must be public or guarded exactly as `model` is (its own
+  //    readers: they read its base in every generation); and
+  //  - sharing pins no more than it saves: the segment is one the new
+  //    generation holds anyway (`held`: buffer ids), or the runs shared
+  //    from it make up at least half of it.
+  // Empty where there is none.
+  struct ResidentCopy {
+    BufferPtr buffer;
+    uint64_t offset = 0;
+    std::string model;  // whose it is
+  };
+  struct WantedBytes {
+    Digest digest;
+    const uint8_t* data = nullptr;
+    uint64_t length = 0;
+  };
+  std::vector<std::optional<ResidentCopy>> FindResidentCopies(
+      const Model& model, absl::Span<const WantedBytes> wanted,
+      const absl::flat_hash_set<uint64_t>& held) const ABSL_LOCKS_EXCLUDED(mu_);
   // Runs CommitStaged for the session (kCommitting, every byte landed)
   // and records its end: kDone with the result, or failed.
   absl::StatusOr<PublishResult> CommitAndRecord(PublishSession& session)

@@ -803,3 +803,82 @@ def test_staging_prepared_ahead_of_the_next_publish(env, tmp_path):
         assert s["publish_staging_ahead_bytes"] == 0, s
         _check(c, "m", new)
         _check(c, "x", {"x": x}, world=1)
+
+
+def test_published_bytes_some_model_holds_are_stored_once(tmp_path):
+    """Content addressing of published weights: a changed tensor whose bytes
+    a loaded model already holds (the same publish sent to a second model of
+    the base, e.g. another profile) shares them instead of a copy, and so do
+    repeats within one publish. Shared only into segments the publishing
+    model's readers could read already (a public holder, or one guarded
+    exactly the same) and only where that pins no more than it saves (the
+    shared runs make up half the holder's segment). Every model serves
+    exactly the published bytes; unloading the holder loses nothing."""
+    models = tmp_path / "models"
+    models.mkdir()
+    base = {"x": _rand((256, 256), torch.bfloat16), "y": _rand((256, 256), torch.bfloat16),
+            "z": _rand((8,), torch.float32)}
+    path = str(models / "m.safetensors")
+    st_io.save(base, path)
+    me = "uid:%d" % os.getuid()
+    size = lambda sd: sum(t.numel() * t.element_size() for t in sd.values())  # noqa: E731
+    port = free_port()
+    with Daemon(model_root=models, extra_args=["--publish-staging-ahead", "off",
+                                               "--metrics-listen", "127.0.0.1:%d" % port]) as d, \
+            weightd.Client(socket=d.socket) as c:
+        for name in ("a", "b", "c"):
+            c.load(name, path)
+        c.load("p", path, readers=me)
+        c.load("p2", path, readers=me)
+
+        # Within one publish: y repeats x's new bytes and is stored once.
+        x = _rand((256, 256), torch.bfloat16)
+        new = {"x": x, "y": x.clone(), "z": _rand((8,), torch.float32)}
+        r = c.publish("a", new)
+        assert (r.changed, r.bytes_shared, r.shared_with) == (3, 0, [])
+        assert r.bytes_stored == 256 * 256 * 2 + 64, r
+        want = dict(base, **new)
+        _check(c, "a", want)
+
+        # The same publish to b: all of it is held by a already.
+        s1 = c.stats()
+        before = s1["bytes_resident"]
+        assert s1["published_bytes_logical"] == size(new)
+        assert 0 < s1["published_bytes_resident"] < size(new)
+        r = c.publish("b", new)
+        assert (r.changed, r.bytes_stored, r.bytes_shared) == (3, 0, size(new)), r
+        assert r.shared_with == ["a"]
+        _check(c, "b", want)
+        # Only the entries' metadata is new (the staging is freed).
+        s = _wait_stat(c, "bytes_resident", lambda v: v - before < 32 << 10)
+        assert s["bytes_resident"] - before < 32 << 10
+        assert "bytes_shared=%d" % size(new) in d.log()
+        assert s["published_bytes_logical"] == 2 * size(new)
+        assert s["published_bytes_resident"] == s1["published_bytes_resident"]
+        assert "published_bytes_resident: %d" % s1["published_bytes_resident"] in \
+            d.ctl_ok("stats").stdout
+        metrics = scrape_metrics(port)
+        assert metrics["weightd_published_logical_bytes"] == 2 * size(new), metrics
+
+        # A few bytes of a's segment are not worth pinning all of it.
+        r = c.publish("c", {"z": new["z"]})
+        assert (r.changed, r.bytes_shared) == (1, 0) and r.bytes_stored > 0, r
+
+        # A private model may share a public holder's bytes ...
+        r = c.publish("p", new)
+        assert r.bytes_shared == size(new) and r.shared_with == ["a"], r
+        # ... one guarded exactly the same may share a private holder's ...
+        other = {"x": _rand((256, 256), torch.bfloat16), "y": _rand((256, 256), torch.bfloat16)}
+        r = c.publish("p", other)
+        assert (r.bytes_shared, r.bytes_stored) == (0, size(other)), r
+        r = c.publish("p2", other)
+        assert (r.bytes_shared, r.bytes_stored, r.shared_with) == (size(other), 0, ["p"]), r
+        # ... and a public one may not.
+        r = c.publish("a", other)
+        assert (r.bytes_shared, r.bytes_stored) == (0, size(other)), r
+
+        # The holder unloaded: b still serves the published bytes, digests hold.
+        c.unload("a")
+        _check(c, "b", want)
+        d.ctl_ok("verify", "b")
+        _check(c, "p2", dict(base, **other))

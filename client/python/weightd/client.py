@@ -850,11 +850,15 @@ class PublishResult:
     bytes: int
     bytes_stored: int  # new memory the daemon holds for the changed ones
     adapters: list  # the stack, merged again on the new weights
+    # Changed bytes some loaded model already held, shared instead of stored
+    # again, and those models.
+    bytes_shared: int = 0
+    shared_with: list = field(default_factory=list)
 
 
 def _publish_result(r):
     return PublishResult(r.model, r.generation, r.weights_id, r.tensors, r.changed, r.bytes,
-                         r.bytes_stored, list(r.adapters))
+                         r.bytes_stored, list(r.adapters), r.bytes_shared, list(r.shared_with))
 
 
 def _publish_source(name, value, dtypes=None, on_device=False):

@@ -1032,8 +1032,53 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
   for (const Served& s : *model->served) {
     if (s.parts.empty()) new_tensors.emplace(s.plan.name, &s.plan);
   }
+  // Bytes another model holds already (the same publish sent to it and
+  // restored before this one) are shared again, as at the publish; the rest
+  // moves to a segment of its size when that frees over 1/8 of the file's.
+  const std::vector<StoredTensor>& saved = (*file)->tensors();
+  std::vector<std::optional<ResidentCopy>> copies(saved.size());
+  std::vector<uint64_t> packed_at(saved.size(), 0);
+  SegmentPtr packed;
+  uint64_t bytes_shared = 0;
+  {
+    std::vector<WantedBytes> wanted;
+    uint64_t total = 0;
+    for (const StoredTensor& t : saved) {
+      if (t.host_data() == nullptr) return absl::InternalError("a restored tensor is not in host memory");
+      wanted.push_back(WantedBytes{t.digest, t.host_data(), t.length});
+      total += t.length;
+    }
+    absl::flat_hash_set<uint64_t> held;
+    for (const SegmentPtr& seg : model->checkpoint->host_segments()) held.insert(seg->id());
+    copies = FindResidentCopies(*model, wanted, held);
+    uint64_t rest = 0;
+    for (size_t i = 0; i < saved.size(); ++i) {
+      if (copies[i].has_value()) {
+        bytes_shared += saved[i].length;
+      } else {
+        packed_at[i] = rest;
+        rest += (saved[i].length + 63) / 64 * 64;
+      }
+    }
+    if (bytes_shared > 0 && rest > 0 && rest + total / 8 < total) {
+      HostMemoryManager::AllocateOptions alloc;
+      alloc.purpose = "publish";
+      alloc.prefault = true;
+      auto segment = memory_.Allocate(rest, alloc);
+      if (segment.ok()) {
+        for (size_t i = 0; i < saved.size(); ++i) {
+          if (copies[i].has_value()) continue;
+          std::memcpy((*segment)->mutable_data() + packed_at[i], saved[i].host_data(),
+                      saved[i].length);
+        }
+        if ((*segment)->Seal(/*populate=*/false).ok()) packed = SegmentPtr(std::move(*segment));
+      }
+      // No room for the copy: the file's segments are kept as they are.
+    }
+  }
   auto published = std::make_shared<PublishedBase>();
-  for (const StoredTensor& t : (*file)->tensors()) {
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const StoredTensor& t = saved[i];
     DType dtype;
     std::vector<int64_t> shape;
     if (const StoredTensor* original = model->checkpoint->Find(t.name)) {
@@ -1054,9 +1099,17 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
     }
     StoredTensor kept = t;  // shares the file's segments
     kept.file = absl::StrCat("(published, restored from ", path, ")");
+    if (copies[i].has_value()) {
+      kept.buffer = copies[i]->buffer;
+      kept.offset = copies[i]->offset;
+      absl::StrAppend(&kept.file, "; bytes shared with model \"", copies[i]->model, "\"");
+    } else if (packed != nullptr) {
+      kept.buffer = packed;
+      kept.offset = packed_at[i];
+    }
     WD_ASSIGN_OR_RETURN((*published)[t.name], ChargedPublished(std::move(kept)));
   }
-  RestoredPublish restored{std::move(published), file_name};
+  RestoredPublish restored{std::move(published), file_name, bytes_shared};
   return ApplyImpl(model_name, stack, 0, number, &expect_content, &restored);
 }
 
@@ -1167,9 +1220,11 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
       }));
   applies_.fetch_add(1);
   for (uint64_t g : retired) materializer_.RetireTag(absl::StrCat(model_name, "#", g));
-  LogEvent(LogLevel::kInfo, restored != nullptr ? "publish_restored" : "apply",
-           {{"model", model_name}, {"generation", absl::StrCat(number)},
-            {"adapters", absl::StrJoin(info.adapters, ",")}});
+  std::vector<std::pair<std::string, std::string>> fields = {{"model", model_name},
+                                  {"generation", absl::StrCat(number)},
+                                  {"adapters", absl::StrJoin(info.adapters, ",")}};
+  if (restored != nullptr) fields.push_back({"bytes_shared", absl::StrCat(restored->bytes_shared)});
+  LogEvent(LogLevel::kInfo, restored != nullptr ? "publish_restored" : "apply", fields);
   return info;
 }
 

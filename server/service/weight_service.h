@@ -561,6 +561,7 @@ class WeightService {
   struct RestoredPublish {
     std::shared_ptr<const PublishedBase> base;
     std::string path;
+    uint64_t bytes_shared = 0;  // held by another model already (FindResidentCopies)
   };
   absl::StatusOr<GenerationInfo> ApplyImpl(const std::string& model,
                                            const std::vector<AdapterRef>& stack,

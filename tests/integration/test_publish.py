@@ -882,3 +882,58 @@ def test_published_bytes_some_model_holds_are_stored_once(tmp_path):
         _check(c, "b", want)
         d.ctl_ok("verify", "b")
         _check(c, "p2", dict(base, **other))
+
+
+def test_published_bytes_stay_shared_across_a_restart(tmp_path):
+    """Two models that share a publish's bytes (above) still share them
+    after a SIGKILLed daemon restores both from their saved files: the
+    second restore points at what the first restored (publish_restored says
+    bytes_shared) and both serve exactly the published bytes."""
+    models = tmp_path / "models"
+    models.mkdir()
+    base = {"x": _rand((256, 256), torch.bfloat16), "y": _rand((256, 256), torch.bfloat16),
+            "z": _rand((8,), torch.float32)}
+    path = str(models / "m.safetensors")
+    st_io.save(base, path)
+    state = str(tmp_path / "state")
+    work = str(tmp_path / "d")
+    new = {"x": _rand((256, 256), torch.bfloat16), "z": _rand((8,), torch.float32)}
+    size = sum(t.numel() * t.element_size() for t in new.values())
+
+    def daemon():
+        return Daemon(model_root=models, workdir=work,
+                      extra_args=["--state-dir", state, "--publish-staging-ahead", "off"]).start()
+
+    d = daemon()
+    try:
+        with weightd.Client(socket=d.socket) as c:
+            c.load("a", path)
+            c.load("b", path)
+            assert c.publish("a", new).bytes_shared == 0
+            assert c.publish("b", new).bytes_shared == size
+            _wait_log(d, "published_saved model=a")
+            _wait_log(d, "published_saved model=b")
+            held = c.stats()["published_bytes_resident"]
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        d.stop()
+
+        d = daemon()
+        with weightd.Client(socket=d.socket) as c:
+            _wait_log(d, "restore_done")
+            assert "restore_skipped" not in d.log(), d.log()
+            restored = [line for line in d.log().splitlines() if "publish_restored" in line]
+            assert len(restored) == 2, restored
+            # Whichever came second shares what the first restored.
+            shared = sorted(int(line.split("bytes_shared=")[1].split()[0]) for line in restored)
+            assert shared == [0, size], restored
+            s = c.stats()
+            assert s["published_bytes_logical"] == 2 * size
+            assert s["published_bytes_resident"] < 2 * size and held < 2 * size, (s, held)
+            want = dict(base, **new)
+            _check(c, "a", want)
+            _check(c, "b", want)
+            d.ctl_ok("verify", "a")
+            d.ctl_ok("verify", "b")
+    finally:
+        d.stop()

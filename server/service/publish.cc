@@ -770,10 +770,10 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     // are shared instead of stored again; so are repeats within this
     // publish (below).
     std::vector<std::optional<ResidentCopy>> resident(fresh.size());
+    absl::flat_hash_set<uint64_t> held;  // what the new generation holds anyway
     if (!fresh.empty()) {
       absl::flat_hash_set<std::string> replaced;
       for (const Piece* p : fresh) replaced.insert(p->key);
-      absl::flat_hash_set<uint64_t> held;  // what the new generation holds anyway
       for (const StoredTensor& t : model->checkpoint->tensors()) {
         if (t.buffer != nullptr) held.insert(t.buffer->id());
       }
@@ -790,18 +790,12 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     // What stays to be stored: one copy of each run of bytes no model holds.
     std::vector<int64_t> same_as(fresh.size(), -1);  // an earlier fresh piece with its bytes
     fresh_bytes = 0;
+    size_t fresh_stored = 0;  // pieces to store (some may be empty)
     {
       absl::flat_hash_map<Digest, std::vector<size_t>> stored_by_digest;
       for (size_t f = 0; f < fresh.size(); ++f) {
         const Piece& p = *fresh[f];
-        if (resident[f].has_value()) {
-          result.bytes_shared += p.length;
-          if (std::find(result.shared_with.begin(), result.shared_with.end(),
-                        resident[f]->model) == result.shared_with.end()) {
-            result.shared_with.push_back(resident[f]->model);
-          }
-          continue;
-        }
+        if (resident[f].has_value()) continue;
         std::vector<size_t>& earlier = stored_by_digest[p.digest];
         for (size_t e : earlier) {
           if (fresh[e]->length == p.length &&
@@ -813,6 +807,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
         if (same_as[f] >= 0) continue;
         earlier.push_back(f);
         fresh_bytes += (p.length + 63) / 64 * 64;
+        ++fresh_stored;
       }
     }
     if (changed_specs.empty()) {
@@ -833,11 +828,12 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     std::vector<uint64_t> offsets(fresh.size(), 0);
     // (When they are at most 7/8 of what was sent: a copy to save little
     // is not worth it.)
-    if (fresh_bytes > 0 && fresh_bytes + session.bytes_total / 8 < session.bytes_total) {
+    // (Empty tensors count: they must not keep the staging segment alive.)
+    if (fresh_stored > 0 && fresh_bytes + session.bytes_total / 8 < session.bytes_total) {
       HostMemoryManager::AllocateOptions alloc;
       alloc.purpose = "publish";
       alloc.prefault = true;
-      auto packed = memory_.Allocate(fresh_bytes, alloc);
+      auto packed = memory_.Allocate(std::max<uint64_t>(fresh_bytes, 64), alloc);
       if (packed.ok()) {
         uint64_t at = 0;
         for (size_t f = 0; f < fresh.size(); ++f) {
@@ -853,6 +849,14 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     }
     if (holder == segment) {
       for (size_t f = 0; f < fresh.size(); ++f) offsets[f] = fresh[f]->offset;
+      // The staging segment stays whole when anything is stored from it: a
+      // copy in a segment the new generation would not hold otherwise saves
+      // nothing then, and would only keep that segment alive.
+      if (fresh_stored > 0) {
+        for (auto& r : resident) {
+          if (r.has_value() && !held.contains(r->buffer->id())) r.reset();
+        }
+      }
     }
     bool holder_used = false;
     for (size_t f = 0; f < fresh.size(); ++f) {
@@ -864,6 +868,11 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
       t.length = p.length;
       t.digest = p.digest;
       if (resident[f].has_value()) {
+        result.bytes_shared += p.length;
+        if (std::find(result.shared_with.begin(), result.shared_with.end(),
+                      resident[f]->model) == result.shared_with.end()) {
+          result.shared_with.push_back(resident[f]->model);
+        }
         t.buffer = resident[f]->buffer;
         t.offset = resident[f]->offset;
         t.file = absl::StrCat("(published in session ", session.id, "; bytes shared with model \"",

@@ -1052,19 +1052,22 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
     for (const SegmentPtr& seg : model->checkpoint->host_segments()) held.insert(seg->id());
     copies = FindResidentCopies(*model, wanted, held);
     uint64_t rest = 0;
+    size_t rest_count = 0;  // tensors to keep (some may be empty)
+    bool any_shared = false;
     for (size_t i = 0; i < saved.size(); ++i) {
       if (copies[i].has_value()) {
-        bytes_shared += saved[i].length;
+        any_shared = true;
       } else {
         packed_at[i] = rest;
         rest += (saved[i].length + 63) / 64 * 64;
+        ++rest_count;
       }
     }
-    if (bytes_shared > 0 && rest > 0 && rest + total / 8 < total) {
+    if (any_shared && rest_count > 0 && rest + total / 8 < total) {
       HostMemoryManager::AllocateOptions alloc;
       alloc.purpose = "publish";
       alloc.prefault = true;
-      auto segment = memory_.Allocate(rest, alloc);
+      auto segment = memory_.Allocate(std::max<uint64_t>(rest, 64), alloc);
       if (segment.ok()) {
         for (size_t i = 0; i < saved.size(); ++i) {
           if (copies[i].has_value()) continue;
@@ -1074,6 +1077,24 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
         if ((*segment)->Seal(/*populate=*/false).ok()) packed = SegmentPtr(std::move(*segment));
       }
       // No room for the copy: the file's segments are kept as they are.
+    }
+    if (packed == nullptr) {
+      // A file segment kept for an unshared tensor holds its neighbours'
+      // bytes too: sharing those from a segment this model would not hold
+      // otherwise saves nothing and keeps that segment alive.
+      absl::flat_hash_set<uint64_t> kept_segments;
+      for (size_t i = 0; i < saved.size(); ++i) {
+        if (!copies[i].has_value()) kept_segments.insert(saved[i].buffer->id());
+      }
+      for (size_t i = 0; i < saved.size(); ++i) {
+        if (copies[i].has_value() && !held.contains(copies[i]->buffer->id()) &&
+            kept_segments.contains(saved[i].buffer->id())) {
+          copies[i].reset();
+        }
+      }
+    }
+    for (size_t i = 0; i < saved.size(); ++i) {
+      if (copies[i].has_value()) bytes_shared += saved[i].length;
     }
   }
   auto published = std::make_shared<PublishedBase>();
@@ -1431,12 +1452,18 @@ absl::StatusOr<ReadRange> WeightService::ReadHeld(const Digest& key, const Diges
 
 ServiceStats WeightService::Stats() const {
   ServiceStats s;
+  // The models as they are now (immutable; walked without the lock).
+  std::vector<std::shared_ptr<const Model>> models;
   {
     absl::MutexLock lock(&mu_);
-    s.models = models_.size();
+    models.reserve(models_.size());
+    for (const auto& [name, model] : models_) models.push_back(model);
+  }
+  {
+    s.models = models.size();
     absl::flat_hash_set<const Checkpoint*> held;
     absl::flat_hash_set<uint64_t> checkpoint_buffers;
-    for (const auto& [name, model] : models_) {
+    for (const auto& model : models) {
       s.checkpoint_bytes_logical += model->checkpoint->total_bytes();
       if (held.insert(model->checkpoint.get()).second) {
         s.checkpoint_bytes_resident += model->checkpoint->total_bytes();
@@ -1446,7 +1473,7 @@ ServiceStats WeightService::Stats() const {
       }
     }
     absl::flat_hash_set<uint64_t> published_buffers;
-    for (const auto& [name, model] : models_) {
+    for (const auto& model : models) {
       if (model->current->published == nullptr) continue;
       for (const auto& [key, t] : *model->current->published) {
         s.published_bytes_logical += t->length;

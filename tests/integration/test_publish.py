@@ -884,6 +884,37 @@ def test_published_bytes_some_model_holds_are_stored_once(tmp_path):
         _check(c, "p2", dict(base, **other))
 
 
+def test_a_publish_kept_whole_shares_nothing_it_holds_anyway(tmp_path):
+    """When a publish keeps its staging segment whole (what it stores is
+    over 7/8 of what was sent), a tensor whose bytes another model holds is
+    not pointed at that model's segment: the staging holds those bytes
+    anyway, and the pointer would only keep the other segment alive."""
+    models = tmp_path / "models"
+    models.mkdir()
+    base = {"small": _rand((64, 64), torch.bfloat16), "big": _rand((512, 512), torch.bfloat16)}
+    path = str(models / "m.safetensors")
+    st_io.save(base, path)
+    with Daemon(model_root=models, extra_args=["--publish-staging-ahead", "off"]) as d, \
+            weightd.Client(socket=d.socket) as c:
+        c.load("a", path)
+        c.load("b", path)
+        small = _rand((64, 64), torch.bfloat16)
+        r = c.publish("a", {"small": small})
+        assert (r.bytes_shared, r.shared_with) == (0, []), r
+        # Alone, the same bytes are shared with a ...
+        c.load("b2", path)
+        r = c.publish("b2", {"small": small})
+        assert (r.bytes_shared, r.shared_with) == (64 * 64 * 2, ["a"]), r
+        # ... beside a new tensor that keeps the staging whole, they are not.
+        new = {"small": small, "big": _rand((512, 512), torch.bfloat16)}
+        r = c.publish("b", new)
+        assert (r.changed, r.bytes_shared, r.shared_with) == (2, 0, []), r
+        c.unload("a")
+        c.unload("b2")
+        _check(c, "b", new)
+        d.ctl_ok("verify", "b")
+
+
 def test_published_bytes_stay_shared_across_a_restart(tmp_path):
     """Two models that share a publish's bytes (above) still share them
     after a SIGKILLed daemon restores both from their saved files: the

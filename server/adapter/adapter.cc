@@ -953,11 +953,13 @@ absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& pa
   if (options.fetch) {
     WD_ASSIGN_OR_RETURN(AdapterLoadOptions::FetchedBytes bytes,
                         options.fetch(file.path, file.prefix));
-    if (bytes.length != file.size - file.header.data_offset) {
-      return absl::DataLossError(absl::StrCat(file.path, " changed while it was being loaded"));
+    if (bytes.data != nullptr) {
+      if (bytes.length != file.size - file.header.data_offset) {
+        return absl::DataLossError(absl::StrCat(file.path, " changed while it was being loaded"));
+      }
+      fetched = bytes.data;
+      adapter->fetched = std::move(bytes.keep);
     }
-    fetched = bytes.data;
-    adapter->fetched = std::move(bytes.keep);
   }
   WD_ASSIGN_OR_RETURN(TensorMap tensors, ReadTensors(file, wanted, &digest, fetched));
   adapter->digest = digest.Finish();

@@ -119,7 +119,8 @@ struct AdapterLoadOptions {
   // peers can take it in turn). Called with the weights file's path as
   // opened and its header bytes (8-byte length and JSON); returns the data
   // section, valid while `keep` lives (the Adapter holds it). A fetch of
-  // other header bytes or length is DATA_LOSS (the file changed).
+  // other header bytes or length is DATA_LOSS (the file changed). No
+  // `data`: the section is read through the fd after all.
   struct FetchedBytes {
     const uint8_t* data = nullptr;
     uint64_t length = 0;

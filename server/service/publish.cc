@@ -785,7 +785,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
       for (const Piece* p : fresh) {
         wanted.push_back(WantedBytes{p->digest, base + p->offset, p->length});
       }
-      resident = FindResidentCopies(*model, wanted, held);
+      resident = FindResidentCopies(model->name, ReadScope(ModelGuards(*model)), wanted, held);
     }
     // What stays to be stored: one copy of each run of bytes no model holds.
     std::vector<int64_t> same_as(fresh.size(), -1);  // an earlier fresh piece with its bytes
@@ -948,7 +948,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
 }
 
 std::vector<std::optional<WeightService::ResidentCopy>> WeightService::FindResidentCopies(
-    const Model& model, absl::Span<const WantedBytes> wanted,
+    const std::string& own, const std::string& scope, absl::Span<const WantedBytes> wanted,
     const absl::flat_hash_set<uint64_t>& held) const {
   std::vector<std::optional<ResidentCopy>> found(wanted.size());
   absl::flat_hash_map<Digest, std::vector<size_t>> by_digest;
@@ -962,13 +962,11 @@ std::vector<std::optional<WeightService::ResidentCopy>> WeightService::FindResid
   // The same answer whatever the map's order: the model's own bytes first,
   // then the others' by name.
   std::sort(models.begin(), models.end(), [&](const auto& l, const auto& r) {
-    const bool l_other = l->name != model.name, r_other = r->name != model.name;
+    const bool l_other = l->name != own, r_other = r->name != own;
     return std::tie(l_other, l->name) < std::tie(r_other, r->name);
   });
-  // Models are immutable: what each holds is read without the lock.
-  // Who may read `model`'s base, in any generation (its adapters' guards
-  // come and go); a holder counts with every guard its generation has.
-  const std::string scope = ReadScope(ModelGuards(model));
+  // Models are immutable: what each holds is read without the lock. A
+  // holder counts with every guard its generation has.
   absl::flat_hash_set<const Checkpoint*> seen;
   auto consider = [&](const StoredTensor& t, const std::string& owner) {
     auto it = by_digest.find(t.digest);
@@ -976,7 +974,9 @@ std::vector<std::optional<WeightService::ResidentCopy>> WeightService::FindResid
     const uint8_t* bytes = t.host_data();
     if (bytes == nullptr) return;
     for (size_t i : it->second) {
-      if (found[i].has_value() || t.length != wanted[i].length) continue;
+      if (found[i].has_value() || t.length != wanted[i].length || wanted[i].data == nullptr) {
+        continue;
+      }
       if (std::memcmp(bytes, wanted[i].data, t.length) != 0) continue;
       found[i] = ResidentCopy{t.buffer, t.offset, owner};
     }

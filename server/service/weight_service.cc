@@ -366,7 +366,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     // merges; rebuilt on demand) make room first: they are in the memory
     // manager's reclaimer chain.
     auto checkpoint = ReadCheckpoint(resolved, source, &shared_charge, progress, options_.donated,
-                                     &model->files);
+                                     &model->files, /*share_held=*/true);
     if (!checkpoint.ok()) return checkpoint.status();
     model->checkpoint = std::move(*checkpoint);
     shared = shared_charge != nullptr;
@@ -886,6 +886,12 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
       auto checkpoint = ReadCheckpoint(file, source, &shared_charge);
       if (!checkpoint.ok()) return checkpoint.status();
       const std::shared_ptr<const Checkpoint>& c = *checkpoint;
+      if (c->file_info().empty() && c->bytes_held_elsewhere() > 0) {
+        // Resident as a checkpoint whose tensors share other holders' bytes
+        // (ShareHeldTensors): its data section is not held whole, so the
+        // adapter reads the file itself.
+        return AdapterLoadOptions::FetchedBytes{};
+      }
       if (c->file_info().size() != 1 ||
           c->file_info()[0].id.header != DigestBytes(header.data(), header.size())) {
         return absl::DataLossError(absl::StrCat(file, " changed while it was being loaded"));
@@ -1049,8 +1055,10 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
       total += t.length;
     }
     absl::flat_hash_set<uint64_t> held;
-    for (const SegmentPtr& seg : model->checkpoint->host_segments()) held.insert(seg->id());
-    copies = FindResidentCopies(*model, wanted, held);
+    for (const StoredTensor& t : model->checkpoint->tensors()) {
+      if (t.buffer != nullptr) held.insert(t.buffer->id());
+    }
+    copies = FindResidentCopies(model->name, ReadScope(ModelGuards(*model)), wanted, held);
     uint64_t rest = 0;
     size_t rest_count = 0;  // tensors to keep (some may be empty)
     bool any_shared = false;
@@ -1365,7 +1373,7 @@ absl::Status WeightService::Release(uint64_t lease_id, absl::string_view token,
 absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadCheckpoint(
     const std::string& path, LoadSource source, std::unique_ptr<MemoryCharge>* shared_charge,
     const LoadProgressFn& progress, DonatedCheckpoints* donated,
-    std::vector<std::string>* opened_files) {
+    std::vector<std::string>* opened_files, bool share_held) {
   CheckpointLoadOptions opts;
   opts.memory = &memory_;
   opts.segment_target_bytes = options_.checkpoint_segment_bytes;
@@ -1380,6 +1388,26 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadCheckpoint(
   opts.source = source;
   opts.peer_streams = options_.peer_streams;
   opts.opened_files = opened_files;
+  if (share_held) {
+    // A checkpoint is shared by every model that loads its files, whatever
+    // their readers: only public holders' bytes may stand in its tensors.
+    opts.find_held = [this](const Checkpoint& c) {
+      std::vector<WantedBytes> wanted;
+      wanted.reserve(c.tensors().size());
+      for (const StoredTensor& t : c.tensors()) {
+        wanted.push_back(WantedBytes{t.digest, t.host_data(), t.length});
+      }
+      std::vector<std::optional<ResidentCopy>> found =
+          FindResidentCopies("", "", wanted, /*held=*/{});
+      std::vector<std::optional<HeldElsewhere>> out(found.size());
+      for (size_t i = 0; i < found.size(); ++i) {
+        if (found[i].has_value() && wanted[i].data != nullptr) {
+          out[i] = HeldElsewhere{found[i]->buffer, found[i]->offset, found[i]->model};
+        }
+      }
+      return out;
+    };
+  }
   LoadSourceReport report;
   opts.report = &report;
   auto checkpoint = LoadCheckpoint(path, opts);
@@ -1466,7 +1494,9 @@ ServiceStats WeightService::Stats() const {
     for (const auto& model : models) {
       s.checkpoint_bytes_logical += model->checkpoint->total_bytes();
       if (held.insert(model->checkpoint.get()).second) {
-        s.checkpoint_bytes_resident += model->checkpoint->total_bytes();
+        // (Tensors shared from other holders count where they are held.)
+        s.checkpoint_bytes_resident +=
+            model->checkpoint->total_bytes() - model->checkpoint->bytes_held_elsewhere();
         for (const SegmentPtr& seg : model->checkpoint->host_segments()) {
           checkpoint_buffers.insert(seg->id());
         }

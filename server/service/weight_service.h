@@ -579,11 +579,14 @@ class WeightService {
   // Reads `path` as this daemon reads checkpoints (its memory, segment and
   // read sizes, threads, model roots, resident files and peers) from
   // `source`, and counts where the bytes came from. `shared_charge`,
-  // `progress`, `donated`: as CheckpointLoadOptions'.
+  // `progress`, `donated`: as CheckpointLoadOptions'. `share_held` (model
+  // loads): tensors whose bytes a public model holds already are shared
+  // (CheckpointLoadOptions::find_held, FindResidentCopies).
   absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadCheckpoint(
       const std::string& path, LoadSource source, std::unique_ptr<MemoryCharge>* shared_charge,
       const LoadProgressFn& progress = nullptr, DonatedCheckpoints* donated = nullptr,
-      std::vector<std::string>* opened_files = nullptr) ABSL_LOCKS_EXCLUDED(peer_counters_mu_);
+      std::vector<std::string>* opened_files = nullptr, bool share_held = false)
+      ABSL_LOCKS_EXCLUDED(mu_, peer_counters_mu_);
   void CountLoadSources(const LoadSourceReport& report) ABSL_LOCKS_EXCLUDED(peer_counters_mu_);
   // The resident checkpoints read from files whose CheckpointKey is `key`
   // and that are unchanged since (all of them, or file `only_file`), the
@@ -632,19 +635,21 @@ class WeightService {
   // completed the session calls it).
   absl::StatusOr<PublishResult> CommitStaged(PublishSession& session)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
-  // Where published bytes can be shared instead of stored (CommitStaged).
-  // For each wanted run of bytes: a tensor some loaded model holds now (a
-  // checkpoint tensor, served or not, or a published one of its current
-  // generation) with the same digest and the same bytes (memcmp), in host
-  // memory, such that
-  //  - the readers of `model` could read its segment already: clients map
-  //    whole segments, so the holder (with its current generation's
-  //    guards) must be public or guarded exactly as `model` is (its own
-  //    readers: they read its base in every generation); and
+  // Where bytes can be shared instead of stored (CommitStaged,
+  // RestorePublish, model loads). For each wanted run of bytes: a tensor
+  // some loaded model holds now (a checkpoint tensor, served or not, or a
+  // published one of its current generation) with the same digest and the
+  // same bytes (memcmp), in host memory, such that
+  //  - whoever reads the new holder could read its segment already:
+  //    clients map whole segments, so the holder (with its current
+  //    generation's guards) must be public or have exactly `scope`
+  //    (ReadScope of the new holder's guards; "" admits public holders
+  //    only); and
   //  - sharing pins no more than it saves: the segment is one the new
   //    generation holds anyway (`held`: buffer ids), or the runs shared
   //    from it make up at least half of it.
-  // Empty where there is none.
+  // Empty where there is none. The model named `own` (if any) is looked
+  // at first.
   struct ResidentCopy {
     BufferPtr buffer;
     uint64_t offset = 0;
@@ -656,7 +661,7 @@ class WeightService {
     uint64_t length = 0;
   };
   std::vector<std::optional<ResidentCopy>> FindResidentCopies(
-      const Model& model, absl::Span<const WantedBytes> wanted,
+      const std::string& own, const std::string& scope, absl::Span<const WantedBytes> wanted,
       const absl::flat_hash_set<uint64_t>& held) const ABSL_LOCKS_EXCLUDED(mu_);
   // Runs CommitStaged for the session (kCommitting, every byte landed)
   // and records its end: kDone with the result, or failed.

@@ -532,6 +532,77 @@ std::vector<std::shared_ptr<const Checkpoint>> ResidentCheckpoints::FindByConten
   return out;
 }
 
+namespace {
+
+// Tensors of a freshly read checkpoint whose bytes memory holds already
+// (options.find_held: another checkpoint's tensors, a published
+// generation's) point at those bytes; the others move to one segment of
+// their size, and the files' segments are freed when `fresh` goes. Done
+// only when the shared bytes are over 1/8 of the checkpoint (a copy to
+// save less is not worth it) and the segment for the rest fits the budget;
+// otherwise `fresh` is returned as it is. The result has no file_info():
+// its segments are no longer laid out by file, so peers are not offered it
+// and a hand-over does not send it (the successor reads the files).
+absl::StatusOr<std::shared_ptr<Checkpoint>> ShareHeldTensors(const std::string& path,
+                                                             const CheckpointLoadOptions& options,
+                                                             std::shared_ptr<Checkpoint> fresh) {
+  const std::vector<StoredTensor>& tensors = fresh->tensors();
+  std::vector<std::optional<HeldElsewhere>> held = options.find_held(*fresh);
+  if (held.size() != tensors.size()) {
+    return absl::InternalError(absl::StrCat("find_held answered ", held.size(), " entries for ",
+                                            tensors.size(), " tensors"));
+  }
+  uint64_t shared = 0, rest = 0;
+  std::vector<uint64_t> at(tensors.size(), 0);
+  std::vector<std::string> holders;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (held[i].has_value()) {
+      shared += tensors[i].length;
+      if (std::find(holders.begin(), holders.end(), held[i]->holder) == holders.end()) {
+        holders.push_back(held[i]->holder);
+      }
+    } else {
+      at[i] = rest;
+      rest += AlignUp(tensors[i].length, 64);
+    }
+  }
+  const uint64_t total = fresh->total_bytes();
+  if (shared == 0 || shared <= total / 8) return fresh;
+  auto packed = options.memory->Allocate(std::max<uint64_t>(rest, 64), {.purpose = "checkpoint"});
+  if (!packed.ok()) {
+    LogEvent(LogLevel::kInfo, "load_tensors_not_shared",
+             {{"path", path}, {"bytes_held_elsewhere", absl::StrCat(shared)},
+              {"reason", std::string(packed.status().message())}});
+    return fresh;
+  }
+  std::vector<StoredTensor> out = tensors;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (held[i].has_value()) {
+      out[i].buffer = held[i]->buffer;
+      out[i].offset = held[i]->offset;
+    } else {
+      std::memcpy((*packed)->mutable_data() + at[i], tensors[i].host_data(), tensors[i].length);
+      out[i].offset = at[i];
+    }
+  }
+  WD_RETURN_IF_ERROR((*packed)->Seal(/*populate=*/false));
+  SegmentPtr segment(std::move(*packed));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!held[i].has_value()) out[i].buffer = segment;
+  }
+  auto shared_copy = std::make_shared<Checkpoint>(path, fresh->files(), std::move(out),
+                                                  std::vector<SegmentPtr>{segment},
+                                                  fresh->TakeMetadataCharge());
+  shared_copy->set_bytes_held_elsewhere(shared);
+  std::sort(holders.begin(), holders.end());
+  LogEvent(LogLevel::kInfo, "load_tensors_shared",
+           {{"path", path}, {"bytes_shared", absl::StrCat(shared)},
+            {"bytes_stored", absl::StrCat(rest)}, {"shared_with", absl::StrJoin(holders, ",")}});
+  return shared_copy;
+}
+
+}  // namespace
+
 std::shared_ptr<const Checkpoint> FindIdenticalCopy(const ResidentCheckpoints& resident,
                                                     const Checkpoint& c) {
   const std::vector<CheckpointFileInfo>& files = c.file_info();
@@ -1203,6 +1274,9 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
                 {"bytes_freed", absl::StrCat(fresh->total_bytes())}});
       return same;
     }
+  }
+  if (options.find_held) {
+    WD_ASSIGN_OR_RETURN(fresh, ShareHeldTensors(path, options, std::move(fresh)));
   }
   std::shared_ptr<const Checkpoint> checkpoint = std::move(fresh);
   if (options.resident != nullptr && shareable) options.resident->Add(files_key, checkpoint);

@@ -54,6 +54,14 @@ inline constexpr uint64_t kTensorMetadataBytesPerNameByte = 24;
 inline constexpr uint64_t kTensorMetadataBytesPerDim = 16;
 uint64_t TensorMetadataBytes(absl::string_view name, size_t rank);
 
+// Bytes of a tensor that memory holds already, outside the checkpoint
+// being loaded (CheckpointLoadOptions::find_held): where, and whose.
+struct HeldElsewhere {
+  BufferPtr buffer;
+  uint64_t offset = 0;
+  std::string holder;  // whose (a model's name), for logs
+};
+
 // One file of a checkpoint, as read: its content identity and where its
 // data section lies in the checkpoint's segments (a peer reads ranges of it
 // by file, whatever its own segment layout).
@@ -109,6 +117,12 @@ class Checkpoint {
   // The metadata charge, for a caller that drops this checkpoint in favour
   // of an identical resident one (LoadCheckpoint) and keeps the charge.
   std::unique_ptr<MemoryCharge> TakeMetadataCharge() { return std::move(metadata_charge_); }
+  // Bytes of tensors whose buffers other checkpoints or generations hold
+  // (a load that shared them: ShareHeldTensors); total_bytes() less these
+  // is what this checkpoint's own segments hold. Such a checkpoint has no
+  // file_info(): its segments are not laid out by file.
+  uint64_t bytes_held_elsewhere() const { return bytes_held_elsewhere_; }
+  void set_bytes_held_elsewhere(uint64_t bytes) { bytes_held_elsewhere_ = bytes; }
 
  private:
   std::string path_;
@@ -123,6 +137,7 @@ class Checkpoint {
   Digest content_key_;
   Digest copy_id_;
   mutable std::atomic<bool> pin_claimed_{false};
+  uint64_t bytes_held_elsewhere_ = 0;
 };
 
 // Checkpoints resident in memory by the identity of their files: each
@@ -273,6 +288,12 @@ struct CheckpointLoadOptions {
   // Optional out: the files this load opened, in order (the checkpoint
   // returned may list another copy's: a shared identical copy).
   std::vector<std::string>* opened_files = nullptr;
+  // Optional: where memory already holds the bytes of a freshly read
+  // checkpoint's tensors (one entry per tensor, in tensors() order; empty
+  // where nothing does). When those make up over 1/8 of the checkpoint,
+  // its tensors point at them and the rest moves to a segment of its size
+  // (the files' segments are freed): see ShareHeldTensors.
+  std::function<std::vector<std::optional<HeldElsewhere>>(const Checkpoint&)> find_held;
 };
 
 // What a holder tells a peer loading `c` (FindCheckpoint): its copy id, its

@@ -139,6 +139,74 @@ TEST_F(CheckpointTest, BudgetExceededIsResourceExhaustedAndFreesAll) {
   EXPECT_EQ(small.stats().used_bytes, 0u);
 }
 
+TEST_F(CheckpointTest, TensorsHeldElsewhereAreSharedAndTheRestRepacked) {
+  // Tensor bytes depend on the name's length and the index only: "a" and
+  // "bb" of ft are base's.
+  auto base = LoadCheckpoint(
+      WriteFile("base.safetensors", {{"a", 1000}, {"bb", 1000}, {"ccc", 1000}}), Options());
+  ASSERT_TRUE(base.ok()) << base.status();
+  const std::shared_ptr<const Checkpoint> held = *base;
+  auto from_base = [&](const Checkpoint& c) {
+    std::vector<std::optional<HeldElsewhere>> out(c.tensors().size());
+    for (size_t i = 0; i < out.size(); ++i) {
+      const StoredTensor& t = c.tensors()[i];
+      const StoredTensor* h = held->Find(t.name);
+      if (h != nullptr && h->digest == t.digest) {
+        out[i] = HeldElsewhere{h->buffer, h->offset, "base"};
+      }
+    }
+    return out;
+  };
+  const uint64_t used_before = account_->used();
+  CheckpointLoadOptions o = Options();
+  o.find_held = from_base;
+  auto ft = LoadCheckpoint(
+      WriteFile("ft.safetensors", {{"a", 1000}, {"bb", 1000}, {"dddd", 1000}}), o);
+  ASSERT_TRUE(ft.ok()) << ft.status();
+  const Checkpoint& c = **ft;
+  EXPECT_EQ(c.bytes_held_elsewhere(), 8000u);
+  EXPECT_EQ(c.total_bytes(), 12000u);
+  EXPECT_TRUE(c.file_info().empty()) << "not laid out by file any more";
+  ASSERT_EQ(c.host_segments().size(), 1u);
+  EXPECT_LT(c.host_segments()[0]->size(), 8192u) << "only the rest is stored";
+  EXPECT_EQ(c.Find("a")->buffer, held->Find("a")->buffer);
+  EXPECT_EQ(c.Find("a")->offset, held->Find("a")->offset);
+  EXPECT_EQ(c.Find("bb")->buffer, held->Find("bb")->buffer);
+  const StoredTensor* d = c.Find("dddd");
+  EXPECT_EQ(d->buffer, c.host_segments()[0]);
+  EXPECT_TRUE(c.host_segments()[0]->sealed());
+  EXPECT_EQ(DigestBytes(d->host_data(), d->length), d->digest);
+  float v;
+  std::memcpy(&v, d->host_data() + 4 * 7, 4);
+  EXPECT_EQ(v, 4007.0f);
+  // What was read is freed: the rest's segment and the metadata stay.
+  EXPECT_LT(account_->used() - used_before, 8192u + 3 * kTensorMetadataBytes + 4096u);
+
+  // Shared bytes of at most 1/8: kept as read, laid out by file.
+  CheckpointLoadOptions few = Options();
+  few.find_held = [&](const Checkpoint& c2) {
+    std::vector<std::optional<HeldElsewhere>> out(c2.tensors().size());
+    const StoredTensor* a = c2.Find("a");
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (&c2.tensors()[i] == a) {
+        out[i] = HeldElsewhere{held->Find("a")->buffer, held->Find("a")->offset, "base"};
+      }
+    }
+    return out;
+  };
+  auto big = LoadCheckpoint(WriteFile("big.safetensors", {{"a", 1000}, {"zzzzz", 7000}}), few);
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_EQ((*big)->bytes_held_elsewhere(), 0u);
+  EXPECT_EQ((*big)->file_info().size(), 1u);
+  EXPECT_EQ((*big)->Find("a")->buffer, (*big)->host_segments()[0]);
+
+  // A finder that answers for other tensors is a bug, said so.
+  CheckpointLoadOptions wrong = Options();
+  wrong.find_held = [](const Checkpoint&) { return std::vector<std::optional<HeldElsewhere>>{}; };
+  auto bad = LoadCheckpoint(dir_ + "/ft.safetensors", wrong);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInternal) << bad.status();
+}
+
 TEST_F(CheckpointTest, TruncatedFileIsInvalidArgument) {
   std::string path = WriteFile("m.safetensors", {{"a", 16}});
   ASSERT_EQ(::truncate(path.c_str(), fs::file_size(path) - 4), 0);

@@ -504,3 +504,32 @@ def test_a_holder_of_sibling_checkpoints_offers_the_one_asked_for(tmp_path, chec
             info, last, _ = _load(c, name, path, source="peers")
             assert last.bytes_from_peers == last.bytes_total > 0, last
             _check_bytes(c, name, tensors)
+
+
+def test_a_checkpoint_sharing_tensors_is_not_offered_to_peers(tmp_path):
+    """A holder's checkpoint whose tensors share another model's bytes
+    (per-tensor dedupe at load, test_shared_checkpoints.py) is not laid out
+    by file, so the holder does not offer its files' ranges: a peer loads
+    them from storage (or is told no peer holds them) and gets the files'
+    bytes, while the holder's other checkpoint still comes from it."""
+    models = tmp_path / "models"
+    models.mkdir()
+    g = torch.Generator().manual_seed(3)
+    base = {"w%d" % i: torch.randn(256, 1024, generator=g).to(torch.bfloat16) for i in range(8)}
+    ft = dict(base, w7=torch.randn(256, 1024, generator=g).to(torch.bfloat16))
+    st_io.save(base, str(models / "base.safetensors"))
+    st_io.save(ft, str(models / "ft.safetensors"))
+    a, a_addr = _holder(tmp_path, models, "a")
+    c = _loader(tmp_path, models, [a_addr])
+    with _running(a, c):
+        a.ctl_ok("load", "base", str(models / "base.safetensors"))
+        a.ctl_ok("load", "ft", str(models / "ft.safetensors"))
+        assert "load_tensors_shared" in a.log(), a.log()
+        r = c.ctl("load", "ft", str(models / "ft.safetensors"), "--source", "peers")
+        assert r.returncode != 0 and r.error_code == "UNAVAILABLE", r.stderr
+        _, last, _ = _load(c, "ft", models / "ft.safetensors")
+        assert last.bytes_from_peers == 0, last
+        _check_bytes(c, "ft", ft)
+        _, last, _ = _load(c, "base", models / "base.safetensors", source="peers")
+        assert last.bytes_from_peers > 0, last
+        _check_bytes(c, "base", base)

@@ -502,3 +502,53 @@ def test_a_replaced_pods_restarted_container_cannot_take_the_sockets_back(files,
             new.send_signal(signal.SIGTERM)
             assert new.wait(timeout=30) == 0
         d.stop()
+
+
+def test_a_checkpoint_sharing_tensors_is_read_again_by_the_successor(tmp_path):
+    """A checkpoint whose tensors share another model's bytes (a load of
+    other files with the same tensors, test_shared_checkpoints.py) is not
+    laid out by file, so the hand-over does not offer its segments: the
+    successor adopts the holder's, reads that checkpoint's files again,
+    shares the same tensors again and serves the same bytes, with no
+    segments refused."""
+    root = str(tmp_path / "models")
+    os.mkdir(root)
+    g = torch.Generator().manual_seed(11)
+    base = {"w%d" % i: torch.randn(256, 1024, generator=g).to(torch.bfloat16) for i in range(8)}
+    st_io.save(base, os.path.join(root, "base.safetensors"))
+    ft = dict(base, w7=torch.randn(256, 1024, generator=g).to(torch.bfloat16))
+    st_io.save(ft, os.path.join(root, "ft.safetensors"))
+    state = str(tmp_path / "state")
+    d = Daemon(model_root=root, extra_args=_args(root, state), workdir=str(tmp_path / "run"))
+    d.start()
+    succ = None
+    try:
+        d.ctl_ok("load", "a", os.path.join(root, "base.safetensors"))
+        d.ctl_ok("load", "ft", os.path.join(root, "ft.safetensors"))
+        assert d.log().count("load_tensors_shared") == 1, d.log()
+        with weightd.Client(socket=d.socket) as c:
+            before = _state(c)
+            resident = c.stats()["checkpoint_bytes_resident"]
+        succ_log = str(tmp_path / "successor.log")
+        succ = _successor(d, state, succ_log)
+        assert d.proc.wait(timeout=90) == 0, d.log()
+        _wait_for(lambda: "taken_over" in _read(succ_log), 30, "the successor's taken_over")
+        new_log = _read(succ_log)
+        assert new_log.count("load_adopted") == 1, new_log
+        assert "handover_segments_refused" not in new_log, new_log
+        _wait_for(lambda: "restore_done" in _read(succ_log), 60, "the successor's restore")
+        assert _read(succ_log).count("load_tensors_shared") == 1, _read(succ_log)
+        with weightd.Client(socket=d.socket) as c:
+            assert _state(c) == before
+            assert c.stats()["checkpoint_bytes_resident"] == resident
+            for model, ref in (("a", base), ("ft", ft)):
+                for rank in range(2):
+                    with c.fetch(model, world=2, rank=rank) as h:
+                        got = h.state_dict()
+                    for n, t in ref.items():
+                        assert torch.equal(got[n], torch.chunk(t, 2, 0)[rank]), (model, n)
+    finally:
+        if succ is not None and succ.poll() is None:
+            succ.send_signal(signal.SIGTERM)
+            assert succ.wait(timeout=30) == 0
+        d.stop()

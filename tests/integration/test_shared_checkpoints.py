@@ -159,8 +159,10 @@ def test_identical_files_at_another_path_are_held_once(tmp_path):
     (a copy of the file under another name, a copied sharded directory),
     are read, compared and freed: the load shares the resident copy, which
     serves both models and stays while either does. A copy with one byte of
-    one tensor changed under the same header, or the same tensors in
-    another order, is kept as its own copy and serves its own bytes."""
+    one tensor changed under the same header is other files: only its
+    changed tensor is stored, the rest shared per tensor (below); the same
+    tensors in another order share all of them. Each serves its own
+    bytes."""
     models, path, ref, size = _model_file(tmp_path)
     copy = str(models / "copy.safetensors")
     shutil.copy(path, copy)
@@ -194,22 +196,90 @@ def test_identical_files_at_another_path_are_held_once(tmp_path):
         c.unload("a")
         _serves(c, "b", ref)
         assert _held(c)[2] == size
-        # One byte off: its own copy, its own bytes.
+        # One byte off: other files; only the changed tensor is its own.
         c.load("x", changed)
-        assert _held(c)[1:] == (2 * size, 2 * size)
+        assert _held(c)[1:] == (2 * size, size + size // 8)
         _serves(c, "x", changed_ref)
         _serves(c, "b", ref)
-        # The same tensors in another order: other files, not deduplicated.
+        # The same tensors in another order: other files, every tensor shared.
         c.load("r", reordered)
-        assert _held(c)[2] == 3 * size
+        assert _held(c)[1:] == (3 * size, size + size // 8)
         _serves(c, "r", ref)
+        assert d.log().count("load_tensors_shared") == 2
         # A copied sharded directory (index and two shards).
         c.load("s1", str(models / "sharded"))
         c.load("s2", str(models / "sharded-copy"))
-        assert _held(c)[1:] == (3 * size + 2 * sharded_size, 3 * size + sharded_size)
+        assert _held(c)[1:] == (3 * size + 2 * sharded_size,
+                                size + size // 8 + sharded_size)
         _serves(c, "s2", sharded)
         c.unload("s1")
         _serves(c, "s2", sharded)
         assert d.log().count("load_deduplicated") == 2
         d.ctl_ok("verify", "s2")
         d.ctl_ok("verify", "b")
+
+
+def test_tensors_another_model_holds_are_shared_at_load(tmp_path):
+    """Per-tensor dedupe at load: a checkpoint of other files whose tensors
+    are partly those a loaded model holds already (a fine-tune that kept
+    most layers; a file saved from a published generation) points at the
+    held bytes and keeps only the rest, once the shared bytes are over 1/8
+    of it. Held bytes come only from public models (a checkpoint serves
+    every model that loads its files). Every model serves exactly its
+    file's tensors (PyTorch's torch.chunk); the holder unloaded, nothing is
+    lost; verify passes."""
+    models, path, base, size = _model_file(tmp_path)
+    tensor = size // 8
+    g = torch.Generator().manual_seed(7)
+    new = lambda: torch.randn(256, 1024, generator=g).to(torch.bfloat16)  # noqa: E731
+    # 6 of base's 8 tensors, one changed, one added: 6/8 held already.
+    ft = {n: base[n] for n in ("w0", "w1", "w2", "w3", "w4", "w5")}
+    ft.update({"w6": new(), "extra": new()})
+    ft_path = str(models / "ft.safetensors")
+    st_io.save(ft, ft_path)
+    me = "uid:%d" % os.getuid()
+    with Daemon(model_root=str(models)) as d, weightd.Client(socket=d.socket) as c:
+        c.load("a", path)
+        before, logical, resident = _held(c)
+        c.load("ft", ft_path)
+        after, logical2, resident2 = _held(c)
+        assert logical2 == logical + 8 * tensor
+        assert resident2 == resident + 2 * tensor, (resident, resident2)
+        assert after - before < 2 * tensor + (256 << 10), (before, after)
+        lines = [ln for ln in d.log().splitlines() if "load_tensors_shared" in ln]
+        assert len(lines) == 1 and "bytes_shared=%d" % (6 * tensor) in lines[0], lines
+        assert "shared_with=a" in lines[0], lines
+        _serves(c, "ft", ft)
+        _serves(c, "a", base)
+
+        # The holder unloaded: ft keeps what it shares and serves it.
+        c.unload("a")
+        _serves(c, "ft", ft)
+        d.ctl_ok("verify", "ft")
+
+        # A file saved from a published generation shares the published bytes.
+        w6 = new()
+        assert c.publish("ft", {"w6": w6}).changed == 1
+        pub = {"w6": w6, "other": new()}
+        pub_path = str(models / "pub.safetensors")
+        st_io.save(pub, pub_path)
+        c.load("pub", pub_path)
+        lines = [ln for ln in d.log().splitlines() if "load_tensors_shared" in ln]
+        assert len(lines) == 2 and "bytes_shared=%d" % tensor in lines[1], lines
+        assert "shared_with=ft" in lines[1], lines
+        _serves(c, "pub", pub)
+        d.ctl_ok("verify", "pub")
+
+        # A private model's bytes are not shared into a checkpoint others load.
+        other_path = str(models / "other.safetensors")
+        other = _write(other_path, 3)
+        c.load("p", other_path, readers=me)
+        copy = {n: other[n] for n in ("w0", "w1", "w2", "w3", "w4", "w5", "w6")}
+        copy_path = str(models / "copy.safetensors")
+        st_io.save(copy, copy_path)
+        _, _, resident3 = _held(c)
+        c.load("q", copy_path)
+        _, _, resident4 = _held(c)
+        assert resident4 == resident3 + 7 * tensor, (resident3, resident4)
+        assert d.log().count("load_tensors_shared") == 2
+        _serves(c, "q", copy)

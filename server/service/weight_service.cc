@@ -889,7 +889,12 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
       if (c->file_info().empty() && c->bytes_held_elsewhere() > 0) {
         // Resident as a checkpoint whose tensors share other holders' bytes
         // (ShareHeldTensors): its data section is not held whole, so the
-        // adapter reads the file itself.
+        // adapter reads the file itself (not with --source peers).
+        if (source == LoadSource::kPeers) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              file, " is resident here as a model's checkpoint that shares tensors with other "
+                    "models, not as whole files; load the adapter with --source auto or storage"));
+        }
         return AdapterLoadOptions::FetchedBytes{};
       }
       if (c->file_info().size() != 1 ||
@@ -1090,14 +1095,28 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
       // A file segment kept for an unshared tensor holds its neighbours'
       // bytes too: sharing those from a segment this model would not hold
       // otherwise saves nothing and keeps that segment alive.
-      absl::flat_hash_set<uint64_t> kept_segments;
-      for (size_t i = 0; i < saved.size(); ++i) {
-        if (!copies[i].has_value()) kept_segments.insert(saved[i].buffer->id());
-      }
-      for (size_t i = 0; i < saved.size(); ++i) {
-        if (copies[i].has_value() && !held.contains(copies[i]->buffer->id()) &&
-            kept_segments.contains(saved[i].buffer->id())) {
-          copies[i].reset();
+      // Dropping some copies can leave a holder segment with less than
+      // half of it taken (FindResidentCopies' rule), which frees more of
+      // the file's: repeated until nothing changes.
+      for (bool changed = true; changed;) {
+        changed = false;
+        absl::flat_hash_set<uint64_t> kept_segments;
+        absl::flat_hash_map<uint64_t, uint64_t> taken;
+        absl::flat_hash_set<std::pair<uint64_t, uint64_t>> counted;
+        for (size_t i = 0; i < saved.size(); ++i) {
+          if (!copies[i].has_value()) {
+            kept_segments.insert(saved[i].buffer->id());
+          } else if (counted.insert({copies[i]->buffer->id(), copies[i]->offset}).second) {
+            taken[copies[i]->buffer->id()] += saved[i].length;
+          }
+        }
+        for (size_t i = 0; i < saved.size(); ++i) {
+          if (!copies[i].has_value() || held.contains(copies[i]->buffer->id())) continue;
+          if (kept_segments.contains(saved[i].buffer->id()) ||
+              taken[copies[i]->buffer->id()] * 2 < copies[i]->buffer->size()) {
+            copies[i].reset();
+            changed = true;
+          }
         }
       }
     }
@@ -1491,6 +1510,7 @@ ServiceStats WeightService::Stats() const {
     s.models = models.size();
     absl::flat_hash_set<const Checkpoint*> held;
     absl::flat_hash_set<uint64_t> checkpoint_buffers;
+    std::vector<const Checkpoint*> sharing;  // with tensors held elsewhere
     for (const auto& model : models) {
       s.checkpoint_bytes_logical += model->checkpoint->total_bytes();
       if (held.insert(model->checkpoint.get()).second) {
@@ -1500,6 +1520,7 @@ ServiceStats WeightService::Stats() const {
         for (const SegmentPtr& seg : model->checkpoint->host_segments()) {
           checkpoint_buffers.insert(seg->id());
         }
+        if (model->checkpoint->bytes_held_elsewhere() > 0) sharing.push_back(model->checkpoint.get());
       }
     }
     absl::flat_hash_set<uint64_t> published_buffers;
@@ -1511,6 +1532,17 @@ ServiceStats WeightService::Stats() const {
         if (published_buffers.insert(t->buffer->id()).second) {
           s.published_bytes_resident += t->buffer->size();
         }
+      }
+    }
+    // Shared tensors whose holder is gone (unloaded, its publish replaced)
+    // are held by the checkpoints that share them: counted there, once.
+    absl::flat_hash_set<std::pair<uint64_t, uint64_t>> orphans;  // (buffer id, offset)
+    for (const Checkpoint* c : sharing) {
+      for (const StoredTensor& t : c->tensors()) {
+        if (t.buffer == nullptr) continue;
+        const uint64_t id = t.buffer->id();
+        if (checkpoint_buffers.contains(id) || published_buffers.contains(id)) continue;
+        if (orphans.insert({id, t.offset}).second) s.checkpoint_bytes_resident += t.length;
       }
     }
   }

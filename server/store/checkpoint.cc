@@ -539,8 +539,8 @@ namespace {
 // generation's) point at those bytes; the others move to one segment of
 // their size, and the files' segments are freed when `fresh` goes. Done
 // only when the shared bytes are over 1/8 of the checkpoint (a copy to
-// save less is not worth it) and the segment for the rest fits the budget;
-// otherwise `fresh` is returned as it is. The result has no file_info():
+// save less is not worth it) and the segment for the rest fits the budget
+// and seals; otherwise `fresh` is returned as it is. The result has no file_info():
 // its segments are no longer laid out by file, so peers are not offered it
 // and a hand-over does not send it (the successor reads the files).
 absl::StatusOr<std::shared_ptr<Checkpoint>> ShareHeldTensors(const std::string& path,
@@ -553,6 +553,7 @@ absl::StatusOr<std::shared_ptr<Checkpoint>> ShareHeldTensors(const std::string& 
                                             tensors.size(), " tensors"));
   }
   uint64_t shared = 0, rest = 0;
+  size_t rest_count = 0;  // tensors to store (some may be empty)
   std::vector<uint64_t> at(tensors.size(), 0);
   std::vector<std::string> holders;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -564,34 +565,43 @@ absl::StatusOr<std::shared_ptr<Checkpoint>> ShareHeldTensors(const std::string& 
     } else {
       at[i] = rest;
       rest += AlignUp(tensors[i].length, 64);
+      ++rest_count;
     }
   }
   const uint64_t total = fresh->total_bytes();
   if (shared == 0 || shared <= total / 8) return fresh;
-  auto packed = options.memory->Allocate(std::max<uint64_t>(rest, 64), {.purpose = "checkpoint"});
-  if (!packed.ok()) {
+  auto not_shared = [&](const absl::Status& why) {
     LogEvent(LogLevel::kInfo, "load_tensors_not_shared",
              {{"path", path}, {"bytes_held_elsewhere", absl::StrCat(shared)},
-              {"reason", std::string(packed.status().message())}});
+              {"reason", std::string(why.message())}});
     return fresh;
-  }
+  };
   std::vector<StoredTensor> out = tensors;
+  std::vector<SegmentPtr> segments;  // none when every tensor is shared
+  if (rest_count > 0) {
+    auto packed =
+        options.memory->Allocate(std::max<uint64_t>(rest, 64), {.purpose = "checkpoint"});
+    if (!packed.ok()) return not_shared(packed.status());
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (held[i].has_value()) continue;
+      std::memcpy((*packed)->mutable_data() + at[i], tensors[i].host_data(), tensors[i].length);
+    }
+    if (absl::Status sealed = (*packed)->Seal(/*populate=*/false); !sealed.ok()) {
+      return not_shared(sealed);
+    }
+    segments.push_back(SegmentPtr(std::move(*packed)));
+  }
   for (size_t i = 0; i < out.size(); ++i) {
     if (held[i].has_value()) {
       out[i].buffer = held[i]->buffer;
       out[i].offset = held[i]->offset;
     } else {
-      std::memcpy((*packed)->mutable_data() + at[i], tensors[i].host_data(), tensors[i].length);
+      out[i].buffer = segments.front();
       out[i].offset = at[i];
     }
   }
-  WD_RETURN_IF_ERROR((*packed)->Seal(/*populate=*/false));
-  SegmentPtr segment(std::move(*packed));
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!held[i].has_value()) out[i].buffer = segment;
-  }
   auto shared_copy = std::make_shared<Checkpoint>(path, fresh->files(), std::move(out),
-                                                  std::vector<SegmentPtr>{segment},
+                                                  std::move(segments),
                                                   fresh->TakeMetadataCharge());
   shared_copy->set_bytes_held_elsewhere(shared);
   std::sort(holders.begin(), holders.end());
@@ -609,10 +619,25 @@ std::shared_ptr<const Checkpoint> FindIdenticalCopy(const ResidentCheckpoints& r
   if (files.empty()) return nullptr;
   for (auto& [key, other] : resident.Snapshot()) {
     const std::vector<CheckpointFileInfo>& theirs = other->file_info();
-    if (other.get() == &c || theirs.size() != files.size() || other->copy_id() != c.copy_id() ||
+    if (other.get() == &c || other->copy_id() != c.copy_id() ||
         other->tensors().size() != c.tensors().size()) {
       continue;
     }
+    if (theirs.empty() && other->bytes_held_elsewhere() > 0) {
+      // One that shares other holders' bytes (ShareHeldTensors) has no file
+      // layout to compare: the same tensors, byte for byte, will do.
+      bool same = true;
+      for (size_t i = 0; i < c.tensors().size() && same; ++i) {
+        const StoredTensor& a = c.tensors()[i];
+        const StoredTensor& b = other->tensors()[i];
+        same = a.name == b.name && a.dtype == b.dtype && a.shape == b.shape &&
+               a.length == b.length && a.host_data() != nullptr && b.host_data() != nullptr &&
+               std::memcmp(a.host_data(), b.host_data(), a.length) == 0;
+      }
+      if (same) return other;
+      continue;
+    }
+    if (theirs.size() != files.size()) continue;
     bool same = true;
     for (size_t i = 0; i < files.size() && same; ++i) {
       const CheckpointFileInfo& a = files[i];

@@ -251,10 +251,21 @@ def test_tensors_another_model_holds_are_shared_at_load(tmp_path):
         assert "shared_with=a" in lines[0], lines
         _serves(c, "ft", ft)
         _serves(c, "a", base)
+        # A copy of ft's file is ft's checkpoint again.
+        ft_copy = str(models / "ft-copy.safetensors")
+        shutil.copy(ft_path, ft_copy)
+        c.load("ft2", ft_copy)
+        assert _held(c)[2] == resident2
+        assert "load_deduplicated path=%s same_as=%s" % (ft_copy, ft_path) in d.log(), \
+            d.log()[-1500:]
+        _serves(c, "ft2", ft)
+        c.unload("ft2")
 
-        # The holder unloaded: ft keeps what it shares and serves it.
+        # The holder unloaded: ft keeps what it shares and serves it, and
+        # the bytes it keeps alive count as its own.
         c.unload("a")
         _serves(c, "ft", ft)
+        assert _held(c)[1:] == (8 * tensor, 8 * tensor)
         d.ctl_ok("verify", "ft")
 
         # A file saved from a published generation shares the published bytes.

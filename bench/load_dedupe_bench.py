@@ -3,8 +3,9 @@
 costs in time and saves in memory.
 
 The base is bench/suite.py's Llama-shaped bf16 checkpoint (`--config`); the
-fine-tune is the same file with a `--changed` fraction of its tensors
-perturbed (the first ones by name), written as another file. Measured in
+fine-tune is the same file with tensors making up a `--changed` fraction of
+its bytes perturbed (in name order, each that still fits), written as
+another file. Measured in
 the same run, interleaved, `--repeats` times, each in a fresh daemon:
 
   alone    load the fine-tune into an empty daemon: time of the load,
@@ -58,14 +59,21 @@ def main():
     shutil.copy(base_path, base_file)
     base = st_io.load(base_path)
     names = sorted(base)
-    k = max(1, int(len(names) * args.changed))
+    size = {n: t.numel() * t.element_size() for n, t in base.items()}
+    budget = args.changed * sum(size.values())
+    changed = []  # in name order, each that still fits the budget
+    for n in names:
+        if size[n] <= budget:
+            changed.append(n)
+            budget -= size[n]
+    k = len(changed)
     g = torch.Generator().manual_seed(1)
     ft = dict(base)
-    for n in names[:k]:
+    for n in changed:
         t = base[n]
         ft[n] = (t.float() + 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype)
     st_io.save(ft, ft_file)
-    changed_bytes = sum(ft[n].numel() * ft[n].element_size() for n in names[:k])
+    changed_bytes = sum(size[n] for n in changed)
     ft_bytes = sum(t.numel() * t.element_size() for t in ft.values())
     del base, ft
     for f in (base_file, ft_file):

@@ -805,6 +805,18 @@ def test_staging_prepared_ahead_of_the_next_publish(env, tmp_path):
         _check(c, "x", {"x": x}, world=1)
 
 
+def _xyz_checkpoint(tmp_path):
+    """models/m.safetensors with x, y (bf16 256x256) and z (f32 [8]): (models
+    dir, path, tensors)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    base = {"x": _rand((256, 256), torch.bfloat16), "y": _rand((256, 256), torch.bfloat16),
+            "z": _rand((8,), torch.float32)}
+    path = str(models / "m.safetensors")
+    st_io.save(base, path)
+    return models, path, base
+
+
 def test_published_bytes_some_model_holds_are_stored_once(tmp_path):
     """Content addressing of published weights: a changed tensor whose bytes
     a loaded model already holds (the same publish sent to a second model of
@@ -814,12 +826,7 @@ def test_published_bytes_some_model_holds_are_stored_once(tmp_path):
     exactly the same) and only where that pins no more than it saves (the
     shared runs make up half the holder's segment). Every model serves
     exactly the published bytes; unloading the holder loses nothing."""
-    models = tmp_path / "models"
-    models.mkdir()
-    base = {"x": _rand((256, 256), torch.bfloat16), "y": _rand((256, 256), torch.bfloat16),
-            "z": _rand((8,), torch.float32)}
-    path = str(models / "m.safetensors")
-    st_io.save(base, path)
+    models, path, base = _xyz_checkpoint(tmp_path)
     me = "uid:%d" % os.getuid()
     size = lambda sd: sum(t.numel() * t.element_size() for t in sd.values())  # noqa: E731
     port = free_port()
@@ -920,12 +927,7 @@ def test_published_bytes_stay_shared_across_a_restart(tmp_path):
     after a SIGKILLed daemon restores both from their saved files: the
     second restore points at what the first restored (publish_restored says
     bytes_shared) and both serve exactly the published bytes."""
-    models = tmp_path / "models"
-    models.mkdir()
-    base = {"x": _rand((256, 256), torch.bfloat16), "y": _rand((256, 256), torch.bfloat16),
-            "z": _rand((8,), torch.float32)}
-    path = str(models / "m.safetensors")
-    st_io.save(base, path)
+    models, path, base = _xyz_checkpoint(tmp_path)
     state = str(tmp_path / "state")
     work = str(tmp_path / "d")
     new = {"x": _rand((256, 256), torch.bfloat16), "z": _rand((8,), torch.float32)}

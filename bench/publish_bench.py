@@ -30,6 +30,9 @@ Measured in the same run, on one daemon, interleaved, `--repeats` times:
   step_10       publish_10, then the same 2 workers refresh: each fetches
                 its rank's changed tensors (changed_since, world 2, shm) as a
                 state dict
+  step_10_bytes step_10 where the changed tensors hold 10% of the bytes
+                (10% of the tensors, above, include the embeddings: about half
+                of them), 0.5 s after the previous publish
 
 and the worker's refresh after publish_10: a fetch with changed_since (the
 tensors that changed) against a full fetch (world 1, shm, bytes served).
@@ -132,6 +135,21 @@ def run(args):
                 new[n] = (t.float() + 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype)
             return new, k
 
+        size = {n: base[n].numel() * base[n].element_size() for n in names}
+
+        def step_bytes(fraction):
+            """The next state_dict: tensors holding `fraction` of the bytes perturbed."""
+            budget = fraction * sum(size.values())
+            new = dict(current)
+            k = 0
+            for n in names:
+                if size[n] <= budget:
+                    budget -= size[n]
+                    t = current[n]
+                    new[n] = (t.float() + 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype)
+                    k += 1
+            return new, k
+
         for rep in range(args.repeats):
             run = {}
             new, _ = step(1.0)
@@ -210,6 +228,26 @@ def run(args):
             with c.fetch("m", world=1, rank=0) as h:
                 run["full_fetch_bytes"] = h.nbytes
             run["full_fetch_s"] = time.perf_counter() - t0
+            # step_10_bytes: step_10 where the changed tensors hold 10% of
+            # the bytes (in name order, each that still fits; 10% of the
+            # tensors above includes the embeddings, about half the bytes),
+            # 0.5 s after the previous publish as in an RL loop.
+            new, kb = step_bytes(0.10)
+            time.sleep(0.5)
+            gen_before = c.info("m").generation
+            t0 = time.perf_counter()
+            r = c.publish("m", new, transport="shm")
+            run["publish_10_bytes_s"] = time.perf_counter() - t0
+            for rank in range(2):
+                with c.fetch("m", world=2, rank=rank, changed_since=gen_before) as h:
+                    sd = h.state_dict()
+                    assert len(sd) == kb, (len(sd), kb)
+                    del sd
+            run["step_10_bytes_s"] = time.perf_counter() - t0
+            run["step_10_bytes_changed"] = r.changed
+            run["step_10_bytes_stored"] = r.bytes_stored
+            assert r.changed == kb, (r.changed, kb)
+            current = new
             results["runs"].append(run)
             print("rep %d: %s" % (rep, json.dumps({k: round(v, 4) if isinstance(v, float) else v
                                                    for k, v in run.items()})), flush=True)
@@ -226,6 +264,7 @@ def run(args):
             "publish_first_over_memcpy_bandwidth": m["memcpy_s"] / m["publish_first_s"],
             "grpc_over_shm_publish_all": m["publish_all_grpc_s"] / m["publish_all_s"],
             "inproc_step_over_step_10": m["inproc_step_s"] / m["step_10_s"],
+            "inproc_step_over_step_10_bytes": m["inproc_step_s"] / m["step_10_bytes_s"],
             "refresh_bytes_fraction": m["refresh_bytes"] / m["full_fetch_bytes"],
             "publish_all_gb_per_s": nbytes / m["publish_all_s"] / 1e9,
             "publish_first_gb_per_s": nbytes / m["publish_first_s"] / 1e9,

@@ -817,6 +817,10 @@ class WatchStream:
 
 _PUBLISH_CHUNK = 4 << 20
 _DECLARED_RUNS = 65536  # runs per in-place declaration message (~1.3 MiB)
+# In-place publish: the trainer's copy into the staging memfd, in runs of at
+# most this many bytes, on at most this many threads (WEIGHTD_STAGING_THREADS).
+_STAGING_RUN = 16 << 20
+_STAGING_THREADS = max(1, int(os.environ.get("WEIGHTD_STAGING_THREADS", "4") or 4))
 
 
 @dataclass
@@ -1242,26 +1246,47 @@ class Client:
         finally:
             os.close(fd)
         dest = dest_t = None
-        done = 0
+        # The copies, in runs of at most _STAGING_RUN bytes, spread over up to
+        # _STAGING_THREADS threads (NumPy and torch copies release the GIL):
+        # one core's copy is what bounds an in-place publish.
+        copies = []
+        for index, spans, raw in pieces:
+            base = session.offsets[index]
+            at = 0
+            for offset, length in spans:
+                for part in range(0, length, _STAGING_RUN):
+                    n = min(_STAGING_RUN, length - part)
+                    copies.append((raw, base + offset + part, at + part, n))
+                at += length
         try:
-            for index, spans, raw in pieces:
-                base = session.offsets[index]
-                at = 0
-                for offset, length in spans:
-                    lo = base + offset
-                    if isinstance(raw, np.ndarray):
-                        if dest is None:
-                            dest = np.frombuffer(mm, dtype=np.uint8)
-                        dest[lo:lo + length] = raw[at:at + length]
-                    else:
-                        if dest_t is None:
-                            dest_t = _torch_or_none().frombuffer(
-                                mm, dtype=_torch_or_none().uint8)
-                        dest_t[lo:lo + length].copy_(raw[at:at + length])
-                    at += length
-                done += at
-                if progress is not None:
-                    progress(done, session.bytes)
+            for raw, _, _, _ in copies:
+                if isinstance(raw, np.ndarray):
+                    if dest is None:
+                        dest = np.frombuffer(mm, dtype=np.uint8)
+                elif dest_t is None:
+                    dest_t = _torch_or_none().frombuffer(mm, dtype=_torch_or_none().uint8)
+
+            def copy(job):
+                raw, lo, at, n = job
+                if isinstance(raw, np.ndarray):
+                    dest[lo:lo + n] = raw[at:at + n]
+                else:
+                    dest_t[lo:lo + n].copy_(raw[at:at + n])
+                return n
+            threads = min(_STAGING_THREADS, os.cpu_count() or 1, len(copies))
+            done = 0
+            if threads <= 1:
+                for job in copies:
+                    done += copy(job)
+                    if progress is not None:
+                        progress(done, session.bytes)
+            else:
+                import concurrent.futures
+                with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+                    for n in pool.map(copy, copies):
+                        done += n
+                        if progress is not None:
+                            progress(done, session.bytes)
         finally:
             # Unmapped before anything is declared: the commit refuses a
             # staging memfd that any process still maps.

@@ -150,6 +150,22 @@ def run(args):
                     k += 1
             return new, k
 
+        def rl_step(new, k):
+            """Publishes `new` (k tensors changed) in place, then 2 workers
+            fetch their rank's changed tensors: (result, publish seconds,
+            step seconds)."""
+            gen_before = c.info("m").generation
+            t0 = time.perf_counter()
+            r = c.publish("m", new, transport="shm")
+            published = time.perf_counter() - t0
+            assert r.changed == k, (r.changed, k)
+            for rank in range(2):
+                with c.fetch("m", world=2, rank=rank, changed_since=gen_before) as h:
+                    sd = h.state_dict()
+                    assert len(sd) == k, (len(sd), k)
+                    del sd
+            return r, published, time.perf_counter() - t0
+
         for rep in range(args.repeats):
             run = {}
             new, _ = step(1.0)
@@ -205,18 +221,9 @@ def run(args):
             os.unlink(shm_file)
             # publish_10 and the 2 workers' refresh (step_10)
             gen_before = c.info("m").generation
-            t0 = time.perf_counter()
-            r = c.publish("m", new, transport="shm")
-            run["publish_10_s"] = time.perf_counter() - t0
-            for rank in range(2):
-                with c.fetch("m", world=2, rank=rank, changed_since=gen_before) as h:
-                    sd = h.state_dict()
-                    assert len(sd) == k, (len(sd), k)
-                    del sd
-            run["step_10_s"] = time.perf_counter() - t0
+            r, run["publish_10_s"], run["step_10_s"] = rl_step(new, k)
             run["publish_10_changed"] = r.changed
             run["publish_10_bytes_stored"] = r.bytes_stored
-            assert r.changed == k, (r.changed, k)
             current = new
             # The worker's refresh.
             t0 = time.perf_counter()
@@ -234,19 +241,9 @@ def run(args):
             # 0.5 s after the previous publish as in an RL loop.
             new, kb = step_bytes(0.10)
             time.sleep(0.5)
-            gen_before = c.info("m").generation
-            t0 = time.perf_counter()
-            r = c.publish("m", new, transport="shm")
-            run["publish_10_bytes_s"] = time.perf_counter() - t0
-            for rank in range(2):
-                with c.fetch("m", world=2, rank=rank, changed_since=gen_before) as h:
-                    sd = h.state_dict()
-                    assert len(sd) == kb, (len(sd), kb)
-                    del sd
-            run["step_10_bytes_s"] = time.perf_counter() - t0
+            r, run["publish_10_bytes_s"], run["step_10_bytes_s"] = rl_step(new, kb)
             run["step_10_bytes_changed"] = r.changed
             run["step_10_bytes_stored"] = r.bytes_stored
-            assert r.changed == kb, (r.changed, kb)
             current = new
             results["runs"].append(run)
             print("rep %d: %s" % (rep, json.dumps({k: round(v, 4) if isinstance(v, float) else v

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <system_error>
 
@@ -77,6 +78,20 @@ absl::Status ParallelFor(ThreadPool* pool, size_t n, int parallelism,
     state->Work();
   }
   return state->Wait();
+}
+
+absl::Status ParallelCopy(const std::vector<CopyRun>& runs, int parallelism) {
+  std::vector<CopyRun> pieces;
+  for (const CopyRun& r : runs) {
+    for (uint64_t done = 0; done < r.length; done += kParallelCopyPiece) {
+      pieces.push_back(CopyRun{r.to + done, r.from + done,
+                               std::min(kParallelCopyPiece, r.length - done)});
+    }
+  }
+  return ParallelFor(nullptr, pieces.size(), std::max(1, parallelism), [&](size_t i) {
+    std::memcpy(pieces[i].to, pieces[i].from, pieces[i].length);
+    return absl::OkStatus();
+  });
 }
 
 ThreadPool::ThreadPool(int threads, bool best_effort) {

@@ -7,6 +7,7 @@
 #define WEIGHTD_COMMON_THREAD_POOL_H_
 
 #include <atomic>
+#include <cstdint>
 #include <deque>
 #include <list>
 #include <memory>
@@ -38,6 +39,19 @@ class ThreadPool;
 // returns at once.
 absl::Status ParallelFor(ThreadPool* pool, size_t n, int parallelism,
                          const std::function<absl::Status(size_t)>& fn);
+
+// One copy of ParallelCopy: `length` bytes from `from` to `to`.
+struct CopyRun {
+  uint8_t* to = nullptr;
+  const uint8_t* from = nullptr;
+  uint64_t length = 0;
+};
+// Copies every run (they must not overlap) in pieces of at most
+// kParallelCopyPiece bytes on at most `parallelism` threads (ParallelFor's,
+// pool nullptr), so that one large run spreads too. Where the destination's
+// pages are not yet faulted in, the copy faults them in on those threads.
+inline constexpr uint64_t kParallelCopyPiece = 16ull << 20;
+absl::Status ParallelCopy(const std::vector<CopyRun>& runs, int parallelism);
 
 // Thread-safe. The destructor runs what is queued, then joins. The
 // constructor throws std::system_error when the system refuses a thread

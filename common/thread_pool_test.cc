@@ -1,6 +1,7 @@
 #include "common/thread_pool.h"
 
 #include <atomic>
+#include <cstring>
 #include <set>
 #include <thread>
 #include <vector>
@@ -58,6 +59,23 @@ TEST(ParallelForTest, ReturnsTheFirstErrorAndSkipsWhatHasNotStarted) {
   EXPECT_EQ(s, absl::DataLossError("index 3"));
   EXPECT_EQ(ran.load(), 4) << "one thread: indices after the failure are skipped";
   EXPECT_TRUE(ParallelFor(nullptr, 0, 4, [](size_t) { return absl::InternalError("x"); }).ok());
+}
+
+TEST(ParallelCopyTest, CopiesEveryRunWhole) {
+  // A run longer than a piece, a short one, an empty one: every byte lands
+  // where its run says, and nothing outside the runs is written.
+  const uint64_t big = kParallelCopyPiece * 2 + 12345;
+  std::vector<uint8_t> src(big + 100), dst(big + 300, 0xee);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + 3);
+  std::vector<CopyRun> runs = {{dst.data() + 200, src.data(), big},
+                               {dst.data() + 10, src.data() + big, 100},
+                               {dst.data() + 150, src.data(), 0}};
+  ASSERT_TRUE(ParallelCopy(runs, 3).ok());
+  EXPECT_EQ(std::memcmp(dst.data() + 200, src.data(), big), 0);
+  EXPECT_EQ(std::memcmp(dst.data() + 10, src.data() + big, 100), 0);
+  for (size_t i : {size_t{0}, size_t{9}, size_t{110}, size_t{199}}) EXPECT_EQ(dst[i], 0xee) << i;
+  EXPECT_EQ(dst[big + 200], 0xee);
+  EXPECT_TRUE(ParallelCopy({}, 2).ok());
 }
 
 TEST(TaskThreadsTest, JoinAllWaitsForEveryClosure) {

@@ -837,28 +837,16 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
       alloc.prefault = false;
       auto packed = memory_.Allocate(std::max<uint64_t>(fresh_bytes, 64), alloc);
       if (packed.ok()) {
-        struct Run {
-          uint64_t to, from, length;
-        };
-        std::vector<Run> runs;  // of at most 16 MiB, so that large tensors spread too
-        constexpr uint64_t kRun = 16ull << 20;
+        std::vector<CopyRun> runs;
         uint64_t at = 0;
         for (size_t f = 0; f < fresh.size(); ++f) {
           const Piece& p = *fresh[f];
           if (resident[f].has_value() || same_as[f] >= 0) continue;
-          for (uint64_t done = 0; done < p.length; done += kRun) {
-            runs.push_back(Run{at + done, p.offset + done, std::min(kRun, p.length - done)});
-          }
+          runs.push_back(CopyRun{(*packed)->mutable_data() + at, base + p.offset, p.length});
           offsets[f] = at;
           at += (p.length + 63) / 64 * 64;
         }
-        uint8_t* dest = (*packed)->mutable_data();
-        absl::Status copied = ParallelFor(nullptr, runs.size(),
-                                          std::max(1, options_.worker_threads), [&](size_t i) {
-                                            std::memcpy(dest + runs[i].to, base + runs[i].from,
-                                                        runs[i].length);
-                                            return absl::OkStatus();
-                                          });
+        absl::Status copied = ParallelCopy(runs, options_.worker_threads);
         if (copied.ok() && (*packed)->Seal(/*populate=*/false).ok()) {
           holder = SegmentPtr(std::move(*packed));
         }
@@ -888,13 +876,13 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
       if (resident[f].has_value()) {
         result.bytes_shared += p.length;
         if (std::find(result.shared_with.begin(), result.shared_with.end(),
-                      resident[f]->model) == result.shared_with.end()) {
-          result.shared_with.push_back(resident[f]->model);
+                      resident[f]->holder) == result.shared_with.end()) {
+          result.shared_with.push_back(resident[f]->holder);
         }
         t.buffer = resident[f]->buffer;
         t.offset = resident[f]->offset;
         t.file = absl::StrCat("(published in session ", session.id, "; bytes shared with model \"",
-                              resident[f]->model, "\")");
+                              resident[f]->holder, "\")");
       } else {
         t.buffer = holder;
         t.offset = offsets[same_as[f] >= 0 ? static_cast<size_t>(same_as[f]) : f];
@@ -1009,23 +997,34 @@ std::vector<std::optional<WeightService::ResidentCopy>> WeightService::FindResid
       for (const auto& [key, t] : *m->current->published) consider(*t, m->name);
     }
   }
+  DropCopiesUnderHalf(found, wanted, held);
+  return found;
+}
+
+bool WeightService::DropCopiesUnderHalf(std::vector<std::optional<ResidentCopy>>& copies,
+                                        absl::Span<const WantedBytes> wanted,
+                                        const absl::flat_hash_set<uint64_t>& held) {
   // Shared only where that pins no more than it saves: per segment, the
   // distinct runs taken from it must make up half of it (or the new
   // generation holds it anyway).
   absl::flat_hash_map<uint64_t, uint64_t> taken;  // buffer id -> bytes of distinct runs
   absl::flat_hash_set<std::pair<uint64_t, uint64_t>> counted;  // (buffer id, offset)
-  for (size_t i = 0; i < found.size(); ++i) {
-    if (!found[i].has_value()) continue;
-    const uint64_t id = found[i]->buffer->id();
-    if (counted.insert({id, found[i]->offset}).second) taken[id] += wanted[i].length;
+  for (size_t i = 0; i < copies.size(); ++i) {
+    if (!copies[i].has_value()) continue;
+    const uint64_t id = copies[i]->buffer->id();
+    if (counted.insert({id, copies[i]->offset}).second) taken[id] += wanted[i].length;
   }
-  for (std::optional<ResidentCopy>& c : found) {
+  bool dropped = false;
+  for (std::optional<ResidentCopy>& c : copies) {
     if (!c.has_value()) continue;
     const uint64_t id = c->buffer->id();
     if (held.contains(id)) continue;
-    if (taken[id] * 2 < c->buffer->size()) c.reset();
+    if (taken[id] * 2 < c->buffer->size()) {
+      c.reset();
+      dropped = true;
+    }
   }
-  return found;
+  return dropped;
 }
 
 }  // namespace weightd

@@ -16,6 +16,7 @@
 #include "server/gpu/cuda_plugin.h"
 #include "server/profile/name_summary.h"
 #include "common/status_macros.h"
+#include "common/thread_pool.h"
 
 namespace weightd {
 namespace {
@@ -886,7 +887,7 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
       auto checkpoint = ReadCheckpoint(file, source, &shared_charge);
       if (!checkpoint.ok()) return checkpoint.status();
       const std::shared_ptr<const Checkpoint>& c = *checkpoint;
-      if (c->file_info().empty() && c->bytes_held_elsewhere() > 0) {
+      if (c->bytes_held_elsewhere() > 0) {
         // Resident as a checkpoint whose tensors share other holders' bytes
         // (ShareHeldTensors): its data section is not held whole, so the
         // adapter reads the file itself (not with --source peers).
@@ -1079,15 +1080,19 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
     if (any_shared && rest_count > 0 && rest + total / 8 < total) {
       HostMemoryManager::AllocateOptions alloc;
       alloc.purpose = "publish";
-      alloc.prefault = true;
+      alloc.prefault = false;  // the copy faults the pages in (as CommitStaged's)
       auto segment = memory_.Allocate(std::max<uint64_t>(rest, 64), alloc);
       if (segment.ok()) {
+        std::vector<CopyRun> runs;
         for (size_t i = 0; i < saved.size(); ++i) {
           if (copies[i].has_value()) continue;
-          std::memcpy((*segment)->mutable_data() + packed_at[i], saved[i].host_data(),
-                      saved[i].length);
+          runs.push_back(CopyRun{(*segment)->mutable_data() + packed_at[i], saved[i].host_data(),
+                                 saved[i].length});
         }
-        if ((*segment)->Seal(/*populate=*/false).ok()) packed = SegmentPtr(std::move(*segment));
+        if (ParallelCopy(runs, options_.worker_threads).ok() &&
+            (*segment)->Seal(/*populate=*/false).ok()) {
+          packed = SegmentPtr(std::move(*segment));
+        }
       }
       // No room for the copy: the file's segments are kept as they are.
     }
@@ -1101,23 +1106,17 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
       for (bool changed = true; changed;) {
         changed = false;
         absl::flat_hash_set<uint64_t> kept_segments;
-        absl::flat_hash_map<uint64_t, uint64_t> taken;
-        absl::flat_hash_set<std::pair<uint64_t, uint64_t>> counted;
         for (size_t i = 0; i < saved.size(); ++i) {
-          if (!copies[i].has_value()) {
-            kept_segments.insert(saved[i].buffer->id());
-          } else if (counted.insert({copies[i]->buffer->id(), copies[i]->offset}).second) {
-            taken[copies[i]->buffer->id()] += saved[i].length;
-          }
+          if (!copies[i].has_value()) kept_segments.insert(saved[i].buffer->id());
         }
         for (size_t i = 0; i < saved.size(); ++i) {
-          if (!copies[i].has_value() || held.contains(copies[i]->buffer->id())) continue;
-          if (kept_segments.contains(saved[i].buffer->id()) ||
-              taken[copies[i]->buffer->id()] * 2 < copies[i]->buffer->size()) {
+          if (copies[i].has_value() && !held.contains(copies[i]->buffer->id()) &&
+              kept_segments.contains(saved[i].buffer->id())) {
             copies[i].reset();
             changed = true;
           }
         }
+        if (DropCopiesUnderHalf(copies, wanted, held)) changed = true;
       }
     }
     for (size_t i = 0; i < saved.size(); ++i) {
@@ -1150,7 +1149,7 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
     if (copies[i].has_value()) {
       kept.buffer = copies[i]->buffer;
       kept.offset = copies[i]->offset;
-      absl::StrAppend(&kept.file, "; bytes shared with model \"", copies[i]->model, "\"");
+      absl::StrAppend(&kept.file, "; bytes shared with model \"", copies[i]->holder, "\"");
     } else if (packed != nullptr) {
       kept.buffer = packed;
       kept.offset = packed_at[i];
@@ -1416,15 +1415,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadCheckpoint(
       for (const StoredTensor& t : c.tensors()) {
         wanted.push_back(WantedBytes{t.digest, t.host_data(), t.length});
       }
-      std::vector<std::optional<ResidentCopy>> found =
-          FindResidentCopies("", "", wanted, /*held=*/{});
-      std::vector<std::optional<HeldElsewhere>> out(found.size());
-      for (size_t i = 0; i < found.size(); ++i) {
-        if (found[i].has_value() && wanted[i].data != nullptr) {
-          out[i] = HeldElsewhere{found[i]->buffer, found[i]->offset, found[i]->model};
-        }
-      }
-      return out;
+      return FindResidentCopies("", "", wanted, /*held=*/{});
     };
   }
   LoadSourceReport report;
@@ -1520,7 +1511,9 @@ ServiceStats WeightService::Stats() const {
         for (const SegmentPtr& seg : model->checkpoint->host_segments()) {
           checkpoint_buffers.insert(seg->id());
         }
-        if (model->checkpoint->bytes_held_elsewhere() > 0) sharing.push_back(model->checkpoint.get());
+        if (model->checkpoint->bytes_held_elsewhere() > 0) {
+          sharing.push_back(model->checkpoint.get());
+        }
       }
     }
     absl::flat_hash_set<uint64_t> published_buffers;

@@ -649,12 +649,8 @@ class WeightService {
   //    generation holds anyway (`held`: buffer ids), or the runs shared
   //    from it make up at least half of it.
   // Empty where there is none. The model named `own` (if any) is looked
-  // at first.
-  struct ResidentCopy {
-    BufferPtr buffer;
-    uint64_t offset = 0;
-    std::string model;  // whose it is
-  };
+  // at first. (The holder is the model's name.)
+  using ResidentCopy = HeldElsewhere;
   struct WantedBytes {
     Digest digest;
     const uint8_t* data = nullptr;
@@ -663,6 +659,12 @@ class WeightService {
   std::vector<std::optional<ResidentCopy>> FindResidentCopies(
       const std::string& own, const std::string& scope, absl::Span<const WantedBytes> wanted,
       const absl::flat_hash_set<uint64_t>& held) const ABSL_LOCKS_EXCLUDED(mu_);
+  // FindResidentCopies' second rule over `copies` (one per `wanted`): drops
+  // the copies from a segment outside `held` whose distinct runs taken make
+  // up less than half of it. True when it dropped any.
+  static bool DropCopiesUnderHalf(std::vector<std::optional<ResidentCopy>>& copies,
+                                  absl::Span<const WantedBytes> wanted,
+                                  const absl::flat_hash_set<uint64_t>& held);
   // Runs CommitStaged for the session (kCommitting, every byte landed)
   // and records its end: kDone with the result, or failed.
   absl::StatusOr<PublishResult> CommitAndRecord(PublishSession& session)

@@ -180,7 +180,7 @@ HandoverOffer MakeHandoverOffer(const std::string& state_dir, int grpc_listen_fd
   for (const auto& [key, checkpoint] : *snapshot) {
     // One whose tensors share other holders' bytes is not laid out by file
     // (ShareHeldTensors): the successor reads its files again.
-    if (checkpoint->file_info().empty() && checkpoint->bytes_held_elsewhere() > 0) continue;
+    if (checkpoint->bytes_held_elsewhere() > 0) continue;
     nlohmann::json c;
     c["files_key"] = absl::BytesToHexString(key);
     c["path"] = checkpoint->path();

@@ -585,18 +585,13 @@ absl::StatusOr<std::shared_ptr<Checkpoint>> ShareHeldTensors(const std::string& 
         options.memory->Allocate(std::max<uint64_t>(rest, 64), {.purpose = "checkpoint"});
     if (!packed.ok()) return not_shared(packed.status());
     // On the reader threads: the first touch of the new pages is most of it.
-    std::vector<size_t> rest_tensors;
+    std::vector<CopyRun> runs;
     for (size_t i = 0; i < out.size(); ++i) {
-      if (!held[i].has_value()) rest_tensors.push_back(i);
+      if (held[i].has_value()) continue;
+      runs.push_back(
+          CopyRun{(*packed)->mutable_data() + at[i], tensors[i].host_data(), tensors[i].length});
     }
-    uint8_t* dest = (*packed)->mutable_data();
-    WD_RETURN_IF_ERROR(ParallelFor(nullptr, rest_tensors.size(), options.read_threads,
-                                   [&](size_t j) {
-                                     const size_t i = rest_tensors[j];
-                                     std::memcpy(dest + at[i], tensors[i].host_data(),
-                                                 tensors[i].length);
-                                     return absl::OkStatus();
-                                   }));
+    WD_RETURN_IF_ERROR(ParallelCopy(runs, options.read_threads));
     if (absl::Status sealed = (*packed)->Seal(/*populate=*/false); !sealed.ok()) {
       return not_shared(sealed);
     }
@@ -640,7 +635,7 @@ std::shared_ptr<const Checkpoint> FindIdenticalCopy(const ResidentCheckpoints& r
         other->tensors().size() != c.tensors().size()) {
       continue;
     }
-    if (theirs.empty() && other->bytes_held_elsewhere() > 0) {
+    if (other->bytes_held_elsewhere() > 0) {
       // One that shares other holders' bytes (ShareHeldTensors) has no file
       // layout to compare: the same tensors, byte for byte, will do.
       bool same = true;

@@ -51,13 +51,19 @@ def _base():
             "scalar": torch.tensor(1.5, dtype=torch.float32)}
 
 
-@pytest.fixture
-def env(tmp_path):
+def _checkpoint(tmp_path, base):
+    """`base` saved as models/m.safetensors under tmp_path: (models dir,
+    path, base)."""
     models = tmp_path / "models"
     models.mkdir()
-    base = _base()
     path = str(models / "m.safetensors")
     st_io.save(base, path)
+    return models, path, base
+
+
+@pytest.fixture
+def env(tmp_path):
+    models, path, base = _checkpoint(tmp_path, _base())
     return str(models), path, base
 
 
@@ -808,15 +814,10 @@ def test_staging_prepared_ahead_of_the_next_publish(env, tmp_path):
 
 
 def _xyz_checkpoint(tmp_path):
-    """models/m.safetensors with x, y (bf16 256x256) and z (f32 [8]): (models
-    dir, path, tensors)."""
-    models = tmp_path / "models"
-    models.mkdir()
-    base = {"x": _rand((256, 256), torch.bfloat16), "y": _rand((256, 256), torch.bfloat16),
-            "z": _rand((8,), torch.float32)}
-    path = str(models / "m.safetensors")
-    st_io.save(base, path)
-    return models, path, base
+    """_checkpoint with x, y (bf16 256x256) and z (f32 [8])."""
+    return _checkpoint(tmp_path, {"x": _rand((256, 256), torch.bfloat16),
+                                  "y": _rand((256, 256), torch.bfloat16),
+                                  "z": _rand((8,), torch.float32)})
 
 
 def test_published_bytes_some_model_holds_are_stored_once(tmp_path):
@@ -898,11 +899,8 @@ def test_a_publish_kept_whole_shares_nothing_it_holds_anyway(tmp_path):
     over 7/8 of what was sent), a tensor whose bytes another model holds is
     not pointed at that model's segment: the staging holds those bytes
     anyway, and the pointer would only keep the other segment alive."""
-    models = tmp_path / "models"
-    models.mkdir()
-    base = {"small": _rand((64, 64), torch.bfloat16), "big": _rand((512, 512), torch.bfloat16)}
-    path = str(models / "m.safetensors")
-    st_io.save(base, path)
+    models, path, base = _checkpoint(tmp_path, {"small": _rand((64, 64), torch.bfloat16),
+                                                "big": _rand((512, 512), torch.bfloat16)})
     with Daemon(model_root=models, extra_args=["--publish-staging-ahead", "off"]) as d, \
             weightd.Client(socket=d.socket) as c:
         c.load("a", path)
@@ -979,12 +977,9 @@ def test_large_tensors_are_staged_in_runs_on_several_threads(tmp_path):
     16 MiB on up to 4 threads: a 40 MiB tensor and small ones, from torch
     and from NumPy, arrive whole (fetch equals torch.chunk); progress only
     grows and ends at the total; WEIGHTD_STAGING_THREADS=1 gives the same."""
-    models = tmp_path / "models"
-    models.mkdir()
-    base = {"big": _rand((5120, 4096), torch.float16), "small": _rand((64, 64), torch.bfloat16),
-            "tiny": _rand((3,), torch.float32)}
-    path = str(models / "m.safetensors")
-    st_io.save(base, path)
+    models, path, base = _checkpoint(tmp_path, {"big": _rand((5120, 4096), torch.float16),
+                                                "small": _rand((64, 64), torch.bfloat16),
+                                                "tiny": _rand((3,), torch.float32)})
     with Daemon(model_root=models) as d, weightd.Client(socket=d.socket) as c:
         c.load("m", path)
         new = {n: _rand(tuple(t.shape), t.dtype) for n, t in base.items()}

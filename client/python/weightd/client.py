@@ -55,6 +55,7 @@ local, transport "shm"):
     are ordinary CUDA tensors owned by torch's allocator.
   * mode="export" (daemon-owned device buffers) is not built yet.
 """
+import concurrent.futures
 import dataclasses
 import json
 import fcntl
@@ -1246,25 +1247,24 @@ class Client:
         finally:
             os.close(fd)
         dest = dest_t = None
-        # The copies, in runs of at most _STAGING_RUN bytes, spread over up to
-        # _STAGING_THREADS threads (NumPy and torch copies release the GIL):
-        # one core's copy is what bounds an in-place publish.
-        copies = []
-        for index, spans, raw in pieces:
-            base = session.offsets[index]
-            at = 0
-            for offset, length in spans:
-                for part in range(0, length, _STAGING_RUN):
-                    n = min(_STAGING_RUN, length - part)
-                    copies.append((raw, base + offset + part, at + part, n))
-                at += length
         try:
-            for raw, _, _, _ in copies:
+            # The copies, in runs of at most _STAGING_RUN bytes, spread over up
+            # to _STAGING_THREADS threads (NumPy and torch copies release the
+            # GIL): one core's copy is what bounds an in-place publish.
+            copies = []
+            for index, spans, raw in pieces:
                 if isinstance(raw, np.ndarray):
                     if dest is None:
                         dest = np.frombuffer(mm, dtype=np.uint8)
                 elif dest_t is None:
                     dest_t = _torch_or_none().frombuffer(mm, dtype=_torch_or_none().uint8)
+                base = session.offsets[index]
+                at = 0
+                for offset, length in spans:
+                    for part in range(0, length, _STAGING_RUN):
+                        n = min(_STAGING_RUN, length - part)
+                        copies.append((raw, base + offset + part, at + part, n))
+                    at += length
 
             def copy(job):
                 raw, lo, at, n = job
@@ -1275,18 +1275,12 @@ class Client:
                 return n
             threads = min(_STAGING_THREADS, os.cpu_count() or 1, len(copies))
             done = 0
-            if threads <= 1:
-                for job in copies:
-                    done += copy(job)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+                # (On one thread, this thread's: no hand-off.)
+                for n in (pool.map if threads > 1 else map)(copy, copies):
+                    done += n
                     if progress is not None:
                         progress(done, session.bytes)
-            else:
-                import concurrent.futures
-                with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
-                    for n in pool.map(copy, copies):
-                        done += n
-                        if progress is not None:
-                            progress(done, session.bytes)
         finally:
             # Unmapped before anything is declared: the commit refuses a
             # staging memfd that any process still maps.

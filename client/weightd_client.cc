@@ -843,6 +843,9 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
   for (const std::string& n : options.names) req.add_names(n);
   req.set_transport(options.transport == Transport::kGrpc ? v1::GRPC : v1::SHM);
   req.set_changed_since(options.changed_since);
+  req.set_defer_casts(options.cast_on_push && !options.verify_digests &&
+                      (options.transport == Transport::kPush ||
+                       options.transport == Transport::kCuda));
   v1::FetchResponse resp;
   {
     grpc::ClientContext ctx;
@@ -861,9 +864,11 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
   set->weights_id_ = resp.weights_id();
   // From here on the ShardSet's destructor releases the lease on any error.
   for (const v1::ShardTensor& t : resp.tensors()) {
+    // A tensor cast by the push names its stored bytes, not `length`
+    // bytes of its dtype (only the daemon reads them).
     if (t.segment() >= static_cast<uint32_t>(resp.segment_sizes_size()) ||
         t.offset() > resp.segment_sizes(t.segment()) ||
-        t.length() > resp.segment_sizes(t.segment()) - t.offset()) {
+        (!t.cast_on_push() && t.length() > resp.segment_sizes(t.segment()) - t.offset())) {
       return absl::InternalError(absl::StrCat("daemon sent tensor \"", t.name(),
                                               "\" outside its segment"));
     }
@@ -920,6 +925,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
     }
     v.length = t.length();
     if (t.digest().size() == 16) std::memcpy(v.digest.bytes.data(), t.digest().data(), 16);
+    v.cast_on_push = t.cast_on_push();
     if (options.populate && options.transport == Transport::kShm) {
       // Only this shard's pages: the segment may hold the whole checkpoint.
       absl::Status populated = set->maps_[t.segment()].PopulateRead(t.offset(), t.length());

@@ -208,6 +208,11 @@ struct FetchOptions {
   bool populate = true;
   // kCuda: this process's CUDA device index.
   int cuda_device = 0;
+  // kPush, kCuda: a tensor that needs only a cast of its stored bytes is
+  // cast by the daemon as it pushes it (on the GPU for kCuda), not into a
+  // copy it keeps (FetchRequest.defer_casts); such tensors have no digest
+  // (TensorView::cast_on_push). Off when verify_digests asks for them all.
+  bool cast_on_push = true;
 };
 
 struct TensorView {
@@ -221,6 +226,8 @@ struct TensorView {
   const uint8_t* data = nullptr;
   uint64_t length = 0;
   Digest digest;
+  // Cast by the push (FetchOptions::cast_on_push): `digest` is unset.
+  bool cast_on_push = false;
   // Where `data` points: -1 = host memory, which every transport gives
   // today (kCuda copies back to host). A view left in GPU memory (issue
   // [gpu]) names its CUDA device here, and `data` is then a device pointer

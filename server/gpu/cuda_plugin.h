@@ -25,7 +25,7 @@ namespace weightd {
 
 // Bumped whenever these signatures or the types they take change (the
 // plugin and the daemon are built together; this catches a stale file).
-inline constexpr uint32_t kCudaPluginAbi = 2;
+inline constexpr uint32_t kCudaPluginAbi = 3;
 
 struct CudaPluginApi {
   uint32_t abi = 0;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_cast.h"
 #include "server/gpu/cuda_plugin.h"
 #include "server/memory/buffer.h"
 #include "server/transport/push_plan.h"
@@ -19,6 +20,7 @@ namespace weightd {
 namespace {
 
 constexpr uint64_t kCopyBytes = uint64_t{64} << 20;
+constexpr uint64_t kCastBytes = uint64_t{32} << 20;  // per stream, with a cast
 constexpr int kStreams = 2;
 
 struct DriverApi {
@@ -229,21 +231,44 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
     streams.push_back(stream);
     cleanup.Add([stream] { (void)cudaStreamDestroy(stream); });
   }
-  absl::Status status;
+  std::vector<PushCopy> copies;
   if (n > 0) {
-    for (const PushCopy& copy : PlanPushCopies(
-             *lease.tensors, layout, {.max_copy_bytes = kCopyBytes, .streams = kStreams})) {
-      if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
-        status = absl::UnavailableError("the daemon is shutting down; the push was cut short");
-        break;
-      }
-      const uint8_t* src = lease.buffers[copy.buffer]->host_data() + copy.src_offset;
-      if (cudaError_t err = cudaMemcpyAsync(base + copy.dst_offset, src, copy.length,
-                                            cudaMemcpyHostToDevice, streams[copy.stream]);
-          err != cudaSuccess) {
-        status = RuntimeError(err, "copying to the push's GPU allocation");
-        break;
-      }
+    copies = PlanPushCopies(*lease.tensors, layout,
+                            {.max_copy_bytes = kCopyBytes,
+                             .streams = kStreams,
+                             .max_cast_bytes = kCastBytes});
+  }
+  // A cast's source goes to a scratch buffer of its stream (raw bytes,
+  // from pinned memory where the checkpoint is pinned), and the kernel
+  // converts it into the destination on the same stream: the next piece's
+  // copy into that scratch waits for the kernel, in stream order.
+  std::vector<void*> scratch(kStreams, nullptr);
+  for (const PushCopy& copy : copies) {
+    if (!copy.cast || scratch[copy.stream] != nullptr) continue;
+    if (cudaError_t err = cudaMalloc(&scratch[copy.stream], kCastBytes); err != cudaSuccess) {
+      return RuntimeError(err, absl::StrCat("allocating ", kCastBytes,
+                                            " bytes of GPU scratch for the push's casts"));
+    }
+    cleanup.Add([p = scratch[copy.stream]] { (void)cudaFree(p); });
+  }
+  absl::Status status;
+  for (const PushCopy& copy : copies) {
+    if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
+      status = absl::UnavailableError("the daemon is shutting down; the push was cut short");
+      break;
+    }
+    const uint8_t* src = lease.buffers[copy.buffer]->host_data() + copy.src_offset;
+    cudaStream_t stream = streams[copy.stream];
+    void* to = copy.cast ? scratch[copy.stream] : base + copy.dst_offset;
+    if (cudaError_t err = cudaMemcpyAsync(to, src, copy.length, cudaMemcpyHostToDevice, stream);
+        err != cudaSuccess) {
+      status = RuntimeError(err, "copying to the push's GPU allocation");
+      break;
+    }
+    if (copy.cast) {
+      status = CastBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset,
+                              copy.length / DTypeSize(copy.src_dtype), stream);
+      if (!status.ok()) break;
     }
   }
   // Nothing is unmapped while a copy may still run; the answer waits for

@@ -72,6 +72,7 @@ absl::StatusOr<FetchParams> DecodeFetch(const v1::FetchRequest& req) {
       return absl::InvalidArgumentError(absl::StrCat("unknown transport ", req.transport()));
   }
   p.changed_since = req.changed_since();
+  p.defer_casts = req.defer_casts();
   return p;
 }
 
@@ -96,7 +97,11 @@ const std::string& EncodedTable(const FetchTable& table) {
       st->set_segment(t.segment);
       st->set_offset(t.offset);
       st->set_length(t.length);
-      st->set_digest(std::string(t.digest.View()));
+      if (t.cast_on_push) {
+        st->set_cast_on_push(true);
+      } else {
+        st->set_digest(std::string(t.digest.View()));
+      }
     }
     body.SerializeToString(&table.wire);
   });

@@ -66,10 +66,15 @@ absl::StatusOr<std::shared_ptr<const LeaseContents>> LeaseTable::Peek(uint64_t i
 }
 
 absl::StatusOr<std::shared_ptr<const LeaseContents>> LeaseTable::Attach(
-    uint64_t id, absl::string_view token, uint64_t connection) {
+    uint64_t id, absl::string_view token, uint64_t connection, bool for_push) {
   absl::MutexLock lock(&mu_);
   auto lease = FindLocked(id, token);
   if (!lease.ok()) return lease.status();
+  if (!for_push && (*lease)->contents->push_only) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "lease ", id, " was fetched for a push (defer_casts): its tensors are cast as they are "
+        "pushed, so its segments are not attached; push it, or fetch without defer_casts"));
+  }
   if ((*lease)->connection != 0 && (*lease)->connection != connection) {
     return absl::FailedPreconditionError(
         absl::StrCat("lease ", id, " is already attached to another connection"));

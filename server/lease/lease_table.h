@@ -25,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/dtype.h"
 #include "server/memory/disposer.h"
 #include "server/memory/buffer.h"
 
@@ -34,11 +35,24 @@ using LeaseToken = std::array<uint8_t, 16>;
 
 // Where one tensor of a lease lies: bytes [offset, offset + length) of
 // buffers[buffer].
+//
+// A tensor of a lease fetched for a push with its casts deferred
+// (FetchParams::defer_casts) holds its source: `length` bytes of
+// `src_dtype`, which the push converts to `dst_dtype` as it writes them (on
+// the GPU for a CUDA push). PushLength() is what the destination receives.
 struct LeaseTensor {
   uint32_t buffer = 0;
   uint64_t offset = 0;
   uint64_t length = 0;
+  bool cast = false;
+  DType src_dtype = DType::kF32;  // with `cast`
+  DType dst_dtype = DType::kF32;  // with `cast`
 };
+
+// The bytes a push writes for `t`: `length`, or its elements in dst_dtype.
+inline uint64_t PushLength(const LeaseTensor& t) {
+  return t.cast ? t.length / DTypeSize(t.src_dtype) * DTypeSize(t.dst_dtype) : t.length;
+}
 
 // Who fetched a lease and what it exposes (server/service/access_control.h;
 // the table only keeps it).
@@ -60,6 +74,10 @@ struct LeaseContents {
   // Who fetched it, for the access checks of its later uses; null when it
   // was fetched without a caller (in-process callers, tests).
   std::shared_ptr<const LeaseOwner> owner;
+  // Fetched with its casts deferred to the push (some tensors hold their
+  // source bytes, LeaseTensor::cast): it can only be pushed; the data
+  // socket refuses to attach its segments and Read to stream them.
+  bool push_only = false;
 };
 
 struct LeaseGrant {
@@ -86,8 +104,11 @@ class LeaseTable {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ties the lease to data connection `connection` (no TTL from now on).
+  // `for_push` false (an attach that hands out the segments): a push-only
+  // lease (LeaseContents::push_only) is FAILED_PRECONDITION and stays as it
+  // was.
   absl::StatusOr<std::shared_ptr<const LeaseContents>> Attach(
-      uint64_t id, absl::string_view token, uint64_t connection)
+      uint64_t id, absl::string_view token, uint64_t connection, bool for_push = true)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::Status Release(uint64_t id, absl::string_view token) ABSL_LOCKS_EXCLUDED(mu_);

@@ -18,4 +18,13 @@ bool IsPlainView(const MaterializeItem& item) {
          IsContiguous(s.shape, s.box);
 }
 
+bool IsCastOfView(const MaterializeItem& item) {
+  if (item.scalar.has_value() || item.fp8_scale.has_value() || item.slices.size() != 1) {
+    return false;
+  }
+  const PartSlice& s = item.slices[0];
+  return s.stored != nullptr && s.patches.empty() && s.stored->dtype != item.out_dtype &&
+         CanCast(s.stored->dtype, item.out_dtype) && IsContiguous(s.shape, s.box);
+}
+
 }  // namespace weightd

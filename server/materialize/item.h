@@ -65,6 +65,11 @@ int64_t OutputElements(const MaterializeItem& item);
 // unpatched, unquantized, contiguous box in the stored dtype.
 bool IsPlainView(const MaterializeItem& item);
 
+// True when the item would be a plain view but for its output dtype, to
+// which its stored dtype converts (CanCast): what a push can cast as it
+// writes (FetchParams::defer_casts).
+bool IsCastOfView(const MaterializeItem& item);
+
 }  // namespace weightd
 
 #endif  // WEIGHTD_SERVER_MATERIALIZE_ITEM_H_

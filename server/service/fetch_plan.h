@@ -40,6 +40,9 @@ struct FetchedTensor {
   uint64_t offset = 0;   // filled once materialized
   uint64_t length = 0;   // filled once materialized
   Digest digest;         // filled once materialized
+  // Leased as its stored bytes, converted to `dtype` by the push
+  // (FetchParams::defer_casts); `digest` is then unset.
+  bool cast_on_push = false;
 };
 
 // What a fetch serves, the same for every fetch of the same request on the

@@ -703,6 +703,16 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   WD_ASSIGN_OR_RETURN(FetchPlan plan, PlanFetch(planned, plan_options));
   std::vector<MaterializeItem>& items = plan.items;
   std::vector<FetchedTensor>& tables = plan.tensors;
+  // A lease for a push: a plain view but for its dtype is leased as its
+  // stored bytes, cast by the push (the output dtype kept here).
+  std::vector<std::optional<DType>> cast_on_push(items.size());
+  if (params.defer_casts) {
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!IsCastOfView(items[i])) continue;
+      cast_on_push[i] = items[i].out_dtype;
+      items[i].out_dtype = items[i].slices[0].stored->dtype;
+    }
+  }
   WD_ASSIGN_OR_RETURN(std::vector<MaterializedTensor> served,
                       materializer_.Materialize(items, absl::StrCat(params.model, "#", gen->number),
                                                   ReadScope(guards)));
@@ -726,10 +736,18 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     FetchedTensor& ft = tables[i];
     ft.segment = it->second;
     ft.offset = m.offset;
-    ft.length = m.length;
-    ft.digest = m.digest;
-    ranges->push_back(LeaseTensor{ft.segment, ft.offset, ft.length});
-    table->bytes += m.length;
+    LeaseTensor range{ft.segment, ft.offset, m.length};
+    if (cast_on_push[i].has_value()) {
+      range.cast = true;
+      range.src_dtype = items[i].out_dtype;
+      range.dst_dtype = *cast_on_push[i];
+      ft.cast_on_push = true;
+    } else {
+      ft.digest = m.digest;
+    }
+    ft.length = PushLength(range);
+    ranges->push_back(range);
+    table->bytes += ft.length;
     table->tensors.push_back(std::move(ft));
   }
   table->ranges = std::move(ranges);
@@ -785,6 +803,7 @@ std::string WeightService::FetchCacheKey(const FetchParams& params, uint64_t gen
   }
   put(params.dtype.has_value() ? static_cast<uint64_t>(*params.dtype) : ~uint64_t{0});
   put(params.changed_since);
+  put(params.defer_casts ? 1 : 0);
   put(params.names.size());
   for (const std::string& n : params.names) put_str(n);
   return key;
@@ -802,6 +821,7 @@ FetchResult WeightService::GrantFetch(const FetchParams& params, const Generatio
   lease.buffers = std::move(buffers);
   lease.bytes = table->bytes;
   lease.tensors = table->ranges;
+  lease.push_only = params.defer_casts;
   if (params.caller.has_value()) {
     lease.owner = std::make_shared<const LeaseOwner>(LeaseOwner{*params.caller, std::move(guards)});
   }
@@ -1357,6 +1377,11 @@ absl::StatusOr<ReadRange> WeightService::Read(uint64_t lease_id, absl::string_vi
                                               uint64_t length, const Principal* caller) {
   if (caller != nullptr) WD_RETURN_IF_ERROR(CheckLeaseUse(lease_id, *caller));
   WD_ASSIGN_OR_RETURN(auto contents, leases_.Use(lease_id, token));
+  if (contents->push_only) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "lease ", lease_id, " was fetched for a push (defer_casts): its tensors are cast as "
+        "they are pushed, so its segments are not streamed; fetch without defer_casts to Read"));
+  }
   if (segment >= contents->buffers.size()) {
     return absl::OutOfRangeError(absl::StrCat("lease ", lease_id, " has ",
                                               contents->buffers.size(),

@@ -169,6 +169,10 @@ struct FetchParams {
   std::vector<std::string> names;
   TransportKind transport = TransportKind::kShm;
   uint64_t changed_since = 0;
+  // The lease is for a push only: tensors that need only a cast of one
+  // contiguous stored slice are leased as their stored bytes and cast by
+  // the push (LeaseTensor::cast; FetchRequest.defer_casts).
+  bool defer_casts = false;
   // Who asks: checked against the readers of the model and of the adapters
   // of the generation served, and recorded as the lease's owner. nullopt =
   // the daemon itself (no check).

@@ -13,6 +13,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/cast.h"
+#include "common/status_macros.h"
 #include "server/memory/buffer.h"
 #include "server/transport/push_plan.h"
 
@@ -20,6 +22,36 @@ namespace weightd {
 namespace {
 
 constexpr uint64_t kChunk = uint64_t{64} << 20;
+// A cast is converted into a bounce buffer of at most this, then written:
+// small enough to stay in cache between the two.
+constexpr uint64_t kCastChunk = uint64_t{2} << 20;
+
+// Writes [data, data + length) at `offset` of the destination.
+absl::Status WriteAt(int fd, const uint8_t* data, uint64_t length, uint64_t offset) {
+  uint64_t done = 0;
+  while (done < length) {
+    ssize_t w = ::pwrite(fd, data + done, static_cast<size_t>(length - done),
+                         static_cast<off_t>(offset + done));
+    if (w < 0) {
+      int err = errno;
+      if (err == EINTR) continue;
+      if (err == EPERM) {
+        return absl::AbortedError(
+            "the client changed the destination during the push (a write seal, or O_APPEND "
+            "against its size seal): the write was refused");
+      }
+      if (err == ENOSPC || err == EFBIG || err == ENOMEM) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("writing the push's destination: ", std::strerror(err)));
+      }
+      return absl::AbortedError(
+          absl::StrCat("writing the push's destination: ", std::strerror(err)));
+    }
+    if (w == 0) return absl::AbortedError("writing the push's destination: no progress");
+    done += static_cast<uint64_t>(w);
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -28,7 +60,7 @@ absl::StatusOr<PushLayout> LayoutForPush(const LeaseContents& lease,
   std::vector<uint64_t> lengths;
   if (lease.tensors != nullptr) {
     lengths.reserve(lease.tensors->size());
-    for (const LeaseTensor& t : *lease.tensors) lengths.push_back(t.length);
+    for (const LeaseTensor& t : *lease.tensors) lengths.push_back(PushLength(t));
   }
   if (offsets.empty()) return DefaultPushLayout(lengths);
   return CheckPushLayout(lengths, offsets);
@@ -124,33 +156,22 @@ absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, in
   if (absl::Status s = CheckHostDestination(fd, layout); !s.ok()) return s;
   if (absl::Status s = CheckLeaseTensors(lease); !s.ok()) return s;
   if (n == 0) return absl::OkStatus();
-  for (const PushCopy& copy : PlanPushCopies(*lease.tensors, layout, {.max_copy_bytes = kChunk})) {
+  std::vector<uint8_t> bounce;
+  for (const PushCopy& copy : PlanPushCopies(
+           *lease.tensors, layout, {.max_copy_bytes = kChunk, .max_cast_bytes = kCastChunk})) {
     if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
       return absl::UnavailableError("the daemon is shutting down; the push was cut short");
     }
     const uint8_t* src = lease.buffers[copy.buffer]->host_data() + copy.src_offset;
-    uint64_t done = 0;
-    while (done < copy.length) {
-      ssize_t w = ::pwrite(fd, src + done, static_cast<size_t>(copy.length - done),
-                           static_cast<off_t>(copy.dst_offset + done));
-      if (w < 0) {
-        int err = errno;
-        if (err == EINTR) continue;
-        if (err == EPERM) {
-          return absl::AbortedError(
-              "the client changed the destination during the push (a write seal, or O_APPEND "
-              "against its size seal): the write was refused");
-        }
-        if (err == ENOSPC || err == EFBIG || err == ENOMEM) {
-          return absl::ResourceExhaustedError(
-              absl::StrCat("writing the push's destination: ", std::strerror(err)));
-        }
-        return absl::AbortedError(
-            absl::StrCat("writing the push's destination: ", std::strerror(err)));
-      }
-      if (w == 0) return absl::AbortedError("writing the push's destination: no progress");
-      done += static_cast<uint64_t>(w);
+    if (copy.cast) {
+      // The host twin of the CUDA push's cast on the GPU: the same pieces,
+      // converted by the CPU's kernels (bit for bit the GPU's, cast_test).
+      if (bounce.size() < copy.dst_length) bounce.resize(copy.dst_length);
+      WD_RETURN_IF_ERROR(CastBuffer(copy.src_dtype, src, copy.dst_dtype, bounce.data(),
+                                    copy.length / DTypeSize(copy.src_dtype)));
+      src = bounce.data();
     }
+    WD_RETURN_IF_ERROR(WriteAt(fd, src, copy.dst_length, copy.dst_offset));
   }
   return absl::OkStatus();
 }

@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/cast.h"
 #include "common/fd.h"
 #include "server/memory/segment.h"
 #include "server/memory/test_buffers.h"
@@ -82,6 +83,40 @@ TEST(HostPushTest, WritesEveryTensorAtItsOffsetAndNothingElse) {
     std::memcpy(want.data() + layout->offsets[i], src + t.offset, t.length);
   }
   EXPECT_EQ(got, want);  // the gaps and the tail keep the client's bytes
+}
+
+TEST(HostPushTest, CastsAsItWritesTheSameBytesAsCastBuffer) {
+  // A plain tensor, then 1.5 Mi BF16 elements (every 16-bit pattern, and
+  // more) pushed as F32 — several bounce pieces — then F64 -> F16.
+  constexpr uint64_t kBf16 = 3 << 19;
+  constexpr uint64_t kF64 = 1000;
+  LeaseContents lease = LeaseOf({100, kBf16 * 2, kF64 * 8});
+  auto tensors = std::make_shared<std::vector<LeaseTensor>>(*lease.tensors);
+  (*tensors)[1].cast = true;
+  (*tensors)[1].src_dtype = DType::kBF16;
+  (*tensors)[1].dst_dtype = DType::kF32;
+  (*tensors)[2].cast = true;
+  (*tensors)[2].src_dtype = DType::kF64;
+  (*tensors)[2].dst_dtype = DType::kF16;
+  lease.tensors = tensors;
+  auto layout = LayoutForPush(lease, {});
+  ASSERT_TRUE(layout.ok());
+  EXPECT_EQ(layout->lengths, (std::vector<uint64_t>{100, kBf16 * 4, kF64 * 2}));
+  UniqueFd dest = Destination(layout->size);
+  ASSERT_TRUE(PushToHost(lease, *layout, dest.get(), nullptr).ok());
+  std::string got = ReadAll(dest.get(), layout->size);
+  const uint8_t* src = lease.buffers[0]->host_data();
+  EXPECT_EQ(got.substr(0, 100), std::string(reinterpret_cast<const char*>(src), 100));
+  std::string want(kBf16 * 4, '\0');
+  ASSERT_TRUE(CastBufferScalar(DType::kBF16, src + (*tensors)[1].offset, DType::kF32,
+                               want.data(), kBf16)
+                  .ok());
+  EXPECT_TRUE(got.substr(layout->offsets[1], kBf16 * 4) == want);
+  want.assign(kF64 * 2, '\0');
+  ASSERT_TRUE(CastBufferScalar(DType::kF64, src + (*tensors)[2].offset, DType::kF16,
+                               want.data(), kF64)
+                  .ok());
+  EXPECT_TRUE(got.substr(layout->offsets[2], kF64 * 2) == want);
 }
 
 TEST(HostPushTest, ClientOffsetsInAnyOrder) {

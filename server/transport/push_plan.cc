@@ -15,6 +15,12 @@ absl::Status CheckLeaseTensors(const LeaseContents& lease) {
                          t.length > lease.buffers[t.buffer]->size() - t.offset)) {
       return absl::InternalError(absl::StrCat("lease tensor ", i, " lies outside its segment"));
     }
+    if (t.cast && (!CanCast(t.src_dtype, t.dst_dtype) || t.length % DTypeSize(t.src_dtype) != 0)) {
+      return absl::InternalError(absl::StrCat("lease tensor ", i, " has a cast from ",
+                                              DTypeName(t.src_dtype), " to ",
+                                              DTypeName(t.dst_dtype), " over ", t.length,
+                                              " bytes, which cannot be"));
+    }
   }
   return absl::OkStatus();
 }
@@ -30,31 +36,60 @@ std::vector<PushCopy> PlanPushCopies(absl::Span<const LeaseTensor> tensors,
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return layout.offsets[a] < layout.offsets[b];
   });
-  // Runs back to back in source and destination.
+  // Runs back to back in source and destination; a cast is a run alone.
   std::vector<PushCopy> runs;
   for (size_t i : order) {
     const LeaseTensor& t = tensors[i];
-    if (!runs.empty()) {
+    if (!runs.empty() && !t.cast) {
       PushCopy& last = runs.back();
-      if (last.buffer == t.buffer && last.src_offset + last.length == t.offset &&
+      if (!last.cast && last.buffer == t.buffer && last.src_offset + last.length == t.offset &&
           last.dst_offset + last.length == layout.offsets[i]) {
         last.length += t.length;
+        last.dst_length += t.length;
         continue;
       }
     }
-    runs.push_back(PushCopy{t.buffer, t.offset, layout.offsets[i], t.length, 0});
+    PushCopy run{t.buffer, t.offset, layout.offsets[i], t.length, 0};
+    run.dst_length = PushLength(t);
+    if (t.cast) {
+      run.cast = true;
+      run.src_dtype = t.src_dtype;
+      run.dst_dtype = t.dst_dtype;
+    }
+    runs.push_back(run);
   }
   std::vector<PushCopy> out;
   std::vector<uint64_t> load(streams, 0);
+  auto place = [&](PushCopy piece) {
+    piece.stream = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[piece.stream] += std::max(piece.length, piece.dst_length);
+    out.push_back(piece);
+  };
   for (const PushCopy& run : runs) {
-    for (uint64_t done = 0; done < run.length; done += max_bytes) {
+    if (!run.cast) {
+      for (uint64_t done = 0; done < run.length; done += max_bytes) {
+        PushCopy piece = run;
+        piece.src_offset += done;
+        piece.dst_offset += done;
+        piece.length = std::min(max_bytes, run.length - done);
+        piece.dst_length = piece.length;
+        place(piece);
+      }
+      continue;
+    }
+    const uint64_t src_size = DTypeSize(run.src_dtype);
+    const uint64_t dst_size = DTypeSize(run.dst_dtype);
+    const uint64_t elements = run.length / src_size;
+    const uint64_t per_piece =
+        std::max<uint64_t>(options.max_cast_bytes / std::max(src_size, dst_size), 1);
+    for (uint64_t done = 0; done < elements; done += per_piece) {
+      const uint64_t e = std::min(per_piece, elements - done);
       PushCopy piece = run;
-      piece.src_offset += done;
-      piece.dst_offset += done;
-      piece.length = std::min(max_bytes, run.length - done);
-      piece.stream = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-      load[piece.stream] += piece.length;
-      out.push_back(piece);
+      piece.src_offset += done * src_size;
+      piece.dst_offset += done * dst_size;
+      piece.length = e * src_size;
+      piece.dst_length = e * dst_size;
+      place(piece);
     }
   }
   return out;

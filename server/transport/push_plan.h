@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "common/dtype.h"
 #include "common/push_layout.h"
 #include "server/lease/lease_table.h"
 
@@ -16,17 +17,28 @@ namespace weightd {
 
 // Bytes [src_offset, src_offset + length) of the lease's buffers[buffer]
 // go to [dst_offset, dst_offset + length) of the destination, on `stream`.
+// A cast piece (`cast`) reads `length` bytes of src_dtype and writes their
+// elements converted to dst_dtype, dst_length bytes: the host push converts
+// them into a bounce buffer it then writes, the CUDA push copies them into
+// a device scratch buffer and converts from there into the destination.
 struct PushCopy {
   uint32_t buffer = 0;
   uint64_t src_offset = 0;
   uint64_t dst_offset = 0;
   uint64_t length = 0;
   int stream = 0;
+  bool cast = false;
+  DType src_dtype = DType::kF32;
+  DType dst_dtype = DType::kF32;
+  uint64_t dst_length = 0;  // = length without a cast
 };
 
 struct PushPlanOptions {
   uint64_t max_copy_bytes = uint64_t{64} << 20;  // > 0
   int streams = 1;                               // >= 1
+  // A cast piece's source and output each fit this (its scratch buffer);
+  // at least one element of the widest dtype.
+  uint64_t max_cast_bytes = uint64_t{16} << 20;
 };
 
 // INTERNAL naming the first of `lease`'s tensors that does not lie inside
@@ -36,9 +48,12 @@ absl::Status CheckLeaseTensors(const LeaseContents& lease);
 // The copies that write tensors[i] at layout.offsets[i], every byte once:
 // runs of tensors that lie back to back both in one source buffer and in
 // the destination become one copy (padding between tensors is never
-// copied), which is then cut into pieces of at most max_copy_bytes; each
-// piece goes to the stream with the fewest bytes so far (the lowest on a
-// tie). Empty tensors make none. In destination order.
+// copied), which is then cut into pieces of at most max_copy_bytes; a
+// tensor with a cast (LeaseTensor::cast) is never joined to another and is
+// cut on element boundaries into pieces whose source and output each fit
+// max_cast_bytes. Each piece goes to the stream with the fewest bytes so
+// far (the larger of its source and output; the lowest on a tie). Empty
+// tensors make none. In destination order.
 std::vector<PushCopy> PlanPushCopies(absl::Span<const LeaseTensor> tensors,
                                      const PushLayout& layout, const PushPlanOptions& options);
 

@@ -47,6 +47,78 @@ TEST(PlanPushCopiesTest, CutsLargeRunsAndBalancesStreams) {
   for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(plan[i] == want[i]) << i;
 }
 
+LeaseTensor Cast(uint32_t buffer, uint64_t offset, uint64_t length, DType src, DType dst) {
+  LeaseTensor t{buffer, offset, length};
+  t.cast = true;
+  t.src_dtype = src;
+  t.dst_dtype = dst;
+  return t;
+}
+
+TEST(PlanPushCopiesTest, CastsAreNeverJoinedAndAreCutOnElements) {
+  // t0 plain, t1 a BF16 -> F32 cast right after it in source and (by
+  // offsets) destination, t2 plain after t1: no run crosses the cast.
+  // 100 BF16 elements (200 bytes) become 400 bytes; with 96-byte scratch a
+  // piece holds 24 elements (96 bytes of F32 output, 48 of source).
+  std::vector<LeaseTensor> tensors = {{0, 0, 64}, Cast(0, 64, 200, DType::kBF16, DType::kF32),
+                                      {0, 264, 64}};
+  EXPECT_EQ(PushLength(tensors[1]), 400u);
+  PushLayout layout = Layout({0, 64, 464}, {64, 400, 64});
+  std::vector<PushCopy> plan =
+      PlanPushCopies(tensors, layout, {.max_copy_bytes = 1000, .max_cast_bytes = 96});
+  ASSERT_EQ(plan.size(), 1u + 5u + 1u);
+  EXPECT_FALSE(plan[0].cast);
+  EXPECT_EQ(plan[0].length, 64u);
+  uint64_t src = 64, dst = 64, elements = 0;
+  for (size_t i = 1; i <= 5; ++i) {
+    const PushCopy& c = plan[i];
+    EXPECT_TRUE(c.cast);
+    EXPECT_EQ(c.src_dtype, DType::kBF16);
+    EXPECT_EQ(c.dst_dtype, DType::kF32);
+    EXPECT_EQ(c.src_offset, src);
+    EXPECT_EQ(c.dst_offset, dst);
+    EXPECT_EQ(c.dst_length, c.length * 2);
+    EXPECT_LE(c.dst_length, 96u);
+    EXPECT_EQ(c.length % 2, 0u);
+    src += c.length;
+    dst += c.dst_length;
+    elements += c.length / 2;
+  }
+  EXPECT_EQ(elements, 100u);
+  EXPECT_FALSE(plan[6].cast);
+  EXPECT_EQ(plan[6].src_offset, 264u);
+  EXPECT_EQ(plan[6].dst_offset, 464u);
+}
+
+TEST(PlanPushCopiesTest, NarrowingCastsAreLimitedByTheirSourceAndBalancedByTheLarger) {
+  // F64 -> F16: 10 elements, 80 bytes in, 20 out; 32-byte scratch = 4
+  // elements a piece; two streams take 32, 32, 16 source bytes in turn.
+  std::vector<LeaseTensor> tensors = {Cast(0, 0, 80, DType::kF64, DType::kF16)};
+  PushLayout layout = Layout({0}, {20});
+  std::vector<PushCopy> plan =
+      PlanPushCopies(tensors, layout, {.streams = 2, .max_cast_bytes = 32});
+  ASSERT_EQ(plan.size(), 3u);
+  EXPECT_EQ(plan[0].length, 32u);
+  EXPECT_EQ(plan[0].dst_length, 8u);
+  EXPECT_EQ(plan[0].stream, 0);
+  EXPECT_EQ(plan[1].stream, 1);
+  EXPECT_EQ(plan[2].length, 16u);
+  EXPECT_EQ(plan[2].dst_offset, 16u);
+  EXPECT_EQ(plan[2].stream, 0);
+  // A scratch smaller than one element still takes one a piece.
+  plan = PlanPushCopies(tensors, layout, {.max_cast_bytes = 3});
+  EXPECT_EQ(plan.size(), 10u);
+}
+
+TEST(PlanPushCopiesTest, CheckLeaseTensorsRefusesACastThatCannotBe) {
+  LeaseContents lease;
+  lease.buffers.push_back(nullptr);
+  auto tensors = std::make_shared<std::vector<LeaseTensor>>();
+  tensors->push_back(Cast(0, 0, 0, DType::kI64, DType::kF32));  // empty: no buffer read
+  lease.tensors = tensors;
+  EXPECT_EQ(CheckLeaseTensors(lease).code(), absl::StatusCode::kInternal);
+}
+
 TEST(PlanPushCopiesTest, EveryByteOnceInDestinationOrderWhateverTheOffsets) {
   // The client's offsets, in reverse order of the tensors.
   std::vector<LeaseTensor> tensors = {{0, 0, 10}, {0, 10, 20}, {2, 7, 30}};

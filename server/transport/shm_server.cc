@@ -611,7 +611,7 @@ void ShmDataServer::Run() {
     std::vector<int> fds;
     if (status.ok()) {
       absl::string_view token(reinterpret_cast<const char*>(c.request.token), 16);
-      auto contents = leases_->Attach(c.request.lease_id, token, c.id);
+      auto contents = leases_->Attach(c.request.lease_id, token, c.id, /*for_push=*/false);
       status = contents.status();
       if (contents.ok()) status = SharedFds(**contents, &fds, &c.pinned);
     }

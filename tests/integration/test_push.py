@@ -52,6 +52,7 @@ import textwrap
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -199,13 +200,14 @@ def _serves(d, client):
     assert client.health() is True
 
 
-def _grant(client, model="small", world=1, rank=0, dtype=None):
+def _grant(client, model="small", world=1, rank=0, dtype=None, defer_casts=False):
     """A raw Fetch (a lease, no attach): (response, lengths)."""
     from weightd import _dtypes
     dt = _dtypes.parse_request_dtype(dtype)
     resp = client._shards.Fetch(pb.FetchRequest(
         model=model, mesh_shape=[world], coord=[rank], transport=pb.SHM,
-        dtype=_dtypes.enum_of_name(dt) if dt else pb.DTYPE_UNSPECIFIED), timeout=60)
+        dtype=_dtypes.enum_of_name(dt) if dt else pb.DTYPE_UNSPECIFIED,
+        defer_casts=defer_casts), timeout=60)
     return resp, [t.length for t in resp.tensors]
 
 
@@ -334,8 +336,13 @@ def test_push_parity(daemon, client, world, dtype):
             _assert_matches_torch(sd, ref, what)
             for m in h.tensors:
                 w = want_meta[m.name]
-                assert (m.dtype, m.shape, m.global_shape, m.global_offset, m.digest, m.length) == \
-                    (w.dtype, w.shape, w.global_shape, w.global_offset, w.digest, w.length), \
+                assert (m.dtype, m.shape, m.global_shape, m.global_offset, m.length) == \
+                    (w.dtype, w.shape, w.global_shape, w.global_offset, w.length), \
+                    "%s: %s" % (what, m.name)
+                # cast by the push (cast_on_push, the default): no digest,
+                # and only where the stored dtype is not the one served
+                stored = _DT_NAME[daemon.small[m.name].dtype]
+                assert m.digest == (b"" if stored != m.dtype else w.digest), \
                     "%s: %s" % (what, m.name)
             assert sd["empty"].shape == (0, 4) and sd["scalar"].shape == ()
 
@@ -379,6 +386,82 @@ def test_push_parity(daemon, client, world, dtype):
             h.refresh()
         assert e.value.code == "FAILED_PRECONDITION"
     assert _wait_leases(client, base) == base
+
+
+_DT_NAME = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+            torch.float64: "F64", torch.int64: "I64", torch.bool: "BOOL"}
+
+
+def test_casts_deferred_to_the_push(daemon, client):
+    """fetch(cast_on_push=True), the push default: a tensor that needs only a
+    cast is leased as its stored bytes and cast while the daemon writes it
+    (the host twin of the cast on the GPU); nothing is materialized, the
+    bytes equal the materialized ones, and the lease is for a push only."""
+    for world, rank, dtype in ((1, 0, "f32"), (3, 1, "bf16"), (2, 1, "f16")):
+        what = "world %d rank %d dtype %s" % (world, rank, dtype)
+        with client.fetch("small", world=world, rank=rank, dtype=dtype, mode="push",
+                          cast_on_push=False) as h:
+            want = {k: st_io.tensor_bytes(v) for k, v in h.state_dict().items()}
+            want_meta = {m.name: m for m in h.tensors}
+        before = client.stats()["materialization_bytes"]
+        with client.fetch("small", world=world, rank=rank, dtype=dtype, mode="push") as h:
+            got = {k: st_io.tensor_bytes(v) for k, v in h.state_dict().items()}
+            metas = {m.name: m for m in h.tensors}
+        assert got == want, what
+        cast = {n for n, m in metas.items() if m.digest == b""}
+        assert cast == {n for n, t in daemon.small.items()
+                        if t.is_floating_point() and _DT_NAME[t.dtype] != metas[n].dtype}, what
+        assert all(metas[n].digest == want_meta[n].digest for n in metas if n not in cast)
+        # every tensor was a view or cast by the push: nothing computed
+        assert client.stats()["materialization_bytes"] == before, what
+
+    # The raw lease: the served lengths, cast_on_push set, and neither the
+    # data socket nor Read hands out what it holds.
+    resp, lengths = _grant(client, dtype="f32", defer_casts=True)
+    try:
+        by_name = {t.name: t for t in resp.tensors}
+        assert by_name["half.weight"].cast_on_push and by_name["half.weight"].digest == b""
+        assert by_name["half.weight"].length == 10 * 6 * 4
+        assert not by_name["emb.weight"].cast_on_push and len(by_name["emb.weight"].digest) == 16
+        with pytest.raises(weightd.Error) as e:
+            conn, fds = _datasock.attach(resp.data_socket, resp.lease_id, bytes(resp.token),
+                                         len(resp.segment_sizes))
+        assert e.value.code == "FAILED_PRECONDITION" and "defer_casts" in e.value.message
+        with pytest.raises(grpc.RpcError) as e:
+            list(client._shards.Read(pb.ReadRequest(lease_id=resp.lease_id, token=resp.token,
+                                                    segment=0, offset=0, length=16),
+                                     timeout=10))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "defer_casts" in e.value.details()
+        # it still pushes, at the served lengths
+        offsets, size = _datasock.default_layout(lengths)
+        fd = _memfd(size)
+        try:
+            with _connect(resp) as sock:
+                assert _ask(sock, resp, [fd]) == (0, "")
+            data = os.pread(fd, size, 0)
+        finally:
+            os.close(fd)
+        ref = cast_shard_ref(daemon.small["half.weight"], 1, 0, torch.float32)
+        i = [t.name for t in resp.tensors].index("half.weight")
+        assert data[offsets[i]:offsets[i] + lengths[i]] == st_io.tensor_bytes(ref)
+    finally:
+        _release(client, resp)
+    _serves(daemon, client)
+
+
+def test_weightctl_push_casts_as_it_writes(daemon, tmp_path):
+    """weightctl fetch --transport push casts on push (the C++ client's
+    default): the file equals the shm fetch's, and --verify (which needs
+    every digest) still works by having the daemon materialize."""
+    for world, rank, dtype in ((1, 0, "f32"), (3, 2, "bf16")):
+        common = ["fetch", "small", "--world", world, "--rank", rank, "--dtype", dtype]
+        daemon.ctl_ok(*common, "--out", tmp_path / "shm.st")
+        daemon.ctl_ok(*common, "--transport", "push", "--out", tmp_path / "push.st")
+        daemon.ctl_ok(*common, "--transport", "push", "--verify", "--out", tmp_path / "v.st")
+        want = (tmp_path / "shm.st").read_bytes()
+        assert (tmp_path / "push.st").read_bytes() == want, (world, rank, dtype)
+        assert (tmp_path / "v.st").read_bytes() == want, (world, rank, dtype)
 
 
 def test_push_tensors_outlive_release(client):
@@ -467,8 +550,11 @@ def test_refresh_in_place_after_apply(daemon, client, world, rank, dtype):
                 assert st_io.tensor_bytes(new_sd[name]) == want, name
                 assert st_io.tensor_bytes(sd[name]) == want, "%s: old view sees old bytes" % name
                 assert not torch.equal(sd[name], first[name]), name
-            for m in h.tensors:
-                assert m.digest == fmeta[m.name].digest, m.name  # metas follow the generation
+            for m in h.tensors:  # metas follow the generation
+                # (the checkpoint is BF16: an unpatched tensor served in
+                # another dtype is cast by the push and has no digest)
+                cast = m.dtype != "BF16" and m.name not in names
+                assert m.digest == (b"" if cast else fmeta[m.name].digest), m.name
         # the merge itself, against PyTorch's fp32 reference
         for name in names:
             ref = cast_shard_ref(_merged_ref(daemon, name, 0.5), world, rank)

@@ -175,7 +175,7 @@ class TensorMeta:
     shape: Tuple[int, ...]  # local shape
     global_shape: Tuple[int, ...]
     global_offset: Tuple[int, ...]
-    digest: bytes  # XXH3-128 of the served bytes
+    digest: bytes  # XXH3-128 of the served bytes (b"": cast by a push, fetch(cast_on_push))
     segment: int
     offset: int
     length: int
@@ -1474,7 +1474,8 @@ class Client:
 
     def fetch(self, model, world=None, rank=None, *, mesh=None, coord=None, placements=None,
               dtype=None, generation=0, changed_since=0, names=None, transport="shm",
-              populate=False, timeout=None, mode=None, device=None, pin=True):
+              populate=False, timeout=None, mode=None, device=None, pin=True,
+              cast_on_push=True):
         """Fetches this rank's local shards of `model` and returns a ShardHandle.
 
         world/rank: a 1-D mesh (default 1/0); or mesh=(A, B, ...) with
@@ -1505,6 +1506,12 @@ class Client:
         allows: handle.pinned / handle.pin_error say); "export" -
         UNIMPLEMENTED. FAILED_PRECONDITION when this process has no CUDA
         (torch without it, no driver).
+        cast_on_push: with mode "push" (host or GPU), a tensor that needs only
+        a cast of its stored bytes is cast by the daemon as it writes it (on
+        the GPU for a GPU push: the stored bytes cross PCIe, not the wider
+        cast ones) instead of into a cast copy it keeps; such tensors carry
+        no digest (TensorMeta.digest == b""). False: every tensor is
+        materialized first, as for the other modes.
         """
         if mesh is not None or coord is not None:
             if world is not None or rank is not None:
@@ -1553,7 +1560,7 @@ class Client:
             model=model, generation=int(generation), mesh_shape=mesh_shape, coord=mesh_coord,
             dtype=_dtypes.enum_of_name(dt) if dt else pb.DTYPE_UNSPECIFIED,
             names=list(names or ()), transport=_TRANSPORTS[transport],
-            changed_since=int(changed_since))
+            changed_since=int(changed_since), defer_casts=(mode == "push" and bool(cast_on_push)))
         if pl is not None:
             req.placements.extend(pb.Placement(shard_dim=d) for d in pl)
         if dev is not None:
@@ -1593,7 +1600,13 @@ class Client:
                 name=t.name, dtype=_dtypes.name_of_enum(t.dtype), shape=tuple(t.shape),
                 global_shape=tuple(t.global_shape), global_offset=tuple(t.global_offset),
                 digest=bytes(t.digest), segment=t.segment, offset=t.offset, length=t.length)
-            if meta.segment >= len(sizes) or meta.offset > sizes[meta.segment] or \
+            # A tensor cast on push names its stored bytes, not `length`
+            # bytes of its dtype: only a push reads them (the daemon).
+            if getattr(t, "cast_on_push", False):
+                if meta.segment >= len(sizes) or meta.offset > sizes[meta.segment]:
+                    raise Error("INTERNAL", "daemon sent tensor \"%s\" outside its segment"
+                                % meta.name)
+            elif meta.segment >= len(sizes) or meta.offset > sizes[meta.segment] or \
                     meta.length > sizes[meta.segment] - meta.offset:
                 raise Error("INTERNAL", "daemon sent tensor \"%s\" outside its segment"
                             % meta.name)

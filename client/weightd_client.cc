@@ -846,6 +846,9 @@ absl::StatusOr<std::unique_ptr<ShardSet>> Client::FetchOnce(const FetchOptions& 
   req.set_defer_casts(options.cast_on_push && !options.verify_digests &&
                       (options.transport == Transport::kPush ||
                        options.transport == Transport::kCuda));
+  if (req.defer_casts()) {
+    req.set_defer_merges(options.merge_on_push.value_or(options.transport == Transport::kCuda));
+  }
   v1::FetchResponse resp;
   {
     grpc::ClientContext ctx;

@@ -213,6 +213,12 @@ struct FetchOptions {
   // copy it keeps (FetchRequest.defer_casts); such tensors have no digest
   // (TensorView::cast_on_push). Off when verify_digests asks for them all.
   bool cast_on_push = true;
+  // With cast_on_push: patched tensors (LoRA, dense; not DoRA) on whole
+  // rows are merged by the push too, element by element
+  // (FetchRequest.defer_merges). nullopt: on for kCuda (the GPU merges),
+  // off for kPush (the host twin is slower than the daemon's vectorized
+  // merge).
+  std::optional<bool> merge_on_push;
 };
 
 struct TensorView {

@@ -43,7 +43,11 @@ constexpr char kUsage[] =
     "  unload NAME | list | info NAME | stats | verify NAME | gpus | peers\n"
     "  fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
     "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc|push|cuda [--device N]]\n"
-    "        [--generation G] [--changed-since G] [--names a,b] [--verify] --out FILE\n"
+    "        [--generation G] [--changed-since G] [--names a,b] [--verify]\n"
+    "        [--cast-on-fetch | --merge-on-push] --out FILE\n"
+    "        (push, cuda: casts run as the daemon writes, on the GPU for cuda, and so do\n"
+    "         LoRA merges for cuda; --cast-on-fetch materializes everything first,\n"
+    "         --merge-on-push merges as it writes for push too)\n"
     "  adapter load NAME PATH [--format auto|peft|kohya|dense] [--strict] [--readers LIST]\n"
     "       [--source auto|storage|peers]\n"
     "  adapter list | adapter unload NAME\n"
@@ -446,6 +450,11 @@ absl::Status CmdFetch(Client& c, const Args& a) {
     }
   }
   opt.verify_digests = a.switches.count("--verify") > 0;
+  if (a.switches.count("--cast-on-fetch") > 0 && a.switches.count("--merge-on-push") > 0) {
+    return absl::InvalidArgumentError("--cast-on-fetch and --merge-on-push exclude each other");
+  }
+  opt.cast_on_push = a.switches.count("--cast-on-fetch") == 0;
+  if (a.switches.count("--merge-on-push") > 0) opt.merge_on_push = true;
   absl::Time start = absl::Now();
   WD_ASSIGN_OR_RETURN(std::unique_ptr<ShardSet> set, c.Fetch(opt));
   double secs = absl::ToDoubleSeconds(absl::Now() - start);
@@ -748,7 +757,7 @@ absl::Status Run(int argc, char** argv) {
                                           {"--world", "--rank", "--mesh", "--coord",
                                            "--placements", "--dtype", "--transport", "--device",
                                            "--generation", "--changed-since", "--names", "--out"},
-                                          {"--verify"}));
+                                          {"--verify", "--cast-on-fetch", "--merge-on-push"}));
     return CmdFetch(*client, a);
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown verb \"", verb, "\"\n", kUsage));

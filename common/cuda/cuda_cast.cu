@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cast_elements.h"
+#include "common/merge_elements.h"
 
 namespace weightd {
 namespace {
@@ -44,7 +45,42 @@ __global__ void CastKernel(DType src_dtype, const void* src, DType dst_dtype, vo
   }
 }
 
+__global__ void MergeKernel(DType src_dtype, const void* src, DType dst_dtype, void* dst,
+                            size_t count, uint64_t first, int64_t row_begin, int64_t cols,
+                            const MergeTerm* terms, int n_terms) {
+  const size_t stride = static_cast<size_t>(blockDim.x) * gridDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    const int64_t e = static_cast<int64_t>(first + i);
+    const float acc = MergeElement(LoadAsF32(src_dtype, src, i), terms, n_terms,
+                                   row_begin + e / cols, e % cols, cols);
+    StoreFromF32(dst_dtype, dst, i, acc);
+  }
+}
+
+unsigned BlocksFor(size_t count, int threads) {
+  const size_t wanted = (count + threads - 1) / threads;
+  return static_cast<unsigned>(wanted < 65535 * 8 ? wanted : 65535 * 8);
+}
+
 }  // namespace
+
+absl::Status MergeBufferCuda(DType src_dtype, const void* src, DType dst_dtype, void* dst,
+                             size_t count, uint64_t first, int64_t row_begin, int64_t cols,
+                             const MergeTerm* terms, int n_terms, cudaStream_t stream) {
+  if (!IsFloating(src_dtype) || !IsFloating(dst_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("a merge needs floating dtypes, not ",
+                                                   DTypeName(src_dtype), " -> ",
+                                                   DTypeName(dst_dtype)));
+  }
+  if (cols < 1) return absl::InvalidArgumentError("a merge needs rows of at least 1 element");
+  if (count == 0) return absl::OkStatus();
+  constexpr int kThreads = 256;
+  MergeKernel<<<BlocksFor(count, kThreads), kThreads, 0, stream>>>(
+      src_dtype, src, dst_dtype, dst, count, first, row_begin, cols, terms, n_terms);
+  cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? absl::OkStatus() : CudaError(err, "merge kernel launch");
+}
 
 absl::Status CudaError(cudaError_t err, const char* what) {
   return absl::UnavailableError(absl::StrCat("cuda: ", what, ": ", cudaGetErrorString(err)));
@@ -63,9 +99,8 @@ absl::Status CastBufferCuda(DType src_dtype, const void* src, DType dst_dtype, v
     return err == cudaSuccess ? absl::OkStatus() : CudaError(err, "cudaMemcpyAsync");
   }
   constexpr int kThreads = 256;
-  const size_t wanted = (count + kThreads - 1) / kThreads;
-  const unsigned blocks = static_cast<unsigned>(wanted < 65535 * 8 ? wanted : 65535 * 8);
-  CastKernel<<<blocks, kThreads, 0, stream>>>(src_dtype, src, dst_dtype, dst, count);
+  CastKernel<<<BlocksFor(count, kThreads), kThreads, 0, stream>>>(src_dtype, src, dst_dtype,
+                                                                    dst, count);
   cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? absl::OkStatus() : CudaError(err, "cast kernel launch");
 }

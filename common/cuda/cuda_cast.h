@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "common/dtype.h"
+#include "common/merge_elements.h"
 
 namespace weightd {
 
@@ -23,6 +24,14 @@ namespace weightd {
 // launch fails (no device, no driver).
 absl::Status CastBufferCuda(DType src_dtype, const void* src, DType dst_dtype, void* dst,
                             size_t count, cudaStream_t stream);
+
+// MergeBufferHost (common/merge.h) on the GPU, enqueued on `stream`: the
+// same MergeElement for each element. `terms` (n_terms of them) and the
+// arrays they point to are device memory. INVALID_ARGUMENT for a
+// non-floating dtype or cols < 1; UNAVAILABLE when the launch fails.
+absl::Status MergeBufferCuda(DType src_dtype, const void* src, DType dst_dtype, void* dst,
+                             size_t count, uint64_t first, int64_t row_begin, int64_t cols,
+                             const MergeTerm* terms, int n_terms, cudaStream_t stream);
 
 // "cuda: <reason>" for a failed CUDA call, as UNAVAILABLE.
 absl::Status CudaError(cudaError_t err, const char* what);

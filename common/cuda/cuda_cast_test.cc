@@ -1,4 +1,5 @@
-// CastBufferCuda against the CPU's CastBufferScalar, bit for bit, NaN
+// CastBufferCuda against the CPU's CastBufferScalar, and MergeBufferCuda
+// against its host twin, bit for bit. Casts: NaN
 // payloads included: every 16-bit pattern of F16 and
 // BF16, every FP8 pattern, and F32/F64 specials plus a million random
 // patterns, to every floating dtype. Needs a device: GTEST_SKIP otherwise
@@ -15,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "common/cast.h"
+#include "common/merge.h"
 
 namespace weightd {
 namespace {
@@ -106,11 +108,104 @@ TEST(CudaCastTest, EveryFloatPairMatchesTheCpuBitForBit) {
   }
 }
 
+// MergeBufferCuda against MergeBufferHost (the host twin), bit for bit:
+// a low-rank term (plain and transposed strides), a dense add, set and
+// copy, on a row range of a [rows, cols] parameter, BF16 and F32 in, BF16,
+// F16 and F32 out, from an element offset mid-row.
+TEST(CudaCastTest, MergeMatchesTheHostTwinBitForBit) {
+  if (std::string why = NoDeviceReason(); !why.empty()) GTEST_SKIP() << why;
+  constexpr int64_t kRows = 37, kCols = 300, kRank = 16, kRow0 = 5, kFirst = 123;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist(0.0f, 0.2f);
+  auto random = [&](size_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = dist(rng);
+    return v;
+  };
+  std::vector<float> a = random(kRank * kCols), b = random(kRows * kRank);
+  std::vector<float> at = random(kRank * kRows), bt = random(kCols * kRank);
+  std::vector<float> v = random(kRows * kCols);
+  std::vector<MergeTerm> host(5);
+  host[0].kind = MergeTerm::kLowRank;  // B [rows, r] @ A [r, cols]
+  host[0].s = 0.37f;
+  host[0].rank = kRank;
+  host[0].x = b.data(), host[0].x_r = kRank, host[0].x_k = 1, host[0].x_len = b.size();
+  host[0].y = a.data(), host[0].y_k = kCols, host[0].y_c = 1, host[0].y_len = a.size();
+  host[1].kind = MergeTerm::kLowRank;  // transposed: A [r, rows] and B [cols, r]
+  host[1].s = -1.5f;
+  host[1].rank = kRank;
+  host[1].x = at.data(), host[1].x_r = 1, host[1].x_k = kRows, host[1].x_len = at.size();
+  host[1].y = bt.data(), host[1].y_k = 1, host[1].y_c = kRank, host[1].y_len = bt.size();
+  for (int i = 2; i < 5; ++i) {
+    host[i].kind = i == 2 ? MergeTerm::kAdd : i == 3 ? MergeTerm::kSet : MergeTerm::kCopy;
+    host[i].s = 0.5f;
+    host[i].v = v.data() + kRow0 * kCols;  // narrowed to the row range
+    host[i].v_row0 = kRow0;
+    host[i].v_len = (kRows - kRow0) * kCols;
+  }
+  // The same terms with device copies of their arrays.
+  std::vector<void*> owned;
+  auto upload = [&](const float* p, uint64_t n) -> const float* {
+    if (p == nullptr) return nullptr;
+    void* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, n * 4), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(d, p, n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    owned.push_back(d);
+    return static_cast<const float*>(d);
+  };
+  std::vector<MergeTerm> dev = host;
+  for (MergeTerm& t : dev) {
+    t.x = upload(t.x, t.x_len);
+    t.y = upload(t.y, t.y_len);
+    t.v = upload(t.v, t.v_len);
+  }
+  const size_t count = (kRows - kRow0) * kCols - kFirst;
+  std::vector<float> w = random(kRows * kCols);
+  for (size_t terms : {size_t{1}, size_t{2}, size_t{3}, size_t{5}}) {
+    void* d_terms = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_terms, terms * sizeof(MergeTerm)), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_terms, dev.data(), terms * sizeof(MergeTerm), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    for (DType src : {DType::kBF16, DType::kF32}) {
+      std::vector<uint8_t> in(count * DTypeSize(src));
+      ASSERT_TRUE(CastBuffer(DType::kF32, w.data() + kRow0 * kCols + kFirst, src, in.data(),
+                             count)
+                      .ok());
+      void* d_in = nullptr;
+      ASSERT_EQ(cudaMalloc(&d_in, in.size()), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(d_in, in.data(), in.size(), cudaMemcpyHostToDevice), cudaSuccess);
+      for (DType dst : {DType::kBF16, DType::kF16, DType::kF32}) {
+        std::vector<uint8_t> want(count * DTypeSize(dst)), got(want.size());
+        ASSERT_TRUE(MergeBufferHost(src, in.data(), dst, want.data(), count, kFirst, kRow0, kCols,
+                                    absl::MakeConstSpan(host.data(), terms))
+                        .ok());
+        void* d_out = nullptr;
+        ASSERT_EQ(cudaMalloc(&d_out, want.size()), cudaSuccess);
+        absl::Status s = MergeBufferCuda(src, d_in, dst, d_out, count, kFirst, kRow0, kCols,
+                                         static_cast<const MergeTerm*>(d_terms),
+                                         static_cast<int>(terms), nullptr);
+        ASSERT_TRUE(s.ok()) << s;
+        ASSERT_EQ(cudaMemcpy(got.data(), d_out, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+        cudaFree(d_out);
+        EXPECT_TRUE(got == want) << terms << " terms, " << DTypeName(src) << " -> "
+                                 << DTypeName(dst);
+      }
+      cudaFree(d_in);
+    }
+    cudaFree(d_terms);
+  }
+  for (void* p : owned) cudaFree(p);
+}
+
 TEST(CudaCastTest, RefusesIntegerConversionsWithoutADevice) {
   // Checked before any CUDA call: runs on every machine.
   absl::Status s = CastBufferCuda(DType::kI64, nullptr, DType::kF32, nullptr, 4, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(CastBufferCuda(DType::kF32, nullptr, DType::kF16, nullptr, 0, nullptr).ok());
+  s = MergeBufferCuda(DType::kI32, nullptr, DType::kF32, nullptr, 4, 0, 0, 1, nullptr, 0, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  s = MergeBufferCuda(DType::kF32, nullptr, DType::kF32, nullptr, 4, 0, 0, 0, nullptr, 0, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

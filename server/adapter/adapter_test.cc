@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cast.h"
+#include "common/merge.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "server/adapter/lora_patch.h"
@@ -424,6 +425,107 @@ TEST(LoraPatchTest, FusedKernelMatchesAFixedOrderReferenceBitForBit) {
           << "r=" << c.r << " in=" << c.in << " out=" << c.out;
     }
   }
+}
+
+// A row range [r0, r0 + rows) of an [out, in] parameter, as a push merges
+// it element by element (common/merge.h, the GPU's MergeElement on the
+// CPU), from F32 to F32, in pieces that start anywhere in a row.
+std::vector<float> MergeRowsByElements(const std::vector<float>& w, int64_t in, int64_t r0,
+                                       int64_t rows, const std::vector<MergeTerm>& terms,
+                                       size_t piece) {
+  std::vector<float> out(static_cast<size_t>(rows * in));
+  const float* src = w.data() + r0 * in;
+  for (size_t at = 0; at < out.size(); at += piece) {
+    const size_t n = std::min(piece, out.size() - at);
+    EXPECT_TRUE(MergeBufferHost(DType::kF32, src + at, DType::kF32, out.data() + at, n, at, r0,
+                                in, terms)
+                    .ok());
+  }
+  return out;
+}
+
+TEST(LoraPatchTest, ElementTermsMergeInTheFusedKernelsOrderBitForBit) {
+  // The GPU's per-element merge (ElementTerm + MergeElement): plain LoRA
+  // in the documented fixed order, bit for bit (the same reference the
+  // fused AVX-512 kernel is held to), and transposed LoRA the same with
+  // A and B's roles swapped; in pieces cut mid-row, on row ranges.
+  for (const FusedCase& c : kFusedCases) {
+    std::vector<float> a = Random(c.r * c.in, 31), b = Random(c.out * c.r, 32);
+    std::vector<float> w = Random(c.out * c.in, 33, 1.0f);
+    auto plain =
+        LoraPatch::Create({Digest{}, "w"}, LowRankFactors{c.r, c.in, c.out, a, b}, 0.7, false);
+    ASSERT_TRUE(plain.ok());
+    MergeTerm t;
+    ASSERT_TRUE((*plain)->ElementTerm(1.25f, &t));
+    EXPECT_EQ(t.kind, MergeTerm::kLowRank);
+    EXPECT_EQ(t.s, EffectiveScale(1.25f, 0.7));
+    EXPECT_EQ(t.x_len + t.y_len, a.size() + b.size());
+    const int64_t r0 = c.out > 4 ? 3 : 0, rows = c.out > 4 ? c.out - 4 : c.out;
+    ShardBox box{{r0, 0}, {rows, c.in}};
+    std::vector<float> want = FixedOrderLoraUpdate(BoxOf(w, c.in, box), box, a, b, c.r, c.in, t.s);
+    for (size_t piece : {size_t{7}, size_t{4096}, want.size()}) {
+      std::vector<float> got = MergeRowsByElements(w, c.in, r0, rows, {t}, piece);
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0)
+          << "r=" << c.r << " in=" << c.in << " out=" << c.out << " piece " << piece;
+    }
+    // Transposed: the parameter is [in, out] = (B @ A)^T; with At = A^T
+    // and Bt = B^T its rows are those of Bt^T... i.e. ΔW[i][j] = Σ_k
+    // A[k][i] B[j][k]: the fixed-order reference over (At as B, Bt as A).
+    std::vector<float> at(a.size()), bt(b.size());
+    for (int64_t k = 0; k < c.r; ++k) {
+      for (int64_t i = 0; i < c.in; ++i) at[i * c.r + k] = a[k * c.in + i];
+      for (int64_t j = 0; j < c.out; ++j) bt[k * c.out + j] = b[j * c.r + k];
+    }
+    auto trans =
+        LoraPatch::Create({Digest{}, "w"}, LowRankFactors{c.r, c.in, c.out, a, b}, 0.7, true);
+    ASSERT_TRUE(trans.ok());
+    ASSERT_TRUE((*trans)->ElementTerm(1.25f, &t));
+    std::vector<float> wt = Random(c.in * c.out, 34, 1.0f);
+    ShardBox tbox{{0, 0}, {c.in, c.out}};
+    want = FixedOrderLoraUpdate(wt, tbox, bt, at, c.r, c.out, t.s);
+    std::vector<float> got = MergeRowsByElements(wt, c.out, 0, c.in, {t}, 1000);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0)
+        << "transposed r=" << c.r << " in=" << c.in << " out=" << c.out;
+    // And Apply (whichever kernel this CPU runs) agrees within the fp32
+    // accumulation bound.
+    std::vector<float> applied = wt;
+    ASSERT_TRUE((*trans)->Apply(tbox, {c.in, c.out}, 1.25f, nullptr, applied.data()).ok());
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], applied[i], 1e-5f * (1.0f + std::fabs(applied[i]))) << i;
+    }
+  }
+}
+
+TEST(DensePatchTest, ElementTermsMergeAsApplyDoesBitForBit) {
+  // .diff (add, scaled), .set_weight (set, scaled), modules_to_save (copy),
+  // stacked on a LoRA term, on a row range of a [5, 2, 3] parameter viewed
+  // as [5, 6]; NaN and -0 among the values.
+  const std::vector<int64_t> shape = {5, 2, 3};
+  std::vector<float> v = Random(30, 41, 1.0f), w = Random(30, 42, 1.0f);
+  v[7] = std::nanf("");
+  v[8] = -0.0f;
+  w[9] = -0.0f;
+  for (DensePatch::Mode mode :
+       {DensePatch::Mode::kAdd, DensePatch::Mode::kSet, DensePatch::Mode::kSetIgnoringStrength}) {
+    auto p = DensePatch::Create({Digest{}, "x"}, shape, v, mode, 0.5);
+    ASSERT_TRUE(p.ok());
+    MergeTerm t;
+    ASSERT_TRUE((*p)->ElementTerm(0.75f, &t));
+    EXPECT_EQ(t.v_len, 30u);
+    ShardBox box{{1, 0, 0}, {3, 2, 3}};
+    std::vector<float> want(w.begin() + 6, w.begin() + 24);
+    ASSERT_TRUE((*p)->Apply(box, shape, 0.75f, nullptr, want.data()).ok());
+    std::vector<float> got = MergeRowsByElements(w, 6, 1, 3, {t}, 5);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0)
+        << static_cast<int>(mode);
+  }
+  // A DoRA patch needs whole rows: it has no element term.
+  std::vector<float> a, b;
+  auto lora = MakeLora(2, 6, 5, 1.0, false, &a, &b);
+  auto dora = DoraPatch::Create({Digest{}, "d"}, lora->factors(), 1.0, Random(5, 43, 1.0f));
+  ASSERT_TRUE(dora.ok());
+  MergeTerm t;
+  EXPECT_FALSE((*dora)->ElementTerm(1.0f, &t));
 }
 
 TEST(LoraPatchTest, GemmPathAgreesWithTheFixedOrderWithinFp32AccumulationError) {

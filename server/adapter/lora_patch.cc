@@ -257,6 +257,36 @@ absl::Status LoraPatch::Apply(const ShardBox& box, absl::Span<const int64_t> glo
   return absl::OkStatus();
 }
 
+bool LoraPatch::ElementTerm(float strength, MergeTerm* term) const {
+  MergeTerm t;
+  t.kind = MergeTerm::kLowRank;
+  t.s = EffectiveScale(strength, scale_);
+  t.rank = f_.rank;
+  t.x_len = f_.b.size();
+  t.y_len = f_.a.size();
+  if (!transposed_) {
+    // ΔW[r][c] = Σ_k B[r][k] A[k][c]
+    t.x = f_.b.data();
+    t.x_r = f_.rank;
+    t.x_k = 1;
+    t.y = f_.a.data();
+    t.y_k = f_.in;
+    t.y_c = 1;
+  } else {
+    // ΔW[r][c] = Σ_k A[k][r] B[c][k]
+    t.x = f_.a.data();
+    t.x_r = 1;
+    t.x_k = f_.in;
+    t.y = f_.b.data();
+    t.y_k = 1;
+    t.y_c = f_.rank;
+    t.x_len = f_.a.size();
+    t.y_len = f_.b.size();
+  }
+  *term = t;
+  return true;
+}
+
 // ---------------------------------------------------------------- DoraPatch
 
 absl::StatusOr<std::shared_ptr<const DoraPatch>> DoraPatch::Create(PatchSource source,
@@ -354,6 +384,18 @@ std::string DensePatch::CacheKey() const {
   const char* kind = mode_ == Mode::kAdd ? "add" : mode_ == Mode::kSet ? "set" : "keep";
   return absl::StrCat("dense-", kind, "|", source_.adapter_digest.Hex(), "|", source_.target, "|",
                       ScaleString(scale_));
+}
+
+bool DensePatch::ElementTerm(float strength, MergeTerm* term) const {
+  MergeTerm t;
+  t.kind = mode_ == Mode::kAdd   ? MergeTerm::kAdd
+           : mode_ == Mode::kSet ? MergeTerm::kSet
+                                 : MergeTerm::kCopy;
+  t.s = EffectiveScale(strength, scale_);
+  t.v = values_.data();
+  t.v_len = values_.size();
+  *term = t;
+  return true;
 }
 
 absl::Status DensePatch::Apply(const ShardBox& box, absl::Span<const int64_t> global_shape,

@@ -76,6 +76,7 @@ class LoraPatch final : public TensorPatch {
   std::vector<int64_t> shape() const override;
   absl::Status Apply(const ShardBox& box, absl::Span<const int64_t> global_shape, float strength,
                      const BaseRowReader& base, float* acc) const override;
+  bool ElementTerm(float strength, MergeTerm* term) const override;
 
   const LowRankFactors& factors() const { return f_; }
   double scale() const { return scale_; }
@@ -167,6 +168,7 @@ class DensePatch final : public TensorPatch {
   std::vector<int64_t> shape() const override { return shape_; }
   absl::Status Apply(const ShardBox& box, absl::Span<const int64_t> global_shape, float strength,
                      const BaseRowReader& base, float* acc) const override;
+  bool ElementTerm(float strength, MergeTerm* term) const override;
 
   Mode mode() const { return mode_; }
   double scale() const { return scale_; }

@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "common/merge_elements.h"
 #include "common/shard.h"
 
 namespace weightd {
@@ -51,6 +52,17 @@ class TensorPatch {
   virtual absl::Status Apply(const ShardBox& box, absl::Span<const int64_t> global_shape,
                              float strength, const BaseRowReader& base,
                              float* acc) const = 0;
+
+  // The patch at `strength` as a per-element term over the whole parameter
+  // (common/merge_elements.h; its arrays are this patch's, valid while it
+  // lives), for kernels that merge element by element (a push's merge on
+  // the GPU). False for a patch that needs more than the element (DoRA's
+  // row norms): such a parameter is merged by Apply.
+  virtual bool ElementTerm(float strength, MergeTerm* term) const {
+    (void)strength;
+    (void)term;
+    return false;
+  }
 };
 
 using TensorPatchPtr = std::shared_ptr<const TensorPatch>;

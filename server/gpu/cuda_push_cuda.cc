@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -251,6 +252,41 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
     }
     cleanup.Add([p = scratch[copy.stream]] { (void)cudaFree(p); });
   }
+  // Each merge's terms and the arrays they point to, in device memory, once
+  // per push (LoRA factors are small; a dense patch sends its box's rows).
+  std::unordered_map<const PushMerge*, const MergeTerm*> device_terms;
+  for (const PushCopy& copy : copies) {
+    if (copy.merge == nullptr || device_terms.count(copy.merge) > 0) continue;
+    std::vector<MergeTerm> terms = copy.merge->terms;
+    uint64_t floats = 0;
+    for (const MergeTerm& t : terms) floats += t.x_len + t.y_len + t.v_len;
+    const uint64_t terms_bytes = (terms.size() * sizeof(MergeTerm) + 255) / 256 * 256;
+    void* arena = nullptr;
+    if (cudaError_t err = cudaMalloc(&arena, terms_bytes + floats * sizeof(float));
+        err != cudaSuccess) {
+      return RuntimeError(err, "allocating GPU memory for a merge's LoRA factors");
+    }
+    cleanup.Add([arena] { (void)cudaFree(arena); });
+    float* at = reinterpret_cast<float*>(static_cast<uint8_t*>(arena) + terms_bytes);
+    auto upload = [&at](const float*& p, uint64_t n) -> cudaError_t {
+      if (p == nullptr || n == 0) return cudaSuccess;
+      cudaError_t err = cudaMemcpy(at, p, n * sizeof(float), cudaMemcpyHostToDevice);
+      p = at;
+      at += n;
+      return err;
+    };
+    for (MergeTerm& t : terms) {
+      for (cudaError_t err : {upload(t.x, t.x_len), upload(t.y, t.y_len), upload(t.v, t.v_len)}) {
+        if (err != cudaSuccess) return RuntimeError(err, "copying a merge's factors to the GPU");
+      }
+    }
+    if (cudaError_t err = cudaMemcpy(arena, terms.data(), terms.size() * sizeof(MergeTerm),
+                                     cudaMemcpyHostToDevice);
+        err != cudaSuccess) {
+      return RuntimeError(err, "copying a merge's terms to the GPU");
+    }
+    device_terms[copy.merge] = static_cast<const MergeTerm*>(arena);
+  }
   absl::Status status;
   for (const PushCopy& copy : copies) {
     if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
@@ -265,9 +301,16 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
       status = RuntimeError(err, "copying to the push's GPU allocation");
       break;
     }
-    if (copy.cast) {
-      status = CastBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset,
-                              copy.length / DTypeSize(copy.src_dtype), stream);
+    const size_t count = copy.cast ? copy.length / DTypeSize(copy.src_dtype) : 0;
+    if (copy.merge != nullptr) {
+      status = MergeBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset, count,
+                               copy.first_element, copy.merge->row_begin, copy.merge->cols,
+                               device_terms[copy.merge],
+                               static_cast<int>(copy.merge->terms.size()), stream);
+      if (!status.ok()) break;
+    } else if (copy.cast) {
+      status = CastBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset, count,
+                              stream);
       if (!status.ok()) break;
     }
   }

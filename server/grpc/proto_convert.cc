@@ -73,6 +73,7 @@ absl::StatusOr<FetchParams> DecodeFetch(const v1::FetchRequest& req) {
   }
   p.changed_since = req.changed_since();
   p.defer_casts = req.defer_casts();
+  p.defer_merges = req.defer_casts() && req.defer_merges();
   return p;
 }
 

@@ -26,6 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/dtype.h"
+#include "common/merge_elements.h"
 #include "server/memory/disposer.h"
 #include "server/memory/buffer.h"
 
@@ -33,13 +34,25 @@ namespace weightd {
 
 using LeaseToken = std::array<uint8_t, 16>;
 
+// A merge a push makes as it writes (FetchParams::defer_merges): the
+// parameter's rows are `cols` elements long, the lease tensor's bytes start
+// at row `row_begin`, and `terms` (common/merge_elements.h) are applied to
+// each element, their arrays kept alive by `hold` (the patches).
+struct PushMerge {
+  int64_t cols = 1;
+  int64_t row_begin = 0;
+  std::vector<MergeTerm> terms;
+  std::vector<std::shared_ptr<const void>> hold;
+};
+
 // Where one tensor of a lease lies: bytes [offset, offset + length) of
 // buffers[buffer].
 //
 // A tensor of a lease fetched for a push with its casts deferred
 // (FetchParams::defer_casts) holds its source: `length` bytes of
 // `src_dtype`, which the push converts to `dst_dtype` as it writes them (on
-// the GPU for a CUDA push). PushLength() is what the destination receives.
+// the GPU for a CUDA push), merging `merge` on the way when it is set.
+// PushLength() is what the destination receives.
 struct LeaseTensor {
   uint32_t buffer = 0;
   uint64_t offset = 0;
@@ -47,6 +60,8 @@ struct LeaseTensor {
   bool cast = false;
   DType src_dtype = DType::kF32;  // with `cast`
   DType dst_dtype = DType::kF32;  // with `cast`
+  // With `cast`: the merge the conversion makes on the way (null: none).
+  std::shared_ptr<const PushMerge> merge;
 };
 
 // The bytes a push writes for `t`: `length`, or its elements in dst_dtype.

@@ -197,4 +197,42 @@ absl::StatusOr<FetchPlan> PlanFetch(absl::Span<const PlannedTensor> tensors,
   return plan_out;
 }
 
+std::shared_ptr<const PushMerge> MergeOnPush(const MaterializeItem& item) {
+  if (item.scalar.has_value() || item.fp8_scale.has_value() || item.slices.size() != 1) {
+    return nullptr;
+  }
+  const PartSlice& s = item.slices[0];
+  if (s.stored == nullptr || s.patches.empty() || s.shape.empty() ||
+      !IsFloating(s.stored->dtype) || !IsFloating(item.out_dtype) ||
+      s.box.offset.size() != s.shape.size() || s.box.shape.size() != s.shape.size()) {
+    return nullptr;
+  }
+  int64_t cols = 1;
+  for (size_t d = 1; d < s.shape.size(); ++d) {
+    if (s.box.offset[d] != 0 || s.box.shape[d] != s.shape[d]) return nullptr;
+    cols *= s.shape[d];
+  }
+  if (cols < 1 || s.box.shape[0] < 1) return nullptr;
+  const uint64_t numel = static_cast<uint64_t>(s.shape[0]) * static_cast<uint64_t>(cols);
+  auto merge = std::make_shared<PushMerge>();
+  merge->cols = cols;
+  merge->row_begin = s.box.offset[0];
+  for (const AppliedPatch& p : s.patches) {
+    MergeTerm t;
+    if (p.patch == nullptr || !p.patch->ElementTerm(p.strength, &t)) return nullptr;
+    if (t.kind == MergeTerm::kLowRank) {
+      const std::vector<int64_t> want = p.patch->shape();
+      if (want.size() != 2 || want[0] != s.shape[0] || want[1] != cols) return nullptr;
+    } else {
+      if (t.v_len != numel) return nullptr;  // not this parameter's shape
+      t.v += s.box.offset[0] * cols;
+      t.v_row0 = s.box.offset[0];
+      t.v_len = static_cast<uint64_t>(s.box.shape[0]) * static_cast<uint64_t>(cols);
+    }
+    merge->terms.push_back(t);
+    merge->hold.push_back(p.patch);
+  }
+  return merge;
+}
+
 }  // namespace weightd

@@ -110,6 +110,12 @@ absl::StatusOr<std::vector<size_t>> SelectByName(absl::Span<const std::string> s
 absl::StatusOr<FetchPlan> PlanFetch(absl::Span<const PlannedTensor> tensors,
                                     const FetchPlanOptions& options);
 
+// The merge a push can make as it writes `item` (FetchParams::defer_merges):
+// one stored floating part, patched, on a range of whole rows (every dim but
+// the first whole), to a floating dtype, no FP8 scale, every patch with an
+// ElementTerm. Null otherwise. Dense terms are narrowed to the box's rows.
+std::shared_ptr<const PushMerge> MergeOnPush(const MaterializeItem& item);
+
 }  // namespace weightd
 
 #endif  // WEIGHTD_SERVER_SERVICE_FETCH_PLAN_H_

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
+#include "server/adapter/lora_patch.h"
 
 namespace weightd {
 namespace {
@@ -154,6 +155,62 @@ TEST(FetchPlanTest, PatchesFollowTheirPartsAndProfilePlacementsMustFitTheMesh) {
   auto bad = PlanFetch({PlannedTensor{&p, {&w}}}, o);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(bad.status().message(), "tensor \"w\": its profile placements"));
+}
+
+TEST(FetchPlanTest, MergeOnPushTakesPatchedRowRangesWithElementTermsOnly) {
+  StoredTensor w = Stored("w", {6, 4}, DType::kBF16);
+  auto lora = *LoraPatch::Create({Digest{}, "w"}, LowRankFactors{2, 4, 6, std::vector<float>(8, 1),
+                                                                 std::vector<float>(12, 1)},
+                                 0.5, false);
+  std::vector<float> values(24);
+  for (int i = 0; i < 24; ++i) values[i] = static_cast<float>(i);
+  auto dense = *DensePatch::Create({Digest{}, "w"}, {6, 4}, values, DensePatch::Mode::kAdd);
+  auto item = [&](ShardBox box, DType out) {
+    MaterializeItem it;
+    it.name = "w";
+    it.out_dtype = out;
+    PartSlice s;
+    s.stored = &w;
+    s.dtype = w.dtype;
+    s.shape = w.shape;
+    s.box = std::move(box);
+    s.patches = {{lora, 1.0f}, {dense, 2.0f}};
+    it.slices.push_back(std::move(s));
+    return it;
+  };
+  MaterializeItem rows = item(ShardBox{{2, 0}, {3, 4}}, DType::kF32);
+  auto merge = MergeOnPush(rows);
+  ASSERT_NE(merge, nullptr);
+  EXPECT_EQ(merge->cols, 4);
+  EXPECT_EQ(merge->row_begin, 2);
+  ASSERT_EQ(merge->terms.size(), 2u);
+  EXPECT_EQ(merge->terms[0].kind, MergeTerm::kLowRank);
+  EXPECT_EQ(merge->terms[1].kind, MergeTerm::kAdd);
+  // the dense term narrowed to the box's rows, still indexed by global row
+  EXPECT_EQ(merge->terms[1].v_len, 12u);
+  EXPECT_EQ(merge->terms[1].v_row0, 2);
+  EXPECT_EQ(merge->terms[1].v[(3 - 2) * 4 + 1], 13.0f);
+  EXPECT_EQ(merge->hold.size(), 2u);
+  // Same dtype too (the merge is the work).
+  EXPECT_NE(MergeOnPush(item(ShardBox{{0, 0}, {6, 4}}, DType::kBF16)), nullptr);
+  // Not: a column shard, an FP8 scale, an integer output, no patches, a
+  // DoRA patch, several parts.
+  EXPECT_EQ(MergeOnPush(item(ShardBox{{0, 1}, {6, 2}}, DType::kF32)), nullptr);
+  MaterializeItem fp8 = item(ShardBox{{0, 0}, {6, 4}}, DType::kF8E4M3);
+  fp8.fp8_scale = 1.0f;
+  EXPECT_EQ(MergeOnPush(fp8), nullptr);
+  EXPECT_EQ(MergeOnPush(item(ShardBox{{0, 0}, {6, 4}}, DType::kI32)), nullptr);
+  MaterializeItem bare = rows;
+  bare.slices[0].patches.clear();
+  EXPECT_EQ(MergeOnPush(bare), nullptr);
+  MaterializeItem dora = rows;
+  dora.slices[0].patches.push_back(
+      {*DoraPatch::Create({Digest{}, "w"}, lora->factors(), 1.0, std::vector<float>(6, 1.0f)),
+       1.0f});
+  EXPECT_EQ(MergeOnPush(dora), nullptr);
+  MaterializeItem two = rows;
+  two.slices.push_back(two.slices[0]);
+  EXPECT_EQ(MergeOnPush(two), nullptr);
 }
 
 }  // namespace

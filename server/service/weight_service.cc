@@ -705,12 +705,17 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   std::vector<FetchedTensor>& tables = plan.tensors;
   // A lease for a push: a plain view but for its dtype is leased as its
   // stored bytes, cast by the push (the output dtype kept here).
+  // With defer_merges, so is a patched tensor the push can merge element by
+  // element (its patches then go with the lease, not into the item).
   std::vector<std::optional<DType>> cast_on_push(items.size());
+  std::vector<std::shared_ptr<const PushMerge>> merge_on_push(items.size());
   if (params.defer_casts) {
     for (size_t i = 0; i < items.size(); ++i) {
-      if (!IsCastOfView(items[i])) continue;
+      if (params.defer_merges) merge_on_push[i] = MergeOnPush(items[i]);
+      if (merge_on_push[i] == nullptr && !IsCastOfView(items[i])) continue;
       cast_on_push[i] = items[i].out_dtype;
       items[i].out_dtype = items[i].slices[0].stored->dtype;
+      items[i].slices[0].patches.clear();
     }
   }
   WD_ASSIGN_OR_RETURN(std::vector<MaterializedTensor> served,
@@ -741,6 +746,7 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
       range.cast = true;
       range.src_dtype = items[i].out_dtype;
       range.dst_dtype = *cast_on_push[i];
+      range.merge = merge_on_push[i];
       ft.cast_on_push = true;
     } else {
       ft.digest = m.digest;
@@ -803,7 +809,7 @@ std::string WeightService::FetchCacheKey(const FetchParams& params, uint64_t gen
   }
   put(params.dtype.has_value() ? static_cast<uint64_t>(*params.dtype) : ~uint64_t{0});
   put(params.changed_since);
-  put(params.defer_casts ? 1 : 0);
+  put((params.defer_casts ? 1 : 0) | (params.defer_merges ? 2 : 0));
   put(params.names.size());
   for (const std::string& n : params.names) put_str(n);
   return key;

@@ -173,6 +173,9 @@ struct FetchParams {
   // contiguous stored slice are leased as their stored bytes and cast by
   // the push (LeaseTensor::cast; FetchRequest.defer_casts).
   bool defer_casts = false;
+  // With defer_casts: patched tensors a push can merge element by element
+  // (MergeOnPush) are leased as their stored bytes and merged by the push.
+  bool defer_merges = false;
   // Who asks: checked against the readers of the model and of the adapters
   // of the generation served, and recorded as the lease's owner. nullopt =
   // the daemon itself (no check).

@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/cast.h"
+#include "common/merge.h"
 #include "common/status_macros.h"
 #include "server/memory/buffer.h"
 #include "server/transport/push_plan.h"
@@ -167,8 +168,16 @@ absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, in
       // The host twin of the CUDA push's cast on the GPU: the same pieces,
       // converted by the CPU's kernels (bit for bit the GPU's, cast_test).
       if (bounce.size() < copy.dst_length) bounce.resize(copy.dst_length);
-      WD_RETURN_IF_ERROR(CastBuffer(copy.src_dtype, src, copy.dst_dtype, bounce.data(),
-                                    copy.length / DTypeSize(copy.src_dtype)));
+      const size_t count = copy.length / DTypeSize(copy.src_dtype);
+      if (copy.merge != nullptr) {
+        // And the GPU's merge: the same element function (merge_elements.h).
+        WD_RETURN_IF_ERROR(MergeBufferHost(copy.src_dtype, src, copy.dst_dtype, bounce.data(),
+                                           count, copy.first_element, copy.merge->row_begin,
+                                           copy.merge->cols, copy.merge->terms));
+      } else {
+        WD_RETURN_IF_ERROR(
+            CastBuffer(copy.src_dtype, src, copy.dst_dtype, bounce.data(), count));
+      }
       src = bounce.data();
     }
     WD_RETURN_IF_ERROR(WriteAt(fd, src, copy.dst_length, copy.dst_offset));

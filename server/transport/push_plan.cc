@@ -15,6 +15,11 @@ absl::Status CheckLeaseTensors(const LeaseContents& lease) {
                          t.length > lease.buffers[t.buffer]->size() - t.offset)) {
       return absl::InternalError(absl::StrCat("lease tensor ", i, " lies outside its segment"));
     }
+    if (t.cast && t.merge != nullptr &&
+        (t.merge->cols < 1 || t.merge->row_begin < 0 || !IsFloating(t.src_dtype) ||
+         !IsFloating(t.dst_dtype))) {
+      return absl::InternalError(absl::StrCat("lease tensor ", i, " has a merge that cannot be"));
+    }
     if (t.cast && (!CanCast(t.src_dtype, t.dst_dtype) || t.length % DTypeSize(t.src_dtype) != 0)) {
       return absl::InternalError(absl::StrCat("lease tensor ", i, " has a cast from ",
                                               DTypeName(t.src_dtype), " to ",
@@ -55,6 +60,7 @@ std::vector<PushCopy> PlanPushCopies(absl::Span<const LeaseTensor> tensors,
       run.cast = true;
       run.src_dtype = t.src_dtype;
       run.dst_dtype = t.dst_dtype;
+      run.merge = t.merge.get();
     }
     runs.push_back(run);
   }
@@ -89,6 +95,7 @@ std::vector<PushCopy> PlanPushCopies(absl::Span<const LeaseTensor> tensors,
       piece.dst_offset += done * dst_size;
       piece.length = e * src_size;
       piece.dst_length = e * dst_size;
+      piece.first_element = done;
       place(piece);
     }
   }

@@ -31,6 +31,11 @@ struct PushCopy {
   DType src_dtype = DType::kF32;
   DType dst_dtype = DType::kF32;
   uint64_t dst_length = 0;  // = length without a cast
+  // A cast that merges on the way (LeaseTensor::merge, borrowed from the
+  // lease): the piece's first element is element `first_element` of its
+  // lease tensor.
+  const PushMerge* merge = nullptr;
+  uint64_t first_element = 0;
 };
 
 struct PushPlanOptions {

@@ -25,7 +25,8 @@ failure:
                subset; no lease left.
   c lora       a PEFT adapter (peft, save_pretrained) on a Linear-only
                model: `weightctl adapter load` + `apply`, then a CUDA push
-               of the merged weights (f32 and bf16) vs peft's
+               of the merged weights (f32 and bf16; merged on the GPU as the
+               daemon pushes, and merged on the CPU and copied) vs peft's
                merge_and_unload() in fp32, with the tolerance of
                tests/parity/test_lora_parity.py (F32: allclose rtol 1e-5,
                atol 1e-6*max|W'|; BF16: <= 1 ulp on <= 0.5% of the
@@ -637,8 +638,12 @@ class Checks:
             fails.append("peft's merged names %s != the checkpoint's" % sorted(ref32)[:4])
         details = {}
         fresh = {}
-        for dtype in ("f32", "keep"):
-            h = self.client.fetch("lora", device="cuda:0", dtype=None if dtype == "keep" else dtype)
+        # Merged on the GPU as the daemon pushes (the default into a GPU),
+        # then merged on the CPU by the materializer and copied.
+        for where, dtype in (("gpu", "f32"), ("gpu", "keep"), ("cpu", "f32"), ("cpu", "keep")):
+            h = self.client.fetch("lora", device="cuda:0", dtype=None if dtype == "keep" else dtype,
+                                  merge_on_push=(where == "gpu"))
+            label = dtype if where == "gpu" else dtype + " (CPU merge)"
             try:
                 sd = h.state_dict()
                 worst = ""
@@ -647,16 +652,16 @@ class Checks:
                     if k in targets:
                         ok, d = lora_close(got, ref32[k])
                         worst = d if not worst or not ok else worst
-                        details["%s %s" % (dtype, k)] = d
+                        details["%s %s" % (label, k)] = d
                         if not ok:
-                            fails.append("%s %s: %s" % (dtype, k, d))
+                            fails.append("%s %s: %s" % (label, k, d))
                     else:
                         want = base16[k].float() if dtype == "f32" else base16[k]
                         if not same_bits(got, want):
-                            fails.append("%s %s: an untouched tensor changed" % (dtype, k))
-                if dtype == "keep":
+                            fails.append("%s %s: an untouched tensor changed" % (label, k))
+                if dtype == "keep" and where == "gpu":
                     fresh = {k: sd[k].clone() for k in base16}
-                m["max_abs_diff_" + dtype] = max(
+                m["max_abs_diff_" + dtype + ("" if where == "gpu" else "_cpu_merge")] = max(
                     float((sd[k].float() - ref32[k]).abs().max()) for k in targets)
                 del sd
             finally:
@@ -673,9 +678,11 @@ class Checks:
                 fails.append("refreshed %s (a view taken before) != a fresh push" % k)
         h0.release()
         del before
-        return not fails, ("peft merge parity: max|diff| f32 %.3g, bf16 %.3g (%s); refresh in "
-                           "place == fresh push" % (m["max_abs_diff_f32"], m["max_abs_diff_keep"],
-                                                    LORA_TOLERANCE)
+        return not fails, ("peft merge parity, merged on the GPU: max|diff| f32 %.3g, bf16 %.3g "
+                           "(on the CPU: %.3g, %.3g) (%s); refresh in place == fresh push" % (
+                               m["max_abs_diff_f32"], m["max_abs_diff_keep"],
+                               m["max_abs_diff_f32_cpu_merge"], m["max_abs_diff_keep_cpu_merge"],
+                               LORA_TOLERANCE)
                            if not fails else "; ".join(fails[:10])), m
 
     # -- d: a client killed mid-push

@@ -1143,6 +1143,15 @@ def test_cuda_push_handle_with_stand_ins(daemon, client, fake, stand_ins, world,
     assert _open_fds() == fds
 
 
+def _merged_alike(a, b):
+    """Two merges of the same LoRA (BF16): equal but for one-ulp roundings
+    of fp32 sums taken in another order, on at most 1% of the elements."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.dtype != torch.bfloat16:
+        return False
+    d = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+    return int(d.max()) <= 1 and float((d > 0).float().mean()) <= 0.01
+
+
 def test_cuda_push_refresh_with_stand_ins(daemon, client, fake, stand_ins):
     base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
     h = client.fetch("lora", world=2, rank=1, device="cuda:0")
@@ -1156,13 +1165,19 @@ def test_cuda_push_refresh_with_stand_ins(daemon, client, fake, stand_ins):
         names = h.refresh()
         assert sorted(names) == sorted(LORA_TARGETS)
         assert h.generation > gen
+        # merged by the push (merge_on_push, a GPU push's default): no digest
+        assert all(m.digest == b"" for m in h.tensors if m.name in LORA_TARGETS)
         assert stand_ins[-1]["size"] == alloc.size
         assert sorted(stand_ins[-1]["offsets"]) == sorted(
             m.offset for m in h.tensors if m.name in LORA_TARGETS)
         with client.fetch("lora", world=2, rank=1) as ref:
             for m in h.tensors:
-                assert _same_bytes(before[m.name], ref[m.name]), m.name  # views see it
-                assert _same_bytes(h[m.name], ref[m.name]), m.name
+                # The push merged the targets element by element (the
+                # GPU's merge, here run by the host twin): within one ulp of
+                # the materializer's merge, whose BLAS order is the CPU's.
+                same = _merged_alike if m.name in LORA_TARGETS else _same_bytes
+                assert same(before[m.name], ref[m.name]), m.name  # views see it
+                assert same(h[m.name], ref[m.name]), m.name
         for name in before:  # only the adapter's targets changed
             assert (st_io.tensor_bytes(before[name]) != old[name]) is (name in LORA_TARGETS), \
                 name

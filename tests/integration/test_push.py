@@ -450,6 +450,46 @@ def test_casts_deferred_to_the_push(daemon, client):
     _serves(daemon, client)
 
 
+def test_merges_deferred_to_the_push(daemon, client):
+    """fetch(merge_on_push=True) into host memory: the LoRA-patched tensors
+    are merged element by element as the daemon writes them (the GPU's
+    merge, run by its host twin), nothing is materialized, and the bytes
+    are the merge DESIGN §2 defines (vs PyTorch; the materialized ones
+    agree within fp32 accumulation)."""
+    client.apply("lora", [])
+    try:
+        client.apply("lora", [("a", 0.5)])
+        targeted = sorted(t + ".weight" for t in TARGETS)
+        for world, rank, dtype in ((1, 0, "f32"), (2, 1, None), (3, 2, "f16")):
+            what = "world %d rank %d dtype %s" % (world, rank, dtype)
+            with client.fetch("lora", world=world, rank=rank, dtype=dtype) as shm:
+                want = {k: v.clone() for k, v in shm.state_dict().items()}
+            before = client.stats()["materialization_bytes"]
+            with client.fetch("lora", world=world, rank=rank, dtype=dtype, mode="push",
+                              merge_on_push=True) as h:
+                got = {k: v.clone() for k, v in h.state_dict().items()}
+                digests = {m.name: m.digest for m in h.tensors}
+            assert client.stats()["materialization_bytes"] == before, what
+            assert all(digests[n] == b"" for n in targeted), what
+            for name, t in got.items():
+                assert t.dtype == want[name].dtype and t.shape == want[name].shape, name
+                if name not in targeted:
+                    assert torch.equal(t, want[name]), "%s: %s" % (what, name)
+                    continue
+                ref = cast_shard_ref(_merged_ref(daemon, name, 0.5), world, rank,
+                                     _TORCH[dtype] if dtype else torch.bfloat16)
+                atol = 1e-6 * float(ref.float().abs().max())
+                if t.dtype == torch.float32:
+                    assert torch.allclose(t, ref, rtol=1e-5, atol=atol), "%s: %s" % (what, name)
+                else:  # one rounding from fp32: at most 1 ulp off a reference in another order
+                    d = (t.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+                    assert int(d.max()) <= 1, "%s: %s" % (what, name)
+                    assert float((d > 0).float().mean()) <= 0.01, "%s: %s" % (what, name)
+    finally:
+        client.apply("lora", [])
+    _serves(daemon, client)
+
+
 def test_weightctl_push_casts_as_it_writes(daemon, tmp_path):
     """weightctl fetch --transport push casts on push (the C++ client's
     default): the file equals the shm fetch's, and --verify (which needs

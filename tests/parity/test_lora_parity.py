@@ -531,9 +531,11 @@ def test_merge_parity(env, case, stack):
                 if pl == "S1":
                     args += ["--names", ",".join(two_d)]
                 # The daemon's segments (shm) and the client's own memory
-                # (push, the host twin of the CUDA push): the same bytes.
-                for tr in ("shm", "push"):
-                    jobs.append((model, [str(a) for a in args + ["--transport", tr]]))
+                # (push, the host twin of the CUDA push): the same bytes;
+                # and a push that merges as it writes, element by element
+                # (the GPU's merge, run on the CPU: --merge-on-push).
+                for tr in (["shm"], ["push"], ["push", "--merge-on-push"]):
+                    jobs.append((model, [str(a) for a in args + ["--transport"] + tr]))
     results = env.fetch_many(jobs)
     ulp_counts = collections.defaultdict(lambda: [0, 0])
     failures = []

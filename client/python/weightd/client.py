@@ -1475,7 +1475,7 @@ class Client:
     def fetch(self, model, world=None, rank=None, *, mesh=None, coord=None, placements=None,
               dtype=None, generation=0, changed_since=0, names=None, transport="shm",
               populate=False, timeout=None, mode=None, device=None, pin=True,
-              cast_on_push=True):
+              cast_on_push=True, merge_on_push=None):
         """Fetches this rank's local shards of `model` and returns a ShardHandle.
 
         world/rank: a 1-D mesh (default 1/0); or mesh=(A, B, ...) with
@@ -1512,6 +1512,11 @@ class Client:
         cast ones) instead of into a cast copy it keeps; such tensors carry
         no digest (TensorMeta.digest == b""). False: every tensor is
         materialized first, as for the other modes.
+        merge_on_push: with cast_on_push, a tensor whose extra work is LoRA or
+        dense patches (not DoRA) on whole rows is merged by the daemon as it
+        writes it too (element by element: on the GPU for a GPU push; on the
+        CPU for a host push, slower than the daemon's vectorized merge).
+        None (the default): on for a GPU push, off for a host push.
         """
         if mesh is not None or coord is not None:
             if world is not None or rank is not None:
@@ -1561,6 +1566,8 @@ class Client:
             dtype=_dtypes.enum_of_name(dt) if dt else pb.DTYPE_UNSPECIFIED,
             names=list(names or ()), transport=_TRANSPORTS[transport],
             changed_since=int(changed_since), defer_casts=(mode == "push" and bool(cast_on_push)))
+        if req.defer_casts:
+            req.defer_merges = bool(dev is not None if merge_on_push is None else merge_on_push)
         if pl is not None:
             req.placements.extend(pb.Placement(shard_dim=d) for d in pl)
         if dev is not None:

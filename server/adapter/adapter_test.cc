@@ -481,14 +481,15 @@ TEST(LoraPatchTest, ElementTermsMergeInTheFusedKernelsOrderBitForBit) {
     ASSERT_TRUE(trans.ok());
     ASSERT_TRUE((*trans)->ElementTerm(1.25f, &t));
     std::vector<float> wt = Random(c.in * c.out, 34, 1.0f);
-    ShardBox tbox{{0, 0}, {c.in, c.out}};
-    want = FixedOrderLoraUpdate(wt, tbox, bt, at, c.r, c.out, t.s);
-    std::vector<float> got = MergeRowsByElements(wt, c.out, 0, c.in, {t}, 1000);
+    const int64_t t0 = c.in > 3 ? 2 : 0;  // a row range after row 0
+    ShardBox tbox{{t0, 0}, {c.in - t0, c.out}};
+    want = FixedOrderLoraUpdate(BoxOf(wt, c.out, tbox), tbox, bt, at, c.r, c.out, t.s);
+    std::vector<float> got = MergeRowsByElements(wt, c.out, t0, c.in - t0, {t}, 1000);
     EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0)
         << "transposed r=" << c.r << " in=" << c.in << " out=" << c.out;
     // And Apply (whichever kernel this CPU runs) agrees within the fp32
     // accumulation bound.
-    std::vector<float> applied = wt;
+    std::vector<float> applied = BoxOf(wt, c.out, tbox);
     ASSERT_TRUE((*trans)->Apply(tbox, {c.in, c.out}, 1.25f, nullptr, applied.data()).ok());
     for (size_t i = 0; i < got.size(); ++i) {
       ASSERT_NEAR(got[i], applied[i], 1e-5f * (1.0f + std::fabs(applied[i]))) << i;

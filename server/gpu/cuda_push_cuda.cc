@@ -246,11 +246,15 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
   std::vector<void*> scratch(kStreams, nullptr);
   for (const PushCopy& copy : copies) {
     if (!copy.cast || scratch[copy.stream] != nullptr) continue;
-    if (cudaError_t err = cudaMalloc(&scratch[copy.stream], kCastBytes); err != cudaSuccess) {
+    // Stream-ordered (cudaMallocAsync): freeing it does not wait for the
+    // whole device, so concurrent pushes do not stall each other.
+    cudaStream_t stream = streams[copy.stream];
+    if (cudaError_t err = cudaMallocAsync(&scratch[copy.stream], kCastBytes, stream);
+        err != cudaSuccess) {
       return RuntimeError(err, absl::StrCat("allocating ", kCastBytes,
                                             " bytes of GPU scratch for the push's casts"));
     }
-    cleanup.Add([p = scratch[copy.stream]] { (void)cudaFree(p); });
+    cleanup.Add([p = scratch[copy.stream], stream] { (void)cudaFreeAsync(p, stream); });
   }
   // Each merge's terms and the arrays they point to, in device memory, once
   // per push (LoRA factors are small; a dense patch sends its box's rows).
@@ -262,15 +266,19 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
     for (const MergeTerm& t : terms) floats += t.x_len + t.y_len + t.v_len;
     const uint64_t terms_bytes = (terms.size() * sizeof(MergeTerm) + 255) / 256 * 256;
     void* arena = nullptr;
-    if (cudaError_t err = cudaMalloc(&arena, terms_bytes + floats * sizeof(float));
+    if (cudaError_t err = cudaMallocAsync(&arena, terms_bytes + floats * sizeof(float),
+                                          streams[0]);
         err != cudaSuccess) {
       return RuntimeError(err, "allocating GPU memory for a merge's LoRA factors");
     }
-    cleanup.Add([arena] { (void)cudaFree(arena); });
+    // Freed once every stream is synchronized (the push's end), in order
+    // after its uses on streams[0].
+    cleanup.Add([arena, stream = streams[0]] { (void)cudaFreeAsync(arena, stream); });
     float* at = reinterpret_cast<float*>(static_cast<uint8_t*>(arena) + terms_bytes);
-    auto upload = [&at](const float*& p, uint64_t n) -> cudaError_t {
+    auto upload = [&at, &streams](const float*& p, uint64_t n) -> cudaError_t {
       if (p == nullptr || n == 0) return cudaSuccess;
-      cudaError_t err = cudaMemcpy(at, p, n * sizeof(float), cudaMemcpyHostToDevice);
+      cudaError_t err =
+          cudaMemcpyAsync(at, p, n * sizeof(float), cudaMemcpyHostToDevice, streams[0]);
       p = at;
       at += n;
       return err;
@@ -280,10 +288,17 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
         if (err != cudaSuccess) return RuntimeError(err, "copying a merge's factors to the GPU");
       }
     }
-    if (cudaError_t err = cudaMemcpy(arena, terms.data(), terms.size() * sizeof(MergeTerm),
-                                     cudaMemcpyHostToDevice);
+    if (cudaError_t err = cudaMemcpyAsync(arena, terms.data(),
+                                          terms.size() * sizeof(MergeTerm),
+                                          cudaMemcpyHostToDevice, streams[0]);
         err != cudaSuccess) {
       return RuntimeError(err, "copying a merge's terms to the GPU");
+    }
+    // `terms` is pageable and goes out of scope: its copy must be done (a
+    // pageable copy may return before its DMA ends), and the kernels of
+    // the other stream must see the factors.
+    if (cudaError_t err = cudaStreamSynchronize(streams[0]); err != cudaSuccess) {
+      return RuntimeError(err, "copying a merge's factors to the GPU");
     }
     device_terms[copy.merge] = static_cast<const MergeTerm*>(arena);
   }

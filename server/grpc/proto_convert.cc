@@ -74,6 +74,11 @@ absl::StatusOr<FetchParams> DecodeFetch(const v1::FetchRequest& req) {
   p.changed_since = req.changed_since();
   p.defer_casts = req.defer_casts();
   p.defer_merges = req.defer_casts() && req.defer_merges();
+  if (p.defer_casts && p.transport == TransportKind::kGrpc) {
+    return absl::InvalidArgumentError(
+        "defer_casts leases tensors for a push over the data socket (transport shm); a grpc "
+        "transport Reads its bytes, which such a lease refuses");
+  }
   return p;
 }
 

@@ -119,11 +119,11 @@ class LeaseTable {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ties the lease to data connection `connection` (no TTL from now on).
-  // `for_push` false (an attach that hands out the segments): a push-only
-  // lease (LeaseContents::push_only) is FAILED_PRECONDITION and stays as it
-  // was.
+  // Unless `for_push` (a push writes the lease; an attach hands out its
+  // segments), a push-only lease (LeaseContents::push_only) is
+  // FAILED_PRECONDITION and stays as it was.
   absl::StatusOr<std::shared_ptr<const LeaseContents>> Attach(
-      uint64_t id, absl::string_view token, uint64_t connection, bool for_push = true)
+      uint64_t id, absl::string_view token, uint64_t connection, bool for_push = false)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::Status Release(uint64_t id, absl::string_view token) ABSL_LOCKS_EXCLUDED(mu_);

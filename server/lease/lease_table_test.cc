@@ -64,13 +64,13 @@ TEST(LeaseTableTest, APushOnlyLeaseIsAttachedForAPushOnlyAndKeptWhenRefused) {
   LeaseContents c = WithSegment(account);
   c.push_only = true;
   LeaseGrant g = table.Grant(std::move(c));
-  auto refused = table.Attach(g.id, TokenOf(g), 7, /*for_push=*/false);
+  auto refused = table.Attach(g.id, TokenOf(g), 7);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(refused.status().message().find("defer_casts"), absl::string_view::npos);
   // Not tied to the connection: closing it leaves the lease.
   EXPECT_EQ(table.ReleaseConnection(7), 0u);
   EXPECT_EQ(table.size(), 1u);
-  ASSERT_TRUE(table.Attach(g.id, TokenOf(g), 8).ok());  // a push
+  ASSERT_TRUE(table.Attach(g.id, TokenOf(g), 8, /*for_push=*/true).ok());
   EXPECT_EQ(table.ReleaseConnection(8), 1u);
   EXPECT_EQ(account->used(), 0u);
 }

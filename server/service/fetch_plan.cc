@@ -220,11 +220,13 @@ std::shared_ptr<const PushMerge> MergeOnPush(const MaterializeItem& item) {
   for (const AppliedPatch& p : s.patches) {
     MergeTerm t;
     if (p.patch == nullptr || !p.patch->ElementTerm(p.strength, &t)) return nullptr;
-    if (t.kind == MergeTerm::kLowRank) {
-      const std::vector<int64_t> want = p.patch->shape();
-      if (want.size() != 2 || want[0] != s.shape[0] || want[1] != cols) return nullptr;
-    } else {
-      if (t.v_len != numel) return nullptr;  // not this parameter's shape
+    // The patch's shape is the part's (as Apply's box check wants): a
+    // low-rank term is 2-D, a dense one any rank.
+    if (p.patch->shape() != s.shape || (t.kind == MergeTerm::kLowRank && s.shape.size() != 2)) {
+      return nullptr;
+    }
+    if (t.kind != MergeTerm::kLowRank) {
+      if (t.v_len != numel) return nullptr;
       t.v += s.box.offset[0] * cols;
       t.v_row0 = s.box.offset[0];
       t.v_len = static_cast<uint64_t>(s.box.shape[0]) * static_cast<uint64_t>(cols);

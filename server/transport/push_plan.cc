@@ -6,6 +6,44 @@
 
 namespace weightd {
 
+namespace {
+
+// Every array index MergeElement takes for `elements` elements of whole
+// rows from merge.row_begin lies inside its term's array (a term that did
+// not would read past it: on the GPU, a sticky error in the context).
+bool MergeFits(const PushMerge& merge, uint64_t elements) {
+  if (merge.cols < 1 || merge.row_begin < 0 || merge.terms.size() > 1024) return false;
+  const uint64_t cols = static_cast<uint64_t>(merge.cols);
+  if (elements % cols != 0) return false;
+  if (elements == 0) return true;
+  const uint64_t row_last = static_cast<uint64_t>(merge.row_begin) + elements / cols - 1;
+  for (const MergeTerm& t : merge.terms) {
+    if (t.kind == MergeTerm::kLowRank) {
+      if (t.rank < 0 || t.x_r < 0 || t.x_k < 0 || t.y_k < 0 || t.y_c < 0) return false;
+      if (t.rank == 0) continue;
+      const uint64_t k = static_cast<uint64_t>(t.rank) - 1;
+      if (t.x == nullptr || t.y == nullptr ||
+          row_last * static_cast<uint64_t>(t.x_r) + k * static_cast<uint64_t>(t.x_k) >=
+              t.x_len ||
+          k * static_cast<uint64_t>(t.y_k) + (cols - 1) * static_cast<uint64_t>(t.y_c) >=
+              t.y_len) {
+        return false;
+      }
+    } else if (t.kind == MergeTerm::kAdd || t.kind == MergeTerm::kSet ||
+               t.kind == MergeTerm::kCopy) {
+      if (t.v == nullptr || t.v_row0 < 0 || merge.row_begin < t.v_row0 ||
+          (row_last - static_cast<uint64_t>(t.v_row0) + 1) * cols > t.v_len) {
+        return false;
+      }
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 absl::Status CheckLeaseTensors(const LeaseContents& lease) {
   if (lease.tensors == nullptr) return absl::OkStatus();
   for (size_t i = 0; i < lease.tensors->size(); ++i) {
@@ -16,8 +54,8 @@ absl::Status CheckLeaseTensors(const LeaseContents& lease) {
       return absl::InternalError(absl::StrCat("lease tensor ", i, " lies outside its segment"));
     }
     if (t.cast && t.merge != nullptr &&
-        (t.merge->cols < 1 || t.merge->row_begin < 0 || !IsFloating(t.src_dtype) ||
-         !IsFloating(t.dst_dtype))) {
+        (!IsFloating(t.src_dtype) || !IsFloating(t.dst_dtype) ||
+         !MergeFits(*t.merge, t.length / DTypeSize(t.src_dtype)))) {
       return absl::InternalError(absl::StrCat("lease tensor ", i, " has a merge that cannot be"));
     }
     if (t.cast && (!CanCast(t.src_dtype, t.dst_dtype) || t.length % DTypeSize(t.src_dtype) != 0)) {

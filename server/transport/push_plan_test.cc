@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include "server/memory/segment.h"
+
 namespace weightd {
 namespace {
 
@@ -18,8 +20,13 @@ PushLayout Layout(std::vector<uint64_t> offsets, std::vector<uint64_t> lengths) 
 }
 
 bool operator==(const PushCopy& a, const PushCopy& b) {
+  // A plain copy (as the tables below write them) writes what it reads.
+  const uint64_t a_dst = a.cast ? a.dst_length : a.length;
+  const uint64_t b_dst = b.cast ? b.dst_length : b.length;
   return a.buffer == b.buffer && a.src_offset == b.src_offset && a.dst_offset == b.dst_offset &&
-         a.length == b.length && a.stream == b.stream;
+         a.length == b.length && a.stream == b.stream && a.cast == b.cast && a_dst == b_dst &&
+         a.merge == b.merge && a.first_element == b.first_element &&
+         (!a.cast || (a.src_dtype == b.src_dtype && a.dst_dtype == b.dst_dtype));
 }
 
 TEST(PlanPushCopiesTest, MergesTensorsBackToBackInSourceAndDestinationOnly) {
@@ -80,6 +87,8 @@ TEST(PlanPushCopiesTest, CastsAreNeverJoinedAndAreCutOnElements) {
     EXPECT_EQ(c.dst_length, c.length * 2);
     EXPECT_LE(c.dst_length, 96u);
     EXPECT_EQ(c.length % 2, 0u);
+    EXPECT_EQ(c.first_element, elements);
+    EXPECT_EQ(c.merge, nullptr);
     src += c.length;
     dst += c.dst_length;
     elements += c.length / 2;
@@ -108,6 +117,64 @@ TEST(PlanPushCopiesTest, NarrowingCastsAreLimitedByTheirSourceAndBalancedByTheLa
   // A scratch smaller than one element still takes one a piece.
   plan = PlanPushCopies(tensors, layout, {.max_cast_bytes = 3});
   EXPECT_EQ(plan.size(), 10u);
+}
+
+TEST(PlanPushCopiesTest, MergesGoWithTheirPiecesAndTheirFirstElement) {
+  // A merged F32 -> BF16 tensor of 3 rows x 5 from row 2 of a 6-row
+  // parameter: 15 elements, 8-byte scratch = 2 elements a piece.
+  auto merge = std::make_shared<PushMerge>();
+  merge->cols = 5;
+  merge->row_begin = 2;
+  LeaseTensor t = Cast(0, 40, 60, DType::kF32, DType::kBF16);
+  t.merge = merge;
+  std::vector<PushCopy> plan =
+      PlanPushCopies({t}, Layout({256}, {30}), {.streams = 2, .max_cast_bytes = 8});
+  ASSERT_EQ(plan.size(), 8u);
+  for (size_t i = 0; i < plan.size(); ++i) {
+    EXPECT_EQ(plan[i].merge, merge.get());
+    EXPECT_EQ(plan[i].first_element, 2 * i);
+    EXPECT_EQ(plan[i].src_offset, 40 + 8 * i);
+    EXPECT_EQ(plan[i].dst_offset, 256 + 4 * i);
+    EXPECT_EQ(plan[i].stream, static_cast<int>(i % 2));
+  }
+  EXPECT_EQ(plan.back().length, 4u);
+}
+
+TEST(PlanPushCopiesTest, CheckLeaseTensorsRefusesAMergeThatWouldReadPastItsTerms) {
+  std::vector<float> x(6 * 2), y(2 * 5), v(4 * 5);
+  auto lease_of = [&](MergeTerm term, int64_t row_begin, uint64_t rows) {
+    auto merge = std::make_shared<PushMerge>();
+    merge->cols = 5;
+    merge->row_begin = row_begin;
+    merge->terms = {term};
+    LeaseTensor t = Cast(0, 0, rows * 5 * 4, DType::kF32, DType::kF32);
+    t.merge = merge;
+    LeaseContents lease;
+    auto account = std::make_shared<MemoryAccount>(0);
+    auto seg = Segment::Create(account, "src", 4096, false);
+    EXPECT_TRUE(seg.ok());
+    lease.buffers.push_back(SegmentPtr(std::move(*seg)));
+    lease.tensors = std::make_shared<std::vector<LeaseTensor>>(std::vector<LeaseTensor>{t});
+    return CheckLeaseTensors(lease);
+  };
+  // B [6, 2] @ A [2, 5]: rows 2..5 fit, rows 3..6 do not.
+  MergeTerm low;
+  low.kind = MergeTerm::kLowRank;
+  low.rank = 2;
+  low.x = x.data(), low.x_r = 2, low.x_k = 1, low.x_len = x.size();
+  low.y = y.data(), low.y_k = 5, low.y_c = 1, low.y_len = y.size();
+  EXPECT_TRUE(lease_of(low, 2, 4).ok());
+  EXPECT_EQ(lease_of(low, 3, 4).code(), absl::StatusCode::kInternal);
+  MergeTerm short_y = low;
+  short_y.y_len = 9;
+  EXPECT_EQ(lease_of(short_y, 0, 1).code(), absl::StatusCode::kInternal);
+  // A dense term narrowed to rows 1..4.
+  MergeTerm dense;
+  dense.kind = MergeTerm::kAdd;
+  dense.v = v.data(), dense.v_row0 = 1, dense.v_len = v.size();
+  EXPECT_TRUE(lease_of(dense, 1, 4).ok());
+  EXPECT_EQ(lease_of(dense, 0, 2).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(lease_of(dense, 2, 4).code(), absl::StatusCode::kInternal);
 }
 
 TEST(PlanPushCopiesTest, CheckLeaseTensorsRefusesACastThatCannotBe) {

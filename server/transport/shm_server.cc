@@ -489,7 +489,7 @@ void ShmDataServer::Run() {
     std::shared_ptr<const LeaseContents> lease;
     if (status.ok()) {
       absl::string_view token(reinterpret_cast<const char*>(req.token), 16);
-      auto contents = leases_->Attach(req.lease_id, token, c.id);
+      auto contents = leases_->Attach(req.lease_id, token, c.id, /*for_push=*/true);
       status = contents.status();
       if (contents.ok()) lease = *std::move(contents);
     }
@@ -611,7 +611,7 @@ void ShmDataServer::Run() {
     std::vector<int> fds;
     if (status.ok()) {
       absl::string_view token(reinterpret_cast<const char*>(c.request.token), 16);
-      auto contents = leases_->Attach(c.request.lease_id, token, c.id, /*for_push=*/false);
+      auto contents = leases_->Attach(c.request.lease_id, token, c.id);
       status = contents.status();
       if (contents.ok()) status = SharedFds(**contents, &fds, &c.pinned);
     }

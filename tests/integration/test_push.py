@@ -447,6 +447,12 @@ def test_casts_deferred_to_the_push(daemon, client):
         assert data[offsets[i]:offsets[i] + lengths[i]] == st_io.tensor_bytes(ref)
     finally:
         _release(client, resp)
+    # Over the grpc transport nothing could take such a lease.
+    with pytest.raises(grpc.RpcError) as e:
+        client._shards.Fetch(pb.FetchRequest(model="small", transport=pb.GRPC, defer_casts=True),
+                             timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "defer_casts" in e.value.details()
     _serves(daemon, client)
 
 

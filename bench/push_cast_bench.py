@@ -1,0 +1,137 @@
+#!/usr/bin/python3
+"""A host push that casts as it writes (FetchRequest.defer_casts, the
+clients' default for pushes) against one that has the daemon materialize
+the cast shard first (cast_on_push=False), in the same run.
+
+The checkpoint is bench/suite.py's Llama-shaped BF16 one (`--config`); every
+rank of a `--world` mesh pushes its shard as `--dtype` (F32 by default: a
+widening cast, the GPU case's common one) into memory of its own, one rank
+after another. Each round runs each mode in a fresh daemon (interleaved,
+page cache warm):
+
+  first   the world's first pushes: time, and the growth of the daemon's
+          bytes_resident (the cast copies it keeps, shared by later fetches)
+  again   the same pushes once more: a cache hit for cast-at-fetch (the copy
+          is kept), a second cast for cast-on-push
+
+  bench/push_cast_bench.py [--config 0.3g] [--world 2] [--dtype f32]
+                           [--repeats 3] [--build build] [--out FILE]
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="0.3g")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--dtype", default="f32")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--build", default=os.path.join(REPO, "build"))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.join(args.build, "python"))
+    import suite
+    import weightd
+
+    path = suite.checkpoint(args.config)
+    tmp = tempfile.mkdtemp(prefix="weightd-push-cast-bench-")
+    models = os.path.join(tmp, "models")
+    os.makedirs(models)
+    model_file = os.path.join(models, "m.safetensors")
+    shutil.copy(path, model_file)
+    with open(model_file, "rb") as fh:
+        while fh.read(64 << 20):
+            pass
+    weightd_bin = os.path.join(args.build, "bin", "weightd")
+    results = {"config": args.config, "world": args.world, "dtype": args.dtype,
+               "checkpoint_bytes": os.path.getsize(model_file),
+               "facts": suite.machine_facts(args.build), "runs": []}
+
+    def pushes(c, cast_on_push):
+        t0 = time.perf_counter()
+        nbytes = 0
+        for rank in range(args.world):
+            with c.fetch("m", world=args.world, rank=rank, dtype=args.dtype, mode="push",
+                         cast_on_push=cast_on_push) as h:
+                nbytes += sum(m.length for m in h.tensors)
+        return time.perf_counter() - t0, nbytes
+
+    def daemon_round(cast_on_push):
+        sock = os.path.join(tmp, "w.sock")
+        log = open(os.path.join(tmp, "log"), "ab")
+        proc = subprocess.Popen([weightd_bin, "--socket", sock, "--model-root", models],
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 30
+            while not os.path.exists(sock) and time.time() < deadline:
+                time.sleep(0.05)
+            c = weightd.Client(socket=sock, retry_deadline=30)
+            c.health()
+            c.load("m", model_file)
+            s0 = c.stats()
+            first, nbytes = pushes(c, cast_on_push)
+            s1 = c.stats()
+            again, _ = pushes(c, cast_on_push)
+            c.close()
+            return {"first_seconds": first, "again_seconds": again, "pushed_bytes": nbytes,
+                    "resident_growth": s1["bytes_resident"] - s0["bytes_resident"],
+                    "materialization_bytes": s1["materialization_bytes"] -
+                    s0["materialization_bytes"]}
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+            if os.path.exists(sock):
+                os.unlink(sock)
+
+    try:
+        for rep in range(args.repeats):
+            run = {"cast_at_fetch": daemon_round(False), "cast_on_push": daemon_round(True)}
+            results["runs"].append(run)
+            suite.log("round %d: cast at fetch %.3f s (again %.3f s) +%.0f MiB; cast on push "
+                      "%.3f s (again %.3f s) +%.0f MiB" % (
+                          rep, run["cast_at_fetch"]["first_seconds"],
+                          run["cast_at_fetch"]["again_seconds"],
+                          run["cast_at_fetch"]["resident_growth"] / 2**20,
+                          run["cast_on_push"]["first_seconds"],
+                          run["cast_on_push"]["again_seconds"],
+                          run["cast_on_push"]["resident_growth"] / 2**20))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def med(which, key):
+        return statistics.median(r[which][key] for r in results["runs"])
+
+    pushed = results["runs"][0]["cast_on_push"]["pushed_bytes"]
+    results["summary"] = {
+        "pushed_bytes": pushed,
+        "first_seconds_cast_at_fetch": med("cast_at_fetch", "first_seconds"),
+        "first_seconds_cast_on_push": med("cast_on_push", "first_seconds"),
+        "first_speedup_cast_on_push": med("cast_at_fetch", "first_seconds") /
+        med("cast_on_push", "first_seconds"),
+        "again_seconds_cast_at_fetch": med("cast_at_fetch", "again_seconds"),
+        "again_seconds_cast_on_push": med("cast_on_push", "again_seconds"),
+        "again_ratio_cast_on_push_vs_at_fetch": med("cast_on_push", "again_seconds") /
+        med("cast_at_fetch", "again_seconds"),
+        "resident_growth_cast_at_fetch": med("cast_at_fetch", "resident_growth"),
+        "resident_growth_cast_on_push": med("cast_on_push", "resident_growth"),
+    }
+    print(json.dumps(results["summary"], indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -757,7 +757,13 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
     table->tensors.push_back(std::move(ft));
   }
   table->ranges = std::move(ranges);
-  fetch_cache_.Store(std::move(cache_key), gen, table, buffers, guards);
+  // A table whose ranges carry merges holds their patches: not kept by the
+  // cache, which must never hold memory past its generation (its entries
+  // are dropped only when next looked at).
+  const bool holds_patches =
+      std::any_of(merge_on_push.begin(), merge_on_push.end(),
+                  [](const std::shared_ptr<const PushMerge>& m) { return m != nullptr; });
+  if (!holds_patches) fetch_cache_.Store(std::move(cache_key), gen, table, buffers, guards);
   return GrantFetch(params, *gen, std::move(table), std::move(buffers), std::move(guards));
 }
 

@@ -42,7 +42,9 @@ local, transport "shm"):
   * mode="push" (the default with a device): the client allocates device
     memory with CUDA's VMM API (cuMemCreate, exported as a POSIX fd), sends
     the fd over the data socket, and the daemon copies the shard into it and
-    answers once its copies are synchronized. The tensors are CUDA tensors
+    answers once its copies are synchronized. The daemon copies stored bytes
+    and casts (and merges LoRA and dense patches) on the GPU as it writes
+    (fetch's cast_on_push / merge_on_push). The tensors are CUDA tensors
     over that one allocation at the default layout's offsets (multiples of
     256 bytes); refresh() has the daemon rewrite the changed ones in place.
     The allocation lives as long as the handle or any tensor or view made

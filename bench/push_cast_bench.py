@@ -14,8 +14,16 @@ page cache warm):
   again   the same pushes once more: a cache hit for cast-at-fetch (the copy
           is kept), a second cast for cast-on-push
 
+With --lora-rank R a rank-R PEFT adapter on every projection (bench/
+lora_bench.py's) is applied first, and a third mode joins: merge-on-push
+(defer_merges: the patched tensors merged element by element as they are
+written, the GPU push's merge run by its host twin on the CPU), against the
+materializer's vectorized merge (cast-at-fetch) and cast-on-push (which
+materializes the patched tensors, casts the rest as it writes).
+
   bench/push_cast_bench.py [--config 0.3g] [--world 2] [--dtype f32]
-                           [--repeats 3] [--build build] [--out FILE]
+                           [--lora-rank R] [--repeats 3] [--build build]
+                           [--out FILE]
 """
 import argparse
 import json
@@ -37,6 +45,7 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lora-rank", type=int, default=0)
     ap.add_argument("--build", default=os.path.join(REPO, "build"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -54,21 +63,34 @@ def main():
     with open(model_file, "rb") as fh:
         while fh.read(64 << 20):
             pass
+    adapter_dir = None
+    if args.lora_rank:
+        import lora_bench
+        import st_io
+        shapes = [(n, tuple(t.shape)) for n, t in st_io.load(model_file).items()
+                  if t.dim() == 2]
+        adapter_dir = os.path.join(models, "adapter")
+        lora_bench.make_adapter(adapter_dir, shapes, args.lora_rank, 3)
+    modes = {"cast_at_fetch": (False, False), "cast_on_push": (True, False)}
+    if args.lora_rank:
+        modes["merge_on_push"] = (True, True)
     weightd_bin = os.path.join(args.build, "bin", "weightd")
     results = {"config": args.config, "world": args.world, "dtype": args.dtype,
+               "lora_rank": args.lora_rank,
                "checkpoint_bytes": os.path.getsize(model_file),
                "facts": suite.machine_facts(args.build), "runs": []}
 
-    def pushes(c, cast_on_push):
+    def pushes(c, mode):
+        cast_on_push, merge_on_push = modes[mode]
         t0 = time.perf_counter()
         nbytes = 0
         for rank in range(args.world):
             with c.fetch("m", world=args.world, rank=rank, dtype=args.dtype, mode="push",
-                         cast_on_push=cast_on_push) as h:
+                         cast_on_push=cast_on_push, merge_on_push=merge_on_push) as h:
                 nbytes += sum(m.length for m in h.tensors)
         return time.perf_counter() - t0, nbytes
 
-    def daemon_round(cast_on_push):
+    def daemon_round(mode):
         sock = os.path.join(tmp, "w.sock")
         log = open(os.path.join(tmp, "log"), "ab")
         proc = subprocess.Popen([weightd_bin, "--socket", sock, "--model-root", models],
@@ -80,10 +102,13 @@ def main():
             c = weightd.Client(socket=sock, retry_deadline=30)
             c.health()
             c.load("m", model_file)
+            if adapter_dir:
+                c.load_adapter("a", adapter_dir)
+                c.apply("m", ["a"])
             s0 = c.stats()
-            first, nbytes = pushes(c, cast_on_push)
+            first, nbytes = pushes(c, mode)
             s1 = c.stats()
-            again, _ = pushes(c, cast_on_push)
+            again, _ = pushes(c, mode)
             c.close()
             return {"first_seconds": first, "again_seconds": again, "pushed_bytes": nbytes,
                     "resident_growth": s1["bytes_resident"] - s0["bytes_resident"],
@@ -97,16 +122,12 @@ def main():
 
     try:
         for rep in range(args.repeats):
-            run = {"cast_at_fetch": daemon_round(False), "cast_on_push": daemon_round(True)}
+            run = {mode: daemon_round(mode) for mode in modes}
             results["runs"].append(run)
-            suite.log("round %d: cast at fetch %.3f s (again %.3f s) +%.0f MiB; cast on push "
-                      "%.3f s (again %.3f s) +%.0f MiB" % (
-                          rep, run["cast_at_fetch"]["first_seconds"],
-                          run["cast_at_fetch"]["again_seconds"],
-                          run["cast_at_fetch"]["resident_growth"] / 2**20,
-                          run["cast_on_push"]["first_seconds"],
-                          run["cast_on_push"]["again_seconds"],
-                          run["cast_on_push"]["resident_growth"] / 2**20))
+            suite.log("round %d: %s" % (rep, "; ".join(
+                "%s %.3f s (again %.3f s) +%.0f MiB" % (
+                    mode.replace("_", " "), r["first_seconds"], r["again_seconds"],
+                    r["resident_growth"] / 2**20) for mode, r in run.items())))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -127,6 +148,14 @@ def main():
         "resident_growth_cast_at_fetch": med("cast_at_fetch", "resident_growth"),
         "resident_growth_cast_on_push": med("cast_on_push", "resident_growth"),
     }
+    if args.lora_rank:
+        results["summary"].update({
+            "first_seconds_merge_on_push": med("merge_on_push", "first_seconds"),
+            "first_ratio_merge_on_push_vs_cast_at_fetch": med("merge_on_push", "first_seconds") /
+            med("cast_at_fetch", "first_seconds"),
+            "again_seconds_merge_on_push": med("merge_on_push", "again_seconds"),
+            "resident_growth_merge_on_push": med("merge_on_push", "resident_growth"),
+        })
     print(json.dumps(results["summary"], indent=1))
     if args.out:
         with open(args.out, "w") as f:

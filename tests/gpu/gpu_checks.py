@@ -23,6 +23,9 @@ failure:
                for bit (DESIGN §2), every tensor inside the one allocation.
   b pull       mode="pull" (pinned, and pin=False), the same parity on a
                subset; no lease left.
+  b' zero-copy mode="zero-copy": the same parity read by kernels from the
+               shm mapping in place (pageable access or a mapped read-only
+               registration, reported), a tensor kept after release().
   c lora       a PEFT adapter (peft, save_pretrained) on a Linear-only
                model: `weightctl adapter load` + `apply`, then a CUDA push
                of the merged weights (f32 and bf16; merged on the GPU as the
@@ -542,6 +545,45 @@ class Checks:
             n, [p["pinned"] for p in pinned], note) if not fails else "; ".join(fails[:12])), \
             {"pulls": pinned}
 
+    def zero_copy(self):
+        """mode="zero-copy": CUDA tensors over the shm mapping, read by the
+        GPU in place (at the host address where the device reads pageable
+        memory, else through a mapped read-only registration): the same
+        parity, read by kernels; a tensor kept after release() still reads
+        right; no lease left."""
+        torch = self.torch
+        fails, m = [], {}
+        base = self.leases()
+        kept = None
+        for world, rank, dtype in ((1, 0, "keep"), (3, 2, "bf16"), (2, 1, "f32")):
+            h = self.client.fetch("mix", world=world, rank=rank, device="cuda:0",
+                                  mode="zero-copy", dtype=None if dtype == "keep" else dtype)
+            try:
+                if (h.mode, h.device) != ("zero-copy", "cuda:0"):
+                    fails.append("W%d r%d: handle %r" % (world, rank, h))
+                m["pageable_access"] = h.pageable_access
+                self._compare(h, world, rank, dtype, fails, inside=False)
+                if kept is None:
+                    name = max(self.mix, key=lambda k: self.mix[k].numel())
+                    kept = (h[name], chunk_ref(self.mix[name], world, rank, dtype), name)
+            finally:
+                h.release()
+        t, want, name = kept
+        if not same_bits(t.clone(), want):
+            fails.append("%s kept after release() reads wrong" % name)
+        t0 = time.monotonic()
+        total = float(t.float().sum())  # a kernel reading every byte in place
+        self.sync()
+        m["read_in_place_GBps"] = round(t.numel() * t.element_size() /
+                                        max(time.monotonic() - t0, 1e-9) / 1e9, 2)
+        m["checksum"] = total
+        del t, kept
+        if self.wait_leases(base) != base:
+            fails.append("leases_open %d after zero-copy, %d before" % (self.leases(), base))
+        return not fails, ("3 zero-copy fetches bit-exact, read in place (%s, %.1f GB/s)" % (
+            "pageable access" if m.get("pageable_access") else "mapped registration",
+            m["read_in_place_GBps"]) if not fails else "; ".join(fails[:12])), m
+
     # -- c: LoRA
 
     def lora(self):
@@ -995,6 +1037,7 @@ def main(argv=None):
         rec.run("vmm", checks.vmm, 30)
         rec.run("push", checks.push_parity, 120)
         rec.run("pull", checks.pull_parity, 60)
+        rec.run("zero-copy", checks.zero_copy, 30)
         rec.run("lora", checks.lora, 90)
         rec.run("killed", checks.killed, 90)
         rec.run("bandwidth", checks.bandwidth, 90)

@@ -363,10 +363,19 @@ CUresult CUDAAPI cuMemExportToShareableHandle(void* out, CUmemGenericAllocationH
 CUresult CUDAAPI cuMemHostRegister(void* p, size_t n, unsigned int flags) {
   FAIL("cuMemHostRegister"); NEED_CTX();
   say("host register %zu flags %u aligned %d", n, flags, (int)((uintptr_t)p % 4096 == 0));
-  if (flags != CU_MEMHOSTREGISTER_READ_ONLY) { bad++; return CUDA_ERROR_INVALID_VALUE; }
+  if (flags != CU_MEMHOSTREGISTER_READ_ONLY &&
+      flags != (CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_DEVICEMAP)) {
+    bad++; return CUDA_ERROR_INVALID_VALUE;
+  }
   registered++; return 0;
 }
 CUresult CUDAAPI cuMemHostUnregister(void* p) { NEED_CTX(); registered--; say("host unregister"); return 0; }
+/* Unified addressing: a registered range's device address is its host one. */
+CUresult CUDAAPI cuMemHostGetDevicePointer(CUdeviceptr* d, void* p, unsigned int flags) {
+  FAIL("cuMemHostGetDevicePointer"); NEED_CTX();
+  if (flags != 0 || registered <= 0) { bad++; return CUDA_ERROR_INVALID_VALUE; }
+  say("device pointer"); *d = (CUdeviceptr)(uintptr_t)p; return 0;
+}
 """
 
 
@@ -1237,3 +1246,66 @@ def test_pull_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, pin):
     assert stand_ins == []  # a pull never pushes
     assert _wait_leases(client, base) == base
     assert _open_fds() == fds
+
+
+@pytest.mark.parametrize("access", ["pageable", "registered"])
+def test_zero_copy_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, access):
+    """mode="zero-copy": the tensors are over the shm mapping itself (the
+    stand-in tensor_from_ptr reads the address it is given, so a wrong one
+    shows as wrong bytes): at the host address where the device reads
+    pageable memory, else at the device address of a read-only mapped
+    registration of the shard's pages (the fake's unified addressing),
+    unregistered — after a device sync — once the last tensor goes; the
+    lease ends with release(), the tensors stay readable."""
+    fake.lib.fake_attr(_cuda.CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS,
+                       1 if access == "pageable" else 0)
+    base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
+    fds = _open_fds()
+    # (lora's last tensor alone, kept dtype: a view pages into its
+    # checkpoint's segment, so the registered range starts there)
+    last = ["model.layers.1.self_attn.v_proj.weight"]
+    for model, world, rank, dtype, names in (
+            ("small", 1, 0, None, None), ("small", 3, 1, "bf16", None),
+            ("small", 4, 3, "f32", None), ("lora", 2, 1, None, last)):
+        h = client.fetch(model, world=world, rank=rank, device="cuda:0", mode="zero-copy",
+                         dtype=dtype, names=names)
+        assert (h.mode, h.device) == ("zero-copy", "cuda:0") and not h.released
+        assert h.pageable_access is (access == "pageable")
+        assert _wait_leases(client, base + 1) == base + 1  # held by the handle
+        kept = {}
+        with client.fetch(model, world=world, rank=rank, dtype=dtype, names=names) as ref:
+            for m in h.tensors:
+                got = h[m.name]
+                assert (got.dtype, tuple(got.shape)) == (ref[m.name].dtype,
+                                                         tuple(ref[m.name].shape)), m.name
+                assert _same_bytes(got, ref[m.name]), m.name
+                if m.length:
+                    kept[m.name] = (got, st_io.tensor_bytes(ref[m.name]))
+        if access == "registered":
+            assert fake.counters()["registered"] > 0
+        h.release()
+        assert h.released
+        assert _wait_leases(client, base) == base  # the lease ended with release()
+        for name, (t, want) in kept.items():  # the pages stay while a tensor does
+            assert st_io.tensor_bytes(t) == want, name
+        del kept, t, got, h
+        gc.collect()
+        assert fake.counters()["registered"] == 0
+    log = fake.log()
+    if access == "registered":
+        assert "flags 10 aligned 1" in log and "device pointer" in log, log  # READ_ONLY|DEVICEMAP
+        assert log.count("host register") == log.count("host unregister"), log
+        # each unregistration waits for the device's queued reads first
+        assert log.count("sync") >= log.count("host unregister"), log
+    else:
+        assert "host register" not in log, log
+    gc.collect()
+    fake.assert_clean()
+    assert stand_ins == []  # nothing is pushed
+    assert _open_fds() == fds
+    with pytest.raises(weightd.Error) as e:
+        client.fetch("small", mode="zero-copy")
+    assert e.value.code == "INVALID_ARGUMENT" and "device" in e.value.message
+    with pytest.raises(weightd.Error) as e:
+        client.fetch("small", device="cuda:0", mode="zero-copy", transport="grpc")
+    assert e.value.code == "INVALID_ARGUMENT"

@@ -55,6 +55,8 @@ CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0
 CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1
 CU_MEMHOSTREGISTER_READ_ONLY = 0x08
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS = 88
 CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
 CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103
 CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED = 113
@@ -137,6 +139,7 @@ _PROTOS = {
     "cuMemExportToShareableHandle": [ctypes.c_void_p, _u64, ctypes.c_int, _u64],
     "cuMemHostRegister_v2": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
     "cuMemHostUnregister": [ctypes.c_void_p],
+    "cuMemHostGetDevicePointer_v2": [_P(_u64), ctypes.c_void_p, ctypes.c_uint],
 }
 
 LIBCUDA = "libcuda.so.1"
@@ -417,11 +420,16 @@ def vmm_alloc(device_ordinal, size):
 
 class HostRegistration:
     """A host range registered read-only with CUDA (page-locked for DMA)
-    until unregister()."""
+    until unregister(). `mapped`: also mapped into the device's address
+    space (CU_MEMHOSTREGISTER_DEVICEMAP): kernels read it over the bus at
+    device_ptr; unregister() then waits for the device first, since a
+    kernel may still read it."""
 
-    def __init__(self, ordinal, addr, size):
+    def __init__(self, ordinal, addr, size, mapped=False):
         d = self._d = driver()
         self.addr, self.size = int(addr), int(size)
+        self.mapped = bool(mapped)
+        self.device_ptr = 0
         self._ctx = _PrimaryContext(d, ordinal)
         self._done = False
         try:
@@ -429,10 +437,20 @@ class HostRegistration:
                                self._ctx.device):
                 raise Error("FAILED_PRECONDITION", "CUDA device %d cannot register read-only "
                             "host memory" % int(ordinal))
+            flags = CU_MEMHOSTREGISTER_READ_ONLY | (CU_MEMHOSTREGISTER_DEVICEMAP if mapped else 0)
             with self._ctx.current():
-                d.call("cuMemHostRegister_v2", ctypes.c_void_p(self.addr), self.size,
-                       CU_MEMHOSTREGISTER_READ_ONLY,
+                d.call("cuMemHostRegister_v2", ctypes.c_void_p(self.addr), self.size, flags,
                        what="pinning %d bytes of the shard read-only" % self.size)
+                if mapped:
+                    ptr = _u64(0)
+                    try:
+                        d.call("cuMemHostGetDevicePointer_v2", ctypes.byref(ptr),
+                               ctypes.c_void_p(self.addr), 0,
+                               what="the device address of the shard's pages")
+                    except BaseException:
+                        d.fn["cuMemHostUnregister"](ctypes.c_void_p(self.addr))
+                        raise
+                    self.device_ptr = ptr.value
         except BaseException:
             self._done = True
             self._ctx.release()
@@ -444,6 +462,8 @@ class HostRegistration:
         self._done = True
         try:
             with self._ctx.current():
+                if self.mapped:
+                    self._d.call("cuCtxSynchronize", what="waiting for the device's reads")
                 self._d.call("cuMemHostUnregister", ctypes.c_void_p(self.addr))
         finally:
             self._ctx.release()
@@ -455,11 +475,24 @@ class HostRegistration:
             pass
 
 
-def host_register_read_only(device_ordinal, addr, size):
+def host_register_read_only(device_ordinal, addr, size, mapped=False):
     """Pins [addr, addr+size) read-only (CU_MEMHOSTREGISTER_READ_ONLY: no
     copy-on-write break, the pages may be a read-only map) for copies to
-    `device_ordinal`. Returns a HostRegistration; Error when CUDA refuses."""
-    return HostRegistration(device_ordinal, addr, size)
+    `device_ordinal` — and, `mapped`, maps it for the device's kernels
+    (.device_ptr). Returns a HostRegistration; Error when CUDA refuses."""
+    return HostRegistration(device_ordinal, addr, size, mapped)
+
+
+def pageable_memory_access(device_ordinal):
+    """True when CUDA device `device_ordinal` reads pageable host memory
+    coherently at its host address (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_
+    ACCESS: Grace Hopper / Blackwell over NVLink-C2C, or HMM)."""
+    d = driver()
+    ctx = _PrimaryContext(d, device_ordinal)
+    try:
+        return bool(d.attribute(CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS, ctx.device))
+    finally:
+        ctx.release()
 
 
 def pin_ranges(pieces, segment_sizes, page=4096, merge_gap=2 << 20):

@@ -55,6 +55,17 @@ local, transport "shm"):
     unpinned when CUDA refuses, see handle.pin_error), copies each tensor to
     the GPU with torch, synchronizes and ends the lease at once. The tensors
     are ordinary CUDA tensors owned by torch's allocator.
+  * mode="zero-copy": the client maps the shm segments read-only and the
+    tensors are CUDA tensors over those very pages, read by the GPU in
+    place: at their host address where the device reads pageable memory
+    coherently (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS: Grace Hopper /
+    Blackwell over NVLink-C2C, HMM; handle.pageable_access), elsewhere
+    through a read-only mapped registration of the shard's pages
+    (cuMemHostRegister DEVICEMAP | READ_ONLY: every kernel read crosses
+    PCIe, so it is offered for memory-light use, never the default).
+    release() ends the lease; the pages stay mapped and registered while a
+    tensor made from them lives (the last one unregisters them after the
+    device's queued work).
   * mode="export" (daemon-owned device buffers) is not built yet.
 """
 import concurrent.futures
@@ -508,6 +519,29 @@ class _Segment(mmap.mmap):
     """A copy-on-write map of one memfd segment; holds the lease alive."""
 
 
+class _ZeroCopyHold:
+    """What a zero-copy handle's tensors read: the segment maps and the
+    mapped registrations of their pages. Each tensor holds it; the last one
+    to go unregisters the pages (after the device's queued reads) and then
+    drops the maps."""
+
+    def __init__(self, maps):
+        self.maps = maps
+        self.regs = []
+
+    def close(self):
+        regs, self.regs = self.regs, []
+        for r in regs:
+            try:
+                r.unregister()
+            except Error:
+                pass
+        self.maps = None
+
+    def __del__(self):
+        self.close()
+
+
 class _Buffer(bytearray):
     """Bytes streamed over the grpc transport; holds the lease alive."""
 
@@ -735,7 +769,9 @@ class ShardHandle:
         valid: they hold the map). On a GPU (push): drops the handle's hold
         on the allocation, which is freed once no tensor or view made from
         it is left (right away when none was kept). Pull: drops the
-        handle's tensors (its lease ended with the fetch)."""
+        handle's tensors (its lease ended with the fetch). Zero-copy: ends
+        the lease; tensors kept stay valid (they hold the maps and the
+        pages' registrations)."""
         if self._push is not None:
             with self._push.lock:  # not under a refresh's feet
                 self._pieces = None
@@ -1505,8 +1541,9 @@ class Client:
         only. mode with a device: "push" (the default) - the daemon copies
         into a VMM allocation of this process; "pull" - this process copies
         from the shm mapping, pinned read-only first when `pin` (and CUDA
-        allows: handle.pinned / handle.pin_error say); "export" -
-        UNIMPLEMENTED. FAILED_PRECONDITION when this process has no CUDA
+        allows: handle.pinned / handle.pin_error say); "zero-copy" - no
+        copy: CUDA tensors over the shm mapping itself, read by the device
+        in place (module doc); "export" - UNIMPLEMENTED. FAILED_PRECONDITION when this process has no CUDA
         (torch without it, no driver).
         cast_on_push: with mode "push" (host or GPU), a tensor that needs only
         a cast of its stored bytes is cast by the daemon as it writes it (on
@@ -1546,18 +1583,19 @@ class Client:
                 mode = "push"
             if mode == "export":
                 raise Error("UNIMPLEMENTED", "mode \"export\" into a GPU: daemon-owned device "
-                            "buffers are not built yet (use mode \"push\" or \"pull\")")
-            if mode not in ("push", "pull"):
-                raise Error("INVALID_ARGUMENT", "mode: expected push, pull or export, got %r"
-                            % (mode,))
+                            "buffers are not built yet (use mode \"push\", \"pull\" or "
+                            "\"zero-copy\")")
+            if mode not in ("push", "pull", "zero-copy"):
+                raise Error("INVALID_ARGUMENT", "mode: expected push, pull, zero-copy or export, "
+                            "got %r" % (mode,))
             if transport != "shm":
                 raise Error("INVALID_ARGUMENT", "a fetch into a GPU (mode \"%s\") needs "
                             "transport \"shm\" (a local daemon), not %r" % (mode, transport))
-        elif mode == "pull":
-            raise Error("INVALID_ARGUMENT", "mode \"pull\" copies into a GPU: give "
-                        "device=\"cuda:N\"")
-        if mode not in (None, "export", "push", "pull"):
-            raise Error("INVALID_ARGUMENT", "mode: expected export, push or pull, got %r"
+        elif mode in ("pull", "zero-copy"):
+            raise Error("INVALID_ARGUMENT", "mode \"%s\" is for a GPU: give device=\"cuda:N\""
+                        % mode)
+        if mode not in (None, "export", "push", "pull", "zero-copy"):
+            raise Error("INVALID_ARGUMENT", "mode: expected export, push, pull or zero-copy, got %r"
                         % (mode,))
         if mode == "push" and transport != "shm":
             raise Error("INVALID_ARGUMENT", "mode \"push\" needs transport \"shm\" (the daemon "
@@ -1586,6 +1624,8 @@ class Client:
             try:
                 if dev is not None and mode == "push":
                     return self._collect_cuda_push(resp, lease, req, timeout, dev)
+                if dev is not None and mode == "zero-copy":
+                    return self._collect_zero_copy(resp, lease, timeout, dev)
                 if dev is not None:
                     return self._collect_pull(resp, lease, timeout, dev, pin)
                 if mode == "push":
@@ -1761,6 +1801,52 @@ class Client:
         del alloc  # the handle's hold is dest.alloc and raw (which holds it too)
         return _identified(resp, ShardHandle(lease, resp.generation, "shm", metas, pieces,
                                              push=dest, device="cuda:%d" % index))
+
+    def _collect_zero_copy(self, resp, lease, timeout, index):
+        """mode="zero-copy" on CUDA device `index`: attaches the lease and
+        maps its segments read-only (shared); the tensors are CUDA tensors
+        over those pages, read by the device in place: at their host
+        address where it reads pageable memory coherently (Grace Hopper /
+        Blackwell, HMM), else through a read-only mapped registration of the
+        shard's pages (cuMemHostRegister DEVICEMAP | READ_ONLY; over PCIe,
+        slow for compute). The lease ends with release(); the pages and
+        registrations live as long as a tensor made from them."""
+        import torch
+        sizes = list(resp.segment_sizes)
+        metas = self._metas(resp)
+        maps = self._attach_and_map(_data_socket_of(self.socket, resp), resp, lease,
+                                    private=False)
+        hold = _ZeroCopyHold(maps)
+        try:
+            pageable = _cuda.pageable_memory_access(index)
+            ranges = []  # (segment, lo, hi, device address of lo)
+            if not pageable:
+                for seg, lo, hi in _cuda.pin_ranges(
+                        [(m.segment, m.offset, m.length) for m in metas], sizes, _PAGE):
+                    reg = _cuda.host_register_read_only(index, _address_of(maps[seg]) + lo,
+                                                        hi - lo, mapped=True)
+                    hold.regs.append(reg)
+                    ranges.append((seg, lo, hi, reg.device_ptr))
+            out = {}
+            for m in metas:
+                dt = _dtypes.torch_dtype(m.dtype)
+                if not m.length:
+                    out[m.name] = torch.empty(m.shape, dtype=dt, device="cuda:%d" % index)
+                    continue
+                if pageable:
+                    ptr = _address_of(maps[m.segment]) + m.offset
+                else:
+                    ptr = next(d + (m.offset - lo) for seg, lo, hi, d in ranges
+                               if seg == m.segment and lo <= m.offset and m.offset + m.length <= hi)
+                out[m.name] = _cuda.tensor_from_ptr(ptr, m.length, dt, m.shape, index, hold)
+        except BaseException:
+            hold.close()
+            raise
+        pieces = {m.name: (out[m.name], None) if m.length else None for m in metas}
+        h = _identified(resp, ShardHandle(lease, resp.generation, "shm", metas, pieces,
+                                          device="cuda:%d" % index, mode="zero-copy"))
+        h.pageable_access = pageable
+        return h
 
     def _collect_pull(self, resp, lease, timeout, index, pin):
         """mode="pull" into CUDA device `index`: attaches the lease, maps its

@@ -104,6 +104,18 @@ static_assert(sizeof(StageRequest) == sizeof(AttachRequest));
 enum CudaHandleKind : uint32_t {
   kCudaVmmPosixFd = 1,  // the fd rides on the request (SCM_RIGHTS)
   kCudaLegacyIpc = 2,   // cudaIpcMemHandle_t in ipc_handle; no fd
+  // Export: no fd, size 0, no offsets. The daemon owns the destination: it
+  // fills a buffer of its own with the lease's tensors at the default
+  // layout once (cast and merged on the way, as a push), keeps it for
+  // every export of the same fetch table to the same device, and answers
+  // with one fd: a CUDA VMM allocation's POSIX fd on the GPU `gpu_uuid`
+  // names (map it read-only: cuMemImportFromShareableHandle), or — an
+  // all-zero gpu_uuid, the host twin — a memfd sealed against writes (map
+  // it read-only). The reply's message bytes are an ExportInfo. The lease
+  // stays attached to the connection; the buffer is held while any
+  // connection that took it is open, and counts against the daemon's
+  // --device-memory-bytes per device until it is evicted.
+  kCudaDaemonExport = 3,
 };
 
 // Follows a PushRequest whose magic is kCudaPushMagic.
@@ -115,6 +127,13 @@ struct CudaPushTarget {
   uint8_t ipc_handle[64];  // kCudaLegacyIpc only
 };
 static_assert(sizeof(CudaPushTarget) == 96);
+
+// The message of an OK reply to an export (kCudaDaemonExport).
+struct ExportInfo {
+  uint64_t size;         // the buffer's bytes (map this many)
+  uint64_t layout_size;  // bytes the default layout uses
+};
+static_assert(sizeof(ExportInfo) == 16);
 
 struct AttachReply {
   char magic[4];

@@ -232,6 +232,10 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
             "pushes into clients' memory queued or running per peer uid (0 = no limit, "
             "default 8)",
             K::kValue, NumberInto("max-pushes-per-uid", &f->data.max_pushes_per_uid, 0, SIZE_MAX)})
+      .Add({"device-memory-bytes", "N",
+            "buffers the daemon fills and exports (fetch mode \"export\"), per GPU and for "
+            "host memory: least recently used unheld ones are evicted past it (0 = no limit)",
+            K::kValue, Uint64Into("device-memory-bytes", &f->data.export_budget)})
       .Add({"max-watch-streams", "N", "concurrent Watch streams (1..65536, default 256)",
             K::kValue, NumberInto("max-watch-streams", &f->grpc.max_watch_streams, 1, 65536)})
       .Add({"threads", "N", "materialization workers (1..256): one fetch computes on up to N threads, its own included; concurrent fetches share the N-1 helpers", K::kValue,

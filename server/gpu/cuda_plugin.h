@@ -25,7 +25,7 @@ namespace weightd {
 
 // Bumped whenever these signatures or the types they take change (the
 // plugin and the daemon are built together; this catches a stale file).
-inline constexpr uint32_t kCudaPluginAbi = 3;
+inline constexpr uint32_t kCudaPluginAbi = 4;
 
 struct CudaPluginApi {
   uint32_t abi = 0;
@@ -40,6 +40,14 @@ struct CudaPluginApi {
   // and must run before the memory is unmapped.
   absl::Status (*pin)(const void* data, size_t size) = nullptr;
   void (*unpin)(const void* data) = nullptr;
+  // A daemon-owned export (cuda_push.h ExportToCuda): fills a new VMM
+  // allocation on `gpu` with the lease at `layout`, sets *fd (its exported
+  // POSIX fd, the caller's), *size and *handle (for export_release, which
+  // frees the daemon's reference).
+  absl::Status (*export_fill)(const LeaseContents& lease, const PushLayout& layout,
+                              const GpuDevice& gpu, const std::atomic<bool>* cancel, int* fd,
+                              uint64_t* size, void** handle) = nullptr;
+  void (*export_release)(void* handle) = nullptr;
 };
 
 // The plugin's API, loaded once (later calls return the first answer).

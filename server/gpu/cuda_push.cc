@@ -5,9 +5,64 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "server/gpu/cuda_plugin.h"
 
 namespace weightd {
+
+namespace {
+
+absl::StatusOr<GpuDevice> FindGpu(const uint8_t (&uuid_bytes)[16], const GpuInventory& gpus) {
+  const std::string uuid = FormatGpuUuid(uuid_bytes);
+  if (gpus.devices.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the daemon has no GPU to push to ", uuid, ": ", gpus.unavailable));
+  }
+  std::vector<std::string> ours;
+  for (const GpuDevice& g : gpus.devices) {
+    if (g.uuid == uuid) return g;
+    ours.push_back(g.uuid);
+  }
+  return absl::NotFoundError(absl::StrCat("GPU ", uuid, " is not one of the daemon's (",
+                                          absl::StrJoin(ours, ", "),
+                                          "): is the client on another node, or in a container "
+                                          "that sees other GPUs?"));
+}
+
+}  // namespace
+
+absl::StatusOr<GpuDevice> CheckCudaExport(const CudaPushTarget& target, const PushLayout& layout,
+                                          const GpuInventory& gpus) {
+  if (target.handle_kind != kCudaDaemonExport) {
+    return absl::InternalError("not an export");
+  }
+  (void)layout;
+  return FindGpu(target.gpu_uuid, gpus);
+}
+
+absl::StatusOr<CudaExport> ExportToCuda(const LeaseContents& lease, const PushLayout& layout,
+                                        const GpuDevice& gpu, const std::atomic<bool>* cancel) {
+#ifdef WEIGHTD_HAVE_CUDA
+  absl::StatusOr<const CudaPluginApi*> api = LoadCudaPlugin();
+  if (!api.ok()) return api.status();
+  CudaExport out;
+  int fd = -1;
+  void* handle = nullptr;
+  uint64_t size = 0;
+  WD_RETURN_IF_ERROR((*api)->export_fill(lease, layout, gpu, cancel, &fd, &size, &handle));
+  out.fd = UniqueFd(fd);
+  out.size = size;
+  out.release = [release = (*api)->export_release, handle] { release(handle); };
+  return out;
+#else
+  (void)lease;
+  (void)layout;
+  (void)gpu;
+  (void)cancel;
+  return absl::UnimplementedError(
+      "this weightd was built without CUDA; a CUDA export needs a CUDA build (WEIGHTD_CUDA)");
+#endif
+}
 
 absl::StatusOr<GpuDevice> CheckCudaTarget(const CudaPushTarget& target, bool has_fd,
                                           const PushLayout& layout, const GpuInventory& gpus) {
@@ -23,7 +78,8 @@ absl::StatusOr<GpuDevice> CheckCudaTarget(const CudaPushTarget& target, bool has
     }
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "unknown CUDA handle kind ", target.handle_kind, " (1: VMM POSIX fd, 2: legacy IPC)"));
+        "unknown CUDA handle kind ", target.handle_kind,
+        " (1: VMM POSIX fd, 2: legacy IPC, 3: an export of the daemon's)"));
   }
   if (target.size == 0) {
     return absl::InvalidArgumentError("the push names a GPU allocation of 0 bytes");
@@ -33,20 +89,7 @@ absl::StatusOr<GpuDevice> CheckCudaTarget(const CudaPushTarget& target, bool has
                                                    " bytes; the GPU allocation has ",
                                                    target.size));
   }
-  const std::string uuid = FormatGpuUuid(target.gpu_uuid);
-  if (gpus.devices.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the daemon has no GPU to push to ", uuid, ": ", gpus.unavailable));
-  }
-  std::vector<std::string> ours;
-  for (const GpuDevice& g : gpus.devices) {
-    if (g.uuid == uuid) return g;
-    ours.push_back(g.uuid);
-  }
-  return absl::NotFoundError(absl::StrCat("GPU ", uuid, " is not one of the daemon's (",
-                                          absl::StrJoin(ours, ", "),
-                                          "): is the client on another node, or in a container "
-                                          "that sees other GPUs?"));
+  return FindGpu(target.gpu_uuid, gpus);
 }
 
 absl::Status PushToCuda(const LeaseContents& lease, const PushLayout& layout,

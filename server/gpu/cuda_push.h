@@ -8,9 +8,11 @@
 #define WEIGHTD_SERVER_GPU_CUDA_PUSH_H_
 
 #include <atomic>
+#include <functional>
 
 #include "absl/status/statusor.h"
 #include "common/data_protocol.h"
+#include "common/fd.h"
 #include "common/push_layout.h"
 #include "server/gpu/gpu_devices.h"
 #include "server/lease/lease_table.h"
@@ -36,6 +38,27 @@ absl::StatusOr<GpuDevice> CheckCudaTarget(const CudaPushTarget& target, bool has
 absl::Status PushToCuda(const LeaseContents& lease, const PushLayout& layout,
                         const CudaPushTarget& target, int fd, const GpuInventory& gpus,
                         const std::atomic<bool>* cancel);
+
+// A buffer the daemon filled on a GPU and exports (kCudaDaemonExport): a
+// CUDA VMM allocation, `fd` its POSIX fd, `release` frees it (the
+// allocation lives on in processes that imported it).
+struct CudaExport {
+  UniqueFd fd;
+  uint64_t size = 0;
+  std::function<void()> release;
+};
+
+// Everything about a CUDA export that needs no CUDA call: the GPU among the
+// daemon's (as CheckCudaTarget). Returns the GPU.
+absl::StatusOr<GpuDevice> CheckCudaExport(const CudaPushTarget& target, const PushLayout& layout,
+                                          const GpuInventory& gpus);
+
+// Allocates device memory on `gpu` (cuMemCreate, POSIX-fd shareable,
+// rounded to its granularity), pushes the lease into it at `layout` as
+// PushToCuda does (casts and merges on the GPU), synchronizes and exports
+// it. UNAVAILABLE with CUDA's words; UNIMPLEMENTED without CUDA.
+absl::StatusOr<CudaExport> ExportToCuda(const LeaseContents& lease, const PushLayout& layout,
+                                        const GpuDevice& gpu, const std::atomic<bool>* cancel);
 
 }  // namespace weightd
 

@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -13,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_cast.h"
+#include "common/status_macros.h"
 #include "server/gpu/cuda_plugin.h"
 #include "server/memory/buffer.h"
 #include "server/transport/push_plan.h"
@@ -37,6 +39,8 @@ struct DriverApi {
   decltype(&::cuMemGetAddressRange) address_range = nullptr;
   decltype(&::cuPointerGetAttribute) pointer_attribute = nullptr;
   decltype(&::cuGetErrorString) error_string = nullptr;
+  decltype(&::cuMemCreate) create = nullptr;
+  decltype(&::cuMemExportToShareableHandle) export_handle = nullptr;
   absl::Status status;
 };
 
@@ -66,7 +70,8 @@ const DriverApi& Driver() {
           Resolve("cuMemSetAccess", &d.set_access), Resolve("cuMemRelease", &d.release),
           Resolve("cuMemGetAddressRange", &d.address_range),
           Resolve("cuPointerGetAttribute", &d.pointer_attribute),
-          Resolve("cuGetErrorString", &d.error_string)}) {
+          Resolve("cuGetErrorString", &d.error_string), Resolve("cuMemCreate", &d.create),
+          Resolve("cuMemExportToShareableHandle", &d.export_handle)}) {
       if (!s.ok() && d.status.ok()) d.status = s;
     }
     return d;
@@ -99,6 +104,131 @@ class Cleanup {
 };
 
 }  // namespace
+
+// Writes every tensor of `lease` at `layout` into device memory at `base`
+// (mapped, current device): raw copies on kStreams streams, casts and
+// merges by kernels from per-stream scratch; synchronized before it
+// returns, whatever happened.
+absl::Status CopyIntoDevice(const LeaseContents& lease, const PushLayout& layout, uint8_t* base,
+                            const std::atomic<bool>* cancel) {
+  const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
+  Cleanup cleanup;
+  std::vector<cudaStream_t> streams;
+  for (int s = 0; s < kStreams; ++s) {
+    cudaStream_t stream = nullptr;
+    if (cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        err != cudaSuccess) {
+      return RuntimeError(err, "creating a copy stream");
+    }
+    streams.push_back(stream);
+    cleanup.Add([stream] { (void)cudaStreamDestroy(stream); });
+  }
+  std::vector<PushCopy> copies;
+  if (n > 0) {
+    copies = PlanPushCopies(*lease.tensors, layout,
+                            {.max_copy_bytes = kCopyBytes,
+                             .streams = kStreams,
+                             .max_cast_bytes = kCastBytes});
+  }
+  // A cast's source goes to a scratch buffer of its stream (raw bytes,
+  // from pinned memory where the checkpoint is pinned), and the kernel
+  // converts it into the destination on the same stream: the next piece's
+  // copy into that scratch waits for the kernel, in stream order.
+  std::vector<void*> scratch(kStreams, nullptr);
+  for (const PushCopy& copy : copies) {
+    if (!copy.cast || scratch[copy.stream] != nullptr) continue;
+    // Stream-ordered (cudaMallocAsync): freeing it does not wait for the
+    // whole device, so concurrent pushes do not stall each other.
+    cudaStream_t stream = streams[copy.stream];
+    if (cudaError_t err = cudaMallocAsync(&scratch[copy.stream], kCastBytes, stream);
+        err != cudaSuccess) {
+      return RuntimeError(err, absl::StrCat("allocating ", kCastBytes,
+                                            " bytes of GPU scratch for the push's casts"));
+    }
+    cleanup.Add([p = scratch[copy.stream], stream] { (void)cudaFreeAsync(p, stream); });
+  }
+  // Each merge's terms and the arrays they point to, in device memory, once
+  // per push (LoRA factors are small; a dense patch sends its box's rows).
+  std::unordered_map<const PushMerge*, const MergeTerm*> device_terms;
+  for (const PushCopy& copy : copies) {
+    if (copy.merge == nullptr || device_terms.count(copy.merge) > 0) continue;
+    std::vector<MergeTerm> terms = copy.merge->terms;
+    uint64_t floats = 0;
+    for (const MergeTerm& t : terms) floats += t.x_len + t.y_len + t.v_len;
+    const uint64_t terms_bytes = (terms.size() * sizeof(MergeTerm) + 255) / 256 * 256;
+    void* arena = nullptr;
+    if (cudaError_t err = cudaMallocAsync(&arena, terms_bytes + floats * sizeof(float),
+                                          streams[0]);
+        err != cudaSuccess) {
+      return RuntimeError(err, "allocating GPU memory for a merge's LoRA factors");
+    }
+    // Freed once every stream is synchronized (the push's end), in order
+    // after its uses on streams[0].
+    cleanup.Add([arena, stream = streams[0]] { (void)cudaFreeAsync(arena, stream); });
+    float* at = reinterpret_cast<float*>(static_cast<uint8_t*>(arena) + terms_bytes);
+    auto upload = [&at, &streams](const float*& p, uint64_t n) -> cudaError_t {
+      if (p == nullptr || n == 0) return cudaSuccess;
+      cudaError_t err =
+          cudaMemcpyAsync(at, p, n * sizeof(float), cudaMemcpyHostToDevice, streams[0]);
+      p = at;
+      at += n;
+      return err;
+    };
+    for (MergeTerm& t : terms) {
+      for (cudaError_t err : {upload(t.x, t.x_len), upload(t.y, t.y_len), upload(t.v, t.v_len)}) {
+        if (err != cudaSuccess) return RuntimeError(err, "copying a merge's factors to the GPU");
+      }
+    }
+    if (cudaError_t err = cudaMemcpyAsync(arena, terms.data(),
+                                          terms.size() * sizeof(MergeTerm),
+                                          cudaMemcpyHostToDevice, streams[0]);
+        err != cudaSuccess) {
+      return RuntimeError(err, "copying a merge's terms to the GPU");
+    }
+    // `terms` is pageable and goes out of scope: its copy must be done (a
+    // pageable copy may return before its DMA ends), and the kernels of
+    // the other stream must see the factors.
+    if (cudaError_t err = cudaStreamSynchronize(streams[0]); err != cudaSuccess) {
+      return RuntimeError(err, "copying a merge's factors to the GPU");
+    }
+    device_terms[copy.merge] = static_cast<const MergeTerm*>(arena);
+  }
+  absl::Status status;
+  for (const PushCopy& copy : copies) {
+    if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
+      status = absl::UnavailableError("the daemon is shutting down; the push was cut short");
+      break;
+    }
+    const uint8_t* src = lease.buffers[copy.buffer]->host_data() + copy.src_offset;
+    cudaStream_t stream = streams[copy.stream];
+    void* to = copy.cast ? scratch[copy.stream] : base + copy.dst_offset;
+    if (cudaError_t err = cudaMemcpyAsync(to, src, copy.length, cudaMemcpyHostToDevice, stream);
+        err != cudaSuccess) {
+      status = RuntimeError(err, "copying to the push's GPU allocation");
+      break;
+    }
+    const size_t count = copy.cast ? copy.length / DTypeSize(copy.src_dtype) : 0;
+    if (copy.merge != nullptr) {
+      status = MergeBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset, count,
+                               copy.first_element, copy.merge->row_begin, copy.merge->cols,
+                               device_terms[copy.merge],
+                               static_cast<int>(copy.merge->terms.size()), stream);
+      if (!status.ok()) break;
+    } else if (copy.cast) {
+      status = CastBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset, count,
+                              stream);
+      if (!status.ok()) break;
+    }
+  }
+  // Nothing is unmapped while a copy may still run; the answer waits for
+  // every byte.
+  for (cudaStream_t stream : streams) {
+    if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess && status.ok()) {
+      status = RuntimeError(err, "waiting for the push's copies");
+    }
+  }
+  return status;
+}
 
 absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& layout,
                                 const CudaPushTarget& target, int fd, const GpuDevice& device,
@@ -222,121 +352,91 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
     }
     base = static_cast<uint8_t*>(p);
   }
-  std::vector<cudaStream_t> streams;
-  for (int s = 0; s < kStreams; ++s) {
-    cudaStream_t stream = nullptr;
-    if (cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-        err != cudaSuccess) {
-      return RuntimeError(err, "creating a copy stream");
-    }
-    streams.push_back(stream);
-    cleanup.Add([stream] { (void)cudaStreamDestroy(stream); });
-  }
-  std::vector<PushCopy> copies;
-  if (n > 0) {
-    copies = PlanPushCopies(*lease.tensors, layout,
-                            {.max_copy_bytes = kCopyBytes,
-                             .streams = kStreams,
-                             .max_cast_bytes = kCastBytes});
-  }
-  // A cast's source goes to a scratch buffer of its stream (raw bytes,
-  // from pinned memory where the checkpoint is pinned), and the kernel
-  // converts it into the destination on the same stream: the next piece's
-  // copy into that scratch waits for the kernel, in stream order.
-  std::vector<void*> scratch(kStreams, nullptr);
-  for (const PushCopy& copy : copies) {
-    if (!copy.cast || scratch[copy.stream] != nullptr) continue;
-    // Stream-ordered (cudaMallocAsync): freeing it does not wait for the
-    // whole device, so concurrent pushes do not stall each other.
-    cudaStream_t stream = streams[copy.stream];
-    if (cudaError_t err = cudaMallocAsync(&scratch[copy.stream], kCastBytes, stream);
-        err != cudaSuccess) {
-      return RuntimeError(err, absl::StrCat("allocating ", kCastBytes,
-                                            " bytes of GPU scratch for the push's casts"));
-    }
-    cleanup.Add([p = scratch[copy.stream], stream] { (void)cudaFreeAsync(p, stream); });
-  }
-  // Each merge's terms and the arrays they point to, in device memory, once
-  // per push (LoRA factors are small; a dense patch sends its box's rows).
-  std::unordered_map<const PushMerge*, const MergeTerm*> device_terms;
-  for (const PushCopy& copy : copies) {
-    if (copy.merge == nullptr || device_terms.count(copy.merge) > 0) continue;
-    std::vector<MergeTerm> terms = copy.merge->terms;
-    uint64_t floats = 0;
-    for (const MergeTerm& t : terms) floats += t.x_len + t.y_len + t.v_len;
-    const uint64_t terms_bytes = (terms.size() * sizeof(MergeTerm) + 255) / 256 * 256;
-    void* arena = nullptr;
-    if (cudaError_t err = cudaMallocAsync(&arena, terms_bytes + floats * sizeof(float),
-                                          streams[0]);
-        err != cudaSuccess) {
-      return RuntimeError(err, "allocating GPU memory for a merge's LoRA factors");
-    }
-    // Freed once every stream is synchronized (the push's end), in order
-    // after its uses on streams[0].
-    cleanup.Add([arena, stream = streams[0]] { (void)cudaFreeAsync(arena, stream); });
-    float* at = reinterpret_cast<float*>(static_cast<uint8_t*>(arena) + terms_bytes);
-    auto upload = [&at, &streams](const float*& p, uint64_t n) -> cudaError_t {
-      if (p == nullptr || n == 0) return cudaSuccess;
-      cudaError_t err =
-          cudaMemcpyAsync(at, p, n * sizeof(float), cudaMemcpyHostToDevice, streams[0]);
-      p = at;
-      at += n;
-      return err;
-    };
-    for (MergeTerm& t : terms) {
-      for (cudaError_t err : {upload(t.x, t.x_len), upload(t.y, t.y_len), upload(t.v, t.v_len)}) {
-        if (err != cudaSuccess) return RuntimeError(err, "copying a merge's factors to the GPU");
-      }
-    }
-    if (cudaError_t err = cudaMemcpyAsync(arena, terms.data(),
-                                          terms.size() * sizeof(MergeTerm),
-                                          cudaMemcpyHostToDevice, streams[0]);
-        err != cudaSuccess) {
-      return RuntimeError(err, "copying a merge's terms to the GPU");
-    }
-    // `terms` is pageable and goes out of scope: its copy must be done (a
-    // pageable copy may return before its DMA ends), and the kernels of
-    // the other stream must see the factors.
-    if (cudaError_t err = cudaStreamSynchronize(streams[0]); err != cudaSuccess) {
-      return RuntimeError(err, "copying a merge's factors to the GPU");
-    }
-    device_terms[copy.merge] = static_cast<const MergeTerm*>(arena);
-  }
-  absl::Status status;
-  for (const PushCopy& copy : copies) {
-    if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
-      status = absl::UnavailableError("the daemon is shutting down; the push was cut short");
-      break;
-    }
-    const uint8_t* src = lease.buffers[copy.buffer]->host_data() + copy.src_offset;
-    cudaStream_t stream = streams[copy.stream];
-    void* to = copy.cast ? scratch[copy.stream] : base + copy.dst_offset;
-    if (cudaError_t err = cudaMemcpyAsync(to, src, copy.length, cudaMemcpyHostToDevice, stream);
-        err != cudaSuccess) {
-      status = RuntimeError(err, "copying to the push's GPU allocation");
-      break;
-    }
-    const size_t count = copy.cast ? copy.length / DTypeSize(copy.src_dtype) : 0;
-    if (copy.merge != nullptr) {
-      status = MergeBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset, count,
-                               copy.first_element, copy.merge->row_begin, copy.merge->cols,
-                               device_terms[copy.merge],
-                               static_cast<int>(copy.merge->terms.size()), stream);
-      if (!status.ok()) break;
-    } else if (copy.cast) {
-      status = CastBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset, count,
-                              stream);
-      if (!status.ok()) break;
+  return CopyIntoDevice(lease, layout, base, cancel);
+}
+
+// An export's allocation, for ExportReleaseWithCuda.
+struct ExportHandle {
+  CUmemGenericAllocationHandle handle{};
+  int ordinal = 0;
+};
+
+absl::Status ExportFillWithCuda(const LeaseContents& lease, const PushLayout& layout,
+                                const GpuDevice& gpu, const std::atomic<bool>* cancel, int* fd,
+                                uint64_t* size_out, void** handle_out) {
+  for (size_t i = 0; i < lease.buffers.size(); ++i) {
+    if (lease.buffers[i]->kind() != MemoryKind::kHost) {
+      return absl::UnimplementedError(absl::StrCat(
+          "segment ", i, " is not in host memory; a CUDA export copies from host memory only"));
     }
   }
-  // Nothing is unmapped while a copy may still run; the answer waits for
-  // every byte.
-  for (cudaStream_t stream : streams) {
-    if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess && status.ok()) {
-      status = RuntimeError(err, "waiting for the push's copies");
-    }
+  if (absl::Status s = CheckLeaseTensors(lease); !s.ok()) return s;
+  if (cudaError_t err = cudaSetDevice(gpu.ordinal); err != cudaSuccess) {
+    return RuntimeError(err, absl::StrCat("selecting ", gpu.uuid));
   }
-  return status;
+  const DriverApi& d = Driver();
+  if (!d.status.ok()) return d.status;
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = gpu.ordinal;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t granularity = 0;
+  CUresult r = d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r != CUDA_SUCCESS || granularity == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "the allocation granularity of ", gpu.uuid, ": ",
+        r != CUDA_SUCCESS ? DriverError(d, r) : std::string("0")));
+  }
+  const uint64_t size =
+      std::max<uint64_t>(1, (layout.size + granularity - 1) / granularity) * granularity;
+  CUmemGenericAllocationHandle handle{};
+  if ((r = d.create(&handle, size, &prop, 0)) != CUDA_SUCCESS) {
+    return (r == CUDA_ERROR_OUT_OF_MEMORY ? absl::ResourceExhaustedError : absl::UnavailableError)(
+        absl::StrCat("allocating ", size, " bytes on ", gpu.uuid, " for an export: ",
+                     DriverError(d, r)));
+  }
+  bool keep = false;
+  Cleanup cleanup;  // unmaps the daemon's view; releases the handle unless kept
+  cleanup.Add([&d, handle, &keep] {
+    if (!keep) d.release(handle);
+  });
+  CUdeviceptr va = 0;
+  if ((r = d.reserve(&va, size, 0, 0, 0)) != CUDA_SUCCESS) {
+    return absl::UnavailableError(
+        absl::StrCat("reserving ", size, " bytes of GPU address space: ", DriverError(d, r)));
+  }
+  cleanup.Add([&d, va, size] { d.free_address(va, size); });
+  if ((r = d.map(va, size, 0, handle, 0)) != CUDA_SUCCESS) {
+    return absl::UnavailableError(absl::StrCat("mapping an export: ", DriverError(d, r)));
+  }
+  cleanup.Add([&d, va, size] { d.unmap(va, size); });
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = gpu.ordinal;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if ((r = d.set_access(va, size, &access, 1)) != CUDA_SUCCESS) {
+    return absl::UnavailableError(absl::StrCat("granting access to an export: ", DriverError(d, r)));
+  }
+  WD_RETURN_IF_ERROR(CopyIntoDevice(lease, layout, reinterpret_cast<uint8_t*>(va), cancel));
+  int exported = -1;
+  if ((r = d.export_handle(&exported, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) !=
+      CUDA_SUCCESS) {
+    return absl::UnavailableError(absl::StrCat("exporting ", gpu.uuid, " memory as an fd: ",
+                                               DriverError(d, r)));
+  }
+  keep = true;
+  *fd = exported;
+  *size_out = size;
+  *handle_out = new ExportHandle{handle, gpu.ordinal};
+  return absl::OkStatus();
+}
+
+void ExportReleaseWithCuda(void* p) {
+  auto* h = static_cast<ExportHandle*>(p);
+  const DriverApi& d = Driver();
+  if (d.status.ok()) d.release(h->handle);
+  delete h;
 }
 
 }  // namespace weightd
@@ -360,7 +460,10 @@ extern "C" __attribute__((visibility("default"))) const weightd::CudaPluginApi*
 weightd_cuda_plugin_api() {
   static const weightd::CudaPluginApi api{weightd::kCudaPluginAbi,
                                           &weightd::DiscoverGpusWithCuda,
-                                          &weightd::PushToCudaWithCuda, &weightd::PinHostMemory,
-                                          &weightd::UnpinHostMemory};
+                                          &weightd::PushToCudaWithCuda,
+                                          &weightd::PinHostMemory,
+                                          &weightd::UnpinHostMemory,
+                                          &weightd::ExportFillWithCuda,
+                                          &weightd::ExportReleaseWithCuda};
   return &api;
 }

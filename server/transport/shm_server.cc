@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -74,6 +75,8 @@ struct Connection {
   std::deque<Outgoing> out;
   std::vector<BufferPtr> pinned;  // keeps the fds in `out` open
   std::vector<UniqueFd> owned;    // as pinned, fds of the daemon's own (staging)
+  // The exported buffers this connection took: held while it is open.
+  std::vector<std::shared_ptr<const ExportedBuffer>> exports;
   bool close_after_reply = false;
 };
 
@@ -102,8 +105,10 @@ absl::Status SharedFds(const LeaseContents& lease, std::vector<int>* fds,
 
 // Queues the reply to one request: the header and message carry the first
 // batch of fds, each further batch rides on one byte of its own.
-void QueueReply(Connection* c, const absl::Status& status, absl::Span<const int> fds) {
-  std::string msg(status.message().substr(0, kMaxReplyMessage));
+void QueueReply(Connection* c, const absl::Status& status, absl::Span<const int> fds,
+                absl::string_view payload = {}) {
+  // An OK reply's message is its payload (an export's ExportInfo).
+  std::string msg(status.ok() ? payload : status.message().substr(0, kMaxReplyMessage));
   AttachReply reply;
   std::memcpy(reply.magic, kReplyMagic, 4);
   reply.code = static_cast<int32_t>(status.code());
@@ -236,7 +241,8 @@ ShmDataServer::ShmDataServer(Options options, LeaseTable* leases, UniqueFd liste
       listen_fd_(std::move(listen_fd)),
       wake_fd_(std::move(wake_fd)),
       done_fd_(std::move(done_fd)),
-      pause_(wake_fd_.get()) {}
+      pause_(wake_fd_.get()),
+      exports_(options_.export_budget) {}
 
 ShmDataServer::~ShmDataServer() { Stop(); }
 
@@ -313,6 +319,107 @@ void ShmDataServer::Push(int conn_fd, uint64_t connection, uid_t uid,
   {
     absl::MutexLock lock(&done_mu_);
     done_.push_back(PushDone{conn_fd, connection, uid, std::move(status)});
+  }
+  uint64_t one = 1;
+  (void)!::write(done_fd_.get(), &one, sizeof(one));
+}
+
+namespace {
+
+// The host twin of a CUDA export: a memfd of `size` bytes, the lease
+// pushed into it, sealed against writes.
+absl::StatusOr<std::unique_ptr<ExportedBuffer>> FillHostExport(const LeaseContents& lease,
+                                                               const PushLayout& layout,
+                                                               uint64_t size,
+                                                               const std::atomic<bool>* cancel) {
+  UniqueFd fd(::memfd_create("weightd-export", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd.valid()) {
+    return absl::ResourceExhaustedError(absl::StrCat("memfd_create: ", std::strerror(errno)));
+  }
+  if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("sizing an export of ", size,
+                                                     " bytes: ", std::strerror(errno)));
+  }
+  if (int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(size)); err != 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("allocating an export of ", size,
+                                                     " bytes: ", std::strerror(err)));
+  }
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    return absl::InternalError(absl::StrCat("sealing an export: ", std::strerror(errno)));
+  }
+  WD_RETURN_IF_ERROR(PushToHost(lease, layout, fd.get(), cancel));
+  // Never mapped writable here: the write seal takes, and clients map it
+  // read-only.
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
+    return absl::InternalError(absl::StrCat("sealing an export: ", std::strerror(errno)));
+  }
+  auto out = std::make_unique<ExportedBuffer>();
+  out->fd = std::move(fd);
+  out->size = size;
+  return out;
+}
+
+}  // namespace
+
+void ShmDataServer::Export(int conn_fd, uint64_t connection, uid_t uid,
+                           std::shared_ptr<const LeaseContents> lease, CudaPushTarget target) {
+  absl::Time start = absl::Now();
+  bool filled = false;
+  std::string device = "host";
+  ExportInfo info{};
+  absl::StatusOr<std::shared_ptr<const ExportedBuffer>> got =
+      [&]() -> absl::StatusOr<std::shared_ptr<const ExportedBuffer>> {
+    WD_ASSIGN_OR_RETURN(PushLayout layout, LayoutForPush(*lease, {}));
+    info.layout_size = layout.size;
+    bool host = true;
+    for (uint8_t b : target.gpu_uuid) host &= b == 0;
+    ExportCache::Fill fill;
+    uint64_t size = 0;
+    if (host) {
+      const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+      size = std::max<uint64_t>(1, (layout.size + page - 1) / page) * page;
+      fill = [&, size] { return FillHostExport(*lease, layout, size, &stopping_); };
+    } else {
+      static const GpuInventory kNone{.unavailable = "no GPU inventory was given"};
+      WD_ASSIGN_OR_RETURN(GpuDevice gpu,
+                          CheckCudaExport(target, layout,
+                                          options_.gpus != nullptr ? *options_.gpus : kNone));
+      device = gpu.uuid;
+      // The allocation is rounded up to the device's granularity (2 MiB on
+      // every current GPU) by the plugin; budgeted as that.
+      constexpr uint64_t kGranule = uint64_t{2} << 20;
+      size = std::max<uint64_t>(1, (layout.size + kGranule - 1) / kGranule) * kGranule;
+      fill = [&, gpu]() -> absl::StatusOr<std::unique_ptr<ExportedBuffer>> {
+        WD_ASSIGN_OR_RETURN(CudaExport made, ExportToCuda(*lease, layout, gpu, &stopping_));
+        auto out = std::make_unique<ExportedBuffer>();
+        out->fd = std::move(made.fd);
+        out->size = made.size;
+        out->release = std::move(made.release);
+        return out;
+      };
+    }
+    return exports_.Get(lease->tensors, device, size, fill, &filled);
+  }();
+  absl::Status status = got.status();
+  std::shared_ptr<const ExportedBuffer> exported;
+  if (got.ok()) {
+    exported = *std::move(got);
+    info.size = exported->size;
+  }
+  LogEvent(status.ok() ? LogLevel::kInfo : LogLevel::kWarning, "export",
+           {{"connection", absl::StrCat(connection)},
+            {"memory", device},
+            {"model", lease->model},
+            {"generation", absl::StrCat(lease->generation)},
+            {"bytes", absl::StrCat(info.size)},
+            {"filled", filled ? "yes" : "no (cached)"},
+            {"device_bytes", absl::StrCat(exports_.bytes(device))},
+            {"ms", absl::StrCat(absl::ToDoubleMilliseconds(absl::Now() - start))},
+            {"status", status.ok() ? std::string("OK") : status.ToString()}});
+  {
+    absl::MutexLock lock(&done_mu_);
+    done_.push_back(PushDone{conn_fd, connection, uid, std::move(status), std::move(exported),
+                             info});
   }
   uint64_t one = 1;
   (void)!::write(done_fd_.get(), &one, sizeof(one));
@@ -431,6 +538,17 @@ void ShmDataServer::Run() {
     std::optional<CudaPushTarget> cuda;
     if (c.cuda_push) cuda = c.cuda_target;
     c.cuda_push = false;
+    if (cuda.has_value() && cuda->handle_kind == kCudaDaemonExport &&
+        (!fds.empty() || !offsets.empty() || cuda->size != 0 || c.fds_truncated)) {
+      QueueReply(&c,
+                 absl::InvalidArgumentError(
+                     "an export carries no fd, no offsets (the default layout) and size 0: the "
+                     "daemon owns its buffer"),
+                 {});
+      c.fds_truncated = false;
+      Discard(std::move(fds));
+      return;
+    }
     // A host push carries its memfd; a CUDA push its VMM fd, or none with a
     // legacy handle (PushToCuda says which it wanted).
     const bool fd_ok = cuda.has_value() ? fds.size() <= 1 : fds.size() == 1;
@@ -473,6 +591,13 @@ void ShmDataServer::Run() {
     c.pushing = true;
     ++mine;
     int dest = fds.empty() ? -1 : fds[0].release();
+    if (cuda.has_value() && cuda->handle_kind == kCudaDaemonExport) {
+      push_pool_->Schedule([this, fd = c.fd.get(), id = c.id, uid = c.peer.uid,
+                            lease = std::move(lease), target = *cuda]() mutable {
+        Export(fd, id, uid, std::move(lease), target);
+      });
+      return;
+    }
     push_pool_->Schedule([this, fd = c.fd.get(), id = c.id, uid = c.peer.uid,
                           lease = std::move(lease), offsets = std::move(offsets), dest,
                           cuda]() mutable {
@@ -640,7 +765,23 @@ void ShmDataServer::Run() {
       if (it == conns.end() || it->second.id != d.connection) continue;
       Connection& c = it->second;
       c.pushing = false;
-      QueueReply(&c, d.status, {});
+      if (d.status.ok() && d.exported != nullptr) {
+        // The client's own fd of the buffer; the connection holds the buffer.
+        UniqueFd fd(::fcntl(d.exported->fd.get(), F_DUPFD_CLOEXEC, 0));
+        if (!fd.valid()) {
+          QueueReply(&c, absl::ResourceExhaustedError(absl::StrCat(
+                             "duplicating the export's fd: ", std::strerror(errno))),
+                     {});
+        } else {
+          const int raw = fd.get();
+          c.owned.push_back(std::move(fd));
+          c.exports.push_back(std::move(d.exported));
+          QueueReply(&c, absl::OkStatus(), {&raw, 1},
+                     absl::string_view(reinterpret_cast<const char*>(&d.info), sizeof(d.info)));
+        }
+      } else {
+        QueueReply(&c, d.status, {});
+      }
       absl::Status sent = Flush(&c);
       if (!sent.ok()) close_conn(it);
     }

@@ -36,6 +36,7 @@
 #include "common/data_protocol.h"
 #include "server/gpu/gpu_devices.h"
 #include "server/lease/lease_table.h"
+#include "server/transport/export_cache.h"
 #include "server/transport/peer_identity.h"
 
 namespace weightd {
@@ -76,6 +77,9 @@ class ShmDataServer {
         stage;
     // The GPUs a CUDA push may name (must outlive the server); null: none.
     const GpuInventory* gpus = nullptr;
+    // Bytes of exported buffers per device (each GPU, and host memory for
+    // the host twin); 0 = no limit (--device-memory-bytes).
+    uint64_t export_budget = 0;
     // An fd already listening at `path` (a predecessor's, at a hand-over):
     // served instead of binding a new socket; the server owns it. -1: bind.
     int adopt_listen_fd = -1;
@@ -102,6 +106,7 @@ class ShmDataServer {
 
   const std::string& path() const { return options_.path; }
   uint64_t connections_open() const { return open_.load(); }
+  ExportCacheStats export_stats() const { return exports_.stats(); }
   // The caps in force (0 in Options resolved).
   size_t max_connections() const { return options_.max_connections; }
   size_t max_connections_per_uid() const { return options_.max_connections_per_uid; }
@@ -117,6 +122,9 @@ class ShmDataServer {
     uint64_t connection;  // its id (the fd may have been reused)
     uid_t uid;            // its peer's, whose count of pushes drops
     absl::Status status;
+    // An export's buffer and what the reply says of it (status OK only).
+    std::shared_ptr<const ExportedBuffer> exported;
+    ExportInfo info{};
   };
   // Runs on a push thread: copies, then queues the answer.
   // `cuda`: a CUDA push's target (`dest` its VMM fd or -1); else `dest` is
@@ -124,6 +132,11 @@ class ShmDataServer {
   void Push(int conn_fd, uint64_t connection, uid_t uid,
             std::shared_ptr<const LeaseContents> lease, std::vector<uint64_t> offsets, int dest,
             std::optional<CudaPushTarget> cuda)
+      ABSL_LOCKS_EXCLUDED(done_mu_);
+  // Runs on a push thread: the export's buffer (filled now, or cached),
+  // then queues the answer.
+  void Export(int conn_fd, uint64_t connection, uid_t uid,
+              std::shared_ptr<const LeaseContents> lease, CudaPushTarget target)
       ABSL_LOCKS_EXCLUDED(done_mu_);
 
   const Options options_;
@@ -134,6 +147,8 @@ class ShmDataServer {
   std::atomic<bool> stopping_{false};
   std::atomic<bool> keep_file_{false};
   AcceptPause pause_;  // after wake_fd_, whose fd it borrows
+  // Exported buffers (kCudaDaemonExport), per device; after options_.
+  ExportCache exports_;
   std::atomic<uint64_t> open_{0};
   absl::Mutex done_mu_;
   std::vector<PushDone> done_ ABSL_GUARDED_BY(done_mu_);

@@ -26,6 +26,9 @@ failure:
   b' zero-copy mode="zero-copy": the same parity read by kernels from the
                shm mapping in place (pageable access or a mapped read-only
                registration, reported), a tensor kept after release().
+  b" export    mode="export": the daemon's own device buffer (VMM, filled on
+               the GPU), imported read-only, the same parity; a repeated
+               export reuses the buffer.
   c lora       a PEFT adapter (peft, save_pretrained) on a Linear-only
                model: `weightctl adapter load` + `apply`, then a CUDA push
                of the merged weights (f32 and bf16; merged on the GPU as the
@@ -584,6 +587,32 @@ class Checks:
             "pageable access" if m.get("pageable_access") else "mapped registration",
             m["read_in_place_GBps"]) if not fails else "; ".join(fails[:12])), m
 
+    def export(self):
+        """mode="export": the daemon's own device buffer (cuMemCreate, filled
+        with casts on the GPU), imported read-only: the same parity; a
+        second export of the same fetch reuses the daemon's buffer (the
+        daemon logs filled=no); no lease left after release()."""
+        fails, m = [], {"fills": []}
+        base = self.leases()
+        for world, rank, dtype in ((1, 0, "keep"), (3, 2, "bf16"), (2, 1, "f32"), (2, 1, "f32")):
+            h = self.client.fetch("mix", world=world, rank=rank, device="cuda:0", mode="export",
+                                  dtype=None if dtype == "keep" else dtype)
+            try:
+                if (h.mode, h.device) != ("export", "cuda:0"):
+                    fails.append("W%d r%d: handle %r" % (world, rank, h))
+                self._compare(h, world, rank, dtype, fails, inside=False)
+            finally:
+                h.release()
+        if self.wait_leases(base) != base:
+            fails.append("leases_open %d after the exports, %d before" % (self.leases(), base))
+        try:
+            with open(self.log_path) as f:
+                m["fills"] = [l.strip()[-160:] for l in f if '"export"' in l or "export " in l][-4:]
+        except (OSError, AttributeError):
+            pass
+        return not fails, ("4 exports bit-exact (the last one of a buffer already filled)"
+                           if not fails else "; ".join(fails[:12])), m
+
     # -- c: LoRA
 
     def lora(self):
@@ -1038,6 +1067,7 @@ def main(argv=None):
         rec.run("push", checks.push_parity, 120)
         rec.run("pull", checks.pull_parity, 60)
         rec.run("zero-copy", checks.zero_copy, 30)
+        rec.run("export", checks.export, 40)
         rec.run("lora", checks.lora, 90)
         rec.run("killed", checks.killed, 90)
         rec.run("bandwidth", checks.bandwidth, 90)

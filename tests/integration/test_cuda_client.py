@@ -41,11 +41,13 @@ import ctypes
 import gc
 import importlib.util
 import json
+import mmap
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -197,6 +199,7 @@ FAKE_C = r"""
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define MAXA 64
@@ -348,9 +351,28 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
   say("access loc=%d/%d flags=%d count=%zu", (int)desc->location.type, desc->location.id,
       (int)desc->flags, count);
   if (count != 1 || desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
-      desc->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) { bad++; return CUDA_ERROR_INVALID_VALUE; }
-  return mprotect((void*)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE) == 0 ? 0
-                                                                          : CUDA_ERROR_INVALID_VALUE;
+      (desc->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE &&
+       desc->flags != CU_MEM_ACCESS_FLAGS_PROT_READ)) { bad++; return CUDA_ERROR_INVALID_VALUE; }
+  int prot = desc->flags == CU_MEM_ACCESS_FLAGS_PROT_READ ? PROT_READ : PROT_READ | PROT_WRITE;
+  return mprotect((void*)(uintptr_t)ptr, size, prot) == 0 ? 0 : CUDA_ERROR_INVALID_VALUE;
+}
+/* Another process's export: the fd's memory (its size is the fd's). */
+CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void* handle,
+                                                CUmemAllocationHandleType type) {
+  FAIL("cuMemImportFromShareableHandle"); NEED_CTX();
+  int fd = (int)(intptr_t)handle;
+  struct stat st;
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || fstat(fd, &st) != 0) {
+    bad++; return CUDA_ERROR_INVALID_VALUE;
+  }
+  for (int i = 0; i < MAXA; i++) {
+    if (allocs[i].used) continue;
+    allocs[i].used = 1; allocs[i].memfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    allocs[i].size = (size_t)st.st_size;
+    *h = (CUmemGenericAllocationHandle)(i + 1); live++;
+    say("import %zu -> %d", allocs[i].size, i + 1); return 0;
+  }
+  return CUDA_ERROR_OUT_OF_MEMORY;
 }
 CUresult CUDAAPI cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle h,
                                               CUmemAllocationHandleType type,
@@ -843,7 +865,7 @@ def test_fetch_into_a_gpu_without_cuda(daemon, client):
     if torch.cuda.is_available():
         pytest.skip("this process has CUDA")
     base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
-    for mode in (None, "push", "pull"):
+    for mode in (None, "push", "pull", "zero-copy", "export"):
         for device in ("cuda:0", 0, "cuda", torch.device("cuda", 0)):
             with pytest.raises(weightd.Error) as e:
                 client.fetch("small", device=device, mode=mode)
@@ -857,7 +879,8 @@ def test_fetch_device_argument_errors(daemon, client):
     cases = [(dict(device="cuda:0", transport="grpc"), "INVALID_ARGUMENT", "transport"),
              (dict(device="cuda:0", mode="pull", transport="grpc"), "INVALID_ARGUMENT",
               "transport"),
-             (dict(device="cuda:0", mode="export"), "UNIMPLEMENTED", "not built yet"),
+             (dict(device="cuda:0", mode="export", transport="grpc"), "INVALID_ARGUMENT",
+              "transport"),
              (dict(device="cuda:0", mode="bogus"), "INVALID_ARGUMENT", "mode"),
              (dict(mode="pull"), "INVALID_ARGUMENT", "device="),
              (dict(device="cuda:x"), "INVALID_ARGUMENT", "device"),
@@ -911,9 +934,9 @@ def test_raw_cuda_push_daemon_has_no_gpu(daemon, client):
 
 
 @pytest.mark.parametrize("case", ["unknown_kind", "too_small", "legacy_with_fd", "vmm_without_fd",
-                                  "two_fds"])
+                                  "two_fds", "export_with_fd", "export_with_size"])
 def test_raw_cuda_push_bad_target(daemon, client, case):
-    if case != "two_fds" and not _cuda_built(client):
+    if case not in ("two_fds", "export_with_fd", "export_with_size") and not _cuda_built(client):
         pytest.skip("a daemon built without CUDA checks no target")
     base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
     resp, lengths = _grant(client)
@@ -921,7 +944,9 @@ def test_raw_cuda_push_bad_target(daemon, client, case):
     assert size > 1
     fds = [_memfd(2 << 20), _memfd(2 << 20)]
     kind, n, target_size, want = {
-        "unknown_kind": (3, 1, 2 << 20, "unknown CUDA handle kind 3"),
+        "unknown_kind": (4, 1, 2 << 20, "unknown CUDA handle kind 4"),
+        "export_with_fd": (3, 1, 0, "an export carries no fd"),
+        "export_with_size": (3, 0, 2 << 20, "an export carries no fd"),
         "too_small": (1, 1, size - 1, "layout needs %d bytes" % size),
         "legacy_with_fd": (2, 1, 2 << 20, "carries no fd"),
         "vmm_without_fd": (1, 0, 2 << 20, "carries its exported fd"),
@@ -1309,3 +1334,152 @@ def test_zero_copy_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, 
     with pytest.raises(weightd.Error) as e:
         client.fetch("small", device="cuda:0", mode="zero-copy", transport="grpc")
     assert e.value.code == "INVALID_ARGUMENT"
+
+
+# ---------------------------------------------------------------- export
+
+
+def _export_fetch(client, world=2, rank=1, dtype=None, model="small"):
+    """A Fetch as fetch(mode="export", device=...) sends it (casts deferred
+    to the fill)."""
+    from weightd import _dtypes
+    dt = _dtypes.parse_request_dtype(dtype)
+    return client._shards.Fetch(pb.FetchRequest(
+        model=model, mesh_shape=[world], coord=[rank], transport=pb.SHM,
+        dtype=_dtypes.enum_of_name(dt) if dt else pb.DTYPE_UNSPECIFIED, defer_casts=True,
+        defer_merges=True), timeout=30)
+
+
+def test_export_host_twin(daemon, client):
+    """An export to host memory (the all-zero UUID: the host twin of the
+    CUDA export): one memfd sealed against writes, the shard at the default
+    layout (cast as it was filled), shared by every export of the same fetch
+    table (the same file); the connection holds the lease; a GPU the daemon
+    lacks is refused, and the daemon serves on."""
+    import fcntl
+    base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
+    fds = _open_fds()
+    for world, rank, dtype in ((1, 0, None), (2, 1, "f32"), (3, 2, "bf16")):
+        what = "world %d rank %d dtype %s" % (world, rank, dtype)
+        resp = _export_fetch(client, world, rank, dtype)
+        offsets, layout = _datasock.default_layout([t.length for t in resp.tensors])
+        sock, fd, size, got_layout = _cuda.export(resp.data_socket, resp.lease_id,
+                                                  bytes(resp.token), _cuda.HOST_UUID)
+        try:
+            assert got_layout == layout and size >= layout and size % 4096 == 0, what
+            assert os.readlink("/proc/self/fd/%d" % fd).startswith("/memfd:weightd-export")
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            assert seals & fcntl.F_SEAL_WRITE and seals & fcntl.F_SEAL_SHRINK, what
+            with pytest.raises(OSError):
+                mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            data = os.pread(fd, size, 0)
+            assert _leases(client) == base + 1  # held by the export's connection
+            with client.fetch("small", world=world, rank=rank, dtype=dtype) as ref:
+                for t, at in zip(resp.tensors, offsets):
+                    assert data[at:at + t.length] == st_io.tensor_bytes(ref[t.name]), \
+                        "%s: %s" % (what, t.name)
+            # Another fetch of the same request (the same table): the same buffer.
+            again = _export_fetch(client, world, rank, dtype)
+            sock2, fd2, size2, _ = _cuda.export(again.data_socket, again.lease_id,
+                                                bytes(again.token), _cuda.HOST_UUID)
+            assert os.fstat(fd2).st_ino == os.fstat(fd).st_ino and size2 == size, what
+            os.close(fd2)
+            sock2.close()
+        finally:
+            os.close(fd)
+            sock.close()
+        assert _wait_leases(client, base) == base  # the connections' leases ended
+    resp = _export_fetch(client)
+    with pytest.raises(weightd.Error) as e:
+        _cuda.export(resp.data_socket, resp.lease_id, bytes(resp.token), UUID)
+    if _cuda_built(client):
+        assert e.value.code == "FAILED_PRECONDITION" and "no GPU" in e.value.message, e.value
+    else:
+        assert e.value.code == "UNIMPLEMENTED", e.value
+    # (attached by the refused export, the lease ended with its connection)
+    assert _wait_leases(client, base) == base
+    assert _open_fds() == fds
+    assert client.health() is True and daemon.alive()
+
+
+def test_export_budget_evicts_unheld_buffers_only(tmp_path):
+    """--device-memory-bytes: a second buffer that does not fit beside a held
+    one is RESOURCE_EXHAUSTED (naming the flag); once the first one's
+    connection closes, the second evicts it."""
+    d = Daemon(workdir=str(tmp_path / "d"), extra_args=["--device-memory-bytes", "6000"])
+    d.start()
+    try:
+        path = os.path.join(d.model_root, "small.safetensors")
+        st_io.save(_checkpoint(), path)
+        d.ctl_ok("load", "small", path)
+        c = weightd.Client(socket=d.socket)
+        first = _export_fetch(c, 1, 0, None)
+        sock, fd, size, _ = _cuda.export(first.data_socket, first.lease_id, bytes(first.token),
+                                         _cuda.HOST_UUID)
+        os.close(fd)
+        assert size == 4096
+        second = _export_fetch(c, 1, 0, "f32")
+        with pytest.raises(weightd.Error) as e:
+            _cuda.export(second.data_socket, second.lease_id, bytes(second.token),
+                         _cuda.HOST_UUID)
+        assert e.value.code == "RESOURCE_EXHAUSTED", e.value
+        assert "--device-memory-bytes" in e.value.message and "held" in e.value.message
+        sock.close()  # the first buffer is no longer held
+        second = _export_fetch(c, 1, 0, "f32")
+        deadline = time.time() + 10
+        while True:
+            try:
+                sock2, fd2, size2, _ = _cuda.export(second.data_socket, second.lease_id,
+                                                    bytes(second.token), _cuda.HOST_UUID)
+                break
+            except weightd.Error as err:  # the daemon sees the close a moment later
+                assert err.code == "RESOURCE_EXHAUSTED" and time.time() < deadline, err
+                second = _export_fetch(c, 1, 0, "f32")
+                time.sleep(0.05)
+        os.close(fd2)
+        sock2.close()
+        assert c.health() is True
+        c.close()
+    finally:
+        d.stop()
+
+
+def test_cuda_export_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, monkeypatch):
+    """fetch(device="cuda:0", mode="export") with the CUDA side faked: the
+    daemon's buffer is its host twin (the export asked of the real daemon
+    with the all-zero UUID: it has no GPU), imported through the fake driver
+    read-only (cuMemImportFromShareableHandle, map, PROT_READ access) and
+    wrapped as tensors; they equal an shm fetch; release() ends the lease,
+    the import is released when the last tensor goes."""
+    real_export = _cuda.export
+    asked = []
+
+    def export(path, lease_id, token, gpu_uuid, timeout=30.0):
+        asked.append(gpu_uuid)
+        return real_export(path, lease_id, token, _cuda.HOST_UUID, timeout)
+    monkeypatch.setattr(_cuda, "export", export)
+    base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
+    fds = _open_fds()
+    for world, rank, dtype in ((1, 0, None), (3, 1, "bf16"), (2, 1, "f32")):
+        h = client.fetch("small", world=world, rank=rank, device="cuda:0", mode="export",
+                         dtype=dtype)
+        assert (h.mode, h.device) == ("export", "cuda:0") and not h.released
+        assert asked[-1] == UUID
+        assert _leases(client) == base + 1
+        with client.fetch("small", world=world, rank=rank, dtype=dtype) as ref:
+            for m in h.tensors:
+                got = h[m.name]
+                assert (got.dtype, tuple(got.shape)) == (ref[m.name].dtype,
+                                                         tuple(ref[m.name].shape)), m.name
+                assert _same_bytes(got, ref[m.name]), m.name
+        del got
+        h.release()
+        assert h.released
+        assert _wait_leases(client, base) == base
+        del h
+        gc.collect()
+    log = fake.log()
+    assert "import" in log and "access loc=1/0 flags=1 count=1" in log, log  # read-only
+    fake.assert_clean()
+    assert stand_ins == []  # nothing is pushed
+    assert _open_fds() == fds

@@ -41,6 +41,9 @@ from .errors import Error
 CUDA_PUSH_MAGIC = b"WDC1"
 HANDLE_VMM_POSIX_FD = 1  # kCudaVmmPosixFd
 HANDLE_LEGACY_IPC = 2    # kCudaLegacyIpc
+HANDLE_DAEMON_EXPORT = 3  # kCudaDaemonExport
+HOST_UUID = bytes(16)     # an export's host twin: a sealed memfd
+_EXPORT_INFO = struct.Struct("<QQ")  # ExportInfo
 _HEADER = struct.Struct("<4sIQ16s")   # PushRequest
 _TARGET = struct.Struct("<16sQII64s")  # CudaPushTarget
 assert _HEADER.size == 32 and _TARGET.size == 96
@@ -52,6 +55,7 @@ CU_MEM_ALLOCATION_TYPE_PINNED = 0x1
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
 CU_MEM_LOCATION_TYPE_DEVICE = 0x1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
+CU_MEM_ACCESS_FLAGS_PROT_READ = 0x1
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0
 CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1
 CU_MEMHOSTREGISTER_READ_ONLY = 0x08
@@ -140,6 +144,7 @@ _PROTOS = {
     "cuMemHostRegister_v2": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
     "cuMemHostUnregister": [ctypes.c_void_p],
     "cuMemHostGetDevicePointer_v2": [_P(_u64), ctypes.c_void_p, ctypes.c_uint],
+    "cuMemImportFromShareableHandle": [_P(_u64), ctypes.c_void_p, ctypes.c_int],
 }
 
 LIBCUDA = "libcuda.so.1"
@@ -408,6 +413,101 @@ class VmmAllocation:
     def __repr__(self):
         return "<weightd VmmAllocation cuda:%d ptr=0x%x size=%d%s>" % (
             self.ordinal, self.ptr, self.size, " freed" if self._freed else "")
+
+
+class VmmImport(VmmAllocation):
+    """Device memory another process (the daemon) allocated and exported as
+    a POSIX fd, imported and mapped READ-ONLY here at .ptr (.size bytes, on
+    device .ordinal). free() (or collection) waits for the device, unmaps
+    and releases this process's reference."""
+
+    def __init__(self, ordinal, fd, size):  # noqa: super().__init__ allocates: not called
+        self.ordinal = int(ordinal)
+        self.ptr = 0
+        self.size = 0
+        self.fd = -1
+        self._handle = None
+        self._reserved = False
+        self._mapped = False
+        self._lock = threading.Lock()
+        self._freed = False
+        self._ctx = None
+        d = self._d = driver()
+        self._ctx = _PrimaryContext(d, self.ordinal)
+        try:
+            with self._ctx.current():
+                handle = _u64(0)
+                d.call("cuMemImportFromShareableHandle", ctypes.byref(handle),
+                       ctypes.c_void_p(int(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                       what="importing the daemon's exported GPU memory")
+                self._handle = handle.value
+                ptr = _u64(0)
+                d.call("cuMemAddressReserve", ctypes.byref(ptr), int(size), 0, 0, 0,
+                       what="reserving %d bytes of address space" % int(size))
+                self.ptr, self.size, self._reserved = ptr.value, int(size), True
+                d.call("cuMemMap", self.ptr, self.size, 0, self._handle, 0, what="cuMemMap")
+                self._mapped = True
+                desc = CUmemAccessDesc()
+                desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+                desc.location.id = self.ordinal
+                desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READ
+                d.call("cuMemSetAccess", self.ptr, self.size, ctypes.byref(desc), 1,
+                       what="cuMemSetAccess (read-only)")
+        except BaseException:
+            self.free(quiet=True)
+            raise
+
+    def export_fd(self):
+        raise Error("FAILED_PRECONDITION", "an imported export is the daemon's to share")
+
+    def __repr__(self):
+        return "<weightd VmmImport cuda:%d ptr=0x%x size=%d%s>" % (
+            self.ordinal, self.ptr, self.size, " freed" if self._freed else "")
+
+
+def export(path, lease_id, token, gpu_uuid, timeout=30.0):
+    """Asks the daemon at data socket `path` for its exported buffer of lease
+    `lease_id`'s tensors (default layout) on the GPU `gpu_uuid` (HOST_UUID:
+    host memory, the host twin). Returns (sock, fd, size, layout_size): the
+    open connection (which holds the lease and the buffer: close it to let
+    go), the buffer's fd (a VMM POSIX fd, or a memfd sealed against writes;
+    the caller's), its bytes and the layout's. Error with the daemon's code
+    on refusal."""
+    if len(token) != 16:
+        raise Error("INTERNAL", "daemon sent a lease token of %d bytes (want 16)" % len(token))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError as e:
+            raise Error("UNAVAILABLE", "cannot connect to the data socket %s: %s (an export "
+                        "needs a local daemon)" % (path, e.strerror or e))
+        send_cuda_push(sock, lease_id, token, [], gpu_uuid, 0, None,
+                       handle_kind=HANDLE_DAEMON_EXPORT)
+        code, msg, fds = _datasock.read_reply(sock, raw=True)
+        if code != 0:
+            for fd in fds:
+                os.close(fd)
+            raise Error(code, msg)
+        if len(fds) != 1 or len(msg) != _EXPORT_INFO.size:
+            for fd in fds:
+                os.close(fd)
+            raise Error("INTERNAL", "the daemon answered an export with %d fds and %d bytes"
+                        % (len(fds), len(msg)))
+        size, layout_size = _EXPORT_INFO.unpack(msg)
+        sock.settimeout(None)
+        return sock, fds[0], size, layout_size
+    except socket.timeout:
+        sock.close()
+        raise Error("DEADLINE_EXCEEDED", "no reply to the export on the data socket %s within "
+                    "%s s" % (path, timeout)) from None
+    except Error:
+        sock.close()
+        raise
+    except OSError as e:
+        sock.close()
+        raise Error("UNAVAILABLE", "data socket %s: %s" % (path, e)) from None
 
 
 def vmm_alloc(device_ordinal, size):

@@ -141,9 +141,10 @@ def send_push(sock, lease_id, token, fds, offsets=None, num_offsets=None):
         sock.sendall(struct.pack("<%dQ" % len(offsets), *offsets))
 
 
-def read_reply(sock):
+def read_reply(sock, raw=False):
     """Reads one AttachReply: (code, message, fds). Raw: the caller closes
-    any fds (a push reply carries none) and raises on code != 0."""
+    any fds (a push reply carries none) and raises on code != 0. `raw`: the
+    message as bytes (an export's OK reply carries an ExportInfo)."""
     fds = []
     try:
         magic, code, num_fds, message_len = _REPLY.unpack(_recv(sock, _REPLY.size, fds))
@@ -151,7 +152,9 @@ def read_reply(sock):
             raise Error("INTERNAL", "bad reply magic on the data socket")
         if message_len > MAX_REPLY_MESSAGE:
             raise Error("INTERNAL", "oversized reply message on the data socket")
-        msg = _recv(sock, message_len, fds).decode("utf-8", "replace") if message_len else ""
+        msg = _recv(sock, message_len, fds) if message_len else b""
+        if not raw or code != 0:
+            msg = msg.decode("utf-8", "replace")
         while code == 0 and len(fds) < num_fds:
             _recv(sock, 1, fds)
         return code, msg, fds

@@ -66,7 +66,14 @@ local, transport "shm"):
     release() ends the lease; the pages stay mapped and registered while a
     tensor made from them lives (the last one unregisters them after the
     device's queued work).
-  * mode="export" (daemon-owned device buffers) is not built yet.
+  * mode="export": the daemon's own device buffer of the shard (cuMemCreate,
+    filled once — cast and merged on the GPU — and shared by every process
+    that exports the same fetch to the same GPU), passed as a VMM POSIX fd,
+    imported and mapped read-only here; an engine that restarts maps it
+    again without a copy. The data connection holds the lease and the
+    daemon's hold on the buffer until release() (the daemon evicts unheld
+    buffers past --device-memory-bytes); the mapping lives as long as a
+    tensor made from it.
 """
 import concurrent.futures
 import dataclasses
@@ -1543,7 +1550,8 @@ class Client:
         from the shm mapping, pinned read-only first when `pin` (and CUDA
         allows: handle.pinned / handle.pin_error say); "zero-copy" - no
         copy: CUDA tensors over the shm mapping itself, read by the device
-        in place (module doc); "export" - UNIMPLEMENTED. FAILED_PRECONDITION when this process has no CUDA
+        in place (module doc); "export" - the daemon's own read-only device
+        buffer of the shard, imported (module doc). FAILED_PRECONDITION when this process has no CUDA
         (torch without it, no driver).
         cast_on_push: with mode "push" (host or GPU), a tensor that needs only
         a cast of its stored bytes is cast by the daemon as it writes it (on
@@ -1581,11 +1589,7 @@ class Client:
         if dev is not None:
             if mode is None:
                 mode = "push"
-            if mode == "export":
-                raise Error("UNIMPLEMENTED", "mode \"export\" into a GPU: daemon-owned device "
-                            "buffers are not built yet (use mode \"push\", \"pull\" or "
-                            "\"zero-copy\")")
-            if mode not in ("push", "pull", "zero-copy"):
+            if mode not in ("push", "pull", "zero-copy", "export"):
                 raise Error("INVALID_ARGUMENT", "mode: expected push, pull, zero-copy or export, "
                             "got %r" % (mode,))
             if transport != "shm":
@@ -1605,7 +1609,9 @@ class Client:
             model=model, generation=int(generation), mesh_shape=mesh_shape, coord=mesh_coord,
             dtype=_dtypes.enum_of_name(dt) if dt else pb.DTYPE_UNSPECIFIED,
             names=list(names or ()), transport=_TRANSPORTS[transport],
-            changed_since=int(changed_since), defer_casts=(mode == "push" and bool(cast_on_push)))
+            changed_since=int(changed_since),
+            defer_casts=((mode == "push" or (mode == "export" and dev is not None)) and
+                         bool(cast_on_push)))
         if req.defer_casts:
             req.defer_merges = bool(dev is not None if merge_on_push is None else merge_on_push)
         if pl is not None:
@@ -1626,6 +1632,8 @@ class Client:
                     return self._collect_cuda_push(resp, lease, req, timeout, dev)
                 if dev is not None and mode == "zero-copy":
                     return self._collect_zero_copy(resp, lease, timeout, dev)
+                if dev is not None and mode == "export":
+                    return self._collect_cuda_export(resp, lease, timeout, dev)
                 if dev is not None:
                     return self._collect_pull(resp, lease, timeout, dev, pin)
                 if mode == "push":
@@ -1801,6 +1809,36 @@ class Client:
         del alloc  # the handle's hold is dest.alloc and raw (which holds it too)
         return _identified(resp, ShardHandle(lease, resp.generation, "shm", metas, pieces,
                                              push=dest, device="cuda:%d" % index))
+
+    def _collect_cuda_export(self, resp, lease, timeout, index):
+        """mode="export" on CUDA device `index`: the daemon's own device
+        buffer of this shard (filled once, shared by every process that
+        exports the same fetch to the same GPU), imported and mapped
+        read-only here; CUDA tensors over it at the default layout. The data
+        connection holds the lease (and the daemon's hold on the buffer)
+        until release(); the mapping lives as long as a tensor made from
+        it."""
+        import torch
+        metas = self._metas(resp)
+        offsets, layout_size = _datasock.default_layout([m.length for m in metas])
+        uuid = _cuda.gpu_uuid_bytes(index)
+        sock, fd, size, got_layout = _cuda.export(
+            _data_socket_of(self.socket, resp), resp.lease_id, bytes(resp.token), uuid,
+            30.0 if timeout is None else timeout)
+        lease.conn = sock  # holds the lease and the daemon's buffer until release()
+        try:
+            if got_layout != layout_size or size < layout_size:
+                raise Error("INTERNAL", "the daemon exported %d bytes for a layout of %d; this "
+                            "client computes %d" % (size, got_layout, layout_size))
+            imported = _cuda.VmmImport(index, fd, size)
+        finally:
+            os.close(fd)  # the import holds its own reference
+        raw = _cuda.tensor_from_ptr(imported.ptr, imported.size, torch.uint8, (imported.size,),
+                                    index, imported)
+        metas = [dataclasses.replace(m, segment=0, offset=at) for m, at in zip(metas, offsets)]
+        pieces = {m.name: (raw, m.offset) if m.length else None for m in metas}
+        return _identified(resp, ShardHandle(lease, resp.generation, "shm", metas, pieces,
+                                             device="cuda:%d" % index, mode="export"))
 
     def _collect_zero_copy(self, resp, lease, timeout, index):
         """mode="zero-copy" on CUDA device `index`: attaches the lease and

@@ -279,6 +279,47 @@ struct PublishOutcome {
 
 class Client;
 
+// DLPack (https://dmlc.github.io/dlpack): the unversioned ABI that
+// torch.utils.dlpack.from_dlpack, CuPy, JAX and NumPy take, declared here
+// under weightd::dl (so a program that includes dlpack.h too sees no
+// clash; the layouts are the same).
+namespace dl {
+struct DLDevice {
+  int32_t device_type;  // 1 kDLCPU, 2 kDLCUDA
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 0 int, 1 uint, 2 float, 4 bfloat, 6 bool
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // null: compact row-major
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor* self);
+};
+}  // namespace dl
+
+class ShardSet;
+
+// A DLPack view of tensors()[index] of `set` that keeps the set (and so its
+// lease and memory) alive until the consumer calls its deleter; hand it to a
+// framework (e.g. as a PyCapsule named "dltensor"). Host memory (device
+// kDLCPU): read-only for the shm transport (a write faults), the client's
+// own for kPush. INVALID_ARGUMENT for an index out of range; UNIMPLEMENTED
+// for FP8 (DLPack's unversioned ABI has no FP8 code: take TensorView::data).
+absl::StatusOr<dl::DLManagedTensor*> ToDLPack(std::shared_ptr<const ShardSet> set,
+                                              size_t index);
+
 class ShardSet {
  public:
   ~ShardSet();  // releases the lease

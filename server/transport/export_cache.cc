@@ -23,12 +23,29 @@ absl::StatusOr<std::shared_ptr<const ExportedBuffer>> ExportCache::Get(
         ++stats_.hits;
         return it->second.buffer;
       }
-      dropped.push_back(std::move(it->second.buffer));  // a dead table's address reused
+      // A dead table's address reused: its buffer, if a connection still
+      // holds it, keeps counting (as an orphan) until let go.
+      if (it->second.buffer.use_count() > 1) {
+        orphans_.emplace_back(device, std::move(it->second.buffer));
+      } else {
+        dropped.push_back(std::move(it->second.buffer));
+      }
       entries_.erase(it);
+    }
+    for (auto o = orphans_.begin(); o != orphans_.end();) {
+      if (o->second.use_count() == 1) {
+        dropped.push_back(std::move(o->second));
+        o = orphans_.erase(o);
+      } else {
+        ++o;
+      }
     }
     // Room on the device: drop dead tables' buffers, then the least
     // recently used unheld ones.
     uint64_t used = 0;
+    for (const auto& [dev, buffer] : orphans_) {
+      if (dev == device) used += buffer->size;
+    }
     std::vector<std::map<Key, Entry>::iterator> mine;
     for (auto e = entries_.begin(); e != entries_.end();) {
       if (e->first.second != device) {
@@ -83,6 +100,9 @@ uint64_t ExportCache::bytes(const std::string& device) const {
   for (const auto& [key, e] : entries_) {
     if (key.second == device) n += e.buffer->size;
   }
+  for (const auto& [dev, buffer] : orphans_) {
+    if (dev == device) n += buffer->size;
+  }
   return n;
 }
 
@@ -92,6 +112,10 @@ ExportCacheStats ExportCache::stats() const {
   for (const auto& [key, e] : entries_) {
     ++s.buffers;
     s.bytes += e.buffer->size;
+  }
+  for (const auto& [dev, buffer] : orphans_) {
+    ++s.buffers;
+    s.bytes += buffer->size;
   }
   return s;
 }

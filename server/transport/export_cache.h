@@ -5,7 +5,9 @@
 // budget (--device-memory-bytes) needs the room: the least recently used
 // unheld ones go first; RESOURCE_EXHAUSTED when the held ones leave none.
 //
-// Thread-safe. Fills run one at a time (an export is rare next to a push).
+// Thread-safe. Fills run one at a time, and a lookup waits for a fill in
+// progress (an export is rare next to a push; a fill of many GiB delays
+// the others: a known limit).
 #ifndef WEIGHTD_SERVER_TRANSPORT_EXPORT_CACHE_H_
 #define WEIGHTD_SERVER_TRANSPORT_EXPORT_CACHE_H_
 
@@ -15,6 +17,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -75,6 +78,10 @@ class ExportCache {
   absl::Mutex fill_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   std::map<Key, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  // Held buffers of dead tables whose key a new table took: counted until
+  // their last holder lets go.
+  std::vector<std::pair<std::string, std::shared_ptr<const ExportedBuffer>>> orphans_
+      ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
   ExportCacheStats stats_ ABSL_GUARDED_BY(mu_);
 };

@@ -607,9 +607,12 @@ class Checks:
             fails.append("leases_open %d after the exports, %d before" % (self.leases(), base))
         try:
             with open(self.log_path) as f:
-                m["fills"] = [l.strip()[-160:] for l in f if '"export"' in l or "export " in l][-4:]
-        except (OSError, AttributeError):
-            pass
+                m["fills"] = [l.strip()[-200:] for l in f if "export" in l and "filled" in l][-4:]
+        except OSError as e:
+            fails.append("reading the daemon's log: %s" % e)
+        if len(m["fills"]) < 4 or "cached" not in m["fills"][-1]:
+            fails.append("the repeated export was not served from the daemon's buffer: %s"
+                         % m["fills"][-1:])
         return not fails, ("4 exports bit-exact (the last one of a buffer already filled)"
                            if not fails else "; ".join(fails[:12])), m
 

@@ -63,13 +63,15 @@ for i in range(lib.weightd_probe_count(probe)):
         deleter = ctypes.cast(p + 56, ctypes.POINTER(ctypes.c_void_p)).contents.value
         ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(p)  # the capsule was not consumed
         continue
-    kept.append(t)
+    kept.append((name, t))
+lib.weightd_probe_free(probe)  # the views still hold the set: read them after
+held = lib.weightd_probe_leases(sock.encode())
+for name, t in kept:
     out[name] = {"dtype": str(t.dtype), "shape": list(t.shape), "device": str(t.device),
                  "hex": t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes().hex()
                  if t.numel() else ""}
-lib.weightd_probe_free(probe)  # the views still hold the set
-held = lib.weightd_probe_leases(sock.encode())
-del kept, t
+t = None
+kept.clear()
 gc.collect()
 print(json.dumps({"tensors": out, "refused": refused, "consumer_refused": consumer_refused,
                   "leases_while_held": held,

@@ -451,11 +451,31 @@ class VmmImport(VmmAllocation):
                 desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
                 desc.location.id = self.ordinal
                 desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READ
-                d.call("cuMemSetAccess", self.ptr, self.size, ctypes.byref(desc), 1,
-                       what="cuMemSetAccess (read-only)")
+                try:
+                    d.call("cuMemSetAccess", self.ptr, self.size, ctypes.byref(desc), 1,
+                           what="cuMemSetAccess (read-only)")
+                    self.read_only = True
+                except Error:
+                    # A driver that grants device memory no read-only
+                    # access: read-write (the tensors are still the
+                    # daemon's buffer, shared: do not write them).
+                    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                    d.call("cuMemSetAccess", self.ptr, self.size, ctypes.byref(desc), 1,
+                           what="cuMemSetAccess")
+                    self.read_only = False
         except BaseException:
             self.free(quiet=True)
             raise
+
+    def free(self, quiet=False):
+        """As VmmAllocation.free, then closes the data connection that held
+        the daemon's buffer (export_conn), if any."""
+        try:
+            super().free(quiet)
+        finally:
+            conn, self.export_conn = getattr(self, "export_conn", None), None
+            if conn is not None:
+                conn.close()
 
     def export_fd(self):
         raise Error("FAILED_PRECONDITION", "an imported export is the daemon's to share")
@@ -562,9 +582,11 @@ class HostRegistration:
         self._done = True
         try:
             with self._ctx.current():
-                if self.mapped:
-                    self._d.call("cuCtxSynchronize", what="waiting for the device's reads")
-                self._d.call("cuMemHostUnregister", ctypes.c_void_p(self.addr))
+                try:
+                    if self.mapped:
+                        self._d.call("cuCtxSynchronize", what="waiting for the device's reads")
+                finally:
+                    self._d.call("cuMemHostUnregister", ctypes.c_void_p(self.addr))
         finally:
             self._ctx.release()
 
@@ -581,6 +603,18 @@ def host_register_read_only(device_ordinal, addr, size, mapped=False):
     `device_ordinal` — and, `mapped`, maps it for the device's kernels
     (.device_ptr). Returns a HostRegistration; Error when CUDA refuses."""
     return HostRegistration(device_ordinal, addr, size, mapped)
+
+
+def synchronize(device_ordinal):
+    """Waits for CUDA device `device_ordinal`'s queued work (its primary
+    context: torch's)."""
+    d = driver()
+    ctx = _PrimaryContext(d, device_ordinal)
+    try:
+        with ctx.current():
+            d.call("cuCtxSynchronize", what="waiting for CUDA device %d" % int(device_ordinal))
+    finally:
+        ctx.release()
 
 
 def pageable_memory_access(device_ordinal):

@@ -449,6 +449,9 @@ class _Lease:
         self.lease_id = lease_id
         self.token = token
         self.conn = None  # shm data connection
+        # An export's connection, held by what imported its buffer (it ends
+        # the lease when it closes, which may come first).
+        self.conn_elsewhere = False
         self._lock = threading.Lock()
         self.done = False
 
@@ -467,7 +470,8 @@ class _Lease:
             # a lease the daemon no longer knows, or a daemon that cannot
             # answer now (restarting, handing over to a successor), is not
             # an error.
-            if not (conn is not None and e.code() in _RELEASE_ENDED_BY_CONN):
+            if not ((conn is not None or self.conn_elsewhere) and
+                    e.code() in _RELEASE_ENDED_BY_CONN):
                 err = from_grpc(e, "releasing lease %d" % self.lease_id)
         except ValueError as e:  # the client's channel was closed
             if conn is None:
@@ -532,11 +536,20 @@ class _ZeroCopyHold:
     to go unregisters the pages (after the device's queued reads) and then
     drops the maps."""
 
-    def __init__(self, maps):
+    def __init__(self, maps, index):
         self.maps = maps
+        self.index = index
         self.regs = []
 
     def close(self):
+        if self.maps is None:
+            return
+        # Kernels queued on the tensors may still read the pages: wait for
+        # them before the registrations and the maps go.
+        try:
+            _cuda.synchronize(self.index)
+        except Error:
+            pass
         regs, self.regs = self.regs, []
         for r in regs:
             try:
@@ -656,6 +669,7 @@ class ShardHandle:
         self._push = push  # _PushDest of a push handle
         self.mode = mode or ("export" if push is None else "push")
         self.device = device  # None (host memory) or "cuda:N"
+        self.pageable_access = None  # zero-copy: read at host addresses (else registered)
         self.pinned = None  # pull: whether the copies ran from pinned memory
         self.pin_error = ""  # pull: why not, when CUDA refused to pin
 
@@ -1824,8 +1838,8 @@ class Client:
         uuid = _cuda.gpu_uuid_bytes(index)
         sock, fd, size, got_layout = _cuda.export(
             _data_socket_of(self.socket, resp), resp.lease_id, bytes(resp.token), uuid,
-            30.0 if timeout is None else timeout)
-        lease.conn = sock  # holds the lease and the daemon's buffer until release()
+            _push_timeout(timeout, layout_size))
+        lease.conn = sock  # until the import holds it
         try:
             if got_layout != layout_size or size < layout_size:
                 raise Error("INTERNAL", "the daemon exported %d bytes for a layout of %d; this "
@@ -1833,6 +1847,12 @@ class Client:
             imported = _cuda.VmmImport(index, fd, size)
         finally:
             os.close(fd)  # the import holds its own reference
+        # The connection holds the daemon's buffer (counted against its
+        # --device-memory-bytes) as long as this process maps it: the
+        # import closes it when the last tensor goes; release() ends the
+        # lease (Release) but keeps the connection while tensors live.
+        imported.export_conn, lease.conn = sock, None
+        lease.conn_elsewhere = True
         raw = _cuda.tensor_from_ptr(imported.ptr, imported.size, torch.uint8, (imported.size,),
                                     index, imported)
         metas = [dataclasses.replace(m, segment=0, offset=at) for m, at in zip(metas, offsets)]
@@ -1854,9 +1874,9 @@ class Client:
         metas = self._metas(resp)
         maps = self._attach_and_map(_data_socket_of(self.socket, resp), resp, lease,
                                     private=False)
-        hold = _ZeroCopyHold(maps)
-        try:
-            pageable = _cuda.pageable_memory_access(index)
+        hold = _ZeroCopyHold(maps, index)
+
+        def tensors(pageable):
             ranges = []  # (segment, lo, hi, device address of lo)
             if not pageable:
                 for seg, lo, hi in _cuda.pin_ranges(
@@ -1877,6 +1897,20 @@ class Client:
                     ptr = next(d + (m.offset - lo) for seg, lo, hi, d in ranges
                                if seg == m.segment and lo <= m.offset and m.offset + m.length <= hi)
                 out[m.name] = _cuda.tensor_from_ptr(ptr, m.length, dt, m.shape, index, hold)
+            return out
+
+        try:
+            pageable = _cuda.pageable_memory_access(index)
+            try:
+                out = tensors(pageable)
+            except RuntimeError as e:
+                if not pageable:
+                    raise Error("INTERNAL", "torch took no tensor over the registered shard: "
+                                "%s" % e) from None
+                # A torch that wraps only device or registered addresses
+                # (it asks CUDA where a pointer lives): the registration.
+                pageable = False
+                out = tensors(False)
         except BaseException:
             hold.close()
             raise

@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +47,6 @@ def main():
     import suite
     import st_io
     import torch
-    import weightd
 
     base_path = suite.checkpoint(args.config)
     tmp = tempfile.mkdtemp(prefix="weightd-load-dedupe-bench-")
@@ -77,25 +75,13 @@ def main():
     ft_bytes = sum(t.numel() * t.element_size() for t in ft.values())
     del base, ft
     for f in (base_file, ft_file):
-        with open(f, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
-    weightd_bin = os.path.join(args.build, "bin", "weightd")
+        suite.warm_cache(f)
     results = {"config": args.config, "changed_fraction": args.changed, "tensors": len(names),
                "changed_tensors": k, "ft_bytes": ft_bytes, "changed_bytes": changed_bytes,
                "facts": suite.machine_facts(args.build), "runs": []}
 
     def daemon_round(preload):
-        sock = os.path.join(tmp, "w.sock")
-        log = open(os.path.join(tmp, "log"), "ab")
-        proc = subprocess.Popen([weightd_bin, "--socket", sock, "--model-root", models],
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 30
-            while not os.path.exists(sock) and time.time() < deadline:
-                time.sleep(0.05)
-            c = weightd.Client(socket=sock, retry_deadline=30)
-            c.health()
+        with suite.fresh_daemon(args.build, tmp, models) as c:
             if preload:
                 c.load("base", base_file)
             s0 = c.stats()
@@ -104,16 +90,10 @@ def main():
             seconds = time.perf_counter() - t0
             time.sleep(0.3)  # freed segments are unmapped off the load's path
             s1 = c.stats()
-            c.close()
             return {"seconds": seconds,
                     "resident_growth": s1["bytes_resident"] - s0["bytes_resident"],
                     "checkpoint_growth": s1["checkpoint_bytes_resident"] -
                     s0["checkpoint_bytes_resident"]}
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-            if os.path.exists(sock):
-                os.unlink(sock)
 
     try:
         for rep in range(args.repeats):

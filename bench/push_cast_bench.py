@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +51,6 @@ def main():
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(args.build, "python"))
     import suite
-    import weightd
 
     path = suite.checkpoint(args.config)
     tmp = tempfile.mkdtemp(prefix="weightd-push-cast-bench-")
@@ -60,9 +58,7 @@ def main():
     os.makedirs(models)
     model_file = os.path.join(models, "m.safetensors")
     shutil.copy(path, model_file)
-    with open(model_file, "rb") as fh:
-        while fh.read(64 << 20):
-            pass
+    suite.warm_cache(model_file)
     adapter_dir = None
     if args.lora_rank:
         import lora_bench
@@ -74,7 +70,6 @@ def main():
     modes = {"cast_at_fetch": (False, False), "cast_on_push": (True, False)}
     if args.lora_rank:
         modes["merge_on_push"] = (True, True)
-    weightd_bin = os.path.join(args.build, "bin", "weightd")
     results = {"config": args.config, "world": args.world, "dtype": args.dtype,
                "lora_rank": args.lora_rank,
                "checkpoint_bytes": os.path.getsize(model_file),
@@ -91,16 +86,7 @@ def main():
         return time.perf_counter() - t0, nbytes
 
     def daemon_round(mode):
-        sock = os.path.join(tmp, "w.sock")
-        log = open(os.path.join(tmp, "log"), "ab")
-        proc = subprocess.Popen([weightd_bin, "--socket", sock, "--model-root", models],
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 30
-            while not os.path.exists(sock) and time.time() < deadline:
-                time.sleep(0.05)
-            c = weightd.Client(socket=sock, retry_deadline=30)
-            c.health()
+        with suite.fresh_daemon(args.build, tmp, models) as c:
             c.load("m", model_file)
             if adapter_dir:
                 c.load_adapter("a", adapter_dir)
@@ -109,16 +95,10 @@ def main():
             first, nbytes = pushes(c, mode)
             s1 = c.stats()
             again, _ = pushes(c, mode)
-            c.close()
             return {"first_seconds": first, "again_seconds": again, "pushed_bytes": nbytes,
                     "resident_growth": s1["bytes_resident"] - s0["bytes_resident"],
                     "materialization_bytes": s1["materialization_bytes"] -
                     s0["materialization_bytes"]}
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-            if os.path.exists(sock):
-                os.unlink(sock)
 
     try:
         for rep in range(args.repeats):

@@ -35,6 +35,7 @@ machine spreads over all of them; medians and min/max are reported.
   figures updates those only).
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -147,6 +148,34 @@ def warm_cache(path):
     with open(path, "rb") as f:
         while f.read(64 << 20):
             pass
+
+
+@contextlib.contextmanager
+def fresh_daemon(build, tmp, model_root):
+    """A weightd of `build` serving `model_root`, its socket and log in
+    `tmp`, started for the block: yields a connected weightd.Client (closed,
+    and the daemon stopped, after it)."""
+    import weightd
+    sock = os.path.join(tmp, "w.sock")
+    with open(os.path.join(tmp, "log"), "ab") as log:
+        proc = subprocess.Popen([os.path.join(build, "bin", "weightd"), "--socket", sock,
+                                 "--model-root", model_root],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 30
+        while not os.path.exists(sock) and time.time() < deadline:
+            time.sleep(0.05)
+        c = weightd.Client(socket=sock, retry_deadline=30)
+        try:
+            c.health()
+            yield c
+        finally:
+            c.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if os.path.exists(sock):
+            os.unlink(sock)
 
 
 # ----------------------------------------------------------------- figure 1

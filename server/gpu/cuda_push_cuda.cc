@@ -103,6 +103,19 @@ class Cleanup {
   std::vector<std::function<void()>> steps_;
 };
 
+// What CopyIntoDevice can copy from, checked before any CUDA call: host
+// buffers only (UNIMPLEMENTED), tensors inside them (INTERNAL).
+absl::Status CheckLeaseForDevice(const LeaseContents& lease, absl::string_view what) {
+  for (size_t i = 0; i < lease.buffers.size(); ++i) {
+    if (lease.buffers[i]->kind() != MemoryKind::kHost) {
+      return absl::UnimplementedError(absl::StrCat("segment ", i,
+                                                   " is not in host memory; a CUDA ", what,
+                                                   " copies from host memory only (for now)"));
+    }
+  }
+  return CheckLeaseTensors(lease);
+}
+
 }  // namespace
 
 // Writes every tensor of `lease` at `layout` into device memory at `base`
@@ -236,14 +249,7 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
   const GpuDevice* gpu = &device;
   const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
   if (layout.offsets.size() != n) return absl::InternalError("push layout does not match the lease");
-  for (size_t i = 0; i < lease.buffers.size(); ++i) {
-    if (lease.buffers[i]->kind() != MemoryKind::kHost) {
-      return absl::UnimplementedError(absl::StrCat(
-          "segment ", i, " is not in host memory; a CUDA push copies from host memory only "
-          "(for now)"));
-    }
-  }
-  if (absl::Status s = CheckLeaseTensors(lease); !s.ok()) return s;
+  if (absl::Status s = CheckLeaseForDevice(lease, "push"); !s.ok()) return s;
   if (cudaError_t err = cudaSetDevice(gpu->ordinal); err != cudaSuccess) {
     return RuntimeError(err, absl::StrCat("selecting ", gpu->uuid));
   }
@@ -364,13 +370,7 @@ struct ExportHandle {
 absl::Status ExportFillWithCuda(const LeaseContents& lease, const PushLayout& layout,
                                 const GpuDevice& gpu, const std::atomic<bool>* cancel, int* fd,
                                 uint64_t* size_out, void** handle_out) {
-  for (size_t i = 0; i < lease.buffers.size(); ++i) {
-    if (lease.buffers[i]->kind() != MemoryKind::kHost) {
-      return absl::UnimplementedError(absl::StrCat(
-          "segment ", i, " is not in host memory; a CUDA export copies from host memory only"));
-    }
-  }
-  if (absl::Status s = CheckLeaseTensors(lease); !s.ok()) return s;
+  if (absl::Status s = CheckLeaseForDevice(lease, "export"); !s.ok()) return s;
   if (cudaError_t err = cudaSetDevice(gpu.ordinal); err != cudaSuccess) {
     return RuntimeError(err, absl::StrCat("selecting ", gpu.uuid));
   }

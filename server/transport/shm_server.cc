@@ -293,11 +293,7 @@ void ShmDataServer::Push(int conn_fd, uint64_t connection, uid_t uid,
   absl::Status status = [&]() -> absl::Status {
     WD_ASSIGN_OR_RETURN(PushLayout layout, LayoutForPush(*lease, offsets));
     for (uint64_t len : layout.lengths) bytes += len;
-    if (cuda.has_value()) {
-      static const GpuInventory kNone{.unavailable = "no GPU inventory was given"};
-      return PushToCuda(*lease, layout, *cuda, dest,
-                        options_.gpus != nullptr ? *options_.gpus : kNone, &stopping_);
-    }
+    if (cuda.has_value()) return PushToCuda(*lease, layout, *cuda, dest, Gpus(), &stopping_);
     return PushToHost(*lease, layout, dest, &stopping_);
   }();
   if (dest >= 0) {
@@ -316,9 +312,18 @@ void ShmDataServer::Push(int conn_fd, uint64_t connection, uid_t uid,
               {"ms", absl::StrCat(absl::ToDoubleMilliseconds(absl::Now() - start))},
               {"status", status.ok() ? std::string("OK") : status.ToString()}});
   }
+  Finish(PushDone{conn_fd, connection, uid, std::move(status)});
+}
+
+const GpuInventory& ShmDataServer::Gpus() const {
+  static const GpuInventory kNone{.unavailable = "no GPU inventory was given"};
+  return options_.gpus != nullptr ? *options_.gpus : kNone;
+}
+
+void ShmDataServer::Finish(PushDone done) {
   {
     absl::MutexLock lock(&done_mu_);
-    done_.push_back(PushDone{conn_fd, connection, uid, std::move(status)});
+    done_.push_back(std::move(done));
   }
   uint64_t one = 1;
   (void)!::write(done_fd_.get(), &one, sizeof(one));
@@ -380,10 +385,7 @@ void ShmDataServer::Export(int conn_fd, uint64_t connection, uid_t uid,
       size = std::max<uint64_t>(1, (layout.size + page - 1) / page) * page;
       fill = [&, size] { return FillHostExport(*lease, layout, size, &stopping_); };
     } else {
-      static const GpuInventory kNone{.unavailable = "no GPU inventory was given"};
-      WD_ASSIGN_OR_RETURN(GpuDevice gpu,
-                          CheckCudaExport(target, layout,
-                                          options_.gpus != nullptr ? *options_.gpus : kNone));
+      WD_ASSIGN_OR_RETURN(GpuDevice gpu, CheckCudaExport(target, layout, Gpus()));
       device = gpu.uuid;
       // The allocation is rounded up to the device's granularity (2 MiB on
       // every current GPU) by the plugin; budgeted as that.
@@ -416,13 +418,7 @@ void ShmDataServer::Export(int conn_fd, uint64_t connection, uid_t uid,
             {"device_bytes", absl::StrCat(exports_.bytes(device))},
             {"ms", absl::StrCat(absl::ToDoubleMilliseconds(absl::Now() - start))},
             {"status", status.ok() ? std::string("OK") : status.ToString()}});
-  {
-    absl::MutexLock lock(&done_mu_);
-    done_.push_back(PushDone{conn_fd, connection, uid, std::move(status), std::move(exported),
-                             info});
-  }
-  uint64_t one = 1;
-  (void)!::write(done_fd_.get(), &one, sizeof(one));
+  Finish(PushDone{conn_fd, connection, uid, std::move(status), std::move(exported), info});
 }
 
 void ShmDataServer::Run() {

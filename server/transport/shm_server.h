@@ -133,6 +133,10 @@ class ShmDataServer {
             std::shared_ptr<const LeaseContents> lease, std::vector<uint64_t> offsets, int dest,
             std::optional<CudaPushTarget> cuda)
       ABSL_LOCKS_EXCLUDED(done_mu_);
+  // Queues a finished push's or export's answer for the polling thread.
+  void Finish(PushDone done) ABSL_LOCKS_EXCLUDED(done_mu_);
+  // The GPUs a CUDA push or export may name (none without options_.gpus).
+  const GpuInventory& Gpus() const;
   // Runs on a push thread: the export's buffer (filled now, or cached),
   // then queues the answer.
   void Export(int conn_fd, uint64_t connection, uid_t uid,

@@ -1225,6 +1225,22 @@ def test_cuda_push_refresh_with_stand_ins(daemon, client, fake, stand_ins):
     assert _wait_leases(client, base) == base
 
 
+def _same_as_fetch(client, h, model, world, rank, dtype, names=None):
+    """Every tensor of handle `h` has the dtype, shape and bytes of an shm
+    fetch of the same request. Returns {name: (tensor, its bytes)} of the
+    non-empty ones."""
+    out = {}
+    with client.fetch(model, world=world, rank=rank, dtype=dtype, names=names) as ref:
+        for m in h.tensors:
+            got = h[m.name]
+            assert (got.dtype, tuple(got.shape)) == (ref[m.name].dtype,
+                                                     tuple(ref[m.name].shape)), m.name
+            assert _same_bytes(got, ref[m.name]), m.name
+            if m.length:
+                out[m.name] = (got, st_io.tensor_bytes(ref[m.name]))
+    return out
+
+
 @pytest.fixture
 def cpu_as_cuda(monkeypatch):
     """torch "CUDA" allocations and device scopes on the CPU (for the pull:
@@ -1251,13 +1267,8 @@ def test_pull_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, pin):
         assert h.pinned is (pin == "pinned"), h.pin_error
         assert (h.pin_error != "") is (pin == "refused"), h.pin_error
         assert _wait_leases(client, base) == base  # the lease ended with the fetch
-        with client.fetch("small", world=world, rank=rank, dtype=dtype) as ref:
-            for m in h.tensors:
-                got = h[m.name]
-                assert (got.dtype, tuple(got.shape)) == (ref[m.name].dtype,
-                                                         tuple(ref[m.name].shape)), m.name
-                assert _same_bytes(got, ref[m.name]), m.name
-                assert got is h[m.name] or not m.length  # torch owns it: the same one
+        for name, (got, _) in _same_as_fetch(client, h, "small", world, rank, dtype).items():
+            assert got is h[name]  # torch owns it: the same one
         h.release()
         assert h.released
     log = fake.log()
@@ -1297,15 +1308,7 @@ def test_zero_copy_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, 
         assert (h.mode, h.device) == ("zero-copy", "cuda:0") and not h.released
         assert h.pageable_access is (access == "pageable")
         assert _wait_leases(client, base + 1) == base + 1  # held by the handle
-        kept = {}
-        with client.fetch(model, world=world, rank=rank, dtype=dtype, names=names) as ref:
-            for m in h.tensors:
-                got = h[m.name]
-                assert (got.dtype, tuple(got.shape)) == (ref[m.name].dtype,
-                                                         tuple(ref[m.name].shape)), m.name
-                assert _same_bytes(got, ref[m.name]), m.name
-                if m.length:
-                    kept[m.name] = (got, st_io.tensor_bytes(ref[m.name]))
+        kept = _same_as_fetch(client, h, model, world, rank, dtype, names)
         if access == "registered":
             assert fake.counters()["registered"] > 0
         h.release()
@@ -1313,7 +1316,7 @@ def test_zero_copy_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, 
         assert _wait_leases(client, base) == base  # the lease ended with release()
         for name, (t, want) in kept.items():  # the pages stay while a tensor does
             assert st_io.tensor_bytes(t) == want, name
-        del kept, t, got, h
+        del kept, t, h
         gc.collect()
         assert fake.counters()["registered"] == 0
     log = fake.log()
@@ -1466,13 +1469,7 @@ def test_cuda_export_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda
         assert (h.mode, h.device) == ("export", "cuda:0") and not h.released
         assert asked[-1] == UUID
         assert _leases(client) == base + 1
-        with client.fetch("small", world=world, rank=rank, dtype=dtype) as ref:
-            for m in h.tensors:
-                got = h[m.name]
-                assert (got.dtype, tuple(got.shape)) == (ref[m.name].dtype,
-                                                         tuple(ref[m.name].shape)), m.name
-                assert _same_bytes(got, ref[m.name]), m.name
-        del got
+        _same_as_fetch(client, h, "small", world, rank, dtype)
         h.release()
         assert h.released
         assert _wait_leases(client, base) == base

@@ -280,7 +280,8 @@ class VmmAllocation:
     creation (-1 once close_fd() or free() closed it), .ordinal: the device.
     free() is idempotent and also runs when the object is collected."""
 
-    def __init__(self, ordinal, size):
+    def _start(self, ordinal):
+        """The state free() undoes, empty, and the device's primary context."""
         self.ordinal = int(ordinal)
         self.ptr = 0
         self.size = 0
@@ -291,8 +292,12 @@ class VmmAllocation:
         self._lock = threading.Lock()
         self._freed = False
         self._ctx = None
-        d = self._d = driver()
-        self._ctx = _PrimaryContext(d, self.ordinal)
+        self._d = driver()
+        self._ctx = _PrimaryContext(self._d, self.ordinal)
+        return self._d
+
+    def __init__(self, ordinal, size):
+        d = self._start(ordinal)
         try:
             dev = self._ctx.device
             if not d.attribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev):
@@ -422,18 +427,7 @@ class VmmImport(VmmAllocation):
     and releases this process's reference."""
 
     def __init__(self, ordinal, fd, size):  # noqa: super().__init__ allocates: not called
-        self.ordinal = int(ordinal)
-        self.ptr = 0
-        self.size = 0
-        self.fd = -1
-        self._handle = None
-        self._reserved = False
-        self._mapped = False
-        self._lock = threading.Lock()
-        self._freed = False
-        self._ctx = None
-        d = self._d = driver()
-        self._ctx = _PrimaryContext(d, self.ordinal)
+        d = self._start(ordinal)
         try:
             with self._ctx.current():
                 handle = _u64(0)
@@ -495,39 +489,18 @@ def export(path, lease_id, token, gpu_uuid, timeout=30.0):
     on refusal."""
     if len(token) != 16:
         raise Error("INTERNAL", "daemon sent a lease token of %d bytes (want 16)" % len(token))
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(path)
-        except OSError as e:
-            raise Error("UNAVAILABLE", "cannot connect to the data socket %s: %s (an export "
-                        "needs a local daemon)" % (path, e.strerror or e))
-        send_cuda_push(sock, lease_id, token, [], gpu_uuid, 0, None,
-                       handle_kind=HANDLE_DAEMON_EXPORT)
-        code, msg, fds = _datasock.read_reply(sock, raw=True)
-        if code != 0:
-            for fd in fds:
-                os.close(fd)
-            raise Error(code, msg)
-        if len(fds) != 1 or len(msg) != _EXPORT_INFO.size:
-            for fd in fds:
-                os.close(fd)
-            raise Error("INTERNAL", "the daemon answered an export with %d fds and %d bytes"
-                        % (len(fds), len(msg)))
-        size, layout_size = _EXPORT_INFO.unpack(msg)
-        sock.settimeout(None)
-        return sock, fds[0], size, layout_size
-    except socket.timeout:
+    sock, msg, fds = _datasock.request(
+        path, timeout, "export", "an export needs a local one",
+        lambda s: send_cuda_push(s, lease_id, token, [], gpu_uuid, 0, None,
+                                 handle_kind=HANDLE_DAEMON_EXPORT), raw=True)
+    if len(fds) != 1 or len(msg) != _EXPORT_INFO.size:
+        for fd in fds:
+            os.close(fd)
         sock.close()
-        raise Error("DEADLINE_EXCEEDED", "no reply to the export on the data socket %s within "
-                    "%s s" % (path, timeout)) from None
-    except Error:
-        sock.close()
-        raise
-    except OSError as e:
-        sock.close()
-        raise Error("UNAVAILABLE", "data socket %s: %s" % (path, e)) from None
+        raise Error("INTERNAL", "the daemon answered an export with %d fds and %d bytes"
+                    % (len(fds), len(msg)))
+    size, layout_size = _EXPORT_INFO.unpack(msg)
+    return sock, fds[0], size, layout_size
 
 
 def vmm_alloc(device_ordinal, size):

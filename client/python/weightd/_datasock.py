@@ -204,14 +204,17 @@ def push_request(path, token, timeout, what, send):
     return None
 
 
-def _exchange(path, timeout, what, remote_hint, send):
+def request(path, timeout, what, remote_hint, send, raw=False):
     """One request on a fresh connection to the data socket at `path`:
     `send` writes it on the connected socket, then the reply is read. Returns
-    the reply's fds (the caller's to close) once the daemon answered OK;
-    raises Error otherwise (the daemon's code; UNAVAILABLE, DEADLINE_EXCEEDED
-    for the connection; `remote_hint` says what to do when the socket cannot
-    be reached). The connection is closed on return."""
+    (connection, message, fds) once the daemon answered OK: the connection
+    still open, with no timeout (the caller's to close: closing it ends what
+    it holds), the reply's message (bytes with `raw`) and fds (the
+    caller's). Raises Error otherwise, the connection closed (the daemon's
+    code; UNAVAILABLE, DEADLINE_EXCEEDED for the connection; `remote_hint`
+    says what to do when the socket cannot be reached)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    answered = False
     try:
         sock.settimeout(timeout)
         try:
@@ -223,12 +226,14 @@ def _exchange(path, timeout, what, remote_hint, send):
             send(sock)
         except (BrokenPipeError, ConnectionResetError):
             pass  # a daemon past its connection caps answers and closes first: read why
-        code, msg, fds = read_reply(sock)
+        code, msg, fds = read_reply(sock, raw)
         if code != 0:
             for extra in fds:
                 os.close(extra)
             raise Error(code, msg)
-        return fds
+        sock.settimeout(None)
+        answered = True
+        return sock, msg, fds
     except socket.timeout:
         raise Error("DEADLINE_EXCEEDED", "no reply to the %s on the data socket %s within "
                     "%s s" % (what, path, timeout)) from None
@@ -237,7 +242,16 @@ def _exchange(path, timeout, what, remote_hint, send):
     except OSError as e:
         raise Error("UNAVAILABLE", "data socket %s: %s" % (path, e)) from None
     finally:
-        sock.close()  # ends a push's lease
+        if not answered:
+            sock.close()
+
+
+def _exchange(path, timeout, what, remote_hint, send):
+    """request(), with the connection closed on return (which ends a push's
+    lease): the reply's fds (the caller's to close)."""
+    sock, _, fds = request(path, timeout, what, remote_hint, send)
+    sock.close()
+    return fds
 
 
 # ---------------------------------------------------------------- publish staging

@@ -24,6 +24,15 @@ What runs here:
   CUDA push handle after `apply` (only the targets rewritten, in place), and
   pull (read-only maps, pinned ranges registered read-only and unregistered,
   pinning refused or off, the lease ended at once).
+* Zero-copy and export per device: the fake driver answers as an x86 H100
+  (no pageable access, no read-only registration: zero-copy refused at
+  once, FAILED_PRECONDITION naming both attributes, no Fetch made), an x86
+  H100 with HMM and a GH200 (host addresses), or a device with read-only
+  registration only (mapped registrations); every tensor lies inside the
+  ranges the handle reports, which are read-only shared maps of the
+  daemon's memfds (zero-copy) or the import (export: read-only, or
+  read-write where the driver refused, recorded on the handle);
+  handle.read_only says which tensors must not be written.
 * Against a real daemon (a CUDA build, no driver here): fetch(device=...)
   argument errors and FAILED_PRECONDITION naming the missing CUDA, with no
   lease taken; raw CUDA pushes (a memfd standing in for the VMM fd) answered
@@ -384,10 +393,15 @@ CUresult CUDAAPI cuMemExportToShareableHandle(void* out, CUmemGenericAllocationH
 }
 CUresult CUDAAPI cuMemHostRegister(void* p, size_t n, unsigned int flags) {
   FAIL("cuMemHostRegister"); NEED_CTX();
-  say("host register %zu flags %u aligned %d", n, flags, (int)((uintptr_t)p % 4096 == 0));
+  say("host register %zu flags %u aligned %d at %p", n, flags,
+      (int)((uintptr_t)p % 4096 == 0), p);
   if (flags != CU_MEMHOSTREGISTER_READ_ONLY &&
       flags != (CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_DEVICEMAP)) {
     bad++; return CUDA_ERROR_INVALID_VALUE;
+  }
+  /* as the driver: READ_ONLY where the device lacks it is not supported */
+  if (!attrs[CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED]) {
+    bad++; return CUDA_ERROR_NOT_SUPPORTED;
   }
   registered++; return 0;
 }
@@ -399,6 +413,24 @@ CUresult CUDAAPI cuMemHostGetDevicePointer(CUdeviceptr* d, void* p, unsigned int
   say("device pointer"); *d = (CUdeviceptr)(uintptr_t)p; return 0;
 }
 """
+
+
+# cuDeviceGetAttribute's answers on real machines (the rest as the fake's
+# default, 1): an x86 H100 (PCIe or SXM host, no HMM: public reports with
+# drivers 595 and 610 show READ_ONLY_HOST_REGISTER_SUPPORTED 0), the same
+# with HMM (open kernel modules: pageable memory access), and a GH200
+# (NVLink-C2C, ATS: both).
+DEVICE_PROFILES = {
+    "x86-h100": {_cuda.CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS: 0,
+                 _cuda.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED: 0},
+    "x86-h100-hmm": {_cuda.CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS: 1,
+                     _cuda.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED: 0},
+    "gh200": {_cuda.CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS: 1,
+              _cuda.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED: 1},
+    # no pageable access, read-only registration: the mapped-registration path
+    "read-only-register": {_cuda.CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS: 0,
+                           _cuda.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED: 1},
+}
 
 
 class Fake:
@@ -420,6 +452,10 @@ class Fake:
 
     def fail(self, name, code):
         self.lib.fake_fail(name.encode(), code)
+
+    def profile(self, name):
+        for attr, value in DEVICE_PROFILES[name].items():
+            self.lib.fake_attr(attr, value)
 
     def assert_clean(self):
         c = self.counters()
@@ -1135,6 +1171,7 @@ def test_cuda_push_handle_with_stand_ins(daemon, client, fake, stand_ins, world,
     fds = _open_fds()
     h = client.fetch("small", world=world, rank=rank, device="cuda:0", dtype=dtype)
     assert (h.mode, h.device, h.transport) == ("push", "cuda:0", "shm")
+    assert (h.read_only, h.access) == (False, None)  # this process's own memory
     alloc = h._push.alloc
     assert h._segment_ranges() == [(alloc.ptr, alloc.ptr + alloc.size)]
     assert alloc.fd == -1  # the exported fd was closed after the push
@@ -1264,6 +1301,7 @@ def test_pull_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, pin):
         h = client.fetch("small", world=world, rank=rank, device="cuda:0", mode="pull",
                          dtype=dtype, pin=pin != "off")
         assert (h.mode, h.device) == ("pull", "cuda:0") and not h.released
+        assert (h.read_only, h.access) == (False, None)  # torch's own copies
         assert h.pinned is (pin == "pinned"), h.pin_error
         assert (h.pin_error != "") is (pin == "refused"), h.pin_error
         assert _wait_leases(client, base) == base  # the lease ended with the fetch
@@ -1284,17 +1322,44 @@ def test_pull_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, pin):
     assert _open_fds() == fds
 
 
-@pytest.mark.parametrize("access", ["pageable", "registered"])
-def test_zero_copy_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, access):
+def _maps_of(addresses):
+    """{address: (start, end, perms, path)} of the /proc/self/maps line
+    holding each address (None where none does)."""
+    rows = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            rows.append((lo, hi, parts[1], parts[5].strip() if len(parts) > 5 else ""))
+    return {a: next((r for r in rows if r[0] <= a < r[1]), None) for a in addresses}
+
+
+def _registered_ranges(log):
+    """[(start, end)] the fake driver registered (its log: "host register N
+    flags F aligned A at 0xADDR"; its device address is the host one)."""
+    out = []
+    for line in log.splitlines():
+        if line.startswith("host register "):
+            words = line.split()
+            out.append((int(words[-1], 16), int(words[-1], 16) + int(words[2])))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("profile", ["gh200", "x86-h100-hmm", "read-only-register"])
+def test_zero_copy_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, profile):
     """mode="zero-copy": the tensors are over the shm mapping itself (the
     stand-in tensor_from_ptr reads the address it is given, so a wrong one
     shows as wrong bytes): at the host address where the device reads
-    pageable memory, else at the device address of a read-only mapped
-    registration of the shard's pages (the fake's unified addressing),
-    unregistered — after a device sync — once the last tensor goes; the
-    lease ends with release(), the tensors stay readable."""
-    fake.lib.fake_attr(_cuda.CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS,
-                       1 if access == "pageable" else 0)
+    pageable memory (GH200; an x86 H100 with HMM), else at the device
+    address of a read-only mapped registration of the shard's pages (the
+    fake's unified addressing), unregistered — after a device sync — once
+    the last tensor goes; every tensor lies inside the ranges the handle
+    reports (_segment_ranges: the mapped page ranges, or exactly the ranges
+    the driver registered), and those are read-only shared maps of the
+    daemon's memfds; the handle says read_only; the lease ends with
+    release(), the tensors stay readable."""
+    fake.profile(profile)
+    pageable = profile != "read-only-register"
     base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
     fds = _open_fds()
     # (lora's last tensor alone, kept dtype: a view pages into its
@@ -1303,13 +1368,26 @@ def test_zero_copy_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, 
     for model, world, rank, dtype, names in (
             ("small", 1, 0, None, None), ("small", 3, 1, "bf16", None),
             ("small", 4, 3, "f32", None), ("lora", 2, 1, None, last)):
+        log_at = len(fake.log())
         h = client.fetch(model, world=world, rank=rank, device="cuda:0", mode="zero-copy",
                          dtype=dtype, names=names)
         assert (h.mode, h.device) == ("zero-copy", "cuda:0") and not h.released
-        assert h.pageable_access is (access == "pageable")
+        assert h.pageable_access is pageable
+        assert (h.read_only, h.access) == (True, "read-only")
         assert _wait_leases(client, base + 1) == base + 1  # held by the handle
+        ranges = h._segment_ranges()
+        if not pageable:
+            assert ranges == _registered_ranges(fake.log()[log_at:]), (ranges, fake.log())
+        # every range is a read-only shared map of one of the daemon's memfds
+        for lo, hi in ranges:
+            row = _maps_of([lo])[lo]
+            assert row and row[0] <= lo and hi <= row[1], (hex(lo), row)
+            assert row[2] == "r--s" and row[3].startswith("/memfd:"), row
         kept = _same_as_fetch(client, h, model, world, rank, dtype, names)
-        if access == "registered":
+        for name, (t, _) in kept.items():
+            p, n = t.data_ptr(), t.numel() * t.element_size()
+            assert any(lo <= p and p + n <= hi for lo, hi in ranges), (name, hex(p), ranges)
+        if not pageable:
             assert fake.counters()["registered"] > 0
         h.release()
         assert h.released
@@ -1320,7 +1398,7 @@ def test_zero_copy_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, 
         gc.collect()
         assert fake.counters()["registered"] == 0
     log = fake.log()
-    if access == "registered":
+    if not pageable:
         assert "flags 10 aligned 1" in log and "device pointer" in log, log  # READ_ONLY|DEVICEMAP
         assert log.count("host register") == log.count("host unregister"), log
         # each unregistration waits for the device's queued reads first
@@ -1337,6 +1415,59 @@ def test_zero_copy_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, 
     with pytest.raises(weightd.Error) as e:
         client.fetch("small", device="cuda:0", mode="zero-copy", transport="grpc")
     assert e.value.code == "INVALID_ARGUMENT"
+
+
+def test_zero_copy_refused_on_an_x86_h100(daemon, client, fake, stand_ins, cpu_as_cuda):
+    """An x86 H100 (no pageable memory access, no read-only registration):
+    zero-copy has no path there, and fetch says so at once —
+    FAILED_PRECONDITION naming both attributes — before any Fetch (no
+    lease, no fetch counted, nothing registered); the other modes still
+    work on that device: a push, and a pull that copies unpinned (its pin
+    refusal names the attribute)."""
+    fake.profile("x86-h100")
+    base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
+    fds = _open_fds()
+    fetches = client.stats()["fetches"]
+    with pytest.raises(weightd.Error) as e:
+        client.fetch("small", device="cuda:0", mode="zero-copy")
+    assert e.value.code == "FAILED_PRECONDITION", e.value
+    for words in ("CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS is 0",
+                  "CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED is 0",
+                  "CUDA device 0", 'mode="push"'):
+        assert words in e.value.message, e.value.message
+    del e
+    assert client.stats()["fetches"] == fetches  # failed fast: no Fetch at all
+    assert _leases(client) == base
+    assert "host register" not in fake.log()
+    gc.collect()
+    fake.assert_clean()
+    # the same device pushes, and pulls without pinning
+    with client.fetch("small", device="cuda:0") as h:
+        assert h.mode == "push" and (h.read_only, h.access) == (False, None)
+        _same_as_fetch(client, h, "small", 1, 0, None)
+    h = client.fetch("small", device="cuda:0", mode="pull")
+    assert h.pinned is False and \
+        "CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED is 0" in h.pin_error, h.pin_error
+    assert (h.read_only, h.access) == (False, None)
+    h.release()
+    del h
+    gc.collect()
+    fake.assert_clean()
+    assert _wait_leases(client, base) == base
+    assert _open_fds() == fds
+
+
+def test_torch_has_no_read_only_cuda_array_interface():
+    """Why zero-copy and export tensors are not marked read-only in torch:
+    torch has no read-only tensor, and its CUDA-array-interface import
+    refuses the interface's read-only flag (TypeError). If this starts
+    failing, torch has learned read-only tensors: _DeviceArray should pass
+    the flag for read-only memory (ShardHandle.read_only)."""
+    class ReadOnly:
+        __cuda_array_interface__ = {"shape": (16,), "typestr": "|u1", "version": 3,
+                                    "data": (0x7F0000001000, True), "strides": None}
+    with pytest.raises(TypeError, match="read only flag is not supported"):
+        torch.as_tensor(ReadOnly(), device="cuda:0")
 
 
 # ---------------------------------------------------------------- export
@@ -1447,36 +1578,72 @@ def test_export_budget_evicts_unheld_buffers_only(tmp_path):
         d.stop()
 
 
-def test_cuda_export_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, monkeypatch):
+@pytest.mark.parametrize("access", ["read-only", "refused"])
+def test_cuda_export_with_stand_ins(daemon, client, fake, stand_ins, cpu_as_cuda, monkeypatch,
+                                    access):
     """fetch(device="cuda:0", mode="export") with the CUDA side faked: the
     daemon's buffer is its host twin (the export asked of the real daemon
     with the all-zero UUID: it has no GPU), imported through the fake driver
     read-only (cuMemImportFromShareableHandle, map, PROT_READ access) and
-    wrapped as tensors; they equal an shm fetch; release() ends the lease,
-    the import is released when the last tensor goes."""
+    wrapped as tensors; they equal an shm fetch, every one inside the
+    imported range, which is a read-only map (the fake maps "device"
+    memory in this process); the handle says read_only and which access the
+    driver took: a driver refusing PROT_READ gets read-write, recorded
+    (access "read-write", access_error its refusal) and visible in the map;
+    release() ends the lease, the import is released when the last tensor
+    goes."""
     real_export = _cuda.export
     asked = []
 
     def export(path, lease_id, token, gpu_uuid, timeout=30.0):
         asked.append(gpu_uuid)
-        return real_export(path, lease_id, token, _cuda.HOST_UUID, timeout)
+        sock, fd, size, layout = real_export(path, lease_id, token, _cuda.HOST_UUID, timeout)
+        if access == "refused":
+            # The host twin is sealed against writes (no writable map of it
+            # can exist): device memory the driver maps read-write is an
+            # unsealed copy of its bytes here.
+            copy = _memfd(size)
+            os.pwrite(copy, os.pread(fd, size, 0), 0)
+            os.close(fd)
+            fd = copy
+        return sock, fd, size, layout
     monkeypatch.setattr(_cuda, "export", export)
     base = _wait_leases(client, 0, timeout=5.0)  # earlier tests' leases have ended
     fds = _open_fds()
     for world, rank, dtype in ((1, 0, None), (3, 1, "bf16"), (2, 1, "f32")):
+        if access == "refused":
+            fake.fail("cuMemSetAccess", 801)  # the first (read-only) one
         h = client.fetch("small", world=world, rank=rank, device="cuda:0", mode="export",
                          dtype=dtype)
         assert (h.mode, h.device) == ("export", "cuda:0") and not h.released
         assert asked[-1] == UUID
         assert _leases(client) == base + 1
-        _same_as_fetch(client, h, "small", world, rank, dtype)
+        assert h.read_only is True
+        if access == "refused":
+            assert h.access == "read-write", h.access
+            assert "cuMemSetAccess (read-only)" in h.access_error and "(801)" in h.access_error
+        else:
+            assert (h.access, h.access_error) == ("read-only", "")
+        [(lo, hi)] = h._segment_ranges()
+        row = _maps_of([lo])[lo]
+        assert row and (row[0], row[1]) == (lo, hi), (hex(lo), hex(hi), row)
+        assert row[2] == ("rw-s" if access == "refused" else "r--s"), row
+        kept = _same_as_fetch(client, h, "small", world, rank, dtype)
+        for name, (t, _) in kept.items():
+            p, n = t.data_ptr(), t.numel() * t.element_size()
+            assert lo <= p and p + n <= hi, name
+        del kept, t
         h.release()
         assert h.released
         assert _wait_leases(client, base) == base
         del h
         gc.collect()
     log = fake.log()
-    assert "import" in log and "access loc=1/0 flags=1 count=1" in log, log  # read-only
+    if access == "refused":  # read-only refused, then read-write
+        assert "import" in log and "cuMemSetAccess failed 801\naccess loc=1/0 flags=3 count=1" \
+            in log, log
+    else:
+        assert "import" in log and "access loc=1/0 flags=1 count=1" in log, log  # read-only
     fake.assert_clean()
     assert stand_ins == []  # nothing is pushed
     assert _open_fds() == fds

@@ -423,10 +423,16 @@ class VmmAllocation:
 class VmmImport(VmmAllocation):
     """Device memory another process (the daemon) allocated and exported as
     a POSIX fd, imported and mapped READ-ONLY here at .ptr (.size bytes, on
-    device .ordinal). free() (or collection) waits for the device, unmaps
-    and releases this process's reference."""
+    device .ordinal): .read_only is True when the driver took the read-only
+    access (CU_MEM_ACCESS_FLAGS_PROT_READ: a kernel writing it faults);
+    False when it refused it (.read_only_refused says how) and the map is
+    read-write: a write then changes the daemon's shared buffer. free() (or
+    collection) waits for the device, unmaps and releases this process's
+    reference."""
 
     def __init__(self, ordinal, fd, size):  # noqa: super().__init__ allocates: not called
+        self.read_only = None
+        self.read_only_refused = ""
         d = self._start(ordinal)
         try:
             with self._ctx.current():
@@ -449,7 +455,7 @@ class VmmImport(VmmAllocation):
                     d.call("cuMemSetAccess", self.ptr, self.size, ctypes.byref(desc), 1,
                            what="cuMemSetAccess (read-only)")
                     self.read_only = True
-                except Error:
+                except Error as e:
                     # A driver that grants device memory no read-only
                     # access: read-write (the tensors are still the
                     # daemon's buffer, shared: do not write them).
@@ -457,6 +463,7 @@ class VmmImport(VmmAllocation):
                     d.call("cuMemSetAccess", self.ptr, self.size, ctypes.byref(desc), 1,
                            what="cuMemSetAccess")
                     self.read_only = False
+                    self.read_only_refused = e.message
         except BaseException:
             self.free(quiet=True)
             raise
@@ -529,7 +536,8 @@ class HostRegistration:
             if not d.attribute(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED,
                                self._ctx.device):
                 raise Error("FAILED_PRECONDITION", "CUDA device %d cannot register read-only "
-                            "host memory" % int(ordinal))
+                            "host memory (CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED "
+                            "is 0)" % int(ordinal))
             flags = CU_MEMHOSTREGISTER_READ_ONLY | (CU_MEMHOSTREGISTER_DEVICEMAP if mapped else 0)
             with self._ctx.current():
                 d.call("cuMemHostRegister_v2", ctypes.c_void_p(self.addr), self.size, flags,
@@ -590,16 +598,42 @@ def synchronize(device_ordinal):
         ctx.release()
 
 
-def pageable_memory_access(device_ordinal):
-    """True when CUDA device `device_ordinal` reads pageable host memory
-    coherently at its host address (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_
-    ACCESS: Grace Hopper / Blackwell over NVLink-C2C, or HMM)."""
+ZERO_COPY_PAGEABLE = "pageable"      # the device reads the host address itself
+ZERO_COPY_REGISTERED = "registered"  # a read-only mapped registration of the pages
+
+
+def zero_copy_path(device_ordinal):
+    """How CUDA device `device_ordinal` can read a shard in place without a
+    copy: ZERO_COPY_PAGEABLE where it reads pageable host memory coherently
+    (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS: Grace Hopper / Blackwell
+    over NVLink-C2C, or HMM), else ZERO_COPY_REGISTERED where it registers
+    read-only host memory (CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_
+    SUPPORTED: the shard is mapped read-only, its segments sealed against
+    writes). Error FAILED_PRECONDITION naming both attributes where neither
+    holds: an x86 discrete GPU without HMM (H100/H200 PCIe and SXM hosts).
+    There no path avoids a copy: torch takes no unregistered host address,
+    a registration without READ_ONLY needs writable pages (the segments are
+    sealed against writes, and a private writable map would copy every page
+    on registration), and the daemon's own registration is of its mapping,
+    in its process."""
     d = driver()
     ctx = _PrimaryContext(d, device_ordinal)
     try:
-        return bool(d.attribute(CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS, ctx.device))
+        pageable = d.attribute(CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS, ctx.device)
+        if pageable:
+            return ZERO_COPY_PAGEABLE
+        read_only = d.attribute(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED,
+                                ctx.device)
     finally:
         ctx.release()
+    if read_only:
+        return ZERO_COPY_REGISTERED
+    raise Error("FAILED_PRECONDITION", "zero-copy on CUDA device %d needs the device to read the "
+                "shard's host pages in place, and it cannot: "
+                "CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS is 0 (no HMM or ATS: a discrete GPU "
+                "on an x86 host) and CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED is 0 "
+                "(the read-only pages cannot be registered). Use mode=\"push\" (the default: "
+                "one copy, cast on the GPU), \"export\" or \"pull\"" % int(device_ordinal))
 
 
 def pin_ranges(pieces, segment_sizes, page=4096, merge_gap=2 << 20):

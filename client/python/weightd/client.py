@@ -63,9 +63,14 @@ local, transport "shm"):
     through a read-only mapped registration of the shard's pages
     (cuMemHostRegister DEVICEMAP | READ_ONLY: every kernel read crosses
     PCIe, so it is offered for memory-light use, never the default).
+    Where the device does neither (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS
+    and CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED both 0: an x86
+    discrete GPU such as an H100 without HMM) fetch raises
+    FAILED_PRECONDITION naming them, before any lease is taken: no
+    zero-copy path exists there (_cuda.zero_copy_path says why).
     release() ends the lease; the pages stay mapped and registered while a
     tensor made from them lives (the last one unregisters them after the
-    device's queued work).
+    device's queued work). The tensors are read-only (handle.read_only).
   * mode="export": the daemon's own device buffer of the shard (cuMemCreate,
     filled once — cast and merged on the GPU — and shared by every process
     that exports the same fetch to the same GPU), passed as a VMM POSIX fd,
@@ -73,7 +78,8 @@ local, transport "shm"):
     again without a copy. The data connection holds the lease and the
     daemon's hold on the buffer until release() (the daemon evicts unheld
     buffers past --device-memory-bytes); the mapping lives as long as a
-    tensor made from it.
+    tensor made from it. The tensors are read-only (handle.read_only;
+    handle.access says whether the driver took the read-only mapping).
 """
 import concurrent.futures
 import dataclasses
@@ -651,7 +657,26 @@ def _push_timeout(timeout, size):
 class ShardHandle:
     """The result of Client.fetch: the rank's local shards under a lease
     (mode "export"), or in the client's own memory (mode "push": no lease
-    is held; see refresh())."""
+    is held; see refresh()).
+
+    read_only: True when the tensors are memory this process must not write
+    (on a GPU, modes "export" and "zero-copy": the daemon's device buffer
+    that every process exporting the same fetch shares, or the daemon's
+    sealed host pages). PyTorch has no read-only tensor (its CUDA array
+    interface import refuses the read-only flag), so torch cannot refuse an
+    in-place op on them: clone() a tensor before modifying it. What a write
+    does, by `access` (how the device maps the memory): "read-only" (always
+    for zero-copy; for export where the driver took
+    CU_MEM_ACCESS_FLAGS_PROT_READ) - the kernel faults, CUDA reports an
+    illegal address, and that error is sticky: this process's CUDA context
+    is lost (every later CUDA call in it fails; only a new process
+    recovers); "read-write" (export where the driver refused read-only
+    access, access_error says how) - the write lands in the daemon's shared
+    buffer: every process that exports the same fetch to that GPU sees it
+    until the daemon evicts the buffer. Host-memory handles and pushes/pulls
+    into a GPU are writable (read_only False, access None): copy-on-write
+    maps, or this process's own memory.
+    """
 
     def __init__(self, lease, generation, transport, tensors, pieces, push=None, device=None,
                  mode=None):
@@ -672,6 +697,12 @@ class ShardHandle:
         self.pageable_access = None  # zero-copy: read at host addresses (else registered)
         self.pinned = None  # pull: whether the copies ran from pinned memory
         self.pin_error = ""  # pull: why not, when CUDA refused to pin
+        # The tensors are memory others share (read_only) and how the device
+        # maps it (access): see the class docstring.
+        self.read_only = False
+        self.access = None
+        self.access_error = ""
+        self._ranges = None  # device: the ranges the tensors lie in (_segment_ranges)
 
     @property
     def lease_id(self):
@@ -762,8 +793,13 @@ class ShardHandle:
 
     def _segment_ranges(self):
         """[(start, end)] addresses of the mapped segments / received buffers
-        (on a device: device addresses of the allocation / the tensors)."""
+        (on a device: device addresses of the push's allocation, the
+        export's import, zero-copy's page ranges as the device reads them -
+        host addresses where it reads pageable memory, else its mapped
+        registrations -, a pull's tensors)."""
         self._check()
+        if self._ranges is not None:  # zero-copy: the maps / registrations; export: the import
+            return list(self._ranges)
         if self.device is not None:
             out = set()
             for piece in self._pieces.values():
@@ -1565,8 +1601,11 @@ class Client:
         allows: handle.pinned / handle.pin_error say); "zero-copy" - no
         copy: CUDA tensors over the shm mapping itself, read by the device
         in place (module doc); "export" - the daemon's own read-only device
-        buffer of the shard, imported (module doc). FAILED_PRECONDITION when this process has no CUDA
-        (torch without it, no driver).
+        buffer of the shard, imported (module doc). FAILED_PRECONDITION when
+        this process has no CUDA (torch without it, no driver), and for
+        "zero-copy" on a device that cannot read host pages in place (both
+        attributes named), before any lease. "zero-copy" and "export"
+        tensors must not be written (ShardHandle.read_only).
         cast_on_push: with mode "push" (host or GPU), a tensor that needs only
         a cast of its stored bytes is cast by the daemon as it writes it (on
         the GPU for a GPU push: the stored bytes cross PCIe, not the wider
@@ -1630,9 +1669,13 @@ class Client:
             req.defer_merges = bool(dev is not None if merge_on_push is None else merge_on_push)
         if pl is not None:
             req.placements.extend(pb.Placement(shard_dim=d) for d in pl)
+        zero_copy = None
         if dev is not None:
-            # Before any lease: this process must have the GPU.
+            # Before any lease: this process must have the GPU (and, for
+            # zero-copy, a way for it to read host pages in place).
             _, dev = _cuda.require_torch_cuda(dev)
+            if mode == "zero-copy":
+                zero_copy = _cuda.zero_copy_path(dev)
 
         # Retried whole on UNAVAILABLE: a Fetch the daemon never handled
         # granted no lease, and one granted by a daemon that then went away
@@ -1645,7 +1688,7 @@ class Client:
                 if dev is not None and mode == "push":
                     return self._collect_cuda_push(resp, lease, req, timeout, dev)
                 if dev is not None and mode == "zero-copy":
-                    return self._collect_zero_copy(resp, lease, timeout, dev)
+                    return self._collect_zero_copy(resp, lease, timeout, dev, zero_copy)
                 if dev is not None and mode == "export":
                     return self._collect_cuda_export(resp, lease, timeout, dev)
                 if dev is not None:
@@ -1857,17 +1900,23 @@ class Client:
                                     index, imported)
         metas = [dataclasses.replace(m, segment=0, offset=at) for m, at in zip(metas, offsets)]
         pieces = {m.name: (raw, m.offset) if m.length else None for m in metas}
-        return _identified(resp, ShardHandle(lease, resp.generation, "shm", metas, pieces,
-                                             device="cuda:%d" % index, mode="export"))
+        h = _identified(resp, ShardHandle(lease, resp.generation, "shm", metas, pieces,
+                                          device="cuda:%d" % index, mode="export"))
+        h.read_only = True
+        h.access = "read-only" if imported.read_only else "read-write"
+        h.access_error = imported.read_only_refused
+        h._ranges = [(imported.ptr, imported.ptr + imported.size)]
+        return h
 
-    def _collect_zero_copy(self, resp, lease, timeout, index):
+    def _collect_zero_copy(self, resp, lease, timeout, index, path):
         """mode="zero-copy" on CUDA device `index`: attaches the lease and
         maps its segments read-only (shared); the tensors are CUDA tensors
-        over those pages, read by the device in place: at their host
-        address where it reads pageable memory coherently (Grace Hopper /
-        Blackwell, HMM), else through a read-only mapped registration of the
-        shard's pages (cuMemHostRegister DEVICEMAP | READ_ONLY; over PCIe,
-        slow for compute). The lease ends with release(); the pages and
+        over those pages, read by the device in place (`path`, from
+        _cuda.zero_copy_path): at their host address where it reads pageable
+        memory coherently (Grace Hopper / Blackwell, HMM), else through a
+        read-only mapped registration of the shard's pages
+        (cuMemHostRegister DEVICEMAP | READ_ONLY; over PCIe, slow for
+        compute). The lease ends with release(); the pages and
         registrations live as long as a tensor made from them."""
         import torch
         sizes = list(resp.segment_sizes)
@@ -1878,11 +1927,13 @@ class Client:
 
         def tensors(pageable):
             ranges = []  # (segment, lo, hi, device address of lo)
-            if not pageable:
-                for seg, lo, hi in _cuda.pin_ranges(
-                        [(m.segment, m.offset, m.length) for m in metas], sizes, _PAGE):
-                    reg = _cuda.host_register_read_only(index, _address_of(maps[seg]) + lo,
-                                                        hi - lo, mapped=True)
+            for seg, lo, hi in _cuda.pin_ranges(
+                    [(m.segment, m.offset, m.length) for m in metas], sizes, _PAGE):
+                host = _address_of(maps[seg]) + lo
+                if pageable:
+                    ranges.append((seg, lo, hi, host))
+                else:
+                    reg = _cuda.host_register_read_only(index, host, hi - lo, mapped=True)
                     hold.regs.append(reg)
                     ranges.append((seg, lo, hi, reg.device_ptr))
             out = {}
@@ -1891,18 +1942,15 @@ class Client:
                 if not m.length:
                     out[m.name] = torch.empty(m.shape, dtype=dt, device="cuda:%d" % index)
                     continue
-                if pageable:
-                    ptr = _address_of(maps[m.segment]) + m.offset
-                else:
-                    ptr = next(d + (m.offset - lo) for seg, lo, hi, d in ranges
-                               if seg == m.segment and lo <= m.offset and m.offset + m.length <= hi)
+                ptr = next(d + (m.offset - lo) for seg, lo, hi, d in ranges
+                           if seg == m.segment and lo <= m.offset and m.offset + m.length <= hi)
                 out[m.name] = _cuda.tensor_from_ptr(ptr, m.length, dt, m.shape, index, hold)
-            return out
+            return out, [(d, d + (hi - lo)) for _, lo, hi, d in ranges]
 
         try:
-            pageable = _cuda.pageable_memory_access(index)
+            pageable = path == _cuda.ZERO_COPY_PAGEABLE
             try:
-                out = tensors(pageable)
+                out, ranges = tensors(pageable)
             except RuntimeError as e:
                 if not pageable:
                     raise Error("INTERNAL", "torch took no tensor over the registered shard: "
@@ -1910,7 +1958,12 @@ class Client:
                 # A torch that wraps only device or registered addresses
                 # (it asks CUDA where a pointer lives): the registration.
                 pageable = False
-                out = tensors(False)
+                try:
+                    out, ranges = tensors(False)
+                except Error as refused:
+                    raise Error(refused.code, "torch took no tensor over the host address of "
+                                "the shard (%s), and the registration instead failed: %s"
+                                % (e, refused.message)) from None
         except BaseException:
             hold.close()
             raise
@@ -1918,6 +1971,9 @@ class Client:
         h = _identified(resp, ShardHandle(lease, resp.generation, "shm", metas, pieces,
                                           device="cuda:%d" % index, mode="zero-copy"))
         h.pageable_access = pageable
+        h.read_only = True
+        h.access = "read-only"  # a PROT_READ map; registered READ_ONLY where not pageable
+        h._ranges = sorted(ranges)
         return h
 
     def _collect_pull(self, resp, lease, timeout, index, pin):

@@ -40,7 +40,11 @@ What runs here:
   prints it), bad targets INVALID_ARGUMENT, the connection serving a good
   host push after each; and fetch(device="cuda:0") through the fake driver
   up to the daemon's refusal, with the allocation and fds released.
-* tests/gpu/gpu_checks.py: its no-GPU path and its pure helpers.
+* tests/gpu/gpu_checks.py: its no-GPU path and its pure helpers, its time
+  budget (checks that would not fit skipped, not started), its parsing of
+  the daemon's log, its verdict on where a kill landed and its "killed"
+  check run here on a host push, and the NaN sweep's references against the
+  daemon's CPU casts (c10's NaN encodings).
 
 What cannot run here: the real driver, torch's CUDA tensors over VMM memory
 (tensor_from_ptr), the daemon's CUDA copies: tests/gpu/gpu_checks.py on a
@@ -1108,6 +1112,158 @@ def test_gpu_checks_helpers():
     assert names == [("good", True), ("bad", False), ("raises", False)], rec.checks
     assert "ZeroDivisionError" in rec.checks[2]["detail"]
     assert all(set(c) >= {"name", "ok", "detail", "seconds"} for c in rec.checks)
+
+
+def test_gpu_checks_budget_skips_what_does_not_fit(tmp_path):
+    """Every check finishes or is skipped by the budget: one needing more
+    than is left is skipped before it starts (its fn never runs), one that
+    runs gets min(its limit, what is left) as its alarm, and a check that
+    reports "skipped" (ok None) is recorded so, not as a failure."""
+    gc_mod = _gpu_checks_module()
+    out = str(tmp_path / "gc.json")
+    rec = gc_mod.Recorder(out, budget_s=30, reserve_s=10)
+    ran = []
+    rec.run("fits", lambda: (ran.append("fits"), (True, "ok", {}))[1], limit_s=60, need_s=5)
+    rec.run("too big", lambda: (ran.append("too big"), (True, "ok", {}))[1], limit_s=60,
+            need_s=25)
+    rec.run("refused", lambda: (None, "no such path here", {"why": 1}), limit_s=5)
+    assert ran == ["fits"]
+    by = {c["name"]: c for c in rec.checks}
+    assert by["fits"]["ok"] is True and by["fits"]["limit_s"] <= 20, by["fits"]
+    assert by["too big"]["ok"] is None and "time budget" in by["too big"]["detail"], by
+    assert by["refused"]["ok"] is None and by["refused"]["detail"] == "skipped: no such path here"
+    doc = json.load(open(out))
+    assert doc["summary"] == {"passed": 1, "failed": 0, "skipped": 2} and doc["ok"] is True, doc
+    # the check list: each with a limit and what it needs, setup first
+    plan = gc_mod.Checks.plan(type("C", (), {k: None for k in (
+        "setup", "vmm", "push_parity", "pull_parity", "zero_copy", "export", "nan_parity", "lora",
+        "killed", "bandwidth", "ready")})())
+    assert plan[0][0] == "setup" and all(0 < need <= limit for _, _, limit, need in plan), plan
+    assert {"zero-copy", "export", "nan", "killed", "bandwidth"} <= {p[0] for p in plan}
+
+
+def test_gpu_checks_reads_the_daemon_log(daemon):
+    """log_events parses the daemon's own text lines (common/log.cc):
+    timestamp, level, event and fields, quoted ones unquoted."""
+    gc_mod = _gpu_checks_module()
+    lines = ('2025-03-04T05:06:07.250Z debug push connection=7 memory=cuda model=llama '
+             'generation=1 bytes=4096 ms=125.5 status=OK\n'
+             'weightd.cc:12: not an event\n'
+             '2025-03-04T05:06:08.000Z warning pin_skipped model=llama reason="no GPU here"\n')
+    p = os.path.join(daemon.workdir, "fake.log")
+    with open(p, "w") as f:
+        f.write(lines)
+    evs = gc_mod.log_events(p)
+    assert [e["event"] for e in evs] == ["push", "pin_skipped"], evs
+    assert evs[0]["ts"] == 1741064767.25 and evs[0]["ms"] == "125.5" and evs[0]["memory"] == "cuda"
+    assert evs[1]["reason"] == "no GPU here" and evs[1]["level"] == "warning"
+    assert gc_mod.log_events(p, ("push",), start=len(lines.splitlines(True)[0])) == []
+    # and the real daemon's own lines parse (its start-up ones at least)
+    real = gc_mod.log_events(daemon.log_path)
+    assert "serving" in [e["event"] for e in real], open(daemon.log_path).read()[-2000:]
+    assert all(e["ts"] > 1.6e9 for e in real), real[:3]
+
+
+def test_gpu_checks_judges_a_kill_by_the_daemons_push_line():
+    """judge_kill: mid-push only when the daemon's push began before the
+    kill and ended after it; a push that had ended (or whose reply the
+    client saw) is "finished", one that began after the client died is
+    "after", none at all "not-begun", and a counted push without a line to
+    time it is "unproven"."""
+    gc_mod = _gpu_checks_module()
+    J = gc_mod.judge_kill
+    line = lambda end, ms, status="OK": {"ts": end, "ms": str(ms), "status": status,  # noqa: E731
+                                         "line": "push"}
+    assert J(100.0, 5, 5, 6, False, [line(100.3, 500)])[0] == "mid-push"
+    v, d = J(100.0, 5, 5, 5, False, [line(100.2, 400, "ABORTED: peer gone")])
+    assert v == "mid-push" and "ABORTED" in d, d
+    assert J(100.0, 5, 6, 6, False, [line(99.9, 300)])[0] == "finished"
+    assert J(100.0, 5, 5, 5, True, [])[0] == "finished"
+    assert J(100.0, 5, 6, 6, False, [])[0] == "finished"
+    assert J(100.0, 5, 5, 6, False, [line(100.5, 100)])[0] == "after"
+    assert J(100.0, 5, 5, 5, False, [])[0] == "not-begun"
+    assert J(100.0, 5, 5, 6, False, [])[0] == "unproven"
+    # the log's millisecond stamps: a push ending within 2 ms of the kill counts
+    assert J(100.0, 5, 6, 6, False, [line(99.999, 50)])[0] == "mid-push"
+
+
+def test_gpu_checks_kills_a_client_mid_push(tmp_path):
+    """gpu_checks' "killed" check, run here on a host push (the same code;
+    on the device it pushes into the GPU): a child is SIGKILLed after it
+    asked for a push, until the daemon's side shows the kill landed
+    mid-push - its "push" log line (debug, with the push's duration) began
+    before the kill and ended after it - trying sooner or later as
+    judge_kill says; the daemon then serves on with no lease left."""
+    gc_mod = _gpu_checks_module()
+    d = Daemon(workdir=str(tmp_path / "d"), extra_args=["--log-level", "debug"])
+    d.start()
+    checks = None
+    try:
+        path = os.path.join(d.model_root, "big.safetensors")
+        st_io.save({"w": torch.randn(4096, 8192, generator=torch.Generator().manual_seed(8))},
+                   path)  # 128 MiB: a push long enough to land in
+        d.ctl_ok("load", "big", path)
+        checks = gc_mod.Checks(None, weightd, torch, {})
+        checks.sock, checks.log_path = d.socket, d.log_path
+        checks.client = weightd.Client(socket=d.socket, retry_deadline=0)
+        base = _leases(checks.client)
+        verdict, detail, m = checks.kill_mid_push("big", "cpu", "f32", tries=8)
+        assert verdict == "mid-push", (detail, m)
+        last = m["attempts"][-1]
+        assert len(last["push_lines"]) == 1 and "memory=host" in last["push_lines"][0], last
+        assert all(a["verdict"] in ("finished", "after", "not-begun", "mid-push")
+                   for a in m["attempts"]), m
+        assert _wait_leases(checks.client, base) == base
+        assert checks.client.health() is True and d.alive()
+        checks.client.close()
+    finally:
+        if checks is not None:
+            shutil.rmtree(checks.tmp, ignore_errors=True)
+        d.stop()
+
+
+def test_nan_encodings_follow_c10_here(daemon, client):
+    """The NaN sweep of gpu_checks on the CPU path: the daemon's casts of
+    NaNs (signs, payloads, signalling), +-Inf, -0 and subnormals from
+    F32/F64/F16/BF16 to f32/bf16/f16 equal c10_cast bit for bit (our
+    convention: c10's scalar conversions, BF16 NaN 0x7FC0, F16 NaN
+    0x7E00|sign); torch's own vectorized .to() differs from it only in NaN
+    bits where it differs at all (BF16 NaN 0xFFFF here), which nan_parity's
+    loose comparison accepts and its exact one does not."""
+    gc_mod = _gpu_checks_module()
+    tensors = gc_mod.nan_sweep_tensors()
+    path = os.path.join(daemon.model_root, "nans.safetensors")
+    st_io.save(tensors, path)
+    daemon.ctl_ok("load", "nans", path)
+    table = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+    vectorized_differs = []
+    try:
+        for dtype in (None, "f32", "bf16", "f16"):
+            with client.fetch("nans", dtype=dtype) as h:
+                for name, src in tensors.items():
+                    target = src.dtype if dtype is None else table[dtype]
+                    got = h[name]
+                    want = gc_mod.c10_cast(src, target)
+                    exact, loose, detail = gc_mod.nan_parity(got, want, src.to(target))
+                    assert exact and loose, (name, dtype, detail)
+                    if gc_mod.uint_bits(src.to(target)) != gc_mod.uint_bits(want):
+                        vectorized_differs.append((name, target))
+                        exact, loose, detail = gc_mod.nan_parity(got, src.to(target), want)
+                        assert not exact and loose, (name, dtype, detail)
+        assert gc_mod.nan_encodings(gc_mod.c10_cast(tensors["nan_f32"], torch.bfloat16)) == \
+            ["0x7fc0"]
+        assert gc_mod.nan_encodings(gc_mod.c10_cast(tensors["nan_f32"], torch.float16)) == \
+            ["0x7e00", "0xfe00"]
+        # a NaN turned into a number (or the reverse) fails both comparisons
+        bad = gc_mod.c10_cast(tensors["nan_f32"], torch.bfloat16).clone()
+        bad.view(torch.int16)[0] = 0x3F80
+        exact, loose, detail = gc_mod.nan_parity(bad, gc_mod.c10_cast(tensors["nan_f32"],
+                                                                       torch.bfloat16),
+                                                 tensors["nan_f32"].to(torch.bfloat16))
+        assert not exact and not loose and "#0" in detail, detail
+    finally:
+        daemon.ctl_ok("unload", "nans")
+    print("torch's vectorized casts differing from c10 in NaN bits here:", vectorized_differs)
 
 
 # ------------------------------------------- the device paths, with stand-ins

@@ -113,6 +113,51 @@ for name in "${!lib_src[@]}"; do
 done
 [ -n "$(ls "$out/lib")" ] || die "no libraries found (ldd output unexpected?)"
 
+# -- no RPATH/RUNPATH in any bundled ELF: the build's (weightd's is
+# "/usr/lib/x86_64-linux-gnu/openblas-pthread:", whose empty entry is the
+# current directory: a library planted in the cwd would be loaded) means
+# nothing on the device, where the wrappers' LD_LIBRARY_PATH is the one way
+# libraries are found. The DT_RPATH/DT_RUNPATH entries are dropped from the
+# dynamic section (its later entries move up; DT_NULL fills the end), as
+# `patchelf --remove-rpath` does (no patchelf or chrpath here).
+"$py" - "$out"/libexec/* "$out"/lib/* "$out"/lib-fallback/* <<'EOF' || die "removing RPATH/RUNPATH failed"
+import os, struct, sys
+DT_NULL, DT_RPATH, DT_RUNPATH, PT_DYNAMIC = 0, 15, 29, 2
+for path in sys.argv[1:]:
+    if not os.path.isfile(path):
+        continue
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        if data[:4] != b"\x7fELF":
+            continue
+        if data[4] != 2 or data[5] != 1:
+            sys.exit("%s: not a little-endian ELF64 file" % path)
+        phoff, = struct.unpack_from("<Q", data, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+        for i in range(phnum):
+            p_type, _, p_offset, _, _, p_filesz = struct.unpack_from(
+                "<IIQQQQ", data, phoff + i * phentsize)
+            if p_type != PT_DYNAMIC:
+                continue
+            entries = [struct.unpack_from("<qQ", data, p_offset + 16 * k)
+                       for k in range(p_filesz // 16)]
+            kept = [e for e in entries if e[0] not in (DT_RPATH, DT_RUNPATH)]
+            if len(kept) < len(entries):
+                kept += [(DT_NULL, 0)] * (len(entries) - len(kept))
+                for k, (tag, val) in enumerate(kept):
+                    struct.pack_into("<qQ", data, p_offset + 16 * k, tag, val)
+                f.seek(0)
+                f.write(data)
+                print("prepare_bundle: removed RPATH/RUNPATH from", os.path.basename(path))
+            break
+EOF
+for f in "$out"/libexec/* "$out"/lib/* "$out"/lib-fallback/*; do
+  [ -f "$f" ] || continue
+  if readelf -d "$f" 2>/dev/null | grep -qE '\((RPATH|RUNPATH)\)'; then
+    die "$f still has an RPATH/RUNPATH: $(readelf -d "$f" | grep -E 'RPATH|RUNPATH')"
+  fi
+done
+
 # -- Python: the package as the tests import it (build/python: the client's
 # sources copied next to the generated weightd/v1/*_pb2*.py).
 (cd "$build/python" && find weightd -name '__pycache__' -prune -o -type f -name '*.py' -print) |

@@ -13,8 +13,88 @@
 # run, unpacking included, stays under 8 minutes), KEEP_WORK=1 keeps the temp
 # dir, WEIGHTD_GPU_CHECKS_WITHOUT_GPU=1 runs gpu_checks.py even without a GPU,
 # WEIGHTD_GPU_CHECKS=FILE runs another script in its place (tests do),
-# WEIGHTD_GPU_CHECKS_TIMEOUT_S caps that step (default 330, and the budget).
+# WEIGHTD_GPU_CHECKS_TIMEOUT_S caps that step (default: all that is left).
+#   tests/gpu/run_on_device.sh --dry-run   prints each step's time budget
+# (they add up to WEIGHTD_GPU_BUDGET_S) and runs nothing.
 set -uo pipefail   # no -e: a failing step is recorded, never the end of the run
+
+# ---------------------------------------------------------------- budgets
+# Every step has a budget: the most it may take when every step before it
+# took all of its own. The budgets, plus `reserve` for stopping the daemon
+# and writing the report, add up to the run's budget, so no step can eat
+# into a later one's: a step may run for its budget plus what the steps
+# before it left unused (never past its cap), and is killed (`timeout`)
+# there. gpu_checks, last, gets all that is left and is told so (--budget):
+# its checks finish or skip within it. Budgets: each step's floor, then 35%
+# of the rest shared among the steps before gpu_checks (up to their caps),
+# the rest to gpu_checks; below the sum of the floors, the floors scaled down.
+budget=${WEIGHTD_GPU_BUDGET_S:-450}
+reserve=15                      # seconds kept for stopping the daemon and the report
+steps_order=(device_facts unpack libraries binaries_start cuda_cast_test daemon gpus_match_torch
+             weightctl_cuda python_client daemon_stop gpu_checks)
+declare -A floor=([device_facts]=30 [unpack]=10 [libraries]=5 [binaries_start]=5
+                  [cuda_cast_test]=20 [daemon]=10 [gpus_match_torch]=5 [weightctl_cuda]=15
+                  [python_client]=10 [daemon_stop]=17 [gpu_checks]=60)
+declare -A cap=([device_facts]=90 [unpack]=45 [libraries]=30 [binaries_start]=20
+                [cuda_cast_test]=120 [daemon]=45 [gpus_match_torch]=30 [weightctl_cuda]=60
+                [python_client]=45 [daemon_stop]=20)
+[ -n "${WEIGHTD_GPU_CHECKS_TIMEOUT_S:-}" ] && cap[gpu_checks]=$WEIGHTD_GPU_CHECKS_TIMEOUT_S
+declare -A plan=()
+spare=0                         # what a capped gpu_checks leaves of the budget
+plan_budgets() {
+  local avail=$((budget - reserve)) fsum=0 room=0 given=0 n last=gpu_checks
+  for n in "${steps_order[@]}"; do fsum=$((fsum + floor[$n])); done
+  for n in "${steps_order[@]}"; do
+    [ "$n" = "$last" ] || room=$((room + cap[$n] - floor[$n]))
+  done
+  ((avail < 0)) && avail=0
+  if ((avail <= fsum)); then
+    for n in "${steps_order[@]}"; do
+      [ "$n" = "$last" ] && continue
+      plan[$n]=$((floor[$n] * avail / fsum)); given=$((given + plan[$n]))
+    done
+  else
+    local extra=$((avail - fsum)) share
+    share=$((extra * 35 / 100)); ((share > room)) && share=$room
+    for n in "${steps_order[@]}"; do
+      [ "$n" = "$last" ] && continue
+      plan[$n]=$((floor[$n] + (cap[$n] - floor[$n]) * share / room)); given=$((given + plan[$n]))
+    done
+  fi
+  plan[$last]=$((avail - given))
+  if [ -n "${cap[$last]:-}" ] && ((plan[$last] > cap[$last])); then
+    spare=$((plan[$last] - cap[$last])); plan[$last]=${cap[$last]}
+  fi
+}
+plan_budgets
+if [ "${1:-}" = "--dry-run" ]; then
+  echo "run_on_device: budget ${budget} s (WEIGHTD_GPU_BUDGET_S). Each step's budget: the most it"
+  echo "may take when every step before it took all of its own (a step also gets what the steps"
+  echo "before it left unused, up to its cap; gpu_checks gets all that is left):"
+  total=0
+  for n in "${steps_order[@]}"; do
+    printf '  %-18s %5d s%s\n' "$n" "${plan[$n]}" "$([ -n "${cap[$n]:-}" ] && echo " (cap ${cap[$n]} s)")"
+    total=$((total + plan[$n]))
+  done
+  ((spare)) && printf '  %-18s %5d s (WEIGHTD_GPU_CHECKS_TIMEOUT_S caps gpu_checks)\n' unused "$spare"
+  printf '  %-18s %5d s (stopping the daemon when a step failed, the report)\n' reserve "$reserve"
+  printf '  %-18s %5d s\n' total "$((total + spare + reserve))"
+  exit 0
+fi
+
+# step_limit NAME: the seconds NAME may take from now: its cap, within what
+# is left once every later step's budget is kept.
+step_limit() {
+  local name=$1 later=0 seen=0 n
+  for n in "${steps_order[@]}"; do
+    ((seen)) && later=$((later + plan[$n]))
+    [ "$n" = "$name" ] && seen=1
+  done
+  local left=$((budget - reserve - ($(date +%s) - t0) - later))
+  local c=${cap[$name]:-$left}
+  ((c > left)) && c=$left
+  echo "$c"
+}
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 if [ -z "${OUT:-}" ]; then
@@ -31,8 +111,6 @@ gpu_checks_py=${WEIGHTD_GPU_CHECKS:-$repo/tests/gpu/gpu_checks.py}
 cd "$repo" || exit 2
 PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null 2>&1 || ! command -v python >/dev/null 2>&1 || PY=python
-budget=${WEIGHTD_GPU_BUDGET_S:-450}
-reserve=15                      # seconds kept for stopping the daemon and the report
 t0=$(date +%s)
 work=$(mktemp -d /tmp/wdgpu.XXXXXX) || exit 2   # short: socket paths must fit 108 bytes
 B=$work/bundle                   # the unpacked bundle
@@ -55,41 +133,46 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# record NAME KIND STATUS RC SECONDS REASON: one line per step in steps.tsv
-# (the report is assembled from it and from logs/NAME.log).
+# record NAME KIND STATUS RC SECONDS REASON [LIMIT]: one line per step in
+# steps.tsv (the report is assembled from it and from logs/NAME.log).
 record() {
   local reason=${6//$'\t'/ }
   reason=${reason//$'\n'/ }
-  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "$reason" >> "$OUT/steps.tsv"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "$reason" "${7:-}" \
+    >> "$OUT/steps.tsv"
   printf 'run_on_device: %-8s %-22s %6ss  %s\n' "$3" "$1" "$5" "$reason"
 }
 : > "$OUT/steps.tsv"
 
-# step NAME KIND LIMIT CMD...: runs CMD (an executable or an exported function)
-# under `timeout`, output to logs/NAME.log. KIND gpu = skipped without a GPU.
-# CMD may write logs/NAME.status ("STATUS<TAB>REASON") to refine pass/fail.
+# step NAME KIND CMD...: runs CMD (an executable or an exported function)
+# under `timeout` within the step's limit (step_limit; the command sees it
+# as WD_STEP_BUDGET_S and should finish well within it), output to
+# logs/NAME.log. KIND gpu = skipped without a GPU. CMD may write
+# logs/NAME.status ("STATUS<TAB>REASON") to refine pass/fail.
 step() {
-  local name=$1 kind=$2 limit=$3; shift 3
-  local log=$OUT/logs/$name.log status reason="" rc
+  local name=$1 kind=$2; shift 2
+  local log=$OUT/logs/$name.log status reason="" rc limit
   if [ "$kind" = gpu ] && [ "$has_gpu" != 1 ]; then
     record "$name" "$kind" skipped "" 0 "skipped: no GPU ($gpu_reason)"; return 0
   fi
-  local left=$((budget - ($(date +%s) - t0) - reserve))
-  if ((left < 5)); then
-    record "$name" "$kind" skipped "" 0 "skipped: time budget (${budget}s) spent"; return 0
+  limit=$(step_limit "$name")
+  if ((limit < 5)); then
+    record "$name" "$kind" skipped "" 0 "skipped: time budget (${budget}s): ${limit}s left for it"
+    return 0
   fi
-  ((limit > left)) && limit=$left
   rm -f "$OUT/logs/$name.status"
   local s; s=$(now)
   # timeout runs executables: an (exported) function goes through bash -c.
   [ "$(type -t "$1")" = function ] && set -- bash -c '"$@"' "$name" "$@"
+  # SIGTERM 3 s before the limit, SIGKILL at it: the step never runs past it.
   if have timeout; then
-    timeout -k 10 "$limit" "$@" > "$log" 2>&1 < /dev/null; rc=$?
+    WD_STEP_BUDGET_S=$limit timeout -k 3 "$((limit - 3))" "$@" > "$log" 2>&1 < /dev/null; rc=$?
   else
-    "$@" > "$log" 2>&1 < /dev/null; rc=$?
+    WD_STEP_BUDGET_S=$limit "$@" > "$log" 2>&1 < /dev/null; rc=$?
   fi
   local secs; secs=$(awk "BEGIN{printf \"%.1f\", $(now) - $s}")
-  if ((rc == 124 || rc == 137)); then status=timeout; reason="timed out after ${limit}s"
+  if ((rc == 124 || rc == 137)); then
+    status=timeout; reason="timed out: its limit is ${limit} s (SIGTERM at $((limit - 3)) s)"
   elif ((rc == 0)); then status=pass
   else
     status=fail
@@ -98,7 +181,7 @@ step() {
   if [ -s "$OUT/logs/$name.status" ]; then
     IFS=$'\t' read -r status reason < "$OUT/logs/$name.status"
   fi
-  record "$name" "$kind" "$status" "$rc" "$secs" "$reason"
+  record "$name" "$kind" "$status" "$rc" "$secs" "$reason" "$limit"
   [ "$status" = pass ]
 }
 
@@ -115,10 +198,13 @@ export -f with_client_env
 cat > "$work/facts.py" <<'EOF'
 """Device facts: host, nvidia-smi, torch (in a child with its own timeout, so a
 hanging CUDA init still leaves the rest). Writes $OUT/device_facts.json."""
-import glob, json, os, platform, re, subprocess, sys
+import glob, json, os, platform, re, subprocess, sys, time
 out = os.environ["OUT"]
+# every command within the step's budget (torch's child last and longest)
+deadline = time.monotonic() + float(os.environ.get("WD_STEP_BUDGET_S", "150")) - 8
 
 def run(cmd, timeout=30):
+    timeout = max(1.0, min(timeout, deadline - time.monotonic()))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         return {"rc": p.returncode, "out": p.stdout.strip()[-4000:], "err": p.stderr.strip()[-2000:]}
@@ -230,7 +316,7 @@ print("host:", json.dumps(h))
 EOF
 device_facts() { "$PY" "$work/facts.py"; }
 export -f device_facts
-step device_facts cpu 150 device_facts
+step device_facts cpu device_facts
 if [ -s "$OUT/device_facts.json" ]; then
   read -r has_gpu gpu_reason < <("$PY" -c '
 import json, sys
@@ -267,7 +353,7 @@ unpack() {
 export bundle_arg repo
 export -f unpack have
 bundle_ok=0
-step unpack cpu 60 unpack && bundle_ok=1
+step unpack cpu unpack && bundle_ok=1
 
 if [ "$bundle_ok" = 1 ]; then
   # ---------------------------------------------------------- libraries
@@ -302,7 +388,7 @@ if [ "$bundle_ok" = 1 ]; then
     return 1
   }
   export -f libs_check libraries
-  step libraries cpu 60 libraries
+  step libraries cpu libraries
   export WEIGHTD_BUNDLE_STDCXX; WEIGHTD_BUNDLE_STDCXX=$(cat "$work/stdcxx" 2>/dev/null || echo system)
 
   # -------------------------------------------------- binaries start at all
@@ -315,7 +401,7 @@ if [ "$bundle_ok" = 1 ]; then
     echo "weightd, weightctl and cuda_cast_test start with the bundled libraries"
   }
   export -f binaries_start
-  step binaries_start cpu 60 binaries_start
+  step binaries_start cpu binaries_start
 
   # ---------------------------------------------------- b. cuda_cast_test
   cuda_cast_test() {
@@ -333,7 +419,7 @@ if [ "$bundle_ok" = 1 ]; then
     return $rc
   }
   export -f cuda_cast_test
-  step cuda_cast_test gpu 240 cuda_cast_test
+  step cuda_cast_test gpu cuda_cast_test
 
   # ------------------------------------------- c. daemon, weightctl gpus
   export SOCK=$work/s/wd.sock MODELS=$work/models
@@ -360,7 +446,7 @@ if [ "$bundle_ok" = 1 ]; then
   }
   export -f daemon_up
   daemon_ok=0
-  step daemon cpu 60 daemon_up && daemon_ok=1
+  step daemon cpu daemon_up && daemon_ok=1
 
   gpus_match_torch() {
     "$PY" - "$work/gpus.txt" "$OUT/device_facts.json" <<'EOF'
@@ -388,7 +474,7 @@ EOF
   }
   export -f gpus_match_torch
   if [ "$daemon_ok" = 1 ]; then
-    step gpus_match_torch gpu 60 gpus_match_torch
+    step gpus_match_torch gpu gpus_match_torch
   else
     record gpus_match_torch gpu skipped "" 0 "skipped: the daemon did not serve"
   fi
@@ -432,7 +518,7 @@ EOF
   }
   export -f weightctl_cuda
   if [ "$daemon_ok" = 1 ]; then
-    step weightctl_cuda gpu 90 weightctl_cuda
+    step weightctl_cuda gpu weightctl_cuda
   else
     record weightctl_cuda gpu skipped "" 0 "skipped: the daemon did not serve"
   fi
@@ -479,46 +565,55 @@ EOF
   }
   export -f python_client
   if [ "$daemon_ok" = 1 ]; then
-    step python_client cpu 90 python_client
+    step python_client cpu python_client
   else
     record python_client cpu skipped "" 0 "skipped: the daemon did not serve"
   fi
 
   # ------------------------------------------------------- daemon shutdown
-  stop_daemon() {
+  stop_daemon() {   # within its step limit (at most 15 s of waiting)
+    local waits=$(((stop_limit - 2) * 4))
+    ((waits > 60)) && waits=60
+    ((waits < 4)) && waits=4
     kill -TERM "$daemon_pid" 2>/dev/null || { echo "daemon already gone"; return 1; }
-    for _ in $(seq 1 60); do
+    for _ in $(seq 1 "$waits"); do
       kill -0 "$daemon_pid" 2>/dev/null || break
       sleep 0.25
     done
     if kill -0 "$daemon_pid" 2>/dev/null; then
-      kill -KILL "$daemon_pid"; echo "daemon still running 15 s after SIGTERM: killed"; return 1
+      kill -KILL "$daemon_pid"
+      echo "daemon still running $((waits / 4)) s after SIGTERM: killed"; return 1
     fi
   }
   s=$(now)
+  stop_limit=$(step_limit daemon_stop)
   if stop_daemon > "$OUT/logs/daemon_stop.log" 2>&1; then
     wait "$daemon_pid"; rc=$?
     [ "$rc" = 0 ] && st=pass || st=fail
     record daemon_stop cpu "$st" "$rc" "$(awk "BEGIN{printf \"%.1f\", $(now) - $s}")" \
-      "$([ "$rc" = 0 ] || echo "weightd exited $rc after SIGTERM")"
+      "$([ "$rc" = 0 ] || echo "weightd exited $rc after SIGTERM")" "$stop_limit"
   else
-    record daemon_stop cpu fail "" "$(awk "BEGIN{printf \"%.1f\", $(now) - $s}")" "$(tail -1 "$OUT/logs/daemon_stop.log")"
+    record daemon_stop cpu fail "" "$(awk "BEGIN{printf \"%.1f\", $(now) - $s}")" \
+      "$(tail -1 "$OUT/logs/daemon_stop.log")" "$stop_limit"
   fi
   daemon_pid=""
 
   # ------------------------------------------------------- d. gpu_checks.py
+  # its budget: the step's limit less the 3 s of SIGTERM grace and 5 s for
+  # python to exit; its own checks skip what would not fit (gpu_checks.py)
   gpu_checks() {
     with_client_env "$PY" "$gpu_checks_py" --weightd "$B/bin/weightd" \
-      --weightctl "$B/bin/weightctl" --out "$OUT/gpu_checks.json"
+      --weightctl "$B/bin/weightctl" --out "$OUT/gpu_checks.json" \
+      --budget "$((WD_STEP_BUDGET_S - 8))"
   }
   export gpu_checks_py
   export -f gpu_checks
   if [ ! -f "$gpu_checks_py" ]; then
     record gpu_checks gpu skipped "" 0 "skipped: ${gpu_checks_py#"$repo"/} not present"
   elif [ "${WEIGHTD_GPU_CHECKS_WITHOUT_GPU:-0}" = 1 ]; then
-    step gpu_checks cpu "${WEIGHTD_GPU_CHECKS_TIMEOUT_S:-330}" gpu_checks
+    step gpu_checks cpu gpu_checks
   else
-    step gpu_checks gpu "${WEIGHTD_GPU_CHECKS_TIMEOUT_S:-330}" gpu_checks
+    step gpu_checks gpu gpu_checks
   fi
 else
   for n in libraries binaries_start cuda_cast_test daemon gpus_match_torch weightctl_cuda python_client daemon_stop gpu_checks; do
@@ -528,9 +623,10 @@ else
 fi
 
 # ---------------------------------------------------------------- e. report
-"$PY" - "$OUT" "$B" "$has_gpu" "$gpu_reason" "$t0" "${WEIGHTD_BUNDLE_STDCXX:-system}" "$budget" <<'EOF'
+"$PY" - "$OUT" "$B" "$has_gpu" "$gpu_reason" "$t0" "${WEIGHTD_BUNDLE_STDCXX:-system}" "$budget" \
+  "$(for n in "${steps_order[@]}"; do printf '%s=%s ' "$n" "${plan[$n]}"; done)" <<'EOF'
 import json, os, sys, time
-out, B, has_gpu, gpu_reason, t0, stdcxx, budget = sys.argv[1:8]
+out, B, has_gpu, gpu_reason, t0, stdcxx, budget, plan = sys.argv[1:9]
 
 def tail(p, n=3000):
     try:
@@ -550,10 +646,11 @@ def load(p):
 
 steps = []
 for line in open(os.path.join(out, "steps.tsv")):
-    name, kind, status, rc, secs, reason = (line.rstrip("\n").split("\t") + [""] * 6)[:6]
+    name, kind, status, rc, secs, reason, limit = (line.rstrip("\n").split("\t") + [""] * 7)[:7]
     steps.append({"name": name, "gpu": kind == "gpu", "status": status,
                   "rc": int(rc) if rc.lstrip("-").isdigit() else None,
                   "seconds": float(secs or 0), "reason": reason,
+                  "limit_s": int(limit) if limit.isdigit() else None,
                   "output_tail": tail(os.path.join(out, "logs", name + ".log"),
                                       8000 if name in ("cuda_cast_test", "gpu_checks") else 3000)})
 facts = load(os.path.join(out, "device_facts.json")) or {}
@@ -574,6 +671,7 @@ report = {
     "schema": "weightd-gpu-report/1",
     "finished_unix": int(time.time()), "total_seconds": round(time.time() - float(t0), 1),
     "budget_seconds": int(budget),
+    "step_budgets": {k: int(v) for k, v in (kv.split("=") for kv in plan.split())},
     "has_gpu": has_gpu == "1", "no_gpu_reason": "" if has_gpu == "1" else gpu_reason,
     "libstdcxx": stdcxx, "summary": counts, "ok": counts["fail"] == 0 and counts["timeout"] == 0,
     "warnings": warnings, "steps": steps, "device_facts": facts, "bundle": manifest,

@@ -112,6 +112,33 @@ def test_contents(bundle):
     assert m["python_protobuf"].split(".")[1] == m["protoc"].split(".")[1], m
 
 
+def test_no_bundled_elf_has_an_rpath(bundle):
+    """No RPATH/RUNPATH in any bundled ELF: the build's weightd carries
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread:", whose empty entry makes
+    the loader search the current directory (a library planted there would
+    be loaded); on the device the wrappers' LD_LIBRARY_PATH is the one way
+    libraries are found. (The test_binaries_* tests show they still run.)"""
+    d = bundle["dir"]
+    seen = 0
+    for sub in ("libexec", "lib", "lib-fallback"):
+        for name in os.listdir(os.path.join(d, sub)):
+            path = os.path.join(d, sub, name)
+            with open(path, "rb") as f:
+                if f.read(4) != b"\x7fELF":
+                    continue
+            seen += 1
+            r = subprocess.run(["readelf", "-d", path], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+            paths = re.findall(r"\((?:RPATH|RUNPATH)\)\s+Library r(?:un)?path: \[(.*)\]", r.stdout)
+            assert not paths, "%s/%s: %s" % (sub, name, paths)
+    assert seen >= 3
+    # what the build itself has (why this matters): an empty entry, if any
+    r = subprocess.run(["readelf", "-d", os.path.join(BUILD, "bin", "weightd")],
+                       capture_output=True, text=True)
+    for entry in re.findall(r"Library r(?:un)?path: \[(.*)\]", r.stdout):
+        print("build/bin/weightd RPATH/RUNPATH entries:", entry.split(":"))
+
+
 def _libs_listed(out):
     """[(soname, resolved or 'not found')] from ldd / ld.so --list output."""
     got = []
@@ -328,6 +355,77 @@ def test_run_on_device_here_skips_the_gpu_steps(bundle, tmp_path):
     assert rep["total_seconds"] < 8 * 60
 
 
+def _dry_run(budget, extra_env=None):
+    env = dict(os.environ, WEIGHTD_GPU_BUDGET_S=str(budget))
+    env.pop("WEIGHTD_GPU_CHECKS_TIMEOUT_S", None)
+    env.update(extra_env or {})
+    r = subprocess.run(["bash", RUN, "--dry-run"], capture_output=True, text=True, env=env,
+                       timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [(m.group(1), int(m.group(2))) for m in
+            re.finditer(r"^  (\S+)\s+(\d+) s", r.stdout, re.M)]
+    return r.stdout, rows
+
+
+STEPS = ["device_facts", "unpack", "libraries", "binaries_start", "cuda_cast_test", "daemon",
+         "gpus_match_torch", "weightctl_cuda", "python_client", "daemon_stop", "gpu_checks"]
+
+
+@pytest.mark.parametrize("budget", [100, 240, 450, 600])
+def test_dry_run_step_budgets_add_up_to_the_limit(budget, tmp_path):
+    """--dry-run runs nothing (no OUT, no report) and prints each step's
+    budget, in the order the steps run, then the reserve: they add up to
+    WEIGHTD_GPU_BUDGET_S, gpu_checks getting the largest share."""
+    out, rows = _dry_run(budget, {"OUT": str(tmp_path / "out")})
+    names = [n for n, _ in rows]
+    assert names == STEPS + ["reserve", "total"], out
+    steps = dict(rows)
+    assert sum(v for n, v in rows if n != "total") == budget == steps["total"], out
+    assert all(v >= 0 for v in steps.values()), out
+    assert steps["gpu_checks"] == max(steps[n] for n in STEPS), out
+    if budget >= 240:
+        assert steps["gpu_checks"] >= 80 and steps["device_facts"] >= 30, out
+    assert not (tmp_path / "out").exists()
+    # a cap on gpu_checks leaves the rest unused, still adding up
+    out, rows = _dry_run(budget, {"WEIGHTD_GPU_CHECKS_TIMEOUT_S": "20"})
+    steps = dict(rows)
+    assert steps["gpu_checks"] <= 20 and [n for n, _ in rows][-3:] == ["unused", "reserve", "total"]
+    assert sum(v for n, v in rows if n != "total") == budget == steps["total"], out
+
+
+def test_gpu_checks_is_given_its_real_budget(bundle, tmp_path):
+    """gpu_checks.py is told how long it has (--budget: what is left of the
+    run less the step's grace), never more than its step's limit, so its
+    own checks finish or skip within it instead of being killed mid-check:
+    with the README's quick budget (240 s) the run ends within it, and the
+    report lists every step's limit and the plan."""
+    fake = tmp_path / "fake_checks.py"
+    fake.write_text(
+        "import json, os, sys\n"
+        "a = sys.argv\n"
+        "b = float(a[a.index('--budget') + 1]) if '--budget' in a else None\n"
+        "json.dump({'budget': b, 'env': os.environ.get('WD_STEP_BUDGET_S')},\n"
+        "          open(a[a.index('--out') + 1], 'w'))\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    r, rep, secs = _run_on_device(bundle["dir"], out, {
+        "WEIGHTD_GPU_CHECKS": str(fake), "WEIGHTD_GPU_CHECKS_WITHOUT_GPU": "1",
+        "WEIGHTD_GPU_BUDGET_S": "240"})
+    steps = {s["name"]: s for s in rep["steps"]}
+    assert r.returncode == 0 and steps["gpu_checks"]["status"] == "pass", r.stdout + r.stderr
+    limit = steps["gpu_checks"]["limit_s"]
+    got = rep["gpu_checks"]
+    assert got["budget"] is not None, got   # told, not left to its default
+    assert int(got["env"]) == limit and 0 < got["budget"] <= limit - 8, (got, limit)
+    # at least its planned share (the steps before it left time unused), within the run
+    assert rep["step_budgets"]["gpu_checks"] <= limit, (rep["step_budgets"], limit)
+    assert sum(rep["step_budgets"].values()) + 15 == rep["budget_seconds"] == 240
+    assert secs < 240 and rep["total_seconds"] < 240
+    for s in rep["steps"]:
+        if s["status"] in ("pass", "fail", "timeout"):
+            assert s["limit_s"] and s["seconds"] <= s["limit_s"], s
+
+
 def test_run_on_device_records_a_failing_and_hanging_step_and_goes_on(bundle, tmp_path):
     # gpu_checks.py stand-in: writes its JSON, then hangs past the run's budget.
     fake = tmp_path / "fake_checks.py"
@@ -342,7 +440,7 @@ def test_run_on_device_records_a_failing_and_hanging_step_and_goes_on(bundle, tm
     out.mkdir()
     r, rep, secs = _run_on_device(bundle["dir"], out, {   # an unpacked bundle dir works too
         "WEIGHTD_GPU_CHECKS": str(fake), "WEIGHTD_GPU_CHECKS_WITHOUT_GPU": "1",
-        "WEIGHTD_GPU_CHECKS_TIMEOUT_S": "4"})
+        "WEIGHTD_GPU_CHECKS_TIMEOUT_S": "8"})
     steps = {s["name"]: s for s in rep["steps"]}
     assert r.returncode == 1, r.stdout + r.stderr
     assert steps["gpu_checks"]["status"] == "timeout", steps["gpu_checks"]
@@ -350,5 +448,7 @@ def test_run_on_device_records_a_failing_and_hanging_step_and_goes_on(bundle, tm
     assert rep["gpu_checks"] == {"checks": [{"name": "fake", "ok": False}]}
     assert rep["ok"] is False and rep["summary"]["timeout"] == 1
     assert steps["daemon_stop"]["status"] == "pass"     # the steps before it still ran
-    assert steps["gpu_checks"]["reason"] == "timed out after 4s", steps["gpu_checks"]
+    assert steps["gpu_checks"]["reason"] == "timed out: its limit is 8 s (SIGTERM at 5 s)", \
+        steps["gpu_checks"]
+    assert 5 <= steps["gpu_checks"]["seconds"] <= 8, steps["gpu_checks"]
     assert secs < 60, secs

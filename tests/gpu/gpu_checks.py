@@ -431,24 +431,54 @@ def nan_sweep_tensors(seed=14):
 
 
 def c10_cast(src, dtype):
-    """`src` (CPU) cast to `dtype` as c10's scalar conversions do: torch's
-    .to() with its NaN lanes set to c10's NaN (BF16 0x7FC0, F16 0x7E00 |
-    sign); other targets as torch gives them (x86's NaN)."""
+    """`src` (a CPU tensor) cast to `dtype` as c10's scalar conversions do,
+    computed from the bits (numpy's IEEE conversions for the rounding), so
+    it does not depend on which CPU kernel torch picks here: F32 -> BF16
+    round to nearest even, NaN 0x7FC0; -> F16 IEEE round to nearest even,
+    NaN 0x7E00 | sign; F16 -> F32 exact, NaN quieted keeping sign and
+    payload; BF16 -> F32 the bits shifted; F64 rounds through F32 first
+    (x86's conversion: NaN keeps sign and top payload bits, quieted)."""
+    import numpy as np
+    with np.errstate(all="ignore"):  # signalling NaNs and overflows are the point
+        return _c10_cast(src, dtype)
+
+
+def _c10_cast(src, dtype):
+    import numpy as np
     import torch
-    out = src.to(dtype)
-    if dtype == src.dtype or dtype not in (torch.bfloat16, torch.float16):
-        return out
-    nan = torch.isnan(src.float() if src.dtype in (torch.bfloat16, torch.float16) else src)
-    if not bool(nan.any()):
-        return out
-    bits = out.view(torch.int16).clone()
-    if dtype == torch.bfloat16:
-        bits[nan] = 0x7FC0
+    if dtype == src.dtype:
+        return src.clone()
+    if src.dtype == torch.float64:
+        x = src.numpy()
+        if dtype == torch.float32:
+            return torch.from_numpy(x.astype(np.float32))
+        f32 = x.astype(np.float32)
+    elif src.dtype == torch.float32:
+        f32 = src.numpy().copy()
+    elif src.dtype == torch.float16:
+        h = np.array(uint_bits(src), dtype=np.uint32)
+        f32 = h.astype(np.uint16).view(np.float16).astype(np.float32)
+        nan = ((h & 0x7C00) == 0x7C00) & ((h & 0x3FF) != 0)
+        f32.view(np.uint32)[nan] = ((h[nan] & 0x8000) << 16) | 0x7FC00000 | ((h[nan] & 0x3FF) << 13)
+    elif src.dtype == torch.bfloat16:
+        f32 = (np.array(uint_bits(src), dtype=np.uint32) << 16).view(np.float32)
     else:
-        sign = torch.signbit(src.float() if src.dtype != torch.float64 else src)
-        bits[nan & ~sign] = 0x7E00
-        bits[nan & sign] = 0xFE00 - (1 << 16)
-    return bits.view(dtype)
+        raise ValueError("c10_cast: %s" % src.dtype)
+    u = f32.view(np.uint32).astype(np.uint64)
+    nan = np.isnan(f32)
+    if dtype == torch.float32:
+        return torch.from_numpy(f32)
+    if dtype == torch.float64:
+        return torch.from_numpy(f32.astype(np.float64))
+    if dtype == torch.bfloat16:
+        bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+        bits[nan] = 0x7FC0
+    elif dtype == torch.float16:
+        bits = f32.astype(np.float16).view(np.uint16).astype(np.uint64)
+        bits[nan] = 0x7E00 | ((u[nan] >> 16) & 0x8000)
+    else:
+        raise ValueError("c10_cast: to %s" % dtype)
+    return from_bits([int(b) for b in bits], dtype)
 
 
 def nan_encodings(t):

@@ -1,648 +1,169 @@
 // weightctl: the operator's and test-suite's command line for weightd
-// (DESIGN §3). Flags are parsed here and only here.
-#include <fcntl.h>
+// (DESIGN §3). Flags are parsed here and in verbs.cc, and only there. This
+// file is the shell: the global flags, the verb table (each verb's flags,
+// handler and usage lines; the handlers are in verbs.cc), the usage text
+// built from it, and the exit code (0; 2 for INVALID_ARGUMENT; else 1).
 #include <stdio.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#include <cmath>
-#include <cerrno>
+#include <algorithm>
 #include <cstdlib>
-#include <cstring>
-#include <map>
-#include <set>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/escaping.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/cli/verbs.h"
 #include "client/weightd_client.h"
 #include "common/fd.h"
-#include "common/safetensors.h"
 #include "common/status_macros.h"
 
 namespace weightd {
 namespace {
 
-constexpr char kUsage[] =
+using weightctl::Args;
+using weightctl::ParseArgs;
+
+// The usage text's first lines; each verb's lines follow, from Verbs().
+constexpr char kUsageHeader[] =
     "usage: weightctl [--socket PATH | --target HOST:PORT] [--tls-ca FILE]\n"
     "                 [--tls-cert FILE --tls-key FILE] [--tls-server-name NAME]\n"
     "                 [--token-file FILE] [--retry-deadline SECONDS] VERB ...\n"
     "  (--retry-deadline: retry read-only verbs and fetch on UNAVAILABLE, e.g. while\n"
-    "   the daemon restarts, for up to SECONDS; default 0 = fail at once)\n"
-    "  health\n"
-    "  load NAME PATH [--profile FILE] [--readers uid:N,gid:N,token:NAME,cn:NAME]\n"
-    "       [--source auto|storage|peers]   (auto: peers holding the same files, else storage)\n"
-    "  unload NAME | list | info NAME | stats | verify NAME | gpus | peers\n"
-    "  fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
-    "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc|push|cuda [--device N]]\n"
-    "        [--generation G] [--changed-since G] [--names a,b] [--verify]\n"
-    "        [--cast-on-fetch | --merge-on-push] --out FILE\n"
-    "        (push, cuda: casts run as the daemon writes, on the GPU for cuda, and so do\n"
-    "         LoRA merges for cuda; --cast-on-fetch materializes everything first,\n"
-    "         --merge-on-push merges as it writes for push too)\n"
-    "  adapter load NAME PATH [--format auto|peft|kohya|dense] [--strict] [--readers LIST]\n"
-    "       [--source auto|storage|peers]\n"
-    "  adapter list | adapter unload NAME\n"
-    "  apply MODEL [ADAPTER[:STRENGTH] ...] [--expect-generation G]   (none = back to base)\n"
-    "  watch MODEL [--count N]\n"
-    "  publish MODEL FILE.safetensors [--expect-generation G] [--timeout SECONDS]\n"
-    "        [--transport shm|grpc]\n"
-    "        (new base weights: every tensor of FILE replaces the served tensor of its\n"
-    "         name, same dtype and shape; unchanged ones keep their digests. shm, the\n"
-    "         default over a Unix socket: copied once into the daemon's staging memory)\n";
+    "   the daemon restarts, for up to SECONDS; default 0 = fail at once)\n";
 
-// Positional words and --flag values of one verb.
-struct Args {
-  std::vector<std::string> positional;
-  std::map<std::string, std::string> flags;
-  std::map<std::string, bool> switches;
-
-  bool Has(const std::string& f) const { return flags.count(f) > 0; }
-  std::string Get(const std::string& f, const std::string& def = "") const {
-    auto it = flags.find(f);
-    return it == flags.end() ? def : it->second;
-  }
+// One verb: the flags it takes, its handler and its lines in the usage text.
+struct Verb {
+  const char* name;
+  std::vector<std::string> value_flags;  // --flag VALUE or --flag=VALUE
+  std::vector<std::string> switches;     // --flag
+  absl::Status (*run)(Client& c, const Args& a);  // verbs.h
+  // Its usage, printed after two spaces (continuation lines carry their own
+  // indent and every line its newline). A verb of one short synopsis sets
+  // `shares_line` instead: consecutive ones share a line, " | " between.
+  const char* usage;
+  bool shares_line = false;
 };
 
-absl::StatusOr<Args> ParseArgs(const std::vector<std::string>& words,
-                               const std::vector<std::string>& value_flags,
-                               const std::vector<std::string>& switch_flags) {
-  Args out;
-  for (size_t i = 0; i < words.size(); ++i) {
-    const std::string& w = words[i];
-    if (!absl::StartsWith(w, "--")) {
-      out.positional.push_back(w);
-      continue;
-    }
-    std::string name = w, value;
-    bool inline_value = false;
-    if (size_t eq = w.find('='); eq != std::string::npos) {
-      name = w.substr(0, eq);
-      value = w.substr(eq + 1);
-      inline_value = true;
-    }
-    if (std::find(switch_flags.begin(), switch_flags.end(), name) != switch_flags.end()) {
-      out.switches[name] = true;
-      continue;
-    }
-    if (std::find(value_flags.begin(), value_flags.end(), name) == value_flags.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", name));
-    }
-    if (!inline_value) {
-      if (i + 1 >= words.size()) return absl::InvalidArgumentError(absl::StrCat(name, " needs a value"));
-      value = words[++i];
-    }
-    out.flags[name] = value;
-  }
-  return out;
-}
-
-absl::StatusOr<int64_t> ParseInt(const std::string& flag, const std::string& text) {
-  int64_t v;
-  if (!absl::SimpleAtoi(text, &v)) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": \"", text, "\" is not an integer"));
-  }
-  return v;
-}
-
-std::string HumanBytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) {
-    b /= 1024;
-    ++u;
-  }
-  return absl::StrFormat("%.1f %s", b, units[u]);
-}
-
-std::string ShapeString(const std::vector<int64_t>& s) {
-  return absl::StrCat("[", absl::StrJoin(s, ","), "]");
-}
-
-absl::Status NeedPositional(const Args& a, size_t n, const char* usage) {
-  if (a.positional.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat("usage: weightctl ", usage));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CmdHealth(Client& c) {
-  WD_RETURN_IF_ERROR(c.Health());
-  std::printf("SERVING\n");
-  return absl::OkStatus();
-}
-
-// `flag` G (G >= 1) into *out when given; *out untouched otherwise.
-absl::Status ParseGenerationFlag(const Args& a, const char* flag, uint64_t* out) {
-  if (!a.Has(flag)) return absl::OkStatus();
-  WD_ASSIGN_OR_RETURN(int64_t g, ParseInt(flag, a.Get(flag)));
-  if (g < 1) return absl::InvalidArgumentError(absl::StrCat(flag, " must be >= 1"));
-  *out = static_cast<uint64_t>(g);
-  return absl::OkStatus();
-}
-
-// Progress of a long transfer on stderr: a bar redrawn in place on a
-// terminal, else one line per tenth ("loading m: 30% (1.2 GiB of 4 GiB)").
-class ProgressLine {
- public:
-  ProgressLine(const char* verb, std::string name, bool tty)
-      : verb_(verb), name_(std::move(name)), tty_(tty) {}
-  void Report(uint64_t done, uint64_t total) {
-    double frac = total ? static_cast<double>(done) / total : 1.0;
-    if (tty_) {
-      int width = 30, filled = static_cast<int>(frac * width);
-      std::fprintf(stderr, "\r[%s%s] %5.1f%%  %s / %s", std::string(filled, '#').c_str(),
-                   std::string(width - filled, ' ').c_str(), frac * 100,
-                   HumanBytes(done).c_str(), HumanBytes(total).c_str());
-      std::fflush(stderr);
-    } else if (static_cast<int>(frac * 10) > last_decile_) {
-      last_decile_ = static_cast<int>(frac * 10);
-      std::fprintf(stderr, "%s %s: %.0f%% (%s of %s)\n", verb_, name_.c_str(), frac * 100,
-                   HumanBytes(done).c_str(), HumanBytes(total).c_str());
-    }
-  }
-
- private:
-  const char* verb_;
-  std::string name_;
-  bool tty_;
-  int last_decile_ = -1;
-};
-
-absl::Status CmdLoad(Client& c, const Args& a) {
-  WD_RETURN_IF_ERROR(NeedPositional(a, 2, "load NAME PATH [--profile FILE]"));
-  std::string profile;
-  if (a.Has("--profile")) {
-    WD_ASSIGN_OR_RETURN(profile, ReadFileToString(a.Get("--profile"), 64ull << 20));
-  }
-  const bool tty = ::isatty(STDERR_FILENO);
-  ProgressLine line("loading", a.positional[0], tty);
-  absl::Time start = absl::Now();
-  LoadProgressUpdate last;
-  auto progress = [&](const LoadProgressUpdate& p) {
-    last = p;
-    if (!p.done) line.Report(p.bytes_done, p.bytes_total);
+// Every verb, in the order the usage text lists them.
+const std::vector<Verb>& Verbs() {
+  static const auto* const kVerbs = new std::vector<Verb>{
+      {"health", {}, {}, weightctl::CmdHealth, "health\n"},
+      {"load", {"--profile", "--readers", "--source"}, {}, weightctl::CmdLoad,
+       "load NAME PATH [--profile FILE] [--readers uid:N,gid:N,token:NAME,cn:NAME]\n"
+       "       [--source auto|storage|peers]   (auto: peers holding the same files, else storage)\n"},
+      {"unload", {}, {}, weightctl::CmdUnload, "unload NAME", true},
+      {"list", {}, {}, weightctl::CmdList, "list", true},
+      {"info", {}, {}, weightctl::CmdInfo, "info NAME", true},
+      {"stats", {}, {}, weightctl::CmdStats, "stats", true},
+      {"verify", {}, {}, weightctl::CmdVerify, "verify NAME", true},
+      {"gpus", {}, {}, weightctl::CmdGpus, "gpus", true},
+      {"peers", {}, {}, weightctl::CmdPeers, "peers", true},
+      {"fetch",
+       {"--world", "--rank", "--mesh", "--coord", "--placements", "--dtype", "--transport",
+        "--device", "--generation", "--changed-since", "--names", "--out"},
+       {"--verify", "--cast-on-fetch", "--merge-on-push"},
+       weightctl::CmdFetch,
+       "fetch NAME [--world W --rank R | --mesh AxB --coord i,j] [--placements P]\n"
+       "        [--dtype keep|f32|f16|bf16|f8_e4m3|f8_e5m2] [--transport shm|grpc|push|cuda [--device N]]\n"
+       "        [--generation G] [--changed-since G] [--names a,b] [--verify]\n"
+       "        [--cast-on-fetch | --merge-on-push] --out FILE\n"
+       "        (push, cuda: casts run as the daemon writes, on the GPU for cuda, and so do\n"
+       "         LoRA merges for cuda; --cast-on-fetch materializes everything first,\n"
+       "         --merge-on-push merges as it writes for push too)\n"},
+      {"adapter", {"--format", "--readers", "--source"}, {"--strict"}, weightctl::CmdAdapter,
+       "adapter load NAME PATH [--format auto|peft|kohya|dense] [--strict] [--readers LIST]\n"
+       "       [--source auto|storage|peers]\n"
+       "  adapter list | adapter unload NAME\n"},
+      {"apply", {"--expect-generation"}, {}, weightctl::CmdApply,
+       "apply MODEL [ADAPTER[:STRENGTH] ...] [--expect-generation G]   (none = back to base)\n"},
+      {"watch", {"--count"}, {}, weightctl::CmdWatch, "watch MODEL [--count N]\n"},
+      {"publish", {"--expect-generation", "--timeout", "--transport"}, {}, weightctl::CmdPublish,
+       "publish MODEL FILE.safetensors [--expect-generation G] [--timeout SECONDS]\n"
+       "        [--transport shm|grpc]\n"
+       "        (new base weights: every tensor of FILE replaces the served tensor of its\n"
+       "         name, same dtype and shape; unchanged ones keep their digests. shm, the\n"
+       "         default over a Unix socket: copied once into the daemon's staging memory)\n"},
   };
-  std::vector<std::string> readers;
-  if (a.Has("--readers")) readers.push_back(a.Get("--readers"));
-  const std::string source = a.Has("--source") ? a.Get("--source") : "auto";
-  auto info = c.Load(a.positional[0], a.positional[1], profile, progress, readers, source);
-  if (tty) std::fprintf(stderr, "\n");
-  if (!info.ok()) return info.status();
-  double secs = absl::ToDoubleSeconds(absl::Now() - start);
-  std::printf("loaded %s: %llu tensors, %s in %.2f s (%.2f GB/s), generation %llu\n",
-              info->name.c_str(), static_cast<unsigned long long>(info->tensor_count),
-              HumanBytes(info->total_bytes).c_str(), secs,
-              secs > 0 ? info->total_bytes / secs / 1e9 : 0.0,
-              static_cast<unsigned long long>(info->generation));
-  if (last.bytes_from_peers > 0) {
-    std::printf("from peers %s: %s; from storage: %s\n", absl::StrJoin(last.peers, ",").c_str(),
-                HumanBytes(last.bytes_from_peers).c_str(),
-                HumanBytes(last.bytes_from_storage).c_str());
-  }
-  for (const std::string& line : info->report) std::printf("%s\n", line.c_str());
-  return absl::OkStatus();
+  return *kVerbs;
 }
 
-absl::Status CmdUnload(Client& c, const Args& a) {
-  WD_RETURN_IF_ERROR(NeedPositional(a, 1, "unload NAME"));
-  WD_RETURN_IF_ERROR(c.Unload(a.positional[0]));
-  std::printf("unloaded %s\n", a.positional[0].c_str());
-  return absl::OkStatus();
-}
-
-absl::Status CmdList(Client& c, const Args& a) {
-  WD_RETURN_IF_ERROR(NeedPositional(a, 0, "list"));
-  WD_ASSIGN_OR_RETURN(auto models, c.List());
-  for (const ModelInfo& m : models) {
-    std::printf("%s\tgeneration=%llu\ttensors=%llu\tbytes=%llu\tpath=%s\n", m.name.c_str(),
-                static_cast<unsigned long long>(m.generation),
-                static_cast<unsigned long long>(m.tensor_count),
-                static_cast<unsigned long long>(m.total_bytes), m.path.c_str());
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CmdInfo(Client& c, const Args& a) {
-  WD_RETURN_IF_ERROR(NeedPositional(a, 1, "info NAME"));
-  WD_ASSIGN_OR_RETURN(ModelInfo m, c.GetModel(a.positional[0]));
-  std::printf("model: %s\npath: %s\ngeneration: %llu\ntensors: %llu\nbytes: %llu\n",
-              m.name.c_str(), m.path.c_str(), static_cast<unsigned long long>(m.generation),
-              static_cast<unsigned long long>(m.tensor_count),
-              static_cast<unsigned long long>(m.total_bytes));
-  std::printf("segment_bytes: 4k=%llu thp=%llu hugetlb=%llu\n",
-              static_cast<unsigned long long>(m.segment_bytes_4k),
-              static_cast<unsigned long long>(m.segment_bytes_thp),
-              static_cast<unsigned long long>(m.segment_bytes_hugetlb));
-  std::printf("weights_id: %s\n", m.weights_id.c_str());
-  for (const std::string& f : m.files) std::printf("file: %s\n", f.c_str());
-  std::printf("adapters: %s\n", m.adapters.empty() ? "(none)" : absl::StrJoin(m.adapters, " ").c_str());
-  for (const std::string& line : m.report) std::printf("report: %s\n", line.c_str());
-  if (!m.readers.empty()) std::printf("readers: %s\n", absl::StrJoin(m.readers, ",").c_str());
-  for (const ModelTensor& t : m.tensors) {
-    std::string from;
-    if (!(t.sources.size() == 1 && t.sources[0] == t.name)) {
-      from = absl::StrCat("\tfrom=", t.sources.empty() ? "(new)" : absl::StrJoin(t.sources, ","));
-    }
-    std::string by = t.patched_by.empty() ? "" : absl::StrCat("\tpatched_by=", absl::StrJoin(t.patched_by, ","));
-    std::printf("tensor: %s\t%s\t%s\t%s%s%s\n", t.name.c_str(),
-                std::string(DTypeName(t.dtype)).c_str(), ShapeString(t.shape).c_str(),
-                t.digest.Hex().c_str(), from.c_str(), by.c_str());
-  }
-  return absl::OkStatus();
-}
-
-// One "peer:" line per peer (reachable or why not, seconds since it last
-// answered), then one "model:" line per model it holds.
-absl::Status CmdPeers(Client& c, const Args& a) {
-  WD_RETURN_IF_ERROR(NeedPositional(a, 0, "peers"));
-  WD_ASSIGN_OR_RETURN(PeersInfo info, c.Peers());
-  if (!info.advertise.empty()) std::printf("advertise: %s\n", info.advertise.c_str());
-  if (!info.peer_dns.empty()) {
-    std::printf("peer_dns: %s%s\n", info.peer_dns.c_str(),
-                info.dns_error.empty() ? "" : absl::StrCat("\terror=", info.dns_error).c_str());
-  }
-  const int64_t now = absl::ToUnixMillis(absl::Now());
-  for (const PeerInfo& p : info.peers) {
-    std::string seen = p.last_seen_unix_ms == 0
-                           ? "never"
-                           : absl::StrFormat("%.1fs ago", (now - p.last_seen_unix_ms) / 1000.0);
-    std::printf("peer: %s\t%s\tlast_seen=%s\tmodels=%zu%s\n", p.address.c_str(),
-                p.reachable ? "reachable" : "unreachable", seen.c_str(), p.models.size(),
-                p.reachable ? "" : absl::StrCat("\terror=", p.error).c_str());
-    for (const PeerModelInfo& m : p.models) {
-      std::printf("model: %s\t%s\tgeneration=%llu\tweights_id=%s\n", p.address.c_str(),
-                  m.name.c_str(), (unsigned long long)m.generation, m.weights_id.c_str());
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CmdStats(Client& c, const Args& a) {
-  WD_RETURN_IF_ERROR(NeedPositional(a, 0, "stats"));
-  WD_ASSIGN_OR_RETURN(DaemonStats s, c.Stats());
-  std::printf(
-      "models: %llu\nsegments: %llu\nbytes_resident: %llu\nmaterializations: %llu\n"
-      "materialization_bytes: %llu\ncache_hits: %llu\ncache_misses: %llu\nleases_open: %llu\n"
-      "bytes_served: %llu\nfetches: %llu\napplies: %llu\nadapters: %llu\n"
-      "reserve_ready_bytes: %llu\nreserve_target_bytes: %llu\nbytes_read: %llu\n"
-      "checkpoint_bytes_logical: %llu\ncheckpoint_bytes_resident: %llu\n",
-      (unsigned long long)s.models, (unsigned long long)s.segments,
-      (unsigned long long)s.bytes_resident, (unsigned long long)s.materializations,
-      (unsigned long long)s.materialization_bytes, (unsigned long long)s.cache_hits,
-      (unsigned long long)s.cache_misses, (unsigned long long)s.leases_open,
-      (unsigned long long)s.bytes_served, (unsigned long long)s.fetches,
-      (unsigned long long)s.applies, (unsigned long long)s.adapters,
-      (unsigned long long)s.reserve_ready_bytes, (unsigned long long)s.reserve_target_bytes,
-      (unsigned long long)s.bytes_read,
-      (unsigned long long)s.checkpoint_bytes_logical,
-      (unsigned long long)s.checkpoint_bytes_resident);
-  std::printf("publishes: %llu\npublish_bytes: %llu\npublish_seconds: %.3f\npublish_sessions: %llu\n",
-              (unsigned long long)s.publishes, (unsigned long long)s.publish_bytes,
-              s.publish_seconds, (unsigned long long)s.publish_sessions);
-  std::printf("publish_staging_prepared: %llu\npublish_staging_allocated: %llu\n"
-              "publish_staging_ahead_bytes: %llu\n",
-              (unsigned long long)s.publish_staging_prepared,
-              (unsigned long long)s.publish_staging_allocated,
-              (unsigned long long)s.publish_staging_ahead_bytes);
-  std::printf("published_bytes_logical: %llu\npublished_bytes_resident: %llu\n",
-              (unsigned long long)s.published_bytes_logical,
-              (unsigned long long)s.published_bytes_resident);
-  std::printf("load_bytes_storage: %llu\nload_bytes_peers: %llu\nbytes_sent_to_peers: %llu\n",
-              (unsigned long long)s.load_bytes_storage, (unsigned long long)s.load_bytes_peers,
-              (unsigned long long)s.bytes_sent_to_peers);
-  for (const DaemonStats::PeerTransfer& t : s.peer_transfers) {
-    std::printf("peer_transfer: %s\tbytes=%llu\tfailures=%llu\n", t.peer.c_str(),
-                (unsigned long long)t.bytes, (unsigned long long)t.failures);
-  }
-  std::printf("pushes: %llu\npush_bytes: %llu\npinned_bytes: %llu\ngpus: %zu\n",
-              (unsigned long long)s.pushes, (unsigned long long)s.push_bytes,
-              (unsigned long long)s.pinned_bytes, s.gpus.size());
-  std::printf(
-      "huge_pages: %s\nsegment_bytes_4k: %llu\nsegment_bytes_thp: %llu\n"
-      "segment_bytes_hugetlb: %llu\nhuge_page_fallbacks: %llu\nhugetlb_pages_total: %llu\n"
-      "hugetlb_pages_free: %llu\nshmem_thp: %s\n",
-      s.huge_pages.c_str(), (unsigned long long)s.segment_bytes_4k,
-      (unsigned long long)s.segment_bytes_thp, (unsigned long long)s.segment_bytes_hugetlb,
-      (unsigned long long)s.huge_page_fallbacks, (unsigned long long)s.hugetlb_pages_total,
-      (unsigned long long)s.hugetlb_pages_free, s.shmem_thp.c_str());
-  return absl::OkStatus();
-}
-
-// One line per GPU the daemon found, or why none ("no GPU: REASON").
-absl::Status CmdGpus(Client& c, const Args& a) {
-  WD_RETURN_IF_ERROR(NeedPositional(a, 0, "gpus"));
-  WD_ASSIGN_OR_RETURN(DaemonStats s, c.Stats());
-  if (s.gpus.empty()) {
-    std::printf("no GPU: %s\n", s.gpus_unavailable.c_str());
-    return absl::OkStatus();
-  }
-  for (const GpuInfo& g : s.gpus) {
-    std::string features;
-    if (g.pageable_memory_access) features += " pageable-memory-access";
-    if (g.host_register) features += " host-register";
-    if (g.host_register_read_only) features += " host-register-read-only";
-    std::printf("gpu:\t%s\t%s\t%s\tsm_%d%d\t%s\t#%d\t%s\n", g.uuid.c_str(), g.name.c_str(),
-                g.pci_bus_id.c_str(), g.compute_major, g.compute_minor,
-                HumanBytes(g.memory_bytes).c_str(), g.ordinal,
-                features.empty() ? "-" : features.c_str() + 1);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status WriteSafetensors(const std::string& path, const ShardSet& set) {
-  std::vector<SafetensorsWriteEntry> entries;
-  std::set<absl::string_view> names;
-  for (const TensorView& t : set.tensors()) {
-    // A safetensors file names each tensor once; a header with a name twice
-    // would not describe the data written (the daemon refuses such requests,
-    // this keeps an older or broken one from making an invalid file).
-    if (!names.insert(t.name).second) {
-      return absl::InternalError(absl::StrCat("the daemon sent tensor \"", absl::CHexEscape(t.name),
-                                              "\" twice; not writing ", path));
-    }
-    entries.push_back(SafetensorsWriteEntry{t.name, t.dtype, t.shape, t.length});
-  }
-  std::string header = BuildSafetensorsHeader(entries);
-  std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
-  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("creating ", tmp));
-  absl::Status s = WriteFull(fd.get(), header.data(), header.size());
-  for (const TensorView& t : set.tensors()) {
-    if (!s.ok()) break;
-    s = WriteFull(fd.get(), t.data, t.length);
-  }
-  if (s.ok() && ::fsync(fd.get()) != 0) s = ErrnoStatus(errno, "fsync");
-  fd.Reset();
-  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
-    s = ErrnoStatus(errno, absl::StrCat("renaming to ", path));
-  }
-  if (!s.ok()) ::unlink(tmp.c_str());
-  return Annotate(s, absl::StrCat("writing ", path));
-}
-
-absl::Status CmdFetch(Client& c, const Args& a) {
-  WD_RETURN_IF_ERROR(NeedPositional(a, 1, "fetch NAME [...] --out FILE"));
-  if (!a.Has("--out")) return absl::InvalidArgumentError("fetch needs --out FILE");
-  FetchOptions opt;
-  opt.model = a.positional[0];
-  bool world_form = a.Has("--world") || a.Has("--rank");
-  bool mesh_form = a.Has("--mesh") || a.Has("--coord");
-  if (world_form && mesh_form) {
-    return absl::InvalidArgumentError("give either --world/--rank or --mesh/--coord, not both");
-  }
-  if (world_form) {
-    WD_ASSIGN_OR_RETURN(int64_t world, ParseInt("--world", a.Get("--world", "1")));
-    WD_ASSIGN_OR_RETURN(int64_t rank, ParseInt("--rank", a.Get("--rank", "0")));
-    if (world < 1) return absl::InvalidArgumentError(absl::StrCat("--world must be >= 1, got ", world));
-    opt.mesh = MeshCoord{{world}, {rank}};
-  } else if (mesh_form) {
-    if (!a.Has("--mesh") || !a.Has("--coord")) {
-      return absl::InvalidArgumentError("--mesh and --coord go together");
-    }
-    WD_ASSIGN_OR_RETURN(opt.mesh.shape, ParseMeshShape(a.Get("--mesh")));
-    WD_ASSIGN_OR_RETURN(opt.mesh.coord, ParseCoord(a.Get("--coord")));
-  }
-  WD_RETURN_IF_ERROR(opt.mesh.Validate());
-  if (a.Has("--placements")) {
-    WD_ASSIGN_OR_RETURN(opt.placements, ParsePlacements(a.Get("--placements")));
-    if (opt.placements->size() != opt.mesh.shape.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--placements \"", a.Get("--placements"), "\" has ", opt.placements->size(),
-          " entries but the mesh has ", opt.mesh.shape.size(), " dims"));
-    }
-  }
-  WD_ASSIGN_OR_RETURN(opt.dtype, ParseRequestDType(a.Get("--dtype", "keep")));
-  std::string transport = a.Get("--transport", "shm");
-  if (transport == "shm") {
-    opt.transport = Transport::kShm;
-  } else if (transport == "grpc") {
-    opt.transport = Transport::kGrpc;
-  } else if (transport == "push") {
-    opt.transport = Transport::kPush;
-  } else if (transport == "cuda") {
-    opt.transport = Transport::kCuda;
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--transport: expected shm, grpc, push or cuda, got \"", transport, "\""));
-  }
-  if (a.Has("--device")) {
-    if (opt.transport != Transport::kCuda) {
-      return absl::InvalidArgumentError("--device goes with --transport cuda");
-    }
-    WD_ASSIGN_OR_RETURN(int64_t dev, ParseInt("--device", a.Get("--device")));
-    if (dev < 0 || dev > 1024) return absl::InvalidArgumentError("--device: a CUDA device index");
-    opt.cuda_device = static_cast<int>(dev);
-  }
-  WD_RETURN_IF_ERROR(ParseGenerationFlag(a, "--generation", &opt.generation));
-  WD_RETURN_IF_ERROR(ParseGenerationFlag(a, "--changed-since", &opt.changed_since));
-  if (a.Has("--names")) {
-    for (absl::string_view n : absl::StrSplit(a.Get("--names"), ',')) {
-      if (!n.empty()) opt.names.emplace_back(n);
-    }
-  }
-  opt.verify_digests = a.switches.count("--verify") > 0;
-  if (a.switches.count("--cast-on-fetch") > 0 && a.switches.count("--merge-on-push") > 0) {
-    return absl::InvalidArgumentError("--cast-on-fetch and --merge-on-push exclude each other");
-  }
-  opt.cast_on_push = a.switches.count("--cast-on-fetch") == 0;
-  if (a.switches.count("--merge-on-push") > 0) opt.merge_on_push = true;
-  absl::Time start = absl::Now();
-  WD_ASSIGN_OR_RETURN(std::unique_ptr<ShardSet> set, c.Fetch(opt));
-  double secs = absl::ToDoubleSeconds(absl::Now() - start);
-  uint64_t bytes = 0;
-  for (const TensorView& t : set->tensors()) bytes += t.length;
-  WD_RETURN_IF_ERROR(WriteSafetensors(a.Get("--out"), *set));
-  std::printf("fetched %zu tensors (%s) of %s generation %llu, rank %lld of %lld, via %s in %.3f s -> %s\n",
-              set->tensors().size(), HumanBytes(bytes).c_str(), opt.model.c_str(),
-              static_cast<unsigned long long>(set->generation()),
-              static_cast<long long>(opt.mesh.FlatRank()),
-              static_cast<long long>(opt.mesh.WorldSize()), transport.c_str(), secs,
-              a.Get("--out").c_str());
-  return set->Release();
-}
-
-absl::Status CmdAdapter(Client& c, const Args& a) {
-  if (a.positional.empty()) {
-    return absl::InvalidArgumentError("usage: weightctl adapter load|list|unload ...");
-  }
-  const std::string& sub = a.positional[0];
-  if (sub == "load") {
-    if (a.positional.size() != 3) {
-      return absl::InvalidArgumentError("usage: weightctl adapter load NAME PATH [--format F] [--strict]");
-    }
-    std::vector<std::string> readers;
-    if (a.Has("--readers")) readers.push_back(a.Get("--readers"));
-    WD_ASSIGN_OR_RETURN(AdapterInfo info,
-                        c.LoadAdapter(a.positional[1], a.positional[2], a.Get("--format", "auto"),
-                                      a.switches.count("--strict") > 0, readers,
-                                      a.Get("--source", "auto")));
-    std::printf("loaded adapter %s (%s): patches %llu parameters, %s\n", info.name.c_str(),
-                info.format.c_str(), static_cast<unsigned long long>(info.tensor_count),
-                HumanBytes(info.bytes).c_str());
-    if (!info.ignored.empty()) {
-      std::printf("ignored keys (not understood; --strict makes them an error):\n");
-      for (const std::string& k : info.ignored) std::printf("  %s\n", k.c_str());
-    }
-    return absl::OkStatus();
-  }
-  if (sub == "list") {
-    if (a.positional.size() != 1) return absl::InvalidArgumentError("usage: weightctl adapter list");
-    WD_ASSIGN_OR_RETURN(auto list, c.ListAdapters());
-    for (const AdapterInfo& i : list) {
-      std::printf("%s\tformat=%s\tparameters=%llu\tbytes=%llu\tpath=%s\n", i.name.c_str(),
-                  i.format.c_str(), static_cast<unsigned long long>(i.tensor_count),
-                  static_cast<unsigned long long>(i.bytes), i.path.c_str());
-    }
-    return absl::OkStatus();
-  }
-  if (sub == "unload") {
-    if (a.positional.size() != 2) return absl::InvalidArgumentError("usage: weightctl adapter unload NAME");
-    WD_RETURN_IF_ERROR(c.UnloadAdapter(a.positional[1]));
-    std::printf("unloaded adapter %s\n", a.positional[1].c_str());
-    return absl::OkStatus();
-  }
-  return absl::InvalidArgumentError(absl::StrCat("unknown adapter verb \"", sub, "\""));
-}
-
-absl::Status CmdApply(Client& c, const Args& a) {
-  if (a.positional.empty()) {
-    return absl::InvalidArgumentError("usage: weightctl apply MODEL [ADAPTER[:STRENGTH] ...]");
-  }
-  std::vector<AdapterStrength> stack;
-  for (size_t i = 1; i < a.positional.size(); ++i) {
-    const std::string& spec = a.positional[i];
-    AdapterStrength s;
-    size_t colon = spec.rfind(':');
-    s.name = spec.substr(0, colon);
-    if (colon != std::string::npos) {
-      std::string value = spec.substr(colon + 1);
-      if (!absl::SimpleAtof(value, &s.strength) || !std::isfinite(s.strength)) {
-        return absl::InvalidArgumentError(absl::StrCat("bad strength \"", value, "\" in \"", spec, "\""));
+// kUsageHeader, then every verb's usage.
+const std::string& Usage() {
+  static const auto* const kUsage = [] {
+    auto* out = new std::string(kUsageHeader);
+    std::vector<absl::string_view> shared;  // synopses waiting for their line
+    auto flush = [&] {
+      if (!shared.empty()) absl::StrAppend(out, "  ", absl::StrJoin(shared, " | "), "\n");
+      shared.clear();
+    };
+    for (const Verb& v : Verbs()) {
+      if (v.shares_line) {
+        shared.push_back(v.usage);
+        continue;
       }
+      flush();
+      absl::StrAppend(out, "  ", v.usage);
     }
-    if (s.name.empty()) return absl::InvalidArgumentError(absl::StrCat("empty adapter name in \"", spec, "\""));
-    stack.push_back(std::move(s));
-  }
-  uint64_t expect = 0;
-  WD_RETURN_IF_ERROR(ParseGenerationFlag(a, "--expect-generation", &expect));
-  WD_ASSIGN_OR_RETURN(GenerationEvent ev, c.Apply(a.positional[0], stack, expect));
-  std::printf("%s generation %llu: %s\n", ev.model.c_str(), static_cast<unsigned long long>(ev.generation),
-              ev.adapters.empty() ? "base (no adapters)" : absl::StrJoin(ev.adapters, " ").c_str());
-  return absl::OkStatus();
+    flush();
+    return out;
+  }();
+  return *kUsage;
 }
 
-absl::Status CmdPublish(Client& c, const Args& a) {
-  WD_RETURN_IF_ERROR(NeedPositional(
-      a, 2,
-      "publish MODEL FILE.safetensors [--expect-generation G] [--timeout SECONDS] "
-      "[--transport shm|grpc]"));
-  PublishOptions options;
-  if (a.Has("--transport")) {
-    const std::string t = a.Get("--transport");
-    if (t == "shm") {
-      options.transport = Transport::kShm;
-    } else if (t == "grpc") {
-      options.transport = Transport::kGrpc;
-    } else {
+const Verb* FindVerb(absl::string_view name) {
+  for (const Verb& v : Verbs()) {
+    if (v.name == name) return &v;
+  }
+  return nullptr;
+}
+
+// One global flag (`value` is empty for one that takes none).
+absl::Status ApplyGlobalFlag(const std::string& name, const std::string& value,
+                             ClientOptions& copt, std::string& token_file) {
+  if (name == "--socket") {
+    copt.socket = value;
+    copt.target.clear();
+  } else if (name == "--target") {
+    copt.target = value;
+    copt.socket.clear();
+  } else if (name == "--tls-ca") {
+    copt.tls_ca_file = value;
+  } else if (name == "--tls-cert") {
+    copt.tls_cert_file = value;
+  } else if (name == "--tls-key") {
+    copt.tls_key_file = value;
+  } else if (name == "--tls-server-name") {
+    copt.tls_server_name = value;
+  } else if (name == "--token-file") {
+    token_file = value;
+  } else if (name == "--retry-deadline") {
+    double seconds = 0;
+    if (!absl::SimpleAtod(value, &seconds) || !(seconds >= 0) || seconds > 86400) {
       return absl::InvalidArgumentError(
-          absl::StrCat("publish --transport \"", t, "\": use shm or grpc"));
+          absl::StrCat("--retry-deadline: expected seconds (0-86400), got \"", value, "\""));
     }
+    copt.retry_deadline = absl::Seconds(seconds);
+  } else if (name == "--help" || name == "-h") {
+    std::fputs(Usage().c_str(), stdout);
+    std::exit(0);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("unknown flag ", name, "\n", Usage()));
   }
-  WD_RETURN_IF_ERROR(ParseGenerationFlag(a, "--expect-generation", &options.expect_generation));
-  if (a.Has("--timeout")) {
-    WD_ASSIGN_OR_RETURN(int64_t t, ParseInt("--timeout", a.Get("--timeout")));
-    if (t < 1 || t > 86400) return absl::InvalidArgumentError("--timeout must be 1 to 86400 seconds");
-    options.timeout = absl::Seconds(t);
-  }
-  const std::string& path = a.positional[1];
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) {
-    return absl::NotFoundError(absl::StrCat(path, ": ", std::strerror(errno)));
-  }
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size < 8) return absl::InvalidArgumentError(absl::StrCat(path, ": not a safetensors file"));
-  WD_ASSIGN_OR_RETURN(MappedRegion map,
-                      MappedRegion::Map(fd.get(), size, MappedRegion::Mode::kReadOnly));
-  const char* bytes = reinterpret_cast<const char*>(map.data());
-  auto header_len = ParseSafetensorsPrefix(absl::string_view(bytes, 8), size);
-  if (!header_len.ok()) return Annotate(header_len.status(), path);
-  auto header = ParseSafetensorsHeader(absl::string_view(bytes + 8, *header_len), size);
-  if (!header.ok()) return Annotate(header.status(), path);
-  std::vector<PublishTensor> tensors;
-  for (const SafetensorsEntry& e : header->tensors) {
-    PublishTensor t;
-    t.name = e.name;
-    t.dtype = e.dtype;
-    t.shape = e.shape;
-    t.data = reinterpret_cast<const uint8_t*>(bytes) + header->data_offset + e.begin;
-    t.length = e.end - e.begin;
-    tensors.push_back(std::move(t));
-  }
-  const bool tty = ::isatty(STDERR_FILENO);
-  ProgressLine line("publishing", a.positional[0], tty);
-  options.progress = [&](uint64_t done, uint64_t total) { line.Report(done, total); };
-  absl::Time start = absl::Now();
-  auto r = c.Publish(a.positional[0], tensors, options);
-  if (tty) std::fprintf(stderr, "\n");
-  if (!r.ok()) return r.status();
-  const std::string shared =
-      r->bytes_shared == 0 ? ""
-                           : absl::StrCat(" (", HumanBytes(r->bytes_shared), " shared with ",
-                                          absl::StrJoin(r->shared_with, ", "), ")");
-  std::printf("published %s generation %llu: %llu tensors, %llu changed, %s sent, %s stored%s, "
-              "%.2f s, weights_id %s%s%s\n",
-              r->model.c_str(), static_cast<unsigned long long>(r->generation),
-              static_cast<unsigned long long>(r->tensors),
-              static_cast<unsigned long long>(r->changed), HumanBytes(r->bytes).c_str(),
-              HumanBytes(r->bytes_stored).c_str(), shared.c_str(),
-              absl::ToDoubleSeconds(absl::Now() - start),
-              r->weights_id.c_str(), r->adapters.empty() ? "" : ", adapters ",
-              absl::StrJoin(r->adapters, " ").c_str());
   return absl::OkStatus();
 }
 
-absl::Status CmdWatch(Client& c, const Args& a) {
-  WD_RETURN_IF_ERROR(NeedPositional(a, 1, "watch MODEL [--count N]"));
-  int64_t count = 0;
-  if (a.Has("--count")) {
-    WD_ASSIGN_OR_RETURN(count, ParseInt("--count", a.Get("--count")));
-    if (count < 1) return absl::InvalidArgumentError("--count must be >= 1");
-  }
-  int64_t seen = 0;
-  return c.Watch(a.positional[0], false, [&](const GenerationEvent& ev) {
-    std::printf("%s generation %llu: %s\n", ev.model.c_str(),
-                static_cast<unsigned long long>(ev.generation),
-                ev.adapters.empty() ? "base (no adapters)" : absl::StrJoin(ev.adapters, " ").c_str());
-    std::fflush(stdout);
-    return count == 0 || ++seen < count;
-  });
-}
-
-absl::Status Run(int argc, char** argv) {
-  std::vector<std::string> words(argv + 1, argv + argc);
-  ClientOptions copt;
-  copt.retry_deadline = absl::ZeroDuration();  // scripts and probes want an answer now
-  if (const char* env = std::getenv("WEIGHTD_SOCKET")) copt.socket = env;
-  if (const char* env = std::getenv("WEIGHTD_TOKEN")) copt.token = env;
-  std::string token_file;
-  if (const char* env = std::getenv("WEIGHTD_TOKEN_FILE")) token_file = env;
+// The global flags, which come before the verb; returns the verb's index
+// in `words` (words.size() when there is none).
+absl::StatusOr<size_t> ParseGlobalFlags(const std::vector<std::string>& words,
+                                        ClientOptions& copt, std::string& token_file) {
   const std::vector<std::string> value_flags = {"--socket",   "--target",   "--tls-ca",
                                                 "--tls-cert", "--tls-key",  "--tls-server-name",
                                                 "--token-file", "--retry-deadline"};
-  // Global flags come before the verb.
   size_t i = 0;
   for (; i < words.size() && absl::StartsWith(words[i], "--"); ++i) {
     std::string w = words[i];
@@ -655,112 +176,34 @@ absl::Status Run(int argc, char** argv) {
       if (i + 1 >= words.size()) return absl::InvalidArgumentError(absl::StrCat(name, " needs a value"));
       value = words[++i];
     }
-    if (name == "--socket") {
-      copt.socket = value;
-      copt.target.clear();
-    } else if (name == "--target") {
-      copt.target = value;
-      copt.socket.clear();
-    } else if (name == "--tls-ca") {
-      copt.tls_ca_file = value;
-    } else if (name == "--tls-cert") {
-      copt.tls_cert_file = value;
-    } else if (name == "--tls-key") {
-      copt.tls_key_file = value;
-    } else if (name == "--tls-server-name") {
-      copt.tls_server_name = value;
-    } else if (name == "--token-file") {
-      token_file = value;
-    } else if (name == "--retry-deadline") {
-      double seconds = 0;
-      if (!absl::SimpleAtod(value, &seconds) || !(seconds >= 0) || seconds > 86400) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--retry-deadline: expected seconds (0-86400), got \"", value, "\""));
-      }
-      copt.retry_deadline = absl::Seconds(seconds);
-    } else if (name == "--help" || name == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", name, "\n", kUsage));
-    }
+    WD_RETURN_IF_ERROR(ApplyGlobalFlag(name, value, copt, token_file));
   }
-  if (i >= words.size()) return absl::InvalidArgumentError(absl::StrCat("no verb given\n", kUsage));
+  return i;
+}
+
+absl::Status Run(int argc, char** argv) {
+  std::vector<std::string> words(argv + 1, argv + argc);
+  ClientOptions copt;
+  copt.retry_deadline = absl::ZeroDuration();  // scripts and probes want an answer now
+  if (const char* env = std::getenv("WEIGHTD_SOCKET")) copt.socket = env;
+  if (const char* env = std::getenv("WEIGHTD_TOKEN")) copt.token = env;
+  std::string token_file;
+  if (const char* env = std::getenv("WEIGHTD_TOKEN_FILE")) token_file = env;
+  WD_ASSIGN_OR_RETURN(const size_t i, ParseGlobalFlags(words, copt, token_file));
+  if (i >= words.size()) return absl::InvalidArgumentError(absl::StrCat("no verb given\n", Usage()));
   if (copt.socket.empty() && copt.target.empty()) copt.socket = "/run/weightd/weightd.sock";
   if (!token_file.empty()) {
     WD_ASSIGN_OR_RETURN(copt.token, ReadTokenFile(token_file, "--token-file"));
   }
-  std::string verb = words[i];
+  const std::string& verb = words[i];
   std::vector<std::string> rest(words.begin() + i + 1, words.end());
   WD_ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(copt));
-  if (verb == "health") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
-    WD_RETURN_IF_ERROR(NeedPositional(a, 0, "health"));
-    return CmdHealth(*client);
+  const Verb* v = FindVerb(verb);
+  if (v == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown verb \"", verb, "\"\n", Usage()));
   }
-  if (verb == "load") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--profile", "--readers", "--source"}, {}));
-    return CmdLoad(*client, a);
-  }
-  if (verb == "unload") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
-    return CmdUnload(*client, a);
-  }
-  if (verb == "list") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
-    return CmdList(*client, a);
-  }
-  if (verb == "info") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
-    return CmdInfo(*client, a);
-  }
-  if (verb == "verify") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
-    WD_RETURN_IF_ERROR(NeedPositional(a, 1, "verify NAME"));
-    WD_ASSIGN_OR_RETURN(auto r, client->Verify(a.positional[0]));
-    std::printf("verified %s: %llu tensors, %s, every digest matches\n", a.positional[0].c_str(),
-                static_cast<unsigned long long>(r.first), HumanBytes(r.second).c_str());
-    return absl::OkStatus();
-  }
-  if (verb == "peers") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
-    return CmdPeers(*client, a);
-  }
-  if (verb == "stats") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
-    return CmdStats(*client, a);
-  }
-  if (verb == "gpus") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {}, {}));
-    return CmdGpus(*client, a);
-  }
-  if (verb == "adapter") {
-    WD_ASSIGN_OR_RETURN(Args a,
-                        ParseArgs(rest, {"--format", "--readers", "--source"}, {"--strict"}));
-    return CmdAdapter(*client, a);
-  }
-  if (verb == "apply") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--expect-generation"}, {}));
-    return CmdApply(*client, a);
-  }
-  if (verb == "publish") {
-    WD_ASSIGN_OR_RETURN(Args a,
-                        ParseArgs(rest, {"--expect-generation", "--timeout", "--transport"}, {}));
-    return CmdPublish(*client, a);
-  }
-  if (verb == "watch") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, {"--count"}, {}));
-    return CmdWatch(*client, a);
-  }
-  if (verb == "fetch") {
-    WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest,
-                                          {"--world", "--rank", "--mesh", "--coord",
-                                           "--placements", "--dtype", "--transport", "--device",
-                                           "--generation", "--changed-since", "--names", "--out"},
-                                          {"--verify", "--cast-on-fetch", "--merge-on-push"}));
-    return CmdFetch(*client, a);
-  }
-  return absl::InvalidArgumentError(absl::StrCat("unknown verb \"", verb, "\"\n", kUsage));
+  WD_ASSIGN_OR_RETURN(Args a, ParseArgs(rest, v->value_flags, v->switches));
+  return v->run(*client, a);
 }
 
 }  // namespace

@@ -43,6 +43,11 @@ class RE2;
 
 namespace weightd {
 
+namespace profile_internal {
+class Parser;  // Profile::Parse, one profile section at a time (profile_parse.cc)
+class Mapper;  // Profile::Map, one phase at a time (profile_map.cc)
+}  // namespace profile_internal
+
 // A checkpoint tensor, as the store describes it.
 struct SourceTensorInfo {
   std::string name;
@@ -177,6 +182,9 @@ class Profile {
   bool has_expected() const { return expected_.has_value(); }
 
  private:
+  friend class profile_internal::Parser;
+  friend class profile_internal::Mapper;
+
   struct NameRule {
     std::shared_ptr<const re2::RE2> re;
     std::string target;

@@ -774,6 +774,48 @@ TEST(ProfileRulesTest, QuantizeScaleCompanionMustNotCollide) {
 }
 
 
+// --- Which problem is reported first -----------------------------------------
+// Parse reads the sections in a fixed order and Map runs its phases over
+// every served name before the next phase; these pin the order, so a
+// document or checkpoint with several problems always gets the same answer.
+
+TEST(ProfileOrderTest, SectionsAreCheckedInTheHeadersOrderNotTheDocuments) {
+  EXPECT_STATUS(Profile::Parse(R"json({"allow_new": [""], "quantize": [{"match": "(",
+      "scheme": "x"}], "name_mapping": [{"match": "a", "target": ""}]})json"),
+                absl::StatusCode::kInvalidArgument,
+                "name_mapping[0].target: must not be empty");
+  EXPECT_STATUS(Profile::Parse(R"json({"allow_new": [""], "strict": 1,
+      "dtype_rules": [{"match": "a"}]})json"),
+                absl::StatusCode::kInvalidArgument,
+                "dtype_rules[0].dtype: required");
+}
+
+TEST(ProfileOrderTest, IncompleteMergeGroupIsReportedAfterEveryGroupIsChecked) {
+  // "a.qkv" (incomplete) sorts before "b", whose two plain sources clash:
+  // the clash is reported, the incomplete group only once all groups pass.
+  Profile p = MustParse(R"json({"name_mapping": [
+      {"match": "a\\.q", "target": "a.qkv", "merge_index": 0, "num_merges": 3},
+      {"match": "b[12]", "target": "b"}]})json");
+  EXPECT_STATUS(p.Map({T("a.q", {2, 2}), T("b1", {2}), T("b2", {2})}),
+                absl::StatusCode::kInvalidArgument,
+                "both map to served tensor \"b\"");
+  EXPECT_STATUS(p.Map({T("a.q", {2, 2}), T("b1", {2})}),
+                absl::StatusCode::kFailedPrecondition,
+                "merge group \"a.qkv\" is incomplete");
+}
+
+TEST(ProfileOrderTest, RulesAreAppliedTensorByTensorInServedNameOrder) {
+  // "a" fails its quantize rule and "b" its dtype rule: "a" comes first.
+  Profile p = MustParse(R"json({
+      "dtype_rules": [{"match": "b", "dtype": "f32"}],
+      "quantize": [{"match": "a", "scheme": "fp8_e4m3_per_tensor"}]})json");
+  EXPECT_STATUS(p.Map({T("b", {2}, DType::kI64), T("a", {2}, DType::kI32)}),
+                absl::StatusCode::kInvalidArgument, "quantize[0]: \"a\" is I32");
+  EXPECT_STATUS(p.Map({T("b", {2}, DType::kI64), T("c", {2}, DType::kI32)}),
+                absl::StatusCode::kInvalidArgument,
+                "dtype_rules[0]: cannot cast \"b\" from I64 to F32");
+}
+
 // --- Hostile sizes and shapes (issue 16: F2, F10, F17, F20) -----------------
 
 TEST(ProfileHostileTest, DeepNestingIsInvalidArgumentNotAStackOverflow) {

@@ -1204,6 +1204,13 @@ absl::Status WeightService::SetGenerationFloor(const std::string& model_name, ui
           return absl::NotFoundError(
               absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
         }
+        // One past the largest number: no generation left (never wraps).
+        if (floor > kMaxGeneration + 1) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "generation floor ", floor, " for model ", QuoteForMessage(model_name),
+              " is past the largest generation number a model may have (", kMaxGeneration,
+              ")"));
+        }
         record.generation = std::max(it->second->generation_floor, floor);
         return absl::OkStatus();
       },
@@ -1260,9 +1267,10 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
   // Built outside the lock; published only if nobody moved the model on.
   // A restore re-applies under the number the generation had, below the
   // floor it set for whatever comes next.
-  const uint64_t number =
-      number_at_least != 0 ? std::max(model->current->number + 1, number_at_least)
-                           : std::max(model->current->number + 1, model->generation_floor);
+  WD_ASSIGN_OR_RETURN(
+      const uint64_t number,
+      NextGenerationNumber(model_name, model->current->number,
+                           number_at_least != 0 ? number_at_least : model->generation_floor));
   WD_ASSIGN_OR_RETURN(std::shared_ptr<Generation> gen,
                       BuildGeneration(*model, number, stack, std::move(adapters),
                                       restored != nullptr ? restored->base

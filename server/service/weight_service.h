@@ -378,8 +378,10 @@ class WeightService {
   // least `number` (a restored model serves its stack under the number it
   // had), published only if its content is `expect_content` (DATA_LOSS
   // otherwise); and the lowest number `model`'s next generation may get
-  // (numbers already given out are never given to other content). Both
-  // journaled.
+  // (numbers already given out are never given to other content; at most
+  // kMaxGeneration + 1, "none left": INVALID_ARGUMENT above). Both
+  // journaled. Every new generation's number is checked
+  // (NextGenerationNumber): FAILED_PRECONDITION past kMaxGeneration.
   absl::StatusOr<GenerationInfo> RestoreApply(const std::string& model,
                                               const std::vector<AdapterRef>& stack,
                                               uint64_t number, const Digest& expect_content)

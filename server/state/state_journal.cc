@@ -53,6 +53,18 @@ const char* const kKindNames[] = {"model_load", "model_unload", "adapter_load",
 
 }  // namespace
 
+absl::StatusOr<uint64_t> NextGenerationNumber(absl::string_view model, uint64_t current,
+                                              uint64_t floor) {
+  const uint64_t number = std::max(current < kMaxGeneration ? current + 1 : kMaxGeneration + 1,
+                                   floor);
+  if (number > kMaxGeneration) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model \"", model.substr(0, 200), "\" has no generation number left (its next would be ",
+        number, ", past the largest, 2^62); unload it and load it again to number anew"));
+  }
+  return number;
+}
+
 const char* StateRecordKindName(StateRecord::Kind kind) {
   return kKindNames[static_cast<int>(kind)];
 }
@@ -124,6 +136,14 @@ absl::StatusOr<StateRecord> DecodeStatePayload(const std::string& payload) {
     r.content = j.value("content", "");
   } catch (const nlohmann::json::exception& e) {
     return absl::DataLossError(absl::StrCat("malformed record: ", e.what()));
+  }
+  // A number no model can have (forged, or damage the digest missed):
+  // restored, it would make the model's next numbers wrap below ones it had.
+  const uint64_t most = r.kind == StateRecord::Kind::kFloor ? kMaxGeneration + 1 : kMaxGeneration;
+  if (r.generation > most) {
+    return absl::DataLossError(absl::StrCat(
+        DescribeRecord(r), ": generation ", r.generation, " is past the largest a model may have (",
+        most, "); record not restored"));
   }
   return r;
 }

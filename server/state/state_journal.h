@@ -26,9 +26,22 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 
 namespace weightd {
+
+// The highest generation number a model may have (2^62): more than any
+// model can use up, and far enough below 2^64 that no number the daemon
+// computes from one wraps. A journal record naming a higher one (a floor:
+// one past it, "no number left") is damage: reported and skipped as such.
+inline constexpr uint64_t kMaxGeneration = uint64_t{1} << 62;
+
+// The number of a model's next generation: past `current`, at least
+// `floor`. FAILED_PRECONDITION when that is past kMaxGeneration (numbers
+// never wrap to ones the model had).
+absl::StatusOr<uint64_t> NextGenerationNumber(absl::string_view model, uint64_t current,
+                                              uint64_t floor);
 
 struct StateRecord {
   enum class Kind { kModelLoad, kModelUnload, kAdapterLoad, kAdapterUnload, kApply, kFloor, kPublish };

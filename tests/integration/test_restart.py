@@ -10,6 +10,7 @@ changed on disk is not served and is named in skipped.log.
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import time
@@ -452,3 +453,73 @@ def test_a_forged_generation_floor_near_2_64_is_refused_and_numbers_never_wrap(f
         assert _state(d)[0] == {"m1": (2 + 1 + (1 << 20), ()), "m2": (2 + (1 << 20), ()),
                                 "m3": (1, ())}
 
+
+def _start_on(state, models, tmp_path):
+    """Runs weightd on `state` expecting it to refuse: (returncode, stderr)."""
+    from harness import WEIGHTD
+    r = subprocess.run([WEIGHTD, "--socket", str(tmp_path / "refused.sock"), "--model-root",
+                        str(models), "--state-dir", state], capture_output=True, text=True,
+                       timeout=30)
+    return r.returncode, r.stderr
+
+
+@pytest.mark.parametrize("entry", ["journal.new", "skipped.log", "published", "journal",
+                                   "journal.new:hard link", "published:another user's"])
+def test_what_another_user_planted_in_the_state_dir_is_never_followed(files, tmp_path, entry):
+    """A state directory another user could write once (now the daemon's
+    own, 0700) still holds what that user planted: links to root's files
+    and directories, a hard link to one, a directory of its own. The daemon
+    refuses to start, naming the entry and what to do, and truncates,
+    appends to or removes nothing through it (it used to truncate the file
+    journal.new named, append to skipped.log's, and empty published's
+    directory). With the entry removed it restores as before."""
+    root, _ = files
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("m", "gone"):
+        shutil.copy(os.path.join(root, "base16.safetensors"), models / (name + ".safetensors"))
+    state = str(tmp_path / "state")
+    with Daemon(model_root=str(models), extra_args=["--state-dir", state]) as d:
+        d.ctl_ok("load", "m", str(models / "m.safetensors"))
+        # Its file goes: the restore skips it and writes skipped.log.
+        d.ctl_ok("load", "gone", str(models / "gone.safetensors"))
+        d.proc.kill()
+    os.unlink(models / "gone.safetensors")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root's file")
+    victim_dir = tmp_path / "victim-dir"
+    victim_dir.mkdir(mode=0o700)
+    (victim_dir / "root.safetensors").write_bytes(b"root's file in root's directory")
+    name, _, how = entry.partition(":")
+    planted = os.path.join(state, name)
+    if name == "journal":
+        os.rename(planted, str(tmp_path / "journal"))  # kept, to put back
+    if how == "hard link":
+        os.link(victim, planted)
+        why = "has 2 hard links"
+    elif how:
+        os.mkdir(planted)
+        os.chown(planted, 65534, 65534)
+        os.chmod(planted, 0o777)
+        why = "is owned by uid 65534, not by uid 0"
+    else:
+        os.symlink(victim_dir if name == "published" else victim, planted)
+        why = "is a symbolic link (to %s)" % (victim_dir if name == "published" else victim)
+    rc, err = _start_on(state, models, tmp_path)
+    assert rc == 1, err
+    assert "error: FAILED_PRECONDITION: --state-dir: %s %s" % (planted, why) in err, err
+    assert "remove it" in err, err
+    assert victim.read_bytes() == b"root's file"
+    assert os.listdir(victim_dir) == ["root.safetensors"]
+    assert not os.path.exists(os.path.join(state, "skipped.log")) or name == "skipped.log"
+    if os.path.isdir(planted) and not os.path.islink(planted):
+        os.rmdir(planted)
+    else:
+        os.unlink(planted)
+    if name == "journal":
+        os.rename(str(tmp_path / "journal"), planted)
+    with Daemon(model_root=str(models), extra_args=["--state-dir", state]) as d:
+        assert list(_state(d)[0]) == ["m"]
+        assert "restore_skipped" in d.log()
+    skipped = [json.loads(l) for l in open(os.path.join(state, "skipped.log"))]
+    assert [s["entry"].split(" (")[0] for s in skipped] == ['model load "gone"'], skipped

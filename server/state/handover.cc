@@ -476,6 +476,17 @@ absl::StatusOr<std::unique_ptr<HandoverClient>> HandoverClient::Begin(
       return absl::UnavailableError(absl::StrCat("connect ", path, ": ", std::strerror(err)));
     }
   }
+  // Sockets and memory are taken only from a daemon of this uid (or root):
+  // whoever could bind the path must not hand this daemon its own.
+  auto peer = ReadPeerIdentity(fd.get());
+  if (!peer.ok()) return Annotate(peer.status(), absl::StrCat("hand-over socket ", path));
+  if (peer->uid != ::geteuid() && peer->uid != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "the process listening on the hand-over socket ", path, " runs as uid ", peer->uid,
+        " (pid ", peer->pid, "), not as this daemon's uid ", ::geteuid(),
+        " or root: it may not hand over sockets or memory; nothing was taken. Remove the "
+        "socket or stop that process, or start without --take-over"));
+  }
   SetTimeouts(fd.get(), timeout);
   nlohmann::json begin = {{"pid", static_cast<int64_t>(::getpid())}, {"host", HostName()}};
   WD_RETURN_IF_ERROR(Send(fd.get(), Kind::kBegin, begin.dump()));

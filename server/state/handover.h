@@ -7,7 +7,10 @@
 // The old daemon listens on its hand-over socket (--handover-socket,
 // default <state-dir>/handover.sock, bound, connected and removed relative
 // to the state directory; mode 0600, and only a peer of the daemon's own
-// uid is served). One successor at a time; the conversation is
+// uid is served). The successor in turn takes sockets only from a
+// predecessor of its own uid or root (SO_PEERCRED): a user who could bind
+// the socket's path cannot hand it listening sockets of its own. One
+// successor at a time; the conversation is
 //
 //   successor                       predecessor
 //   BEGIN {pid, host}         ->
@@ -190,8 +193,10 @@ class HandoverClient {
  public:
   // Connects to the predecessor's hand-over socket: NOT_FOUND when nothing
   // listens there (no socket file, or a stale one), UNAVAILABLE when it
-  // does not answer. Then sends BEGIN and receives the manifest and fds
-  // (FAILED_PRECONDITION with the predecessor's reason when it refuses).
+  // does not answer, PERMISSION_DENIED when the process listening runs as
+  // another uid than this one's effective uid and not as root (SO_PEERCRED;
+  // nothing is sent to it). Then sends BEGIN and receives the manifest and
+  // fds (FAILED_PRECONDITION with the predecessor's reason when it refuses).
   static absl::StatusOr<std::unique_ptr<HandoverClient>> Begin(const HandoverSocket& where,
                                                                absl::Duration timeout);
   HandoverReceived& received() { return received_; }

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
 #include <map>
 #include <set>
 #include <cstdlib>
@@ -40,6 +39,7 @@
 #include "server/service/weight_service.h"
 #include "server/state/handover.h"
 #include "server/state/restore.h"
+#include "server/state/state_dir.h"
 #include "server/state/state_journal.h"
 #include "server/transport/shm_server.h"
 
@@ -69,6 +69,7 @@ struct DaemonFlags {
   bool serve_during_restore = false;
   bool take_over = false;
   std::string handover_socket;  // default <state-dir>/handover.sock
+  bool handover_in_state_dir = false;  // the default: named relative to the state dir
   AdoptVerify take_over_verify = AdoptVerify::kFull;
   PeerOptions peers;
 };
@@ -352,6 +353,7 @@ absl::Status CheckFlags(const FlagTable& table, DaemonFlags* flags) {
   // the shared socket directory) must not be able to take the daemon over.
   if (flags->handover_socket.empty() && !flags->state_dir.empty()) {
     flags->handover_socket = flags->state_dir + "/handover.sock";
+    flags->handover_in_state_dir = true;
   }
   if (flags->take_over && flags->state_dir.empty()) {
     return absl::InvalidArgumentError(
@@ -509,14 +511,28 @@ int Main(int argc, char** argv) {
                            "raised"}});
     }
   }
+  // --state-dir: a directory of the daemon's own that no other user may
+  // write, held open; every file in it is opened relative to it, never
+  // through a link (state_dir.h). Checked before anything uses it.
+  std::shared_ptr<const StateDir> state_dir;
+  if (!flags.state_dir.empty()) {
+    auto opened = StateDir::Open(flags.state_dir, ::geteuid());
+    if (!opened.ok()) return Fail(Annotate(opened.status(), "--state-dir"));
+    state_dir = std::move(*opened);
+    if (absl::Status s = CheckStateDirEntries(*state_dir); !s.ok()) {
+      return Fail(Annotate(s, "--state-dir"));
+    }
+  }
+  const HandoverSocket handover_at{flags.handover_in_state_dir ? state_dir : nullptr,
+                                   flags.handover_in_state_dir ? "handover.sock"
+                                                               : flags.handover_socket};
   // --take-over: the running daemon's memory and sockets, if one runs.
   std::unique_ptr<HandoverClient> taking;
   std::unique_ptr<DonatedCheckpoints> donated;
   UniqueFd taken_handover_fd;
   std::string took_over_from_host;
-  std::error_code e1;
   if (flags.take_over) {
-    auto begun = HandoverClient::Begin(flags.handover_socket, absl::Seconds(150));
+    auto begun = HandoverClient::Begin(handover_at, absl::Seconds(150));
     if (absl::IsNotFound(begun.status())) {
       LogEvent(LogLevel::kInfo, "take_over_none",
                {{"handover_socket", flags.handover_socket},
@@ -528,7 +544,9 @@ int Main(int argc, char** argv) {
       taking = std::move(*begun);
       HandoverReceived& got = taking->received();
       // The state comes from the predecessor's journal: the same directory.
-      if (!std::filesystem::equivalent(got.state_dir, flags.state_dir, e1) || e1) {
+      struct stat theirs, mine;
+      if (::stat(got.state_dir.c_str(), &theirs) != 0 || ::fstat(state_dir->fd(), &mine) != 0 ||
+          theirs.st_dev != mine.st_dev || theirs.st_ino != mine.st_ino) {
         return Fail(absl::FailedPreconditionError(absl::StrCat(
             "--take-over: the running daemon journals in --state-dir ", got.state_dir,
             ", this one in ", flags.state_dir, "; give both the same directory")));
@@ -579,15 +597,15 @@ int Main(int argc, char** argv) {
   std::unique_ptr<StateJournal> journal;
   RestorePlan plan;
   if (!flags.state_dir.empty()) {
-    auto opened = StateJournal::Open(flags.state_dir);
-    if (!opened.ok()) return Fail(opened.status());
+    auto opened = StateJournal::Open(state_dir);
+    if (!opened.ok()) return Fail(Annotate(opened.status(), "--state-dir"));
     journal = std::move(*opened);
     for (const JournalProblem& p : journal->previous().problems) {
       LogEvent(LogLevel::kWarning, "state_journal_damaged",
                {{"dir", flags.state_dir}, {"offset", absl::StrCat(p.offset)}, {"what", p.what}});
     }
     plan = PlanRestore(journal->previous().records);
-    flags.service.published_dir = flags.state_dir + "/published";
+    flags.service.state_dir = state_dir;
     StateJournal* j = journal.get();
     flags.service.on_state_change = [j](const StateRecord& r) {
       if (absl::Status s = j->Append(r); !s.ok()) {
@@ -652,11 +670,7 @@ int Main(int argc, char** argv) {
   auto keep_published = [&](const std::set<std::string>& names) {
     PublishedStore* store = (*service)->published_store();
     if (store == nullptr) return;
-    std::set<std::string> keep;
-    for (const std::string& n : names) {
-      if (auto path = store->PathOf(n); path.ok()) keep.insert(*path);
-    }
-    store->KeepOnly(keep);
+    store->KeepOnly(names);
   };
   auto term_pending = [&signals]() {
     sigset_t pending;
@@ -853,7 +867,7 @@ int Main(int argc, char** argv) {
   };
   std::unique_ptr<HandoverServer> handover;
   if (!flags.handover_socket.empty()) {
-    auto started = HandoverServer::Start(flags.handover_socket, std::move(hooks),
+    auto started = HandoverServer::Start(handover_at, std::move(hooks),
                                          HandoverServer::Timeouts(),
                                          taken_handover_fd.valid() ? taken_handover_fd.release()
                                                                    : -1);

@@ -893,7 +893,8 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
     }
     result.bytes_stored = !holder_used ? 0 : (holder == segment ? segment->size() : fresh_bytes);
 
-    const uint64_t number = std::max(cur->number + 1, model->generation_floor);
+    WD_ASSIGN_OR_RETURN(const uint64_t number,
+                        NextGenerationNumber(session.model, cur->number, model->generation_floor));
     WD_ASSIGN_OR_RETURN(std::shared_ptr<Generation> gen,
                         BuildGeneration(*model, number, cur->stack, cur->adapters,
                                         std::move(published)));

@@ -59,8 +59,8 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
       materializer_(Materializer::Options{&memory_, options_.worker_threads}),
       leases_(options_.lease_idle_ttl, memory_.disposer()),
       access_(options_.access) {
-  if (!options_.published_dir.empty()) {
-    published_store_ = std::make_unique<PublishedStore>(options_.published_dir);
+  if (options_.state_dir != nullptr) {
+    published_store_ = std::make_unique<PublishedStore>(options_.state_dir);
   }
   reaper_ = std::thread([this] { ReapLoop(); });
   if (options_.publish_staging_ahead) {
@@ -1062,7 +1062,11 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
   CheckpointLoadOptions load;
   load.memory = &memory_;
   load.read_threads = std::max(1, options_.worker_threads);
-  auto file = LoadCheckpoint(path, load);
+  // Read relative to the state directory, never through a link.
+  auto reader = published_store_->Reader();
+  if (reader.ok()) load.files = reader->get();
+  auto file = reader.ok() ? LoadCheckpoint(path, load)
+                          : absl::StatusOr<std::shared_ptr<const Checkpoint>>(reader.status());
   if (!file.ok()) {
     if (absl::IsNotFound(file.status())) {
       return absl::NotFoundError(absl::StrCat(
@@ -1204,6 +1208,13 @@ absl::Status WeightService::SetGenerationFloor(const std::string& model_name, ui
           return absl::NotFoundError(
               absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
         }
+        // One past the largest number: no generation left (never wraps).
+        if (floor > kMaxGeneration + 1) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "generation floor ", floor, " for model ", QuoteForMessage(model_name),
+              " is past the largest generation number a model may have (", kMaxGeneration,
+              ")"));
+        }
         record.generation = std::max(it->second->generation_floor, floor);
         return absl::OkStatus();
       },
@@ -1260,9 +1271,10 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
   // Built outside the lock; published only if nobody moved the model on.
   // A restore re-applies under the number the generation had, below the
   // floor it set for whatever comes next.
-  const uint64_t number =
-      number_at_least != 0 ? std::max(model->current->number + 1, number_at_least)
-                           : std::max(model->current->number + 1, model->generation_floor);
+  WD_ASSIGN_OR_RETURN(
+      const uint64_t number,
+      NextGenerationNumber(model_name, model->current->number,
+                           number_at_least != 0 ? number_at_least : model->generation_floor));
   WD_ASSIGN_OR_RETURN(std::shared_ptr<Generation> gen,
                       BuildGeneration(*model, number, stack, std::move(adapters),
                                       restored != nullptr ? restored->base
@@ -1271,7 +1283,8 @@ absl::StatusOr<GenerationInfo> WeightService::ApplyImpl(const std::string& model
   if (expect_content != nullptr && gen->identity != *expect_content) {
     return absl::DataLossError(
         restored != nullptr
-            ? absl::StrCat("the published weights in ", restored->path, " (", options_.published_dir, ")",
+            ? absl::StrCat("the published weights in ", restored->path, " (",
+                           published_store_->dir(), ")",
                            " with the stack merge to other bytes than were published")
             : "the stack merges to other bytes than before (an adapter file changed?)");
   }

@@ -78,9 +78,9 @@ struct WeightServiceOptions {
   // the change is answered, outside the service's locks. Failures are the
   // sink's to report; the change stands.
   std::function<void(const StateRecord&)> on_state_change;
-  // Where published weights are saved for restarts (--state-dir's
-  // published/; server/state/published_store.h); empty: not saved.
-  std::string published_dir;
+  // --state-dir: published weights are saved in its published/ for
+  // restarts (server/state/published_store.h); null: not saved.
+  std::shared_ptr<const StateDir> state_dir;
   // Segments a predecessor daemon handed over (--take-over): loads of the
   // same files adopt them instead of reading (checkpoint.h). Borrowed; null
   // = none.
@@ -378,8 +378,10 @@ class WeightService {
   // least `number` (a restored model serves its stack under the number it
   // had), published only if its content is `expect_content` (DATA_LOSS
   // otherwise); and the lowest number `model`'s next generation may get
-  // (numbers already given out are never given to other content). Both
-  // journaled.
+  // (numbers already given out are never given to other content; at most
+  // kMaxGeneration + 1, "none left": INVALID_ARGUMENT above). Both
+  // journaled. Every new generation's number is checked
+  // (NextGenerationNumber): FAILED_PRECONDITION past kMaxGeneration.
   absl::StatusOr<GenerationInfo> RestoreApply(const std::string& model,
                                               const std::vector<AdapterRef>& stack,
                                               uint64_t number, const Digest& expect_content)
@@ -396,7 +398,7 @@ class WeightService {
                                                 const std::vector<AdapterRef>& stack,
                                                 uint64_t number, const Digest& expect_content)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Null without options.published_dir.
+  // Null without options.state_dir.
   PublishedStore* published_store() { return published_store_.get(); }
   // Blocks until `model` has a generation > `after`, or `timeout` passes
   // (then nullopt). NOT_FOUND when the model is unloaded.

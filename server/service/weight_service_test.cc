@@ -215,6 +215,27 @@ TEST_F(WeightServiceTest, StateChangesReachTheSinkBeforeTheyAreVisible) {
   EXPECT_EQ(seen.size(), 4u);
 }
 
+// Generation numbers never wrap: a floor past the largest is refused, and
+// a model at the largest has no next generation (FAILED_PRECONDITION).
+TEST_F(WeightServiceTest, GenerationFloorsAreBoundedAndNumbersNeverWrap) {
+  ASSERT_TRUE(service_->LoadModel("m", path_, "", nullptr).ok());
+  auto absurd = service_->SetGenerationFloor("m", ~uint64_t{0} - 1);
+  EXPECT_EQ(absurd.code(), absl::StatusCode::kInvalidArgument) << absurd;
+  ASSERT_TRUE(service_->SetGenerationFloor("m", kMaxGeneration).ok());
+  auto last = service_->Apply("m", {}, 0);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->generation, kMaxGeneration);
+  auto past = service_->Apply("m", {}, 0);
+  EXPECT_EQ(past.status().code(), absl::StatusCode::kFailedPrecondition) << past.status();
+  EXPECT_EQ(service_->ListModels().at(0).generation, kMaxGeneration);
+  // A fresh load numbers anew.
+  ASSERT_TRUE(service_->UnloadModel("m").ok());
+  ASSERT_TRUE(service_->LoadModel("m", path_, "", nullptr).ok());
+  auto again = service_->Apply("m", {}, 0);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->generation, 2u);
+}
+
 TEST_F(WeightServiceTest, RestoreLoadPublishesOnlyTheJournaledContent) {
   WeightService::RestoreExpect expect;
   expect.generation_floor = 7;

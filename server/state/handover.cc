@@ -287,15 +287,15 @@ absl::StatusOr<HandoverReceived> ParseHandoverManifest(const std::string& manife
 
 // ------------------------------------------------------------- the server
 
-absl::StatusOr<std::unique_ptr<HandoverServer>> HandoverServer::Start(const std::string& path,
-                                                                      Hooks hooks,
-                                                                      Timeouts timeouts,
-                                                                      int adopt_fd) {
+absl::StatusOr<std::unique_ptr<HandoverServer>> HandoverServer::Start(
+    const HandoverSocket& where, Hooks hooks, Timeouts timeouts, int adopt_fd) {
   UniqueFd listen_fd;
   if (adopt_fd >= 0) {
     listen_fd.Reset(adopt_fd);
+  } else if (where.dir != nullptr) {
+    WD_ASSIGN_OR_RETURN(listen_fd, where.dir->ListenUnix(where.name, 0600));
   } else {
-    WD_ASSIGN_OR_RETURN(listen_fd, ListenUnix(path, 0600));
+    WD_ASSIGN_OR_RETURN(listen_fd, ListenUnix(where.name, 0600));
   }
   // Non-blocking: the predecessor holds the same socket until it exits.
   const int fl = ::fcntl(listen_fd.get(), F_GETFL);
@@ -305,14 +305,14 @@ absl::StatusOr<std::unique_ptr<HandoverServer>> HandoverServer::Start(const std:
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return ErrnoStatus(errno, "eventfd");
   auto server = std::unique_ptr<HandoverServer>(new HandoverServer(
-      path, std::move(listen_fd), std::move(wake), std::move(hooks), timeouts));
+      where, std::move(listen_fd), std::move(wake), std::move(hooks), timeouts));
   server->thread_ = std::thread([s = server.get()] { s->Run(); });
   return server;
 }
 
-HandoverServer::HandoverServer(std::string path, UniqueFd listen_fd, UniqueFd wake_fd,
+HandoverServer::HandoverServer(HandoverSocket where, UniqueFd listen_fd, UniqueFd wake_fd,
                                Hooks hooks, Timeouts timeouts)
-    : path_(std::move(path)),
+    : where_(std::move(where)),
       listen_fd_(std::move(listen_fd)),
       wake_fd_(std::move(wake_fd)),
       hooks_(std::move(hooks)),
@@ -329,7 +329,13 @@ void HandoverServer::Stop() {
   if (int fd = conn_fd_.load(); fd >= 0) (void)::shutdown(fd, SHUT_RDWR);
   if (thread_.joinable()) thread_.join();
   listen_fd_.Reset();
-  if (!handed_over_.load()) ::unlink(path_.c_str());
+  if (!handed_over_.load()) {
+    if (where_.dir != nullptr) {
+      (void)where_.dir->Remove(where_.name);
+    } else {
+      ::unlink(where_.name.c_str());
+    }
+  }
 }
 
 void HandoverServer::Run() {
@@ -440,23 +446,46 @@ bool HandoverServer::Serve(int fd) {
 
 // ------------------------------------------------------------- the client
 
-absl::StatusOr<std::unique_ptr<HandoverClient>> HandoverClient::Begin(const std::string& path,
-                                                                      absl::Duration timeout) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("hand-over socket path too long: ", path));
-  }
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return ErrnoStatus(errno, "socket");
-  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
-    const int err = errno;
-    if (err == ENOENT || err == ECONNREFUSED) {
-      return absl::NotFoundError(
-          absl::StrCat("no daemon to take over at ", path, ": ", std::strerror(err)));
+absl::StatusOr<std::unique_ptr<HandoverClient>> HandoverClient::Begin(
+    const HandoverSocket& where, absl::Duration timeout) {
+  const std::string path = where.Describe();
+  UniqueFd fd;
+  if (where.dir != nullptr) {
+    auto connected = where.dir->ConnectUnix(where.name);
+    if (absl::IsNotFound(connected.status())) {
+      return absl::NotFoundError(absl::StrCat("no daemon to take over at ", path, ": ",
+                                              connected.status().message()));
     }
-    return absl::UnavailableError(absl::StrCat("connect ", path, ": ", std::strerror(err)));
+    if (!connected.ok()) return connected.status();
+    fd = std::move(*connected);
+  } else {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (path.size() >= sizeof(addr.sun_path)) {
+      return absl::InvalidArgumentError(absl::StrCat("hand-over socket path too long: ", path));
+    }
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    fd.Reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd.valid()) return ErrnoStatus(errno, "socket");
+    if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+      const int err = errno;
+      if (err == ENOENT || err == ECONNREFUSED) {
+        return absl::NotFoundError(
+            absl::StrCat("no daemon to take over at ", path, ": ", std::strerror(err)));
+      }
+      return absl::UnavailableError(absl::StrCat("connect ", path, ": ", std::strerror(err)));
+    }
+  }
+  // Sockets and memory are taken only from a daemon of this uid (or root):
+  // whoever could bind the path must not hand this daemon its own.
+  auto peer = ReadPeerIdentity(fd.get());
+  if (!peer.ok()) return Annotate(peer.status(), absl::StrCat("hand-over socket ", path));
+  if (peer->uid != ::geteuid() && peer->uid != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "the process listening on the hand-over socket ", path, " runs as uid ", peer->uid,
+        " (pid ", peer->pid, "), not as this daemon's uid ", ::geteuid(),
+        " or root: it may not hand over sockets or memory; nothing was taken. Remove the "
+        "socket or stop that process, or start without --take-over"));
   }
   SetTimeouts(fd.get(), timeout);
   nlohmann::json begin = {{"pid", static_cast<int64_t>(::getpid())}, {"host", HostName()}};

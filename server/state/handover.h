@@ -5,8 +5,12 @@
 // the old daemon drains and exits; clients see no refused connection.
 //
 // The old daemon listens on its hand-over socket (--handover-socket,
-// default <state-dir>/handover.sock; mode 0600, and only a peer of the daemon's own
-// uid is served). One successor at a time; the conversation is
+// default <state-dir>/handover.sock, bound, connected and removed relative
+// to the state directory; mode 0600, and only a peer of the daemon's own
+// uid is served). The successor in turn takes sockets only from a
+// predecessor of its own uid or root (SO_PEERCRED): a user who could bind
+// the socket's path cannot hand it listening sockets of its own. One
+// successor at a time; the conversation is
 //
 //   successor                       predecessor
 //   BEGIN {pid, host}         ->
@@ -60,9 +64,19 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/fd.h"
+#include "server/state/state_dir.h"
 #include "server/store/checkpoint.h"
 
 namespace weightd {
+
+// Where the hand-over socket is: `name` in the state directory `dir`
+// (StateDir::ListenUnix/ConnectUnix/Remove: no link followed), or, with no
+// `dir`, the path `name` (--handover-socket elsewhere).
+struct HandoverSocket {
+  std::shared_ptr<const StateDir> dir;
+  std::string name;
+  std::string Describe() const { return dir != nullptr ? dir->PathOf(name) : name; }
+};
 
 // What a predecessor hands over: the manifest (JSON) and the fds it names,
 // borrowed from whatever `keep_alive` holds until they are sent.
@@ -137,13 +151,13 @@ class HandoverServer {
   };
 
   // `adopt_fd` >= 0: the predecessor's hand-over socket, already listening
-  // at `path` (owned from now on), instead of binding one.
-  static absl::StatusOr<std::unique_ptr<HandoverServer>> Start(const std::string& path, Hooks hooks,
-                                                               Timeouts timeouts,
+  // at `where` (owned from now on), instead of binding one.
+  static absl::StatusOr<std::unique_ptr<HandoverServer>> Start(const HandoverSocket& where,
+                                                               Hooks hooks, Timeouts timeouts,
                                                                int adopt_fd = -1);
-  static absl::StatusOr<std::unique_ptr<HandoverServer>> Start(const std::string& path,
+  static absl::StatusOr<std::unique_ptr<HandoverServer>> Start(const HandoverSocket& where,
                                                                Hooks hooks) {
-    return Start(path, std::move(hooks), Timeouts());
+    return Start(where, std::move(hooks), Timeouts());
   }
   int listen_fd() const { return listen_fd_.get(); }
   // True once a successor serves, or may: handed over, or cut off by Stop()
@@ -156,13 +170,13 @@ class HandoverServer {
   void Stop();
 
  private:
-  HandoverServer(std::string path, UniqueFd listen_fd, UniqueFd wake_fd, Hooks hooks,
+  HandoverServer(HandoverSocket where, UniqueFd listen_fd, UniqueFd wake_fd, Hooks hooks,
                  Timeouts timeouts);
   void Run();
   // One successor's conversation; true when it completed (STARTED).
   bool Serve(int fd);
 
-  const std::string path_;
+  const HandoverSocket where_;
   UniqueFd listen_fd_;
   UniqueFd wake_fd_;
   const Hooks hooks_;
@@ -179,9 +193,11 @@ class HandoverClient {
  public:
   // Connects to the predecessor's hand-over socket: NOT_FOUND when nothing
   // listens there (no socket file, or a stale one), UNAVAILABLE when it
-  // does not answer. Then sends BEGIN and receives the manifest and fds
-  // (FAILED_PRECONDITION with the predecessor's reason when it refuses).
-  static absl::StatusOr<std::unique_ptr<HandoverClient>> Begin(const std::string& path,
+  // does not answer, PERMISSION_DENIED when the process listening runs as
+  // another uid than this one's effective uid and not as root (SO_PEERCRED;
+  // nothing is sent to it). Then sends BEGIN and receives the manifest and
+  // fds (FAILED_PRECONDITION with the predecessor's reason when it refuses).
+  static absl::StatusOr<std::unique_ptr<HandoverClient>> Begin(const HandoverSocket& where,
                                                                absl::Duration timeout);
   HandoverReceived& received() { return received_; }
   // READY, then waits for GO; returns the lease id past every lease the

@@ -1,6 +1,5 @@
 #include "server/state/published_store.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -22,24 +21,13 @@
 namespace weightd {
 namespace {
 
+constexpr char kSubdir[] = "published";
 constexpr char kSuffix[] = ".safetensors";
 constexpr char kTempPrefix[] = ".tmp-";
 
-absl::Status SyncDir(const std::string& dir) {
-  UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening ", dir));
-  if (::fsync(fd.get()) != 0) return ErrnoStatus(errno, absl::StrCat("fsync ", dir));
-  return absl::OkStatus();
-}
-
-std::string DirOf(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-}
-
 }  // namespace
 
-absl::Status WriteSafetensorsFile(const std::string& path,
+absl::Status WriteSafetensorsFile(const StateDir& dir, const std::string& name,
                                   absl::Span<const std::shared_ptr<const StoredTensor>> tensors) {
   std::vector<SafetensorsWriteEntry> entries;
   std::set<absl::string_view> names;
@@ -54,10 +42,8 @@ absl::Status WriteSafetensorsFile(const std::string& path,
     entries.push_back({t->name, t->dtype, t->shape, t->length});
   }
   const std::string prefix = BuildSafetensorsHeader(entries);
-  const std::string temp =
-      absl::StrCat(DirOf(path), "/", kTempPrefix, ::getpid(), "-", ::syscall(SYS_gettid));
-  UniqueFd fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("creating ", temp));
+  const std::string temp = absl::StrCat(kTempPrefix, ::getpid(), "-", ::syscall(SYS_gettid));
+  WD_ASSIGN_OR_RETURN(UniqueFd fd, dir.CreateFile(temp));
   absl::Status written = [&]() -> absl::Status {
     WD_RETURN_IF_ERROR(WriteFull(fd.get(), prefix.data(), prefix.size()));
     for (const auto& t : tensors) {
@@ -67,17 +53,16 @@ absl::Status WriteSafetensorsFile(const std::string& path,
     return absl::OkStatus();
   }();
   fd.Reset();
-  if (written.ok() && ::rename(temp.c_str(), path.c_str()) != 0) {
-    written = ErrnoStatus(errno, absl::StrCat("renaming to ", path));
-  }
+  if (written.ok()) written = dir.Rename(temp, name);
   if (!written.ok()) {
-    (void)::unlink(temp.c_str());
-    return Annotate(written, absl::StrCat("writing ", path));
+    (void)dir.Remove(temp);
+    return Annotate(written, absl::StrCat("writing ", dir.PathOf(name)));
   }
-  return SyncDir(DirOf(path));
+  return dir.Sync();
 }
 
-PublishedStore::PublishedStore(std::string dir) : dir_(std::move(dir)) {}
+PublishedStore::PublishedStore(std::shared_ptr<const StateDir> state_dir)
+    : state_dir_(std::move(state_dir)), dir_(state_dir_->PathOf(kSubdir)) {}
 
 PublishedStore::~PublishedStore() {
   std::thread thread;
@@ -110,6 +95,12 @@ absl::StatusOr<std::string> PublishedStore::PathOf(const std::string& file_name)
   return absl::StrCat(dir_, "/", file_name);
 }
 
+absl::StatusOr<std::shared_ptr<const FileOpener>> PublishedStore::Reader() const {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const StateDir> dir,
+                      state_dir_->Subdir(kSubdir, /*create=*/false));
+  return std::make_shared<StateDirFileOpener>(std::move(dir));
+}
+
 void PublishedStore::Save(const std::string& model, uint64_t generation,
                           std::vector<std::shared_ptr<const StoredTensor>> tensors) {
   absl::MutexLock lock(&mu_);
@@ -133,20 +124,15 @@ void PublishedStore::Forget(const std::string& model) {
 }
 
 void PublishedStore::KeepOnly(const std::set<std::string>& keep) {
-  DIR* d = ::opendir(dir_.c_str());
-  if (d == nullptr) return;  // nothing saved yet
-  std::vector<std::string> remove;
-  while (dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name == "." || name == "..") continue;
-    const std::string path = absl::StrCat(dir_, "/", name);
-    if (!keep.contains(path)) remove.push_back(path);
-  }
-  ::closedir(d);
-  for (const std::string& path : remove) {
-    if (::unlink(path.c_str()) == 0) {
+  auto dir = state_dir_->Subdir(kSubdir, /*create=*/false);
+  if (!dir.ok()) return;  // nothing saved yet (or refused at start: CheckStateDirEntries)
+  auto names = (*dir)->List();
+  if (!names.ok()) return;
+  for (const std::string& name : *names) {
+    if (keep.contains(name)) continue;
+    if ((*dir)->Remove(name).ok()) {
       LogEvent(LogLevel::kInfo, "published_removed",
-               {{"path", path}, {"reason", "no restored model serves it"}});
+               {{"path", (*dir)->PathOf(name)}, {"reason", "no restored model serves it"}});
     }
   }
 }
@@ -188,16 +174,14 @@ void PublishedStore::Loop() {
 }
 
 void PublishedStore::Run(Job& job) {
-  const std::string keep = job.generation != 0 ? PathFor(job.model, job.generation) : "";
+  const std::string keep = job.generation != 0 ? FileName(job.model, job.generation) : "";
+  auto dir = state_dir_->Subdir(kSubdir, /*create=*/job.generation != 0);
   if (job.generation != 0) {
     const absl::Time start = absl::Now();
     uint64_t bytes = 0;
     for (const auto& t : job.tensors) bytes += t->length;
-    absl::Status s;
-    if (::mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST) {
-      s = ErrnoStatus(errno, absl::StrCat("creating ", dir_));
-    }
-    if (s.ok()) s = WriteSafetensorsFile(keep, job.tensors);
+    absl::Status s = dir.status();
+    if (s.ok()) s = WriteSafetensorsFile(**dir, keep, job.tensors);
     job.tensors.clear();  // the memory may go now
     absl::MutexLock lock(&mu_);
     if (!s.ok()) {
@@ -211,22 +195,19 @@ void PublishedStore::Run(Job& job) {
     stats_.saved_bytes += bytes;
     LogEvent(LogLevel::kInfo, "published_saved",
              {{"model", job.model}, {"generation", absl::StrCat(job.generation)},
-              {"path", keep}, {"bytes", absl::StrCat(bytes)},
+              {"path", (*dir)->PathOf(keep)}, {"bytes", absl::StrCat(bytes)},
               {"seconds", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - start))}});
   }
+  if (!dir.ok()) return;  // nothing saved
   // The model's other files are superseded (or, forgotten, all of them).
   const std::string prefix = ModelPrefix(job.model);
-  DIR* d = ::opendir(dir_.c_str());
-  if (d == nullptr) return;
-  std::vector<std::string> remove;
-  while (dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (!absl::StartsWith(name, prefix) || !absl::EndsWith(name, kSuffix)) continue;
-    const std::string path = absl::StrCat(dir_, "/", name);
-    if (path != keep) remove.push_back(path);
+  auto names = (*dir)->List();
+  if (!names.ok()) return;
+  for (const std::string& name : *names) {
+    if (absl::StartsWith(name, prefix) && absl::EndsWith(name, kSuffix) && name != keep) {
+      (void)(*dir)->Remove(name);
+    }
   }
-  ::closedir(d);
-  for (const std::string& path : remove) (void)::unlink(path.c_str());
 }
 
 }  // namespace weightd

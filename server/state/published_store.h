@@ -16,6 +16,10 @@
 // one that crashes before a save is done restarts serving the files'
 // weights and says so (restore_skipped).
 //
+// The files are named, written, renamed and removed relative to the
+// directory (StateDir: owned by the daemon, writable by no other user, no
+// link followed).
+//
 // Thread-safe. Writes at the lowest I/O-friendly CPU priority, on one thread
 // started with the first save.
 #ifndef WEIGHTD_SERVER_STATE_PUBLISHED_STORE_H_
@@ -33,25 +37,30 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "common/file_opener.h"
+#include "server/state/state_dir.h"
 #include "server/store/checkpoint.h"
 
 namespace weightd {
 
-// Writes `tensors` (host memory) as one safetensors file at `path`: a
-// temporary file beside it, fsync()ed, renamed over `path`, the directory
-// fsync()ed. Names must be unique. On failure nothing is left at `path`
+// Writes `tensors` (host memory) as one safetensors file `name` in `dir`:
+// a temporary file beside it, fsync()ed, renamed over `name`, the directory
+// fsync()ed. Names must be unique. On failure nothing is left at `name`
 // that was not there before.
-absl::Status WriteSafetensorsFile(const std::string& path,
+absl::Status WriteSafetensorsFile(const StateDir& dir, const std::string& name,
                                   absl::Span<const std::shared_ptr<const StoredTensor>> tensors);
 
 class PublishedStore {
  public:
-  // `dir`: where the files go (created 0700 when first needed).
-  explicit PublishedStore(std::string dir);
+  // The files go in `state_dir`/published (created 0700 when first needed,
+  // checked as StateDir::Subdir says whenever it is used).
+  explicit PublishedStore(std::shared_ptr<const StateDir> state_dir);
   ~PublishedStore();  // finishes the saves queued, then joins
   PublishedStore(const PublishedStore&) = delete;
   PublishedStore& operator=(const PublishedStore&) = delete;
 
+  // The directory's path, for messages.
+  const std::string& dir() const { return dir_; }
   // The file model `model`'s generation `generation` is saved as: its name
   // (what the journal records: the state directory may move) and path.
   std::string FileName(const std::string& model, uint64_t generation) const;
@@ -59,14 +68,19 @@ class PublishedStore {
   // The path of a file name FileName() gave; INVALID_ARGUMENT for a name
   // that could lead elsewhere ("/", "..").
   absl::StatusOr<std::string> PathOf(const std::string& file_name) const;
+  // Opens the saved files for a load (of PathOf(name)); NOT_FOUND when
+  // nothing was saved, FAILED_PRECONDITION when the directory is not the
+  // daemon's own (StateDir).
+  absl::StatusOr<std::shared_ptr<const FileOpener>> Reader() const;
 
   // Queues saving `tensors` as PathFor(model, generation).
   void Save(const std::string& model, uint64_t generation,
             std::vector<std::shared_ptr<const StoredTensor>> tensors) ABSL_LOCKS_EXCLUDED(mu_);
   // Removes the model's files once the saves queued before are done.
   void Forget(const std::string& model) ABSL_LOCKS_EXCLUDED(mu_);
-  // Removes every file of the directory but `keep` (after a restore: the
-  // files of models not restored, or superseded, are garbage).
+  // Removes every file of the directory but those named `keep` (FileName()s;
+  // after a restore: the files of models not restored, or superseded, are
+  // garbage).
   void KeepOnly(const std::set<std::string>& keep) ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks until nothing is queued or being written, or `timeout` passes;
   // true when idle. For tests and `stats`.
@@ -91,7 +105,8 @@ class PublishedStore {
   void Run(Job& job);
   std::string ModelPrefix(const std::string& model) const;
 
-  const std::string dir_;
+  const std::shared_ptr<const StateDir> state_dir_;
+  const std::string dir_;  // its published/, for messages
   mutable absl::Mutex mu_;
   std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
   bool busy_ ABSL_GUARDED_BY(mu_) = false;

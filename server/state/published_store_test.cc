@@ -21,6 +21,9 @@ class PublishedStoreTest : public ::testing::Test {
     char tmpl[] = "/tmp/weightd-published-XXXXXX";
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
+    auto opened = StateDir::Open(dir_, ::geteuid());
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    state_dir_ = *opened;
     memory_ = std::make_unique<HostMemoryManager>(HostMemoryManager::Options{});
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -53,6 +56,7 @@ class PublishedStoreTest : public ::testing::Test {
   }
 
   std::string dir_;
+  std::shared_ptr<const StateDir> state_dir_;
   std::unique_ptr<HostMemoryManager> memory_;
 };
 
@@ -60,7 +64,7 @@ TEST_F(PublishedStoreTest, AFileWrittenLoadsBackAsTheSameTensors) {
   const std::string path = dir_ + "/a.safetensors";
   std::vector<std::shared_ptr<const StoredTensor>> tensors = {Tensor("b", 3, 1.0f),
                                                               Tensor("a", 5, 10.0f)};
-  ASSERT_TRUE(WriteSafetensorsFile(path, tensors).ok());
+  ASSERT_TRUE(WriteSafetensorsFile(*state_dir_, "a.safetensors", tensors).ok());
   EXPECT_EQ(Files(dir_), std::vector<std::string>{"a.safetensors"});  // no temporary left
   CheckpointLoadOptions options;
   options.memory = memory_.get();
@@ -74,11 +78,11 @@ TEST_F(PublishedStoreTest, AFileWrittenLoadsBackAsTheSameTensors) {
     EXPECT_EQ(got->digest, t->digest);
   }
   // A name twice: refused, nothing written over the file.
-  EXPECT_EQ(WriteSafetensorsFile(path, {tensors[0], tensors[0]}).code(),
+  EXPECT_EQ(WriteSafetensorsFile(*state_dir_, "a.safetensors", {tensors[0], tensors[0]}).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Files(dir_), std::vector<std::string>{"a.safetensors"});
   // An empty file loads as no tensors.
-  ASSERT_TRUE(WriteSafetensorsFile(dir_ + "/empty.safetensors", {}).ok());
+  ASSERT_TRUE(WriteSafetensorsFile(*state_dir_, "empty.safetensors", {}).ok());
   auto empty = LoadCheckpoint(dir_ + "/empty.safetensors", options);
   ASSERT_TRUE(empty.ok()) << empty.status();
   EXPECT_TRUE((*empty)->tensors().empty());
@@ -87,7 +91,7 @@ TEST_F(PublishedStoreTest, AFileWrittenLoadsBackAsTheSameTensors) {
 TEST_F(PublishedStoreTest, NewerSavesSupersedeOlderOnesAndForgetRemovesAModelsFiles) {
   const std::string dir = dir_ + "/published";
   {
-    PublishedStore store(dir);
+    PublishedStore store(state_dir_);
     EXPECT_NE(store.FileName("m", 3), store.FileName("n", 3));
     EXPECT_EQ(store.PathFor("m", 3), dir + "/" + store.FileName("m", 3));
     ASSERT_TRUE(store.PathOf(store.FileName("m", 3)).ok());
@@ -109,8 +113,10 @@ TEST_F(PublishedStoreTest, NewerSavesSupersedeOlderOnesAndForgetRemovesAModelsFi
     ASSERT_TRUE(store.WaitIdle(absl::Seconds(30)));
     EXPECT_EQ(Files(dir), std::vector<std::string>{store.FileName("n", 7)});
     // A restore keeps what it restored and removes the rest.
-    ASSERT_TRUE(WriteSafetensorsFile(dir + "/stale.safetensors", {}).ok());
-    store.KeepOnly({store.PathFor("n", 7)});
+    auto published = state_dir_->Subdir("published", /*create=*/false);
+    ASSERT_TRUE(published.ok()) << published.status();
+    ASSERT_TRUE(WriteSafetensorsFile(**published, "stale.safetensors", {}).ok());
+    store.KeepOnly({store.FileName("n", 7)});
     EXPECT_EQ(Files(dir), std::vector<std::string>{store.FileName("n", 7)});
     // Saves still queued when the store is destroyed are written first.
     store.Save("q", 1, {Tensor("w", 1 << 16, 3.0f)});

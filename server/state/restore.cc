@@ -75,8 +75,11 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
     const std::string& name = e.load.name;
     progress(e.load);
     // Next numbers past every number the model had (and past any a damaged
-    // record may have held: floor_margin).
-    const uint64_t floor = e.max_generation + 1 + floor_margin;
+    // record may have held: floor_margin), saturating at one past the
+    // largest number (the model then has none left; records past that
+    // were refused as damage when the journal was read).
+    const uint64_t max = std::min(e.max_generation, kMaxGeneration);
+    const uint64_t floor = max + 1 + std::min(floor_margin, kMaxGeneration - max);
     WeightService::RestoreExpect expect;
     expect.generation_floor = floor;
     if (!ParseIdentity(e.load.content, &expect.content)) {

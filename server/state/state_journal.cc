@@ -11,6 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/digest.h"
+#include "common/log.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace weightd {
@@ -39,19 +41,22 @@ absl::Status WriteAll(int fd, const std::string& bytes, const std::string& what)
   return absl::OkStatus();
 }
 
-absl::Status SyncDir(const std::string& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return Errno(errno, absl::StrCat("opening ", dir));
-  int rc = ::fsync(fd);
-  int err = errno;
-  ::close(fd);
-  return rc == 0 ? absl::OkStatus() : Errno(err, absl::StrCat("fsync ", dir));
-}
-
 const char* const kKindNames[] = {"model_load", "model_unload", "adapter_load",
                                   "adapter_unload", "apply", "generation_floor", "publish"};
 
 }  // namespace
+
+absl::StatusOr<uint64_t> NextGenerationNumber(absl::string_view model, uint64_t current,
+                                              uint64_t floor) {
+  const uint64_t number = std::max(current < kMaxGeneration ? current + 1 : kMaxGeneration + 1,
+                                   floor);
+  if (number > kMaxGeneration) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model \"", model.substr(0, 200), "\" has no generation number left (its next would be ",
+        number, ", past the largest, 2^62); unload it and load it again to number anew"));
+  }
+  return number;
+}
 
 const char* StateRecordKindName(StateRecord::Kind kind) {
   return kKindNames[static_cast<int>(kind)];
@@ -124,6 +129,14 @@ absl::StatusOr<StateRecord> DecodeStatePayload(const std::string& payload) {
     r.content = j.value("content", "");
   } catch (const nlohmann::json::exception& e) {
     return absl::DataLossError(absl::StrCat("malformed record: ", e.what()));
+  }
+  // A number no model can have (forged, or damage the digest missed):
+  // restored, it would make the model's next numbers wrap below ones it had.
+  const uint64_t most = r.kind == StateRecord::Kind::kFloor ? kMaxGeneration + 1 : kMaxGeneration;
+  if (r.generation > most) {
+    return absl::DataLossError(absl::StrCat(
+        DescribeRecord(r), ": generation ", r.generation, " is past the largest a model may have (",
+        most, "); record not restored"));
   }
   return r;
 }
@@ -265,39 +278,47 @@ RestorePlan PlanRestore(std::vector<StateRecord> records) {
   return plan;
 }
 
+absl::Status CheckStateDirEntries(const StateDir& dir) {
+  using K = StateDir::Kind;
+  for (const auto& [name, kind] : {std::pair<const char*, K>{"journal", K::kFile},
+                                   {"journal.new", K::kFile},
+                                   {"skipped.log", K::kFile},
+                                   {"published", K::kDirectory},
+                                   {"handover.sock", K::kSocket}}) {
+    auto checked = dir.Check(name, kind);
+    if (!checked.ok() && !absl::IsNotFound(checked.status())) return checked.status();
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<StateJournal>> StateJournal::Open(const std::string& dir) {
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    return Errno(errno, absl::StrCat("--state-dir: creating ", dir));
-  }
-  struct stat st;
-  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat("--state-dir: ", dir, " is not a directory"));
-  }
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const StateDir> opened, StateDir::Open(dir, ::geteuid()));
+  return Open(std::move(opened));
+}
+
+absl::StatusOr<std::unique_ptr<StateJournal>> StateJournal::Open(
+    std::shared_ptr<const StateDir> dir) {
+  WD_RETURN_IF_ERROR(CheckStateDirEntries(*dir));
   JournalContents previous;
-  const std::string path = dir + "/journal";
-  int in = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (in >= 0) {
+  const std::string path = dir->PathOf("journal");
+  auto in = dir->OpenToRead("journal");
+  if (in.ok()) {
     std::string bytes;
     char buf[1 << 16];
     ssize_t n;
-    while ((n = ::read(in, buf, sizeof(buf))) != 0) {
+    while ((n = ::read(in->get(), buf, sizeof(buf))) != 0) {
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        int err = errno;
-        ::close(in);
-        return Errno(err, absl::StrCat("reading ", path));
-      }
+      if (n < 0) return Errno(errno, absl::StrCat("reading ", path));
       bytes.append(buf, static_cast<size_t>(n));
     }
-    ::close(in);
     previous = ParseJournal(bytes);
-  } else if (errno != ENOENT) {
-    return Errno(errno, absl::StrCat("opening ", path));
+  } else if (!absl::IsNotFound(in.status())) {
+    return in.status();
   }
-  const std::string next = dir + "/journal.new";
-  int fd = ::open(next.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
-  if (fd < 0) return Errno(errno, absl::StrCat("--state-dir: creating ", next));
-  return std::unique_ptr<StateJournal>(new StateJournal(dir, fd, std::move(previous)));
+  auto fd = dir->OpenToAppend("journal.new", /*truncate=*/true);
+  if (!fd.ok()) return Annotate(fd.status(), "creating the journal");
+  return std::unique_ptr<StateJournal>(
+      new StateJournal(std::move(dir), fd->release(), std::move(previous)));
 }
 
 StateJournal::~StateJournal() {
@@ -308,7 +329,8 @@ StateJournal::~StateJournal() {
 absl::Status StateJournal::Append(const StateRecord& record) {
   const std::string bytes = EncodeStateRecord(record);
   absl::MutexLock lock(&mu_);
-  const std::string what = absl::StrCat("appending to ", dir_, committed_ ? "/journal" : "/journal.new");
+  const std::string what =
+      absl::StrCat("appending to ", dir_->PathOf(committed_ ? "journal" : "journal.new"));
   if (absl::Status s = WriteAll(fd_, bytes, what); !s.ok()) return s;
   if (::fdatasync(fd_) != 0) return Errno(errno, absl::StrCat("fdatasync ", what));
   return absl::OkStatus();
@@ -318,11 +340,8 @@ absl::Status StateJournal::Commit() {
   absl::MutexLock lock(&mu_);
   if (committed_) return absl::OkStatus();
   if (::fdatasync(fd_) != 0) return Errno(errno, "fdatasync journal.new");
-  const std::string from = dir_ + "/journal.new", to = dir_ + "/journal";
-  if (::rename(from.c_str(), to.c_str()) != 0) {
-    return Errno(errno, absl::StrCat("renaming ", from, " to ", to));
-  }
-  if (absl::Status s = SyncDir(dir_); !s.ok()) return s;
+  WD_RETURN_IF_ERROR(dir_->Rename("journal.new", "journal"));
+  WD_RETURN_IF_ERROR(dir_->Sync());
   committed_ = true;
   return absl::OkStatus();
 }
@@ -334,12 +353,14 @@ void StateJournal::RecordSkipped(const StateRecord& record, const std::string& r
   j["reason"] = reason;
   const std::string line =
       j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-  const std::string path = dir_ + "/skipped.log";
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-  if (fd < 0) return;
-  (void)WriteAll(fd, line, path);
-  ::fsync(fd);
-  ::close(fd);
+  auto fd = dir_->OpenToAppend("skipped.log", /*truncate=*/false);
+  absl::Status s = fd.status();
+  if (s.ok()) s = WriteAll(fd->get(), line, dir_->PathOf("skipped.log"));
+  if (s.ok() && ::fsync(fd->get()) != 0) s = Errno(errno, "fsync skipped.log");
+  if (!s.ok()) {
+    LogEvent(LogLevel::kError, "state_skipped_log_failed",
+             {{"entry", DescribeRecord(record)}, {"error", s.ToString()}});
+  }
 }
 
 }  // namespace weightd

@@ -16,6 +16,10 @@
 // records of what it restored, and of what clients change meanwhile) and
 // replaces the old one with it atomically (rename + directory fsync) when
 // it is done; a crash during a restore leaves the old journal in place.
+//
+// The journal lives in a StateDir (state_dir.h): a directory of the
+// daemon's own that no other user may write, every file in it opened
+// relative to it and never through a link.
 #ifndef WEIGHTD_SERVER_STATE_STATE_JOURNAL_H_
 #define WEIGHTD_SERVER_STATE_STATE_JOURNAL_H_
 
@@ -26,9 +30,23 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "server/state/state_dir.h"
 
 namespace weightd {
+
+// The highest generation number a model may have (2^62): more than any
+// model can use up, and far enough below 2^64 that no number the daemon
+// computes from one wraps. A journal record naming a higher one (a floor:
+// one past it, "no number left") is damage: reported and skipped as such.
+inline constexpr uint64_t kMaxGeneration = uint64_t{1} << 62;
+
+// The number of a model's next generation: past `current`, at least
+// `floor`. FAILED_PRECONDITION when that is past kMaxGeneration (numbers
+// never wrap to ones the model had).
+absl::StatusOr<uint64_t> NextGenerationNumber(absl::string_view model, uint64_t current,
+                                              uint64_t floor);
 
 struct StateRecord {
   enum class Kind { kModelLoad, kModelUnload, kAdapterLoad, kAdapterUnload, kApply, kFloor, kPublish };
@@ -102,16 +120,26 @@ struct RestorePlan {
 // Replays `records` in seq order.
 RestorePlan PlanRestore(std::vector<StateRecord> records);
 
+// Checks what a state directory holds where the daemon keeps its state:
+// journal, journal.new and skipped.log must be regular files of the
+// daemon's own (one link each), published/ a directory of its own that no
+// other user may write, handover.sock a socket; each may be missing.
+// FAILED_PRECONDITION naming the first that is not so (StateDir::Check):
+// the daemon does not start on a state directory someone else arranged.
+absl::Status CheckStateDirEntries(const StateDir& dir);
+
 class StateJournal {
  public:
-  // Creates `dir` (0700) if missing; reads `dir`/journal when present; opens
-  // `dir`/journal.new for the records to come.
+  // Checks `dir`'s entries (CheckStateDirEntries); reads `dir`/journal when
+  // present; creates `dir`/journal.new (emptied) for the records to come.
+  static absl::StatusOr<std::unique_ptr<StateJournal>> Open(std::shared_ptr<const StateDir> dir);
+  // StateDir::Open(dir, the effective uid), then Open(); for tests and tools.
   static absl::StatusOr<std::unique_ptr<StateJournal>> Open(const std::string& dir);
   ~StateJournal();
 
   // What the existing journal held (empty for a new state directory).
   const JournalContents& previous() const { return previous_; }
-  const std::string& dir() const { return dir_; }
+  const std::string& dir() const { return dir_->path(); }
 
   // Appends and fdatasync()s. Thread-safe.
   absl::Status Append(const StateRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
@@ -119,14 +147,15 @@ class StateJournal {
   // continue into it. Idempotent.
   absl::Status Commit() ABSL_LOCKS_EXCLUDED(mu_);
   // Appends one line (JSON) to `dir`/skipped.log: an entry a restore could
-  // not restore, with the reason, for the operator.
+  // not restore, with the reason, for the operator. A skipped.log that is
+  // not the daemon's own file is not written (state_skipped_log_failed).
   void RecordSkipped(const StateRecord& record, const std::string& reason);
 
  private:
-  StateJournal(std::string dir, int fd, JournalContents previous)
+  StateJournal(std::shared_ptr<const StateDir> dir, int fd, JournalContents previous)
       : dir_(std::move(dir)), fd_(fd), previous_(std::move(previous)) {}
 
-  const std::string dir_;
+  const std::shared_ptr<const StateDir> dir_;
   absl::Mutex mu_;
   int fd_ ABSL_GUARDED_BY(mu_) = -1;
   bool committed_ ABSL_GUARDED_BY(mu_) = false;

@@ -205,6 +205,52 @@ TEST(StateJournalTest, AnApplyNamesTheAdapterLoadItMerged) {
   EXPECT_TRUE(plan.models[0].stack_adapters[0].name.empty());
 }
 
+// A forged journal: a floor or generation no model can have (near 2^64)
+// would make the model's next numbers wrap below ones it had. Such a
+// record is damage: reported with its name, not replayed.
+TEST(StateJournalTest, AGenerationPastTheLargestIsDamageNamingItsRecord) {
+  StateRecord floor = Rec(StateRecord::Kind::kFloor, 3, "m");
+  floor.generation = ~uint64_t{0} - 1;
+  StateRecord apply = Apply(4, "m", kMaxGeneration + 1, {});
+  StateRecord publish = Rec(StateRecord::Kind::kPublish, 5, "m");
+  publish.generation = uint64_t{1} << 63;
+  StateRecord last_floor = Rec(StateRecord::Kind::kFloor, 6, "m");
+  last_floor.generation = kMaxGeneration + 1;  // "none left": still a floor
+  const std::string bytes = EncodeStateRecord(ModelLoad(1, "m")) +
+                            EncodeStateRecord(Apply(2, "m", 5, {})) + EncodeStateRecord(floor) +
+                            EncodeStateRecord(apply) + EncodeStateRecord(publish) +
+                            EncodeStateRecord(last_floor);
+  JournalContents read = ParseJournal(bytes);
+  ASSERT_EQ(read.records.size(), 3u);
+  EXPECT_EQ(read.records[2].generation, kMaxGeneration + 1);
+  ASSERT_EQ(read.problems.size(), 3u);
+  EXPECT_NE(read.problems[0].what.find("generation floor \"m\" (seq 3): generation 18446744073709551614 "
+                                       "is past the largest"),
+            std::string::npos)
+      << read.problems[0].what;
+  EXPECT_NE(read.problems[1].what.find("apply \"m\" (seq 4)"), std::string::npos);
+  EXPECT_NE(read.problems[2].what.find("publish \"m\" (seq 5)"), std::string::npos);
+  RestorePlan plan = PlanRestore(read.records);
+  ASSERT_EQ(plan.models.size(), 1u);
+  EXPECT_EQ(plan.models[0].max_generation, kMaxGeneration);
+}
+
+TEST(StateJournalTest, NextGenerationNumbersNeverWrap) {
+  EXPECT_EQ(*NextGenerationNumber("m", 1, 0), 2u);
+  EXPECT_EQ(*NextGenerationNumber("m", 1, 9), 9u);
+  EXPECT_EQ(*NextGenerationNumber("m", kMaxGeneration - 1, 0), kMaxGeneration);
+  for (auto [current, floor] : {std::pair<uint64_t, uint64_t>{kMaxGeneration, 0},
+                                {1, kMaxGeneration + 1},
+                                {~uint64_t{0}, 0},
+                                {1, ~uint64_t{0}}}) {
+    auto next = NextGenerationNumber("m", current, floor);
+    EXPECT_EQ(next.status().code(), absl::StatusCode::kFailedPrecondition) << current;
+    EXPECT_NE(next.status().message().find("model \"m\" has no generation number left"),
+              std::string::npos)
+        << next.status();
+  }
+}
+
 TEST(StateJournalTest, APathThatIsNotUtf8IsWrittenNotThrown) {
   StateRecord r = ModelLoad(1, "m");
   r.path = std::string("/models/\xff\xfe.safetensors");

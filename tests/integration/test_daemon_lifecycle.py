@@ -805,3 +805,84 @@ def test_adapters_count_against_the_memory_budget(tmp_path):
         d.ctl_ok("adapter", "unload", "a0")
         assert "bytes_resident: %d\n" % (24 << 20) in d.ctl_ok("stats").stdout
         d.ctl_ok("adapter", "load", "a2", str(root / "a2"))
+
+
+def _refused_start(tmp_path, *args, prefix=()):
+    """Starts weightd expecting it to refuse: its one `error:` line. A daemon
+    that starts instead fails the test (after 15 s)."""
+    proc = subprocess.Popen(list(prefix) + [harness.WEIGHTD, "--socket", str(tmp_path / "r.sock"),
+                                            "--model-root", str(tmp_path)] + list(args),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("weightd started with %s" % (args,))
+    assert proc.returncode == 1, err
+    errors = [l for l in err.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+def test_a_state_dir_another_user_could_write_is_refused_at_start(tmp_path):
+    """M5: the state directory must be the daemon's own (its uid) and
+    writable by nobody else, else another user could plant links there for
+    the daemon to write through. Refused at start with FAILED_PRECONDITION
+    naming the directory, its owner and mode, and what to do; nothing is
+    written in it. A missing one is created 0700 (whatever the umask)."""
+    state = str(tmp_path / "state")
+    os.mkdir(state, 0o700)
+    for uid, mode, want in (
+            (65534, 0o700, "%s is owned by uid 65534 (mode 0700), not by uid 0 that runs the "
+                           "daemon" % state),
+            (0, 0o777, "%s is writable by others (mode 0777, owner uid 0)" % state),
+            (0, 0o1777, "%s is writable by others (mode 1777, owner uid 0)" % state),
+            (0, 0o770, "%s is writable by its group (mode 0770, owner uid 0)" % state)):
+        os.chown(state, uid, uid)
+        os.chmod(state, mode)
+        error = _refused_start(tmp_path, "--state-dir", state)
+        assert error.startswith("error: FAILED_PRECONDITION: --state-dir: " + want), error
+        assert ("chown 0 %s && chmod 0700 %s" % (state, state) if uid else
+                "chmod 0700 " + state) in error, error
+        assert os.listdir(state) == []
+    # A link to a directory of its own is not followed either.
+    os.chown(state, 0, 0)
+    os.chmod(state, 0o700)
+    link = str(tmp_path / "link")
+    os.symlink(state, link)
+    for given in (link, link + "/"):
+        error = _refused_start(tmp_path, "--state-dir", given)
+        assert error.startswith("error: FAILED_PRECONDITION: --state-dir: %s is a symbolic link "
+                                "(to %s)" % (link, state)), error
+    assert os.listdir(state) == []
+    # Its own, and writable by none else: it starts (and writes there).
+    with harness.Daemon(model_root=str(tmp_path), extra_args=["--state-dir", state]) as d:
+        assert os.path.exists(os.path.join(state, "journal"))
+    created = str(tmp_path / "new" / "state")
+    os.mkdir(str(tmp_path / "new"))
+    d = harness.Daemon(model_root=str(tmp_path), extra_args=["--state-dir", created])
+    d.start(umask=0)
+    try:
+        assert os.stat(created).st_mode & 0o7777 == 0o700
+    finally:
+        d.stop()
+
+
+def test_a_read_only_state_dir_is_refused_at_start(tmp_path):
+    """L4: a state directory on a read-only file system (a read-only tmpfs
+    mounted over it in a private mount namespace: root writes through mode
+    bits, not through a read-only mount) is FAILED_PRECONDITION saying it is
+    not writable, not INTERNAL."""
+    state = str(tmp_path / "state")
+    os.mkdir(state, 0o700)
+    mount = ["unshare", "-m", "sh", "-c",
+             'mount -t tmpfs -o ro,mode=0700 weightd-ro "$0" && exec "$@"', state]
+    probe = subprocess.run(mount + ["touch", os.path.join(state, "x")], capture_output=True,
+                           text=True)
+    if "Read-only file system" not in probe.stderr:
+        pytest.skip("no private read-only mount here: %s" % probe.stderr.strip())
+    error = _refused_start(tmp_path, "--state-dir", state, prefix=mount)
+    assert error == ("error: FAILED_PRECONDITION: --state-dir: %s is not writable: it is on a "
+                     "read-only file system, and the daemon writes its journal there; mount it "
+                     "read-write or give another directory" % state), error

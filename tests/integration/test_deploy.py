@@ -513,8 +513,11 @@ def test_sidecar_shape():
     assert f["--socket"] == ["/run/weightd/weightd.sock"]
     assert _mount(sidecar, [m["name"] for m in sidecar["volumeMounts"]
                             if m["mountPath"] == f["--model-root"][0]][0])["readOnly"] is True
-    # --state-dir on an emptyDir: the pod's container restarts keep it.
-    state = [m for m in sidecar["volumeMounts"] if m["mountPath"] == f["--state-dir"][0]][0]
+    # --state-dir in an emptyDir: the pod's container restarts keep it. The
+    # emptyDir is writable by all, so the state directory is one the daemon
+    # creates in it (its own, 0700).
+    state = [m for m in sidecar["volumeMounts"]
+             if m["mountPath"] == os.path.dirname(f["--state-dir"][0])][0]
     assert "emptyDir" in volumes[state["name"]] and not state.get("readOnly", False)
     # Pod Security "restricted": non-root, no escalation, drop ALL, RuntimeDefault.
     psc = spec["securityContext"]

@@ -18,14 +18,16 @@ import os
 import signal
 import socket
 import struct
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 import torch
 
-from harness import Daemon, WEIGHTD
+from harness import Daemon, WEIGHTD, user_prefix
 from reference import cast_shard_ref
 import st_io
 import test_lora_parity as lora
@@ -552,3 +554,64 @@ def test_a_checkpoint_sharing_tensors_is_read_again_by_the_successor(tmp_path):
             succ.send_signal(signal.SIGTERM)
             assert succ.wait(timeout=30) == 0
         d.stop()
+
+
+# A process of another user listening where a successor looks for its
+# predecessor: it counts the bytes the successor sends it.
+_FOREIGN_PREDECESSOR = r"""
+import os, socket, sys
+path, out = sys.argv[1:]
+s = socket.socket(socket.AF_UNIX)
+s.bind(path)
+s.listen(1)
+open(out + ".ready", "w").close()
+c, _ = s.accept()
+c.settimeout(5)
+got = b""
+try:
+    while True:
+        b = c.recv(4096)
+        if not b:
+            break
+        got += b
+except socket.timeout:
+    pass
+with open(out, "w") as f:
+    f.write(str(len(got)))
+"""
+
+
+def test_a_successor_takes_nothing_from_a_predecessor_of_another_uid(files, tmp_path):
+    """L2: a local user who can bind the hand-over socket's path (a
+    --handover-socket in a directory others may write) listens there; a
+    root successor started with --take-over must not take that process's
+    sockets or memory: it checks the listener's uid (SO_PEERCRED), refuses
+    with PERMISSION_DENIED naming it, and sends it nothing, not even BEGIN."""
+    root, _ = files
+    shared = tempfile.mkdtemp(prefix="weightd-handover-")  # tmp_path's parents are root's
+    try:
+        os.chmod(shared, 0o777)
+        sock, out = os.path.join(shared, "handover.sock"), os.path.join(shared, "got")
+        fake = subprocess.Popen(user_prefix(65534) + [sys.executable, "-c", _FOREIGN_PREDECESSOR,
+                                                      sock, out])
+        try:
+            _wait_for(lambda: os.path.exists(out + ".ready"), 30, "the listener")
+            assert os.stat(sock).st_uid == 65534
+            r = subprocess.run([WEIGHTD, "--socket", str(tmp_path / "w.sock"), "--model-root", root,
+                                "--state-dir", str(tmp_path / "state"), "--take-over",
+                                "--handover-socket", sock],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 1, r.stderr
+            assert ("error: PERMISSION_DENIED: the process listening on the hand-over socket %s "
+                    "runs as uid 65534 (pid %d), not as this daemon's uid 0 or root"
+                    % (sock, fake.pid)) in r.stderr, r.stderr
+            assert fake.wait(timeout=30) == 0
+            with open(out) as f:
+                assert f.read() == "0"
+            assert not os.path.exists(str(tmp_path / "w.sock"))
+        finally:
+            if fake.poll() is None:
+                fake.kill()
+                fake.wait()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

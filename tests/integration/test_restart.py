@@ -10,6 +10,7 @@ changed on disk is not served and is named in skipped.log.
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import time
@@ -393,3 +394,132 @@ def test_sigterm_during_a_restore_exits_and_keeps_the_journal(tmp_path):
         assert f.read() == journal
     with Daemon(model_root=str(models), extra_args=["--state-dir", state]) as d:
         assert sorted(_state(d)[0]) == ["big", "small"]
+
+
+def _journal_record(payload):
+    """One journal record as the daemon writes it (state_journal.h):
+    "WDJ1" | u32 length (LE) | XXH3-128 of the payload | payload (JSON)."""
+    import xxhash
+    body = json.dumps(payload).encode()
+    return b"WDJ1" + len(body).to_bytes(4, "little") + xxhash.xxh3_128(body).digest() + body
+
+
+def test_a_forged_generation_floor_near_2_64_is_refused_and_numbers_never_wrap(files, tmp_path):
+    """A journal with records whose generation no model can have (a floor of
+    2^64 - 2, an apply numbered 2^64 - 1, digests intact: forged) must not
+    make the next numbers wrap below ones the models had: such records are
+    damage, named in the log and not restored. A floor of one past the
+    largest (2^62 + 1) is kept: that model has no number left, and its next
+    apply is FAILED_PRECONDITION instead of wrapping."""
+    root, _ = files
+    state = str(tmp_path / "state")
+    with _daemon(root, state) as d:
+        d.ctl_ok("load", "m1", os.path.join(root, "base32.safetensors"))
+        d.ctl_ok("apply", "m1")  # generation 2
+        d.ctl_ok("load", "m2", os.path.join(root, "base16.safetensors"))
+        d.ctl_ok("load", "m3", os.path.join(root, "base16.safetensors"))
+        d.proc.kill()
+    journal = os.path.join(state, "journal")
+    data, starts = _records(journal)
+    seq = max(_payload(data, s)["seq"] for s in starts)
+    with open(journal, "ab") as f:
+        f.write(_journal_record({"kind": "generation_floor", "seq": seq + 1, "name": "m1",
+                                 "generation": 2**64 - 2}))
+        f.write(_journal_record({"kind": "apply", "seq": seq + 2, "name": "m2", "stack": [],
+                                 "generation": 2**64 - 1, "content": "00" * 16}))
+        f.write(_journal_record({"kind": "generation_floor", "seq": seq + 3, "name": "m3",
+                                 "generation": 2**62 + 1}))
+    with _daemon(root, state) as d:
+        log = d.log()
+        assert re.search(r'state_journal_damaged .*generation floor \\?"m1\\?" \(seq %d\): '
+                         r'generation 18446744073709551614 is past the largest' % (seq + 1), log), log
+        assert re.search(r'apply \\?"m2\\?" \(seq %d\): generation 18446744073709551615 is past'
+                         % (seq + 2), log), log
+        assert _state(d)[0] == {"m1": (2, ()), "m2": (1, ()), "m3": (1, ())}
+        with weightd.Client(socket=d.socket) as c:
+            # Past every number each had, and past the margin a damaged
+            # journal adds (a lost record may have held a higher one).
+            assert c.apply("m1", []) == 2 + 1 + (1 << 20)
+            assert c.apply("m2", []) == 1 + 1 + (1 << 20)
+            with pytest.raises(weightd.Error) as e:
+                c.apply("m3", [])
+            assert e.value.code == "FAILED_PRECONDITION", e.value
+            assert "no generation number left" in str(e.value), e.value
+            assert c.info("m3").generation == 1
+        # The next restart keeps the numbers (the forged records are gone).
+        d.proc.kill()
+    with _daemon(root, state) as d:
+        assert "state_journal_damaged" not in d.log()
+        assert _state(d)[0] == {"m1": (2 + 1 + (1 << 20), ()), "m2": (2 + (1 << 20), ()),
+                                "m3": (1, ())}
+
+
+def _start_on(state, models, tmp_path):
+    """Runs weightd on `state` expecting it to refuse: (returncode, stderr)."""
+    from harness import WEIGHTD
+    r = subprocess.run([WEIGHTD, "--socket", str(tmp_path / "refused.sock"), "--model-root",
+                        str(models), "--state-dir", state], capture_output=True, text=True,
+                       timeout=30)
+    return r.returncode, r.stderr
+
+
+@pytest.mark.parametrize("entry", ["journal.new", "skipped.log", "published", "journal",
+                                   "journal.new:hard link", "published:another user's"])
+def test_what_another_user_planted_in_the_state_dir_is_never_followed(files, tmp_path, entry):
+    """A state directory another user could write once (now the daemon's
+    own, 0700) still holds what that user planted: links to root's files
+    and directories, a hard link to one, a directory of its own. The daemon
+    refuses to start, naming the entry and what to do, and truncates,
+    appends to or removes nothing through it (it used to truncate the file
+    journal.new named, append to skipped.log's, and empty published's
+    directory). With the entry removed it restores as before."""
+    root, _ = files
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("m", "gone"):
+        shutil.copy(os.path.join(root, "base16.safetensors"), models / (name + ".safetensors"))
+    state = str(tmp_path / "state")
+    with Daemon(model_root=str(models), extra_args=["--state-dir", state]) as d:
+        d.ctl_ok("load", "m", str(models / "m.safetensors"))
+        # Its file goes: the restore skips it and writes skipped.log.
+        d.ctl_ok("load", "gone", str(models / "gone.safetensors"))
+        d.proc.kill()
+    os.unlink(models / "gone.safetensors")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root's file")
+    victim_dir = tmp_path / "victim-dir"
+    victim_dir.mkdir(mode=0o700)
+    (victim_dir / "root.safetensors").write_bytes(b"root's file in root's directory")
+    name, _, how = entry.partition(":")
+    planted = os.path.join(state, name)
+    if name == "journal":
+        os.rename(planted, str(tmp_path / "journal"))  # kept, to put back
+    if how == "hard link":
+        os.link(victim, planted)
+        why = "has 2 hard links"
+    elif how:
+        os.mkdir(planted)
+        os.chown(planted, 65534, 65534)
+        os.chmod(planted, 0o777)
+        why = "is owned by uid 65534, not by uid 0"
+    else:
+        os.symlink(victim_dir if name == "published" else victim, planted)
+        why = "is a symbolic link (to %s)" % (victim_dir if name == "published" else victim)
+    rc, err = _start_on(state, models, tmp_path)
+    assert rc == 1, err
+    assert "error: FAILED_PRECONDITION: --state-dir: %s %s" % (planted, why) in err, err
+    assert "remove it" in err, err
+    assert victim.read_bytes() == b"root's file"
+    assert os.listdir(victim_dir) == ["root.safetensors"]
+    assert not os.path.exists(os.path.join(state, "skipped.log")) or name == "skipped.log"
+    if os.path.isdir(planted) and not os.path.islink(planted):
+        os.rmdir(planted)
+    else:
+        os.unlink(planted)
+    if name == "journal":
+        os.rename(str(tmp_path / "journal"), planted)
+    with Daemon(model_root=str(models), extra_args=["--state-dir", state]) as d:
+        assert list(_state(d)[0]) == ["m"]
+        assert "restore_skipped" in d.log()
+    skipped = [json.loads(l) for l in open(os.path.join(state, "skipped.log"))]
+    assert [s["entry"].split(" (")[0] for s in skipped] == ['model load "gone"'], skipped

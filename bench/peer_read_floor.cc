@@ -5,15 +5,18 @@
 // bytes (no copy into segments, no page faults, no digests). What a load
 // from peers adds on top of this is the daemon's own work.
 //
-//   peer_read_floor --peer HOST:PORT --file PATH [--streams 4]
+//   peer_read_floor --peer HOST:PORT --file PATH [--token TOKEN] [--streams 4]
 //                   [--chunk-bytes 16777216] [--repeats 3]
 // PATH: the single .safetensors file the daemon loaded (its key is computed
-// from its header, as the daemon does). Prints one JSON line.
+// from its header, as the daemon does; its first bytes are the sample that
+// picks the copy). TOKEN: a bearer token the daemon's --fleet-members admits.
+// Prints one JSON line.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -40,7 +43,7 @@ int Die(const std::string& why) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string peer, file;
+  std::string peer, file, token;
   uint64_t streams = 4, chunk = 16ull << 20, repeats = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i], v = argv[i + 1];
@@ -48,6 +51,8 @@ int main(int argc, char** argv) {
       peer = v;
     } else if (flag == "--file") {
       file = v;
+    } else if (flag == "--token") {
+      token = v;
     } else if (flag == "--streams" && absl::SimpleAtoi(v, &streams) && streams > 0) {
     } else if (flag == "--chunk-bytes" && absl::SimpleAtoi(v, &chunk) && chunk > 0) {
     } else if (flag == "--repeats" && absl::SimpleAtoi(v, &repeats) && repeats > 0) {
@@ -68,6 +73,14 @@ int main(int argc, char** argv) {
   if (::pread(fd, header.data(), header.size(), 0) != static_cast<ssize_t>(header.size())) {
     return Die("short header");
   }
+  // The sample a holder picks its copy by: the data section's first bytes.
+  std::string sample(std::min<uint64_t>(64 << 10, static_cast<uint64_t>(st.st_size) -
+                                                      header.size()),
+                     '\0');
+  if (::pread(fd, sample.data(), sample.size(), static_cast<off_t>(header.size())) !=
+      static_cast<ssize_t>(sample.size())) {
+    return Die("short data");
+  }
   ::close(fd);
   weightd::CheckpointFileId id{weightd::Basename(file), static_cast<uint64_t>(st.st_size),
                                weightd::DigestBytes(header.data(), header.size())};
@@ -83,8 +96,15 @@ int main(int argc, char** argv) {
   std::string copy;
   {
     grpc::ClientContext ctx;
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
     weightd::v1::FindCheckpointRequest req;
     req.set_key(std::string(key.View()));
+    weightd::v1::CheckpointRange* r = req.add_samples();
+    r->set_file(0);
+    r->set_offset(0);
+    r->set_length(sample.size());
+    req.add_sample_digests(
+        std::string(weightd::DigestBytes(sample.data(), sample.size()).View()));
     weightd::v1::FindCheckpointResponse resp;
     grpc::Status s = stub->FindCheckpoint(&ctx, req, &resp);
     if (!s.ok()) return Die("FindCheckpoint: " + s.error_message());
@@ -107,6 +127,7 @@ int main(int argc, char** argv) {
           if (off >= data_len) return;
           const uint64_t len = std::min(chunk, data_len - off);
           grpc::ClientContext ctx;
+          if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
           weightd::v1::ReadCheckpointRequest req;
           req.set_key(std::string(key.View()));
           req.set_copy(copy);

@@ -64,11 +64,17 @@ def main():
     addrs = ["127.0.0.1:%d" % free_port() for _ in range(4)]
     socks = [os.path.join(tmp, "d%d.sock" % i) for i in range(4)]
     procs = []
+    # Fleet members of each other (README: Access control, Fleet members).
+    token = "bench-fleet-0123456789abcdef"
+    tokens = os.path.join(tmp, "fleet.tokens")
+    with open(tokens, "w") as f:
+        f.write("fleet %s\n" % token)
     for i, addr in enumerate(addrs):
         procs.append(subprocess.Popen(
             [weightd_bin, "--socket", socks[i], "--listen", addr, "--model-root", suite.OUT_DIR,
              "--huge-pages", "off", "--peers", ",".join(a for a in addrs if a != addr),
-             "--peer-streams", str(args.streams)],
+             "--peer-streams", str(args.streams), "--auth-token-file", tokens,
+             "--fleet-members", "token:fleet", "--peer-token-file", tokens],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
     def client(i):
@@ -118,8 +124,8 @@ def main():
               file=sys.stderr)
         floors, times = [], {}
         for r in range(args.repeats):
-            out = subprocess.run([floor_bin, "--peer", addrs[0], "--file", path, "--streams",
-                                  str(args.streams), "--repeats", "1"],
+            out = subprocess.run([floor_bin, "--peer", addrs[0], "--file", path, "--token", token,
+                                  "--streams", str(args.streams), "--repeats", "1"],
                                  check=True, capture_output=True, text=True).stdout
             floors.append(json.loads(out)["gbps"][0])
             print("round %d floor: %.2f GB/s" % (r + 1, floors[-1]), file=sys.stderr)

@@ -214,6 +214,30 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
       .Add({"peer-streams", "N",
             "ranges a load transfers from peers at once (1..64, default 4)", K::kValue,
             NumberInto("peer-streams", &f->service.peer_streams, 1, 64)})
+      .Add({"peer-max", "N",
+            "the most peers considered and connections kept (1..4096, default 64); past it, "
+            "--peers first, then a per-daemon choice of --peer-dns's (logged)",
+            K::kValue, NumberInto("peer-max", &f->peers.max_peers, 1, 4096)})
+      .Add({"peer-verify", "samples|all|N%",
+            "how much of what peers send a load compares with storage, at places the peers are "
+            "never told: 8 pieces per file (default), that share of the bytes, or every byte",
+            K::kValue,
+            [f](const std::string& v) -> absl::Status {
+              WD_ASSIGN_OR_RETURN(f->service.peer_verify, ParsePeerVerify(v));
+              return absl::OkStatus();
+            }})
+      .Add({"fleet-members", "LIST",
+            "the daemons that may load from this one (FindCheckpoint, ReadCheckpoint): "
+            "token:NAME (--auth-token-file) and cn:NAME (--tls-client-ca) entries; none = "
+            "nobody",
+            K::kValue, [access](const std::string& v) -> absl::Status {
+              WD_ASSIGN_OR_RETURN(access->fleet_members, ReaderList::Parse({v}));
+              if (!access->fleet_members.OnlyTcpIdentities()) {
+                return absl::InvalidArgumentError(
+                    "--fleet-members: only token:NAME and cn:NAME (peers call over --listen)");
+              }
+              return absl::OkStatus();
+            }})
       .Add({"warm-reserve-bytes", "N", "pre-faulted output segments kept ready (0 = off)",
             K::kValue, Uint64Into("warm-reserve-bytes", &f->service.warm_reserve_bytes)})
       .Add({"reserve-chunk-bytes", "N", "size of a warm-reserve chunk (>= 4096)", K::kValue,
@@ -377,6 +401,13 @@ absl::Status CheckFlags(const FlagTable& table, DaemonFlags* flags) {
   }
   if (!flags->service.access.admin_token_names.empty() && g.auth_token_file.empty()) {
     return absl::InvalidArgumentError("--admin-token-names needs --auth-token-file");
+  }
+  const ReaderList& members = flags->service.access.fleet_members;
+  if (members.HasToken() && g.auth_token_file.empty()) {
+    return absl::InvalidArgumentError("--fleet-members token:NAME needs --auth-token-file");
+  }
+  if (members.HasCertCn() && g.tls_client_ca_file.empty()) {
+    return absl::InvalidArgumentError("--fleet-members cn:NAME needs --tls-client-ca");
   }
   if (!g.auth_token_file.empty() && !tls && !IsLoopbackListenAddress(g.tcp_listen) &&
       !flags->allow_insecure_token) {
@@ -630,6 +661,9 @@ int Main(int argc, char** argv) {
   if (!flags.peers.addresses.empty() || !flags.peers.dns.empty()) {
     flags.peers.tls_cert_file = flags.grpc.tls_cert_file;
     flags.peers.tls_key_file = flags.grpc.tls_key_file;
+    // Room for a true answer and every stream's ranges in flight.
+    flags.peers.receive_budget_bytes =
+        (32ull << 20) + static_cast<uint64_t>(flags.service.peer_streams) * (8ull << 20);
     auto started = PeerTable::Start(flags.peers);
     if (!started.ok()) return Fail(started.status());
     peer_table = std::move(*started);

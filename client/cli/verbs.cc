@@ -232,7 +232,12 @@ absl::Status CmdInfo(Client& c, const Args& a) {
 absl::Status CmdVerify(Client& c, const Args& a) {
   WD_RETURN_IF_ERROR(NeedPositional(a, 1, "verify NAME"));
   WD_ASSIGN_OR_RETURN(auto r, c.Verify(a.positional[0]));
-  std::printf("verified %s: %llu tensors, %s, every digest matches\n", a.positional[0].c_str(),
+  // What Verify checks: the bytes in memory against the digests recorded
+  // when they were loaded (from storage, or from peers: README "What a
+  // fleet trusts a peer for"), not storage itself.
+  std::printf("verified %s: %llu tensors, %s match the digests recorded at load (memory "
+              "checked, not storage)\n",
+              a.positional[0].c_str(),
               static_cast<unsigned long long>(r.first), HumanBytes(r.second).c_str());
   return absl::OkStatus();
 }

@@ -181,6 +181,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
 
   grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx, const v1::ListModelsRequest*,
                                  v1::ListModelsResponse* resp) override {
+    SayWhoAnswers(ctx);  // a refusal too: a daemon polling itself knows
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return Refuse(ctx, who.status());
     // Only the models the caller may read.
@@ -319,6 +320,9 @@ class ModelsImpl final : public v1::Models::CallbackService {
                                   v1::PeersResponse* resp) override {
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return Refuse(ctx, who.status());
+    // What the peers hold (as their List shows it to this daemon's fleet
+    // identity) is for admins: other callers see who answers, not names.
+    const bool models = auth_->policy().CheckAdmin(*who, "see what peers hold").ok();
     if (peers_ != nullptr) {
       resp->set_advertise(peers_->options().advertise);
       resp->set_peer_dns(peers_->options().dns);
@@ -333,6 +337,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
         out->set_error(p.error);
         out->set_last_seen_unix_ms(ms(p.last_seen));
         out->set_polled_unix_ms(ms(p.polled));
+        if (!models) continue;
         for (const PeerModelState& m : p.models) {
           v1::PeerModel* pm = out->add_models();
           pm->set_name(m.name);
@@ -349,8 +354,12 @@ class ModelsImpl final : public v1::Models::CallbackService {
   grpc::ServerUnaryReactor* FindCheckpoint(grpc::CallbackServerContext* ctx,
                                            const v1::FindCheckpointRequest* req,
                                            v1::FindCheckpointResponse* resp) override {
-    auto who = auth_->AuthenticateAdmin(ctx, "replicate checkpoints");
+    // Fleet members only, before anything about the request is looked at.
+    SayWhoAnswers(ctx);
+    auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return Refuse(ctx, who.status());
+    absl::Status member = auth_->policy().CheckFleetMember(*who);
+    if (!member.ok()) return Refuse(ctx, member);
     auto key = KeyOf(req->key());
     if (!key.ok()) return Refuse(ctx, key.status());
     std::vector<CheckpointRange> samples;
@@ -365,8 +374,10 @@ class ModelsImpl final : public v1::Models::CallbackService {
     }
     // Digests up to 4096 MiB of samples: on the pool.
     return RunOnPool(ctx, pool_, drain_, [this, resp, key = *key, samples = std::move(samples),
-                                          sample_digests = std::move(sample_digests)] {
-      WD_ASSIGN_OR_RETURN(PeerHolding held, service_->FindHeld(key, samples, sample_digests));
+                                          sample_digests = std::move(sample_digests),
+                                          who = std::move(*who)] {
+      WD_ASSIGN_OR_RETURN(PeerHolding held,
+                          service_->FindHeld(key, samples, sample_digests, who));
       resp->set_copy(std::string(held.copy.View()));
       for (const std::vector<Digest>& file : held.tensor_digests) {
         std::string* out = resp->add_tensor_digests();
@@ -380,8 +391,10 @@ class ModelsImpl final : public v1::Models::CallbackService {
 
   grpc::ServerWriteReactor<v1::ReadChunk>* ReadCheckpoint(
       grpc::CallbackServerContext* ctx, const v1::ReadCheckpointRequest* req) override {
-    auto who = auth_->AuthenticateAdmin(ctx, "replicate checkpoints");
+    auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return RefuseStream<v1::ReadChunk>(who.status());
+    absl::Status member = auth_->policy().CheckFleetMember(*who);
+    if (!member.ok()) return RefuseStream<v1::ReadChunk>(member);
     auto key = KeyOf(req->key());
     if (!key.ok()) return RefuseStream<v1::ReadChunk>(key.status());
     auto hold = drain_->Enter();
@@ -389,7 +402,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
     auto copy = KeyOf(req->copy());
     if (!copy.ok()) return RefuseStream<v1::ReadChunk>(copy.status());
     const v1::CheckpointRange& r = req->range();
-    auto range = service_->ReadHeld(*key, *copy, {r.file(), r.offset(), r.length()});
+    auto range = service_->ReadHeld(*key, *copy, {r.file(), r.offset(), r.length()}, *who);
     if (!range.ok()) return RefuseStream<v1::ReadChunk>(range.status());
     return new ReadReactor(std::move(*range), std::move(*hold));  // deletes itself in OnDone
   }
@@ -467,6 +480,13 @@ class ModelsImpl final : public v1::Models::CallbackService {
   }
 
  private:
+  // Answers carry this daemon's instance id (PeerTable::instance_id), so
+  // that a daemon that finds itself among its peers (--peer-dns naming it)
+  // knows and leaves itself out.
+  void SayWhoAnswers(grpc::CallbackServerContext* ctx) const {
+    if (peers_ != nullptr) ctx->AddInitialMetadata(kInstanceMetadata, peers_->instance_id());
+  }
+
   WeightService* service_;
   ThreadPool* pool_;
   TaskThreads* long_calls_;

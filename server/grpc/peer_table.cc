@@ -8,44 +8,72 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <list>
 #include <map>
 #include <optional>
+#include <random>
 #include <set>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/resource_quota.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/digest.h"
 #include "common/fd.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "common/thread_pool.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {
 
-// One stub per peer address, made when first used; the credentials and
-// token presented. Thread-safe: the polling thread and loads share it.
+// One stub per peer address, made when first used and kept for the
+// `capacity` most recently used addresses (an evicted one's connection
+// closes once no call uses it: each channel has its own subchannels); the
+// credentials and token presented; one receive budget over all of them.
+// Thread-safe: the polling threads and loads share it.
 class PeerTable::Channels {
  public:
+  Channels(size_t capacity, uint64_t receive_budget)
+      : capacity_(std::max<size_t>(1, capacity)), quota_("weightd-peers") {
+    quota_.Resize(static_cast<size_t>(receive_budget));
+    max_message_ = static_cast<int>(std::min<uint64_t>(receive_budget, INT32_MAX));
+  }
+
   std::shared_ptr<grpc::ChannelCredentials> creds;
   std::string token;
 
   std::shared_ptr<v1::Models::Stub> StubFor(const std::string& address) {
     absl::MutexLock lock(&mu_);
     auto it = stubs_.find(address);
-    if (it != stubs_.end()) return it->second;
+    if (it != stubs_.end()) {
+      lru_.splice(lru_.begin(), lru_, it->second.second);
+      return it->second.first;
+    }
     grpc::ChannelArguments args;
     // A peer that went away is tried again at the next poll, not after
     // gRPC's reconnect backoff (up to 2 min).
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
-    // FindCheckpoint answers carry every tensor's digest; ReadChunks 4 MiB.
-    args.SetMaxReceiveMessageSize(-1);
+    // Its own subchannels: an evicted channel's connection closes with it.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    // What a peer sends is buffered within the budget (gRPC checks a
+    // message's size only once it has it all: the quota is what bounds
+    // the memory); no message may be larger than all of it.
+    args.SetResourceQuota(quota_);
+    args.SetMaxReceiveMessageSize(max_message_);
     auto stub = std::shared_ptr<v1::Models::Stub>(
         v1::Models::NewStub(grpc::CreateCustomChannel(address, creds, args)));
-    stubs_[address] = stub;
+    lru_.push_front(address);
+    stubs_[address] = {stub, lru_.begin()};
+    while (stubs_.size() > capacity_) {
+      stubs_.erase(lru_.back());
+      lru_.pop_back();
+    }
     return stub;
   }
   // Forgets the stubs of addresses not in `keep` (loads using one keep it).
@@ -53,7 +81,10 @@ class PeerTable::Channels {
     absl::MutexLock lock(&mu_);
     for (auto it = stubs_.begin(); it != stubs_.end();) {
       auto cur = it++;
-      if (std::find(keep.begin(), keep.end(), cur->first) == keep.end()) stubs_.erase(cur);
+      if (std::find(keep.begin(), keep.end(), cur->first) == keep.end()) {
+        lru_.erase(cur->second.second);
+        stubs_.erase(cur);
+      }
     }
   }
   void Authorize(grpc::ClientContext& ctx) const {
@@ -61,8 +92,14 @@ class PeerTable::Channels {
   }
 
  private:
+  const size_t capacity_;
+  grpc::ResourceQuota quota_;
+  int max_message_ = 0;
   absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<v1::Models::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);  // most recently used first
+  std::map<std::string,
+           std::pair<std::shared_ptr<v1::Models::Stub>, std::list<std::string>::iterator>>
+      stubs_ ABSL_GUARDED_BY(mu_);
 };
 
 namespace {
@@ -110,10 +147,26 @@ absl::StatusOr<std::vector<std::string>> Resolve(const std::string& name_port) {
   return std::vector<std::string>(out.begin(), out.end());
 }
 
+// Whether the answer's initial metadata names `instance_id` (the caller).
+bool AnsweredBy(const grpc::ClientContext& ctx, const std::string& instance_id) {
+  const auto& md = ctx.GetServerInitialMetadata();
+  auto it = md.find(kInstanceMetadata);
+  return it != md.end() && absl::string_view(it->second.data(), it->second.size()) == instance_id;
+}
+
+std::string RandomInstanceId() {
+  std::random_device rd;
+  std::string raw(16, '\0');
+  for (char& c : raw) c = static_cast<char>(rd());
+  return absl::BytesToHexString(raw);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PeerTable>> PeerTable::Start(PeerOptions options) {
-  auto channels = std::make_unique<Channels>();
+  options.max_peers = std::max<size_t>(1, options.max_peers);
+  options.call_threads = std::max(1, options.call_threads);
+  auto channels = std::make_unique<Channels>(options.max_peers, options.receive_budget_bytes);
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!options.tls_ca_file.empty()) {
     grpc::SslCredentialsOptions ssl;
@@ -132,15 +185,19 @@ absl::StatusOr<std::unique_ptr<PeerTable>> PeerTable::Start(PeerOptions options)
     WD_RETURN_IF_ERROR(CheckHostPort(address, "--peers"));
   }
   if (!options.dns.empty()) WD_RETURN_IF_ERROR(CheckHostPort(options.dns, "--peer-dns"));
-  auto table =
-      std::unique_ptr<PeerTable>(new PeerTable(std::move(options), std::move(channels)));
+  auto table = std::unique_ptr<PeerTable>(
+      new PeerTable(std::move(options), std::move(channels), RandomInstanceId()));
   table->thread_ = std::thread([t = table.get()] { t->Run(); });
   return table;
 }
 
-PeerTable::PeerTable(PeerOptions options, std::unique_ptr<Channels> channels)
-    : options_(std::move(options)), channels_(std::move(channels)) {
+PeerTable::PeerTable(PeerOptions options, std::unique_ptr<Channels> channels,
+                     std::string instance_id)
+    : options_(std::move(options)),
+      channels_(std::move(channels)),
+      instance_id_(std::move(instance_id)) {
   for (const std::string& address : options_.addresses) {
+    if (peers_.size() == options_.max_peers) break;  // Targets() logs it
     PeerState p;
     p.address = address;
     p.error = "not polled yet";
@@ -166,10 +223,46 @@ std::string PeerTable::dns_error() const {
   return dns_error_;
 }
 
+bool PeerTable::IsSelf(const std::string& address) const {
+  absl::MutexLock lock(&mu_);
+  return self_.count(address) > 0;
+}
+
+void PeerTable::MarkSelf(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  if (!self_.insert(address).second) return;
+  peers_.erase(std::remove_if(peers_.begin(), peers_.end(),
+                              [&](const PeerState& p) { return p.address == address; }),
+               peers_.end());
+  LogEvent(LogLevel::kInfo, "peer_is_self",
+           {{"peer", address}, {"action", "left out of the peers: it is this daemon"}});
+}
+
+std::vector<std::string> PeerTable::Preferred(std::vector<std::string> addresses,
+                                              size_t room) const {
+  std::vector<std::pair<Digest, std::string>> scored;
+  for (std::string& a : addresses) {
+    const std::string seed = absl::StrCat(instance_id_, "|", a);
+    scored.emplace_back(DigestBytes(seed.data(), seed.size()), std::move(a));
+  }
+  std::sort(scored.begin(), scored.end());
+  std::vector<std::string> out;
+  for (size_t i = 0; i < scored.size() && i < room; ++i) out.push_back(std::move(scored[i].second));
+  return out;
+}
+
 std::vector<std::string> PeerTable::Targets() {
-  std::vector<std::string> targets = options_.addresses;
-  if (options_.dns.empty()) return targets;
-  auto resolved = Resolve(options_.dns);
+  std::vector<std::string> statics;
+  for (const std::string& a : options_.addresses) {
+    if (!IsSelf(a) && std::find(statics.begin(), statics.end(), a) == statics.end()) {
+      statics.push_back(a);
+    }
+  }
+  size_t total = statics.size();
+  std::vector<std::string> targets = statics;
+  if (targets.size() > options_.max_peers) targets.resize(options_.max_peers);
+  absl::StatusOr<std::vector<std::string>> resolved = std::vector<std::string>();
+  if (!options_.dns.empty()) resolved = Resolve(options_.dns);
   absl::MutexLock lock(&mu_);
   if (!resolved.ok()) {
     // The peers found before are kept (and polled) until DNS answers again.
@@ -185,11 +278,21 @@ std::vector<std::string> PeerTable::Targets() {
     }
     return targets;
   }
-  dns_error_.clear();
+  if (!options_.dns.empty()) dns_error_.clear();
+  std::vector<std::string> found;
   for (const std::string& a : *resolved) {
-    if (a == options_.advertise) continue;  // this daemon
-    if (std::find(targets.begin(), targets.end(), a) == targets.end()) targets.push_back(a);
+    if (a == options_.advertise || self_.count(a) > 0) continue;  // this daemon
+    if (std::find(statics.begin(), statics.end(), a) == statics.end()) found.push_back(a);
   }
+  total += found.size();
+  const size_t room = options_.max_peers - targets.size();
+  for (std::string& a : Preferred(std::move(found), room)) targets.push_back(std::move(a));
+  if (total > options_.max_peers && total != truncated_from_) {
+    LogEvent(LogLevel::kWarning, "peer_list_truncated",
+             {{"peers", absl::StrCat(total)}, {"kept", absl::StrCat(targets.size())},
+              {"limit", "--peer-max"}});
+  }
+  truncated_from_ = total > options_.max_peers ? total : 0;
   // The table follows: new addresses added, the ones DNS no longer gives
   // (and no flag names) dropped.
   std::vector<PeerState> next;
@@ -203,11 +306,14 @@ std::vector<std::string> PeerTable::Targets() {
       p.address = a;
       p.error = "not polled yet";
       next.push_back(std::move(p));
-      LogEvent(LogLevel::kInfo, "peer_found", {{"peer", a}, {"peer_dns", options_.dns}});
+      if (!options_.dns.empty()) {
+        LogEvent(LogLevel::kInfo, "peer_found", {{"peer", a}, {"peer_dns", options_.dns}});
+      }
     }
   }
   for (const PeerState& p : peers_) {
-    if (std::find(targets.begin(), targets.end(), p.address) == targets.end()) {
+    if (std::find(targets.begin(), targets.end(), p.address) == targets.end() &&
+        !p.address.empty() && !options_.dns.empty()) {
       LogEvent(LogLevel::kInfo, "peer_gone", {{"peer", p.address}, {"peer_dns", options_.dns}});
     }
   }
@@ -223,6 +329,10 @@ void PeerTable::Poll(const std::string& address) {
   channels_->Authorize(ctx);
   v1::ListModelsResponse resp;
   grpc::Status s = stub->List(&ctx, v1::ListModelsRequest(), &resp);
+  if (AnsweredBy(ctx, instance_id_)) {
+    MarkSelf(address);
+    return;
+  }
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
   auto it = std::find_if(peers_.begin(), peers_.end(),
@@ -257,14 +367,18 @@ void PeerTable::Run() {
   while (true) {
     const std::vector<std::string> targets = Targets();
     channels_->KeepOnly(targets);
-    for (const std::string& address : targets) {
-      Poll(address);
-      absl::MutexLock lock(&mu_);
-      if (stop_) return;
-    }
+    // call_threads polls at once; a stop ends the round early.
+    (void)ParallelFor(nullptr, targets.size(), options_.call_threads, [&](size_t i) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (stop_) return absl::CancelledError("stopping");
+      }
+      Poll(targets[i]);
+      return absl::OkStatus();
+    });
     absl::MutexLock lock(&mu_);
     auto stopped = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
-    if (mu_.AwaitWithTimeout(absl::Condition(&stopped), options_.poll_interval)) return;
+    if (stop_ || mu_.AwaitWithTimeout(absl::Condition(&stopped), options_.poll_interval)) return;
   }
 }
 
@@ -282,9 +396,7 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view what) {
 
 }  // namespace
 
-std::vector<PeerHolding> PeerTable::FindHolders(const Digest& key,
-                                                const std::vector<CheckpointRange>& samples,
-                                                const std::vector<Digest>& sample_digests) {
+std::vector<PeerHolding> PeerTable::FindHolders(const PeerQuery& query) {
   // Every peer: one whose last poll failed may be back (it is given a
   // short deadline, so that a peer down costs a load little).
   std::vector<std::string> ask;
@@ -295,62 +407,95 @@ std::vector<PeerHolding> PeerTable::FindHolders(const Digest& key,
                            ? options_.call_timeout
                            : std::min(options_.call_timeout, absl::Milliseconds(500)));
   }
+  const std::string key_hex = query.key.Hex().substr(0, 12);
+  // As many at once as the receive budget holds true answers twice over.
+  const uint64_t bound = query.AnswerBound();
+  const uint64_t fit = options_.receive_budget_bytes / (2 * bound);
+  if (fit == 0) {
+    LogEvent(LogLevel::kWarning, "peer_find_skipped",
+             {{"key", key_hex},
+              {"why", absl::StrCat("an answer for its ", bound, " bytes of digests would not fit "
+                                   "the peer receive budget of ",
+                                   options_.receive_budget_bytes, " bytes")},
+              {"action", "not asked; read from storage"}});
+    return {};
+  }
+  const int parallel = static_cast<int>(std::min<uint64_t>(fit, options_.call_threads));
   v1::FindCheckpointRequest req;
-  req.set_key(std::string(key.View()));
-  for (const CheckpointRange& r : samples) {
+  req.set_key(std::string(query.key.View()));
+  for (const CheckpointRange& r : query.samples) {
     v1::CheckpointRange* out = req.add_samples();
     out->set_file(r.file);
     out->set_offset(r.offset);
     out->set_length(r.length);
   }
-  for (const Digest& d : sample_digests) req.add_sample_digests(std::string(d.View()));
+  for (const Digest& d : query.sample_digests) req.add_sample_digests(std::string(d.View()));
   std::vector<std::optional<PeerHolding>> answers(ask.size());
-  std::vector<std::thread> threads;
-  threads.reserve(ask.size());
-  auto ask_one = [&](size_t i) {
+  auto refuse = [&](const std::string& peer, const std::string& why) {
+    LogEvent(LogLevel::kWarning, "peer_find_failed",
+             {{"peer", peer}, {"key", key_hex}, {"error", why},
+              {"action", "not asked for bytes"}});
+  };
+  auto ask_one = [&](size_t i) -> absl::Status {
     std::shared_ptr<v1::Models::Stub> stub = channels_->StubFor(ask[i]);
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline[i]));
     channels_->Authorize(ctx);
     v1::FindCheckpointResponse resp;
     grpc::Status s = stub->FindCheckpoint(&ctx, req, &resp);
-    if (s.error_code() == grpc::StatusCode::NOT_FOUND) return;  // not a holder
+    if (AnsweredBy(ctx, instance_id_)) {
+      MarkSelf(ask[i]);
+      return absl::OkStatus();
+    }
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) return absl::OkStatus();  // not a holder
     if (!s.ok()) {
-      LogEvent(LogLevel::kWarning, "peer_find_failed",
-               {{"peer", ask[i]}, {"error", GrpcError(s)}, {"action", "not asked for bytes"}});
-      return;
+      refuse(ask[i], absl::StrCat(GrpcError(s), " (a true answer takes at most ", bound,
+                                  " bytes)"));
+      return absl::OkStatus();
+    }
+    // Exactly the question's shape (this daemon's own headers say how many
+    // tensors each file has), before anything is made of it.
+    const size_t files = query.tensors_per_file.size();
+    if (static_cast<size_t>(resp.tensor_digests_size()) != files) {
+      refuse(ask[i], absl::StrCat("its answer has digests for ", resp.tensor_digests_size(),
+                                  " files; the checkpoint has ", files));
+      return absl::OkStatus();
+    }
+    for (size_t f = 0; f < files; ++f) {
+      if (resp.tensor_digests(static_cast<int>(f)).size() != 16 * query.tensors_per_file[f]) {
+        refuse(ask[i], absl::StrCat("its answer has ", resp.tensor_digests(static_cast<int>(f)).size(),
+                                    " bytes of digests for file ", f, ", which has ",
+                                    query.tensors_per_file[f], " tensors (16 bytes each)"));
+        return absl::OkStatus();
+      }
+    }
+    if (static_cast<size_t>(resp.sample_digests_size()) != query.samples.size() ||
+        resp.copy().size() != 16 ||
+        std::any_of(resp.sample_digests().begin(), resp.sample_digests().end(),
+                    [](const std::string& d) { return d.size() != 16; })) {
+      refuse(ask[i], absl::StrCat("its answer has ", resp.sample_digests_size(),
+                                  " sample digests for ", query.samples.size(),
+                                  " samples, or digests not of 16 bytes"));
+      return absl::OkStatus();
     }
     PeerHolding h;
     h.peer = ask[i];
-    // A digest of another length stays zero: it fails the caller's checks.
-    h.copy = DigestFromBytes(resp.copy()).value_or(Digest{});
+    h.copy = *DigestFromBytes(resp.copy());
     for (const std::string& file : resp.tensor_digests()) {
-      if (file.size() % 16 != 0) {
-        LogEvent(LogLevel::kWarning, "peer_find_failed",
-                 {{"peer", ask[i]},
-                  {"error", "a malformed answer (digests not of 16 bytes)"},
-                  {"action", "not asked for bytes"}});
-        return;
-      }
       std::vector<Digest> digests;
+      digests.reserve(file.size() / 16);
       for (size_t at = 0; at < file.size(); at += 16) {
         digests.push_back(*DigestFromBytes(absl::string_view(file).substr(at, 16)));
       }
       h.tensor_digests.push_back(std::move(digests));
     }
     for (const std::string& d : resp.sample_digests()) {
-      h.sample_digests.push_back(DigestFromBytes(d).value_or(Digest{}));
+      h.sample_digests.push_back(*DigestFromBytes(d));
     }
     answers[i] = std::move(h);
+    return absl::OkStatus();
   };
-  for (size_t i = 0; i < ask.size(); ++i) {
-    try {
-      threads.emplace_back(ask_one, i);
-    } catch (const std::system_error&) {
-      ask_one(i);  // no thread to be had: asked in turn
-    }
-  }
-  for (std::thread& t : threads) t.join();
+  (void)ParallelFor(nullptr, ask.size(), parallel, ask_one);
   std::vector<PeerHolding> out;
   for (auto& a : answers) {
     if (a.has_value()) out.push_back(std::move(*a));

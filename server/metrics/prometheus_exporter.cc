@@ -146,7 +146,7 @@ class StatsCollectable : public prometheus::Collectable {
     out.push_back(std::move(pages));
     prometheus::MetricFamily sources;
     sources.name = "weightd_load_source_bytes_total";
-    sources.help = "Checkpoint bytes loads took from storage and from peers.";
+    sources.help = "Checkpoint bytes loads took from storage and kept from peers.";
     sources.type = MetricType::Counter;
     for (const auto& [label, value] : {std::pair<const char*, uint64_t>{"storage", s.load_bytes_storage},
                                        {"peers", s.load_bytes_peers}}) {
@@ -158,7 +158,7 @@ class StatsCollectable : public prometheus::Collectable {
     out.push_back(std::move(sources));
     prometheus::MetricFamily received, failures;
     received.name = "weightd_peer_received_bytes_total";
-    received.help = "Checkpoint bytes loads received from each peer.";
+    received.help = "Checkpoint bytes loads received and kept from each peer.";
     received.type = MetricType::Counter;
     failures.name = "weightd_peer_failures_total";
     failures.help =
@@ -175,6 +175,10 @@ class StatsCollectable : public prometheus::Collectable {
     }
     out.push_back(std::move(received));
     out.push_back(std::move(failures));
+    out.push_back(Scalar("weightd_peer_discarded_bytes_total",
+                         "Checkpoint bytes peers sent that loads threw away (wrong, fetched "
+                         "again elsewhere, or the load failed).",
+                         MetricType::Counter, s.load_bytes_peers_discarded));
     out.push_back(Scalar("weightd_peer_sent_bytes_total",
                          "Checkpoint bytes this daemon sent to peers loading from it.",
                          MetricType::Counter, s.bytes_sent_to_peers));

@@ -141,6 +141,22 @@ bool ReaderList::Admits(const Principal& p) const {
   return false;
 }
 
+bool ReaderList::OnlyTcpIdentities() const {
+  return std::all_of(rules_.begin(), rules_.end(), [](const Rule& r) {
+    return r.kind == Rule::Kind::kToken || r.kind == Rule::Kind::kCertCn;
+  });
+}
+
+bool ReaderList::HasToken() const {
+  return std::any_of(rules_.begin(), rules_.end(),
+                     [](const Rule& r) { return r.kind == Rule::Kind::kToken; });
+}
+
+bool ReaderList::HasCertCn() const {
+  return std::any_of(rules_.begin(), rules_.end(),
+                     [](const Rule& r) { return r.kind == Rule::Kind::kCertCn; });
+}
+
 std::vector<std::string> ReaderList::ToStrings() const {
   std::vector<std::string> out;
   for (const Rule& r : rules_) {
@@ -213,6 +229,21 @@ absl::Status AccessPolicy::CheckAdmin(const Principal& p, absl::string_view acti
   return absl::PermissionDeniedError(absl::StrCat(
       p.Describe(), " may not ", action,
       " (not in --admin-uid / --admin-gid / --admin-token-names)"));
+}
+
+absl::Status AccessPolicy::CheckFleetMember(const Principal& p) const {
+  if (options_.fleet_members.empty()) {
+    return absl::PermissionDeniedError(
+        "the peer RPCs are off on this daemon: --fleet-members (token:NAME, cn:NAME) names the "
+        "daemons that may load from it");
+  }
+  // A Unix-socket caller (a local admin, the daemon's own uid) is never a
+  // fleet member: members are the identities peers present over --listen.
+  if (p.via != Principal::Via::kTcp || !options_.fleet_members.Admits(p)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(p.Describe(), " is not a fleet member (--fleet-members)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status AccessPolicy::CheckRead(const Principal& p,

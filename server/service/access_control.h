@@ -60,6 +60,10 @@ class ReaderList {
 
   bool empty() const { return rules_.empty(); }
   bool Admits(const Principal& p) const;
+  // Only token:NAME and cn:NAME entries (identities of TCP callers).
+  bool OnlyTcpIdentities() const;
+  bool HasToken() const;
+  bool HasCertCn() const;
   // Canonical entries, in the order given, duplicates dropped.
   std::vector<std::string> ToStrings() const;
 
@@ -104,6 +108,11 @@ struct AccessPolicyOptions {
   std::vector<uid_t> admin_uids;
   std::vector<gid_t> admin_gids;
   std::vector<std::string> admin_token_names;
+  // --fleet-members: the daemons that may load from this one
+  // (FindCheckpoint, ReadCheckpoint), as the TCP identities they present:
+  // "token:NAME" (their --peer-token-file's name in --auth-token-file),
+  // "cn:NAME" (their client certificate's CN). Empty: nobody.
+  ReaderList fleet_members;
   uid_t daemon_uid = 0;  // always allowed; main() sets getuid()
 };
 
@@ -116,6 +125,12 @@ class AccessPolicy {
   absl::Status AdmitPeer(const Principal& p) const;
   // May `p` change what is served (`action` names it in the error)?
   absl::Status CheckAdmin(const Principal& p, absl::string_view action) const;
+  // May `p` call the peer RPCs (FindCheckpoint, ReadCheckpoint)? Only a TCP
+  // caller that --fleet-members lists: not a local admin, not the daemon's
+  // own uid. PERMISSION_DENIED says which flag enables them. What a member
+  // may then read is CheckRead's (a holder offers a copy only if a model or
+  // adapter holding it admits the member).
+  absl::Status CheckFleetMember(const Principal& p) const;
   // May `p` read something guarded by every one of `guards`?
   // PERMISSION_DENIED names the first guard that refuses.
   absl::Status CheckRead(const Principal& p, absl::Span<const ReadGuard> guards) const;

@@ -99,6 +99,32 @@ TEST(AccessPolicyTest, AdminsAreEveryoneUntilListed) {
             absl::StatusCode::kPermissionDenied);
 }
 
+TEST(AccessPolicyTest, PeerRpcsAreForListedFleetMembersOnly) {
+  // None listed: nobody, not even the daemon's uid or an admin, and the
+  // refusal names the flag.
+  for (const Principal& p : {Unix(kDaemon, 1), Unix(5, 5), Principal::Tcp("fleet", ""),
+                             Principal::Tcp("", "")}) {
+    absl::Status s = Policy().CheckFleetMember(p);
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << p.Describe();
+    EXPECT_NE(s.message().find("--fleet-members"), std::string::npos) << s;
+  }
+  AccessPolicyOptions o;
+  o.fleet_members = Readers("token:fleet,cn:node-a");
+  o.admin_uids = {1000};
+  AccessPolicy p = Policy(o);
+  EXPECT_TRUE(p.CheckFleetMember(Principal::Tcp("fleet", "")).ok());
+  EXPECT_TRUE(p.CheckFleetMember(Principal::Tcp("", "node-a")).ok());
+  EXPECT_TRUE(p.CheckFleetMember(Principal::Tcp("other", "node-a")).ok());
+  for (const Principal& q : {Principal::Tcp("other", ""), Principal::Tcp("", "fleet"),
+                             Principal::Tcp("", ""), Unix(1000, 1), Unix(kDaemon, 1)}) {
+    absl::Status s = p.CheckFleetMember(q);
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << q.Describe();
+    EXPECT_NE(s.message().find("is not a fleet member"), std::string::npos) << s;
+  }
+  EXPECT_TRUE(Readers("token:a,cn:b").OnlyTcpIdentities());
+  EXPECT_FALSE(Readers("token:a,uid:5").OnlyTcpIdentities());
+}
+
 TEST(AccessPolicyTest, ReadNeedsEveryGuard) {
   AccessPolicy p = Policy();
   std::vector<ReadGuard> guards = {{"model \"m\"", Readers("uid:1,uid:2")},

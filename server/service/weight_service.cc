@@ -23,6 +23,12 @@ namespace {
 
 constexpr size_t kMaxModelName = 128;
 
+// What an adapter loaded with peers keeps of its weights file (Adapter::
+// fetched): the one-file checkpoint holding its bytes, and the budget
+// charge of a shared copy.
+using AdapterFileBytes =
+    std::pair<std::shared_ptr<const Checkpoint>, std::shared_ptr<MemoryCharge>>;
+
 absl::Status ValidateModelName(const std::string& name) {
   if (name.empty() || name.size() > kMaxModelName) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -940,8 +946,7 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
                      ? nullptr
                      : c->host_segments()[f.segment]->host_data() + f.segment_offset;
       out.length = f.data_length;
-      out.keep = std::make_shared<std::pair<std::shared_ptr<const Checkpoint>,
-                                            std::shared_ptr<MemoryCharge>>>(
+      out.keep = std::make_shared<AdapterFileBytes>(
           c, std::shared_ptr<MemoryCharge>(std::move(shared_charge)));
       return out;
     };
@@ -1455,6 +1460,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadCheckpoint(
   opts.peers = options_.peers;
   opts.source = source;
   opts.peer_streams = options_.peer_streams;
+  opts.peer_verify = options_.peer_verify;
   opts.opened_files = opened_files;
   if (share_held) {
     // A checkpoint is shared by every model that loads its files, whatever
@@ -1479,6 +1485,7 @@ void WeightService::CountLoadSources(const LoadSourceReport& report) {
   absl::MutexLock lock(&peer_counters_mu_);
   load_bytes_storage_ += report.storage_bytes;
   load_bytes_peers_ += report.peer_bytes;
+  load_bytes_peers_discarded_ += report.peer_bytes_discarded;
   for (const auto& [peer, bytes] : report.by_peer) peer_transfers_[peer].bytes += bytes;
   for (const auto& [peer, n] : report.peer_failures) peer_transfers_[peer].failures += n;
 }
@@ -1505,27 +1512,60 @@ std::vector<std::shared_ptr<const Checkpoint>> WeightService::HeldCopies(const D
   return out;
 }
 
-absl::StatusOr<PeerHolding> WeightService::FindHeld(
-    const Digest& key, const std::vector<CheckpointRange>& samples,
-    const std::vector<Digest>& sample_digests) const {
-  std::vector<std::shared_ptr<const Checkpoint>> copies = HeldCopies(key);
-  if (copies.empty()) {
-    return absl::NotFoundError(absl::StrCat("no checkpoint with key ", key.Hex(), " is resident"));
+bool WeightService::MayOfferToPeer(const Checkpoint& c, const Principal& asker) const {
+  // The same bytes under several holders: readable if any holder admits
+  // the asker (a public one admits everyone). Only the loaded models and
+  // adapters count: a copy kept alive by leases alone is not offered.
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, m] : models_) {
+    if (m->checkpoint.get() != &c) continue;
+    if (access_.CheckRead(asker, {ReadGuard{"", m->readers}}).ok()) return true;
   }
-  std::optional<PeerHolding> newest;
-  for (const std::shared_ptr<const Checkpoint>& c : copies) {
+  for (const auto& [name, a] : adapters_) {
+    const auto* kept = static_cast<const AdapterFileBytes*>(a->fetched.get());
+    if (kept == nullptr || kept->first.get() != &c) continue;
+    auto readers = adapter_readers_.find(name);
+    const ReaderList none;
+    if (access_.CheckRead(asker, {ReadGuard{"", readers != adapter_readers_.end()
+                                                     ? readers->second
+                                                     : none}})
+            .ok()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+absl::StatusOr<PeerHolding> WeightService::FindHeld(const Digest& key,
+                                                    const std::vector<CheckpointRange>& samples,
+                                                    const std::vector<Digest>& sample_digests,
+                                                    const Principal& asker) const {
+  if (samples.size() != sample_digests.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        samples.size(), " samples but ", sample_digests.size(), " sample digests"));
+  }
+  if (samples.empty()) {
+    return absl::InvalidArgumentError(
+        "FindCheckpoint needs samples of the asker's bytes and their digests: they pick the copy");
+  }
+  // Only a copy the asker may read, and only the one whose bytes at the
+  // samples are the asker's: not held, not readable and other bytes all
+  // answer the same NOT_FOUND.
+  for (const std::shared_ptr<const Checkpoint>& c : HeldCopies(key)) {
+    if (!MayOfferToPeer(*c, asker)) continue;
     WD_ASSIGN_OR_RETURN(PeerHolding held, DescribeHolding(*c, samples));
     if (held.sample_digests == sample_digests) return held;
-    if (!newest) newest = std::move(held);
   }
-  return *std::move(newest);
+  return absl::NotFoundError(absl::StrCat("no copy of checkpoint ", key.Hex(),
+                                          " with the asker's bytes at its samples is held here"));
 }
 
 absl::StatusOr<ReadRange> WeightService::ReadHeld(const Digest& key, const Digest& copy,
-                                                  const CheckpointRange& r) {
+                                                  const CheckpointRange& r,
+                                                  const Principal& asker) {
   for (const std::shared_ptr<const Checkpoint>& c :
        HeldCopies(key, static_cast<int>(std::min<uint64_t>(r.file, INT32_MAX)))) {
-    if (c->copy_id() != copy) continue;
+    if (c->copy_id() != copy || !MayOfferToPeer(*c, asker)) continue;
     WD_ASSIGN_OR_RETURN(HeldBytes held, FindHeldBytes(*c, r, kMaxPeerRangeBytes));
     ReadRange out;
     out.buffer = std::move(held.buffer);
@@ -1624,6 +1664,7 @@ ServiceStats WeightService::Stats() const {
     absl::MutexLock lock(&peer_counters_mu_);
     s.load_bytes_storage = load_bytes_storage_;
     s.load_bytes_peers = load_bytes_peers_;
+    s.load_bytes_peers_discarded = load_bytes_peers_discarded_;
     s.peer_transfers = peer_transfers_;
   }
   s.bytes_sent_to_peers = bytes_sent_to_peers_.load();

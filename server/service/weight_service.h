@@ -90,6 +90,8 @@ struct WeightServiceOptions {
   // = none.
   CheckpointPeers* peers = nullptr;
   int peer_streams = 4;  // --peer-streams
+  // --peer-verify: how much of what peers send is compared with storage.
+  PeerVerify peer_verify;
   // Bytes per read of a checkpoint, from storage or a peer (--read-chunk-bytes).
   uint64_t read_chunk_bytes = 16ull << 20;
   // --publish-staging-ahead: after a model's publish, its next publish's
@@ -240,7 +242,9 @@ struct ServiceStats {
   // Checkpoint bytes loads took from storage and from peers; per peer the
   // bytes received and the ranges it failed; bytes sent to loading peers.
   uint64_t load_bytes_storage = 0;
-  uint64_t load_bytes_peers = 0;
+  uint64_t load_bytes_peers = 0;  // kept by the loads
+  // Sent by peers and thrown away (wrong, fetched again, the load failed).
+  uint64_t load_bytes_peers_discarded = 0;
   struct PeerCounters {
     uint64_t bytes = 0;
     uint64_t failures = 0;
@@ -265,20 +269,24 @@ class WeightService {
                                          const std::vector<std::string>& readers = {},
                                          LoadSource source = LoadSource::kStorage)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // For peers loading from this daemon (FindCheckpoint, ReadCheckpoint):
-  // the digests of the resident checkpoint `key` names (CheckpointKey), per
-  // file in data-offset order, and of `samples` of its bytes; and a range
-  // of one file's data section. NOT_FOUND when no checkpoint of that key is
-  // resident, INVALID_ARGUMENT for a range outside its files.
-  // Of several copies of the key (sibling checkpoints with the same names,
-  // sizes and headers), FindHeld answers with the one whose samples are
-  // `sample_digests`, else the newest; ReadHeld reads copy `copy`.
+  // For peers loading from this daemon (FindCheckpoint, ReadCheckpoint;
+  // `asker`: a fleet member, AccessPolicy::CheckFleetMember): the digests
+  // of the resident checkpoint `key` names (CheckpointKey), per file in
+  // data-offset order, and of `samples` of its bytes; and a range of one
+  // file's data section. Only a copy that a loaded model or adapter holding
+  // it lets `asker` read is offered (MayOfferToPeer), and of the copies of
+  // a key (sibling checkpoints with the same names, sizes and headers)
+  // FindHeld answers only with the one whose samples are `sample_digests`:
+  // NOT_FOUND when there is none, whichever the reason (no existence
+  // oracle). INVALID_ARGUMENT without samples, or for samples or a range
+  // outside the files. ReadHeld reads copy `copy`.
   absl::StatusOr<PeerHolding> FindHeld(const Digest& key,
                                        const std::vector<CheckpointRange>& samples,
-                                       const std::vector<Digest>& sample_digests) const
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                       const std::vector<Digest>& sample_digests,
+                                       const Principal& asker) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<ReadRange> ReadHeld(const Digest& key, const Digest& copy,
-                                     const CheckpointRange& range) ABSL_LOCKS_EXCLUDED(mu_);
+                                     const CheckpointRange& range, const Principal& asker)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // For a restore (--state-dir): LoadModel that publishes the model only if
   // its served content is `content` (DATA_LOSS otherwise: nothing served,
   // nothing journaled), with its next generation numbered at least
@@ -602,6 +610,8 @@ class WeightService {
   // newest first.
   std::vector<std::shared_ptr<const Checkpoint>> HeldCopies(const Digest& key,
                                                            int only_file = -1) const;
+  // Whether a loaded model or adapter holding `c` admits `asker` as a reader.
+  bool MayOfferToPeer(const Checkpoint& c, const Principal& asker) const ABSL_LOCKS_EXCLUDED(mu_);
   // One change of what is served, from its journal record to its
   // publication, under state_mu_: `check` (under mu_) may refuse it, and
   // then nothing is journaled; else the record gets the next seq and reaches
@@ -781,6 +791,7 @@ class WeightService {
   mutable absl::Mutex peer_counters_mu_;
   uint64_t load_bytes_storage_ ABSL_GUARDED_BY(peer_counters_mu_) = 0;
   uint64_t load_bytes_peers_ ABSL_GUARDED_BY(peer_counters_mu_) = 0;
+  uint64_t load_bytes_peers_discarded_ ABSL_GUARDED_BY(peer_counters_mu_) = 0;
   std::map<std::string, ServiceStats::PeerCounters> peer_transfers_
       ABSL_GUARDED_BY(peer_counters_mu_);
   std::atomic<uint64_t> bytes_sent_to_peers_{0};

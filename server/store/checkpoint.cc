@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <set>
@@ -367,7 +368,9 @@ absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoad
                    files[i].header_digest});
   }
   plan.key = CheckpointKey(ids);
-  // Random places each load: a peer cannot have prepared for them.
+  // Random places each load: a peer cannot have prepared for them. (It
+  // sees them in the question, though: they pick its copy and turn away
+  // peers with other bytes early; what checks its bytes is SecretPieces.)
   std::mt19937_64 rng(std::random_device{}());
   constexpr size_t kMaxSamples = 4096;  // what a holder answers
   const uint64_t piece = std::clamp<uint64_t>(options.peer_sample_bytes, 1, 1 << 20);
@@ -407,8 +410,17 @@ absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoad
              std::tie(tensor_begin[b], tensors[b].name);
     });
   }
-  std::vector<PeerHolding> found =
-      options.peers->FindHolders(plan.key, plan.samples, plan.sample_digests);
+  if (plan.samples.empty()) {
+    // No data at all: nothing to ask for (and nothing to show a holder
+    // that we hold the same bytes).
+    return plan;
+  }
+  PeerQuery query;
+  query.key = plan.key;
+  query.samples = plan.samples;
+  query.sample_digests = plan.sample_digests;
+  for (const auto& o : order) query.tensors_per_file.push_back(o.size());
+  std::vector<PeerHolding> found = options.peers->FindHolders(query);
   auto differs = [&](const std::string& peer, const std::string& why) {
     report.peer_failures[peer]++;
     LogEvent(LogLevel::kWarning, "peer_content_differs",
@@ -486,6 +498,48 @@ absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoad
            {{"path", path}, {"source", "peers"}, {"key", Abbrev(plan.key)},
             {"holders", absl::StrJoin(plan.holders, ",")}});
   return plan;
+}
+
+// Where the bytes peers send are compared with storage's (the load reads
+// them from storage after the peers sent theirs): per file, pieces of
+// peer_sample_bytes at random places chosen here, after the holders
+// answered, and never sent to any peer, so a peer that answers the
+// question's samples truthfully cannot know where else it is checked.
+// peer_verify samples: peer_samples_per_file pieces per file; a fraction:
+// that share of each file's pieces (at least as many); all: the chunks
+// themselves, every byte.
+std::vector<CheckpointRange> SecretPieces(const std::vector<OpenFile>& files,
+                                          const CheckpointLoadOptions& options,
+                                          const std::vector<Chunk>& chunks) {
+  std::vector<CheckpointRange> out;
+  const double fraction = options.peer_verify.fraction;
+  if (fraction >= 1) {
+    for (const Chunk& c : chunks) {
+      out.push_back({static_cast<uint32_t>(c.file), c.data_begin, c.length});
+    }
+    return out;
+  }
+  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t piece = std::clamp<uint64_t>(options.peer_sample_bytes, 1, 1 << 20);
+  for (size_t i = 0; i < files.size(); ++i) {
+    const uint64_t len = static_cast<uint64_t>(files[i].st.st_size) - files[i].header.data_offset;
+    if (len == 0) continue;
+    const uint64_t n = (len + piece - 1) / piece;
+    uint64_t k = std::min<uint64_t>(n, std::max(1, options.peer_samples_per_file));
+    if (fraction > 0) k = std::max<uint64_t>(k, std::min<uint64_t>(n, std::ceil(fraction * n)));
+    // k distinct pieces of n (Floyd's sampling), in order.
+    std::set<uint64_t> picked;
+    for (uint64_t j = n - k; j < n; ++j) {
+      const uint64_t t = rng() % (j + 1);
+      if (!picked.insert(t).second) picked.insert(j);
+    }
+    // Every piece whole (the last one ends where the data does).
+    for (uint64_t at : picked) {
+      const uint64_t length = std::min(piece, len);
+      out.push_back({static_cast<uint32_t>(i), std::min(at * piece, len - length), length});
+    }
+  }
+  return out;
 }
 
 // The holders of a range in rendezvous order: each range goes to the
@@ -1055,6 +1109,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   };
   // Where the bytes kept came from (what was fetched again replaced).
   LoadProgressInfo sources;
+  std::map<std::string, uint64_t> kept_by_peer;
   sources.bytes_from_storage = bytes_total;
   if (plan.holders.empty()) {
     // Read every data section in chunks, in parallel.
@@ -1068,11 +1123,16 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
     constexpr int kFromStorage = -1;
     const std::vector<std::string>& holders = plan.holders;
     std::vector<int> supplier(chunks.size(), kFromStorage);
+    // Chunks a peer filled since the last comparison with storage.
+    std::vector<char> unchecked(chunks.size(), 0);
     // Holders a chunk is not asked again (changed only between fills).
     std::vector<std::vector<int>> excluded(chunks.size());
     auto dropped = std::make_unique<std::atomic<bool>[]>(holders.size());
-    for (size_t h = 0; h < holders.size(); ++h) dropped[h] = false;
+    // Dropped for wrong bytes: nothing it sent is kept.
+    auto lied = std::make_unique<std::atomic<bool>[]>(holders.size());
+    for (size_t h = 0; h < holders.size(); ++h) dropped[h] = lied[h] = false;
     auto drop = [&](size_t h, const absl::Status& why, const char* event) {
+      if (why.code() == absl::StatusCode::kDataLoss) lied[h] = true;
       if (dropped[h].exchange(true)) return;
       {
         absl::MutexLock lock(&report_mu);
@@ -1099,10 +1159,11 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
           absl::Status s = options.peers->ReadRange(holders[h], plan.key, plan.copy, range, c.dest);
           if (s.ok()) {
             supplier[ci] = static_cast<int>(h);
+            unchecked[ci] = 1;
             {
+              // Discarded until the load keeps them (counted at its end).
               absl::MutexLock lock(&report_mu);
-              report.peer_bytes += c.length;
-              report.by_peer[holders[h]] += c.length;
+              report.peer_bytes_discarded += c.length;
             }
             if (count) progress.Add(c.length, 0, f.path, holders[h]);
             return absl::OkStatus();
@@ -1118,6 +1179,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
               ")"));
         }
         supplier[ci] = kFromStorage;
+        unchecked[ci] = 0;
         return read_storage(c, count);
       });
     };
@@ -1150,6 +1212,42 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
       return rank_in_group[a] < rank_in_group[b];
     });
     WD_RETURN_IF_ERROR(fill(todo, /*count=*/true));
+    // Every peer has sent its bytes (it is committed to them) before the
+    // places where they are compared with storage's are chosen.
+    const std::vector<CheckpointRange> secret = SecretPieces(files, options, chunks);
+    // The secret pieces over chunks a peer filled since the last check,
+    // read from storage and compared with what the peer sent: the pieces
+    // that differ.
+    auto compare_with_storage = [&]() -> absl::StatusOr<std::vector<size_t>> {
+      std::vector<size_t> differ;
+      absl::Mutex differ_mu;
+      WD_RETURN_IF_ERROR(ParallelFor(nullptr, secret.size(), options.read_threads,
+                                     [&](size_t k) -> absl::Status {
+        const CheckpointRange& r = secret[k];
+        bool from_peer = false;
+        for (size_t ci : chunks_under(r.file, r.offset, r.length)) {
+          from_peer = from_peer || unchecked[ci];
+        }
+        if (!from_peer) return absl::OkStatus();
+        const OpenFile& f = files[r.file];
+        std::string buf(r.length, '\0');
+        WD_RETURN_IF_ERROR_CTX(
+            PreadFull(f.fd.get(), buf.data(), r.length, f.header.data_offset + r.offset),
+            "reading ", f.path);
+        const uint8_t* got = chunks[first_chunk[r.file]].dest + r.offset;
+        const bool same = std::memcmp(buf.data(), got, r.length) == 0;
+        absl::MutexLock lock(&report_mu);
+        report.storage_bytes += r.length;
+        if (!same) {
+          absl::MutexLock d(&differ_mu);
+          differ.push_back(k);
+        }
+        return absl::OkStatus();
+      }));
+      std::fill(unchecked.begin(), unchecked.end(), 0);
+      std::sort(differ.begin(), differ.end());
+      return differ;
+    };
     // Every holder dropped, what they sent read from storage again.
     auto all_from_storage = [&]() {
       for (size_t h = 0; h < holders.size(); ++h) dropped[h] = true;
@@ -1212,6 +1310,20 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
                 absl::StrCat(files[r.file].path, " data offset ", r.offset));
         }
       }
+      // The bytes themselves against storage's, where the peers could not
+      // know (whatever digests they reported for them).
+      WD_ASSIGN_OR_RETURN(std::vector<size_t> differ, compare_with_storage());
+      for (size_t k : differ) {
+        const CheckpointRange& r = secret[k];
+        blame(chunks_under(r.file, r.offset, r.length),
+              absl::StrCat(files[r.file].path, " data offset ", r.offset, " (", r.length,
+                           " bytes, compared with storage's)"));
+      }
+      // A peer caught sending wrong bytes is trusted for none of them: its
+      // other bytes may agree with digests it made up for them.
+      for (size_t ci = 0; ci < chunks.size() && !storage_disagrees; ++ci) {
+        if (supplier[ci] != kFromStorage && lied[supplier[ci]]) redo.insert(ci);
+      }
       if (storage_disagrees) {
         // Storage's bytes are what the files say: the holders' digests are
         // not those of these files.
@@ -1250,6 +1362,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
         sources.bytes_from_storage += chunks[ci].length;
       } else {
         sources.bytes_from_peers += chunks[ci].length;
+        kept_by_peer[holders[supplier[ci]]] += chunks[ci].length;
         used.insert(supplier[ci]);
       }
     }
@@ -1296,6 +1409,13 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> LoadCheckpoint(
   std::vector<SegmentPtr> sealed;
   for (auto& seg : segments) sealed.push_back(SegmentPtr(std::move(seg)));
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].buffer = sealed[tensor_segment[i]];
+  // The peers' bytes this load keeps; the rest of what they sent stays
+  // counted as discarded.
+  for (const auto& [peer, bytes] : kept_by_peer) {
+    report.peer_bytes += bytes;
+    report.by_peer[peer] += bytes;
+    report.peer_bytes_discarded -= bytes;
+  }
   ReportDone(options.progress, bytes_total, tensors_total, &sources);
   auto fresh = std::make_shared<Checkpoint>(path, std::move(paths), std::move(tensors),
                                             std::move(sealed), std::move(metadata_charge),

@@ -279,10 +279,13 @@ struct CheckpointLoadOptions {
   CheckpointPeers* peers = nullptr;
   LoadSource source = LoadSource::kStorage;
   int peer_streams = 4;  // ranges transferred from peers at once
-  // Storage bytes sampled per file to check a peer's content against
-  // (pieces of peer_sample_bytes at random offsets, new ones each load).
+  // Storage bytes sampled per file to pick a holder's copy and turn away
+  // other content early (pieces of peer_sample_bytes at random offsets, new
+  // ones each load; sent to the peers), and as many again, never sent, to
+  // compare with what the peers send (or more: peer_verify).
   int peer_samples_per_file = 8;
   uint64_t peer_sample_bytes = 64 << 10;
+  PeerVerify peer_verify;
   // Optional out: where the bytes came from.
   LoadSourceReport* report = nullptr;
   // Optional out: the files this load opened, in order (the checkpoint
@@ -327,10 +330,14 @@ absl::StatusOr<HeldBytes> FindHeldBytes(const Checkpoint& c, const CheckpointRan
 // per file) and the peers are asked who holds the same files
 // (CheckpointKey) with the same bytes at the samples; holders that agree
 // on every tensor digest supply ranges of read_chunk_bytes, spread across
-// them by rendezvous hashing, peer_streams at once. A peer that fails a
+// them by rendezvous hashing, peer_streams at once. Once they have sent
+// them, what they sent is compared with storage's bytes at places they
+// were never told (peer_verify: pieces per file, a share of the bytes, or
+// all of them). A peer that fails a
 // range (error, stall past its deadline) is dropped for the rest of the
-// load; one whose bytes miss a tensor digest or a sample is dropped with a
-// peer_data_loss (DATA_LOSS) event, and what it sent is fetched again.
+// load; one whose bytes miss a tensor digest, a sample or storage's bytes
+// is dropped with a peer_data_loss (DATA_LOSS) event, and what it sent is
+// fetched again (options.report counts it as discarded).
 // What no peer supplies comes from storage (kAuto), or the load fails
 // UNAVAILABLE (kPeers). Storage's bytes are the truth: when storage itself
 // disagrees with the peers' digests, everything is read from storage

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -360,31 +361,45 @@ TEST_F(CheckpointTest, DonatedSegmentsAreAdoptedOnlyWhenTheyCheckOut) {
 // Peers in memory, answering as a daemon's FindCheckpoint and
 // ReadCheckpoint do (DescribeHolding, FindHeldBytes), with faults: a peer
 // that fails every range, one that flips a bit of every range, one that
-// reports a wrong digest for its first tensor.
+// reports a wrong digest for its first tensor, and liars that answer the
+// question's samples truthfully and send other bytes, with those bytes'
+// digests, everywhere else (kLieOutsideSamples) or in one tensor no sample
+// touches (kLieInOneTensor).
 class MemoryPeers : public CheckpointPeers {
  public:
   struct Peer {
     std::string address;
     std::shared_ptr<const Checkpoint> held;
-    enum Fault { kNone, kFail, kFlip, kWrongDigest } fault = kNone;
+    enum Fault { kNone, kFail, kFlip, kWrongDigest, kLieOutsideSamples, kLieInOneTensor } fault =
+        kNone;
   };
   void Add(Peer p) { peers_.push_back(std::move(p)); }
   int reads(const std::string& address) {
     absl::MutexLock lock(&mu_);
     return reads_[address];
   }
+  // The peers' answers were given for this many tensors per file.
+  std::vector<uint64_t> asked_shape() {
+    absl::MutexLock lock(&mu_);
+    return asked_shape_;
+  }
 
-  std::vector<PeerHolding> FindHolders(const Digest& key,
-                                       const std::vector<CheckpointRange>& samples,
-                                       const std::vector<Digest>&) override {
+  std::vector<PeerHolding> FindHolders(const PeerQuery& query) override {
+    {
+      absl::MutexLock lock(&mu_);
+      asked_shape_ = query.tensors_per_file;
+    }
     std::vector<PeerHolding> out;
     for (const Peer& p : peers_) {
-      if (p.held->content_key() != key) continue;
-      auto h = DescribeHolding(*p.held, samples);
+      if (p.held->content_key() != query.key) continue;
+      auto h = DescribeHolding(*p.held, query.samples);
       EXPECT_TRUE(h.ok()) << h.status();
       if (!h.ok()) continue;
       h->peer = p.address;
       if (p.fault == Peer::kWrongDigest) h->tensor_digests[0][0].bytes[0] ^= 1;
+      if (p.fault == Peer::kLieOutsideSamples || p.fault == Peer::kLieInOneTensor) {
+        Lie(p, query.samples, *h);
+      }
       out.push_back(std::move(*h));
     }
     return out;
@@ -403,15 +418,74 @@ class MemoryPeers : public CheckpointPeers {
       if (!held.ok()) return held.status();
       std::memcpy(dest, held->buffer->host_data() + held->offset, range.length);
       if (p.fault == Peer::kFlip && range.length > 0) dest[range.length / 2] ^= 0x10;
+      absl::MutexLock lock(&mu_);
+      auto lie = lies_.find(address);
+      if (lie != lies_.end()) {
+        std::memcpy(dest, lie->second[range.file].data() + range.offset, range.length);
+      }
       return absl::OkStatus();
     }
     return absl::NotFoundError(address);
   }
+  // Bytes a liar sent that are not storage's.
+  uint64_t lied_bytes(const std::string& address) {
+    absl::MutexLock lock(&mu_);
+    return lied_[address];
+  }
 
  private:
+  // The liar's bytes (per file: storage's with bytes flipped outside the
+  // samples, or in one tensor that no sample touches) and its answer's
+  // digests of them.
+  void Lie(const Peer& p, const std::vector<CheckpointRange>& samples, PeerHolding& h) {
+    const Checkpoint& c = *p.held;
+    std::vector<std::string> files;
+    uint64_t lied = 0;
+    for (size_t f = 0; f < c.file_info().size(); ++f) {
+      const CheckpointFileInfo& fi = c.file_info()[f];
+      const uint8_t* data = c.host_segments()[fi.segment]->host_data() + fi.segment_offset;
+      std::string bytes(reinterpret_cast<const char*>(data), fi.data_length);
+      std::vector<char> sampled(fi.data_length, 0);
+      for (const CheckpointRange& r : samples) {
+        if (r.file == f) std::fill_n(sampled.begin() + r.offset, r.length, 1);
+      }
+      // This file's tensors in data-offset order (the answer's order).
+      std::vector<const StoredTensor*> order;
+      for (const StoredTensor& t : c.tensors()) {
+        if (t.file == fi.path) order.push_back(&t);
+      }
+      std::sort(order.begin(), order.end(), [](const StoredTensor* a, const StoredTensor* b) {
+        return std::tie(a->offset, a->name) < std::tie(b->offset, b->name);
+      });
+      bool done = false;  // kLieInOneTensor: one tensor lied about
+      for (size_t k = 0; k < order.size(); ++k) {
+        const uint64_t begin = order[k]->offset - fi.segment_offset, len = order[k]->length;
+        const bool touched = std::any_of(sampled.begin() + begin, sampled.begin() + begin + len,
+                                         [](char x) { return x != 0; });
+        for (uint64_t i = begin; i < begin + len; ++i) {
+          const bool lie = p.fault == Peer::kLieOutsideSamples ? !sampled[i]
+                                                                : !touched && !done && len > 0;
+          if (lie) {
+            bytes[i] ^= 0x5a;
+            ++lied;
+          }
+        }
+        done = done || (p.fault == Peer::kLieInOneTensor && !touched && len > 0);
+        h.tensor_digests[f][k] = DigestBytes(bytes.data() + begin, len);
+      }
+      files.push_back(std::move(bytes));
+    }
+    absl::MutexLock lock(&mu_);
+    lies_[p.address] = std::move(files);
+    lied_[p.address] = lied;
+  }
+
   std::vector<Peer> peers_;
   absl::Mutex mu_;
   std::map<std::string, int> reads_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<std::string>> lies_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> lied_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> asked_shape_ ABSL_GUARDED_BY(mu_);
 };
 
 class PeerLoadTest : public CheckpointTest {
@@ -470,7 +544,12 @@ TEST_F(PeerLoadTest, TakesTheBytesFromAHolderAndSamplesStorage) {
   ExpectSameAsHeld(**got);
   EXPECT_EQ(report_.peer_bytes, held_->total_bytes());
   EXPECT_EQ(report_.by_peer["p1"], held_->total_bytes());
-  EXPECT_EQ(report_.storage_bytes, 2u * 16);  // the samples only
+  EXPECT_EQ(report_.peer_bytes_discarded, 0u);
+  // The question's samples, and as many places of what p1 sent compared
+  // with storage's bytes.
+  EXPECT_EQ(report_.storage_bytes, 2u * 16 + 2u * 16);
+  // The peers were told the shape of a true answer: the file's tensors.
+  EXPECT_EQ(peers_.asked_shape(), std::vector<uint64_t>{held_->tensors().size()});
   ASSERT_FALSE(progress.empty());
   EXPECT_EQ(progress.back().bytes_from_peers, held_->total_bytes());
   EXPECT_EQ(progress.back().bytes_from_storage, 0u);
@@ -493,7 +572,68 @@ TEST_F(PeerLoadTest, SpreadsRangesOverHoldersAndDropsOnesThatFailOrLie) {
   EXPECT_EQ(report_.peer_failures["flips"], 1u);
   EXPECT_EQ(report_.peer_failures["fails"], 1u);
   EXPECT_EQ(report_.peer_failures.count("good"), 0u);
-  EXPECT_EQ(report_.storage_bytes, 2u * 16);  // nothing but samples from storage
+  // Nothing but samples and checks from storage.
+  EXPECT_LT(report_.storage_bytes, held_->total_bytes() / 2);
+  // Only what the load kept counts as the peers' bytes: what "flips" sent
+  // was thrown away.
+  EXPECT_EQ(report_.peer_bytes, held_->total_bytes());
+  EXPECT_EQ(report_.by_peer.count("flips"), 0u);
+  EXPECT_GT(report_.peer_bytes_discarded, 0u);
+}
+
+TEST_F(PeerLoadTest, APeerLyingWhereTheQuestionsSamplesAreNotIsCaughtByStorage) {
+  // It answers the samples it was shown truthfully and reports the digests
+  // of the other bytes it sends: only storage's bytes at places it was not
+  // told can tell. By default (8 pieces per file, here 2 of 16 bytes, over
+  // bytes it lies about nearly everywhere) they do.
+  peers_.Add({"liar", held_, MemoryPeers::Peer::kLieOutsideSamples});
+  auto got = LoadCheckpoint(path_, PeerOptions(LoadSource::kAuto));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_GT(peers_.lied_bytes("liar"), held_->total_bytes() / 2);
+  ExpectSameAsHeld(**got);
+  EXPECT_EQ(report_.peer_failures["liar"], 1u);
+  // Everything it sent was thrown away, and counted so.
+  EXPECT_EQ(report_.peer_bytes, 0u);
+  EXPECT_GE(report_.peer_bytes_discarded, peers_.lied_bytes("liar"));
+  // --source peers: no honest holder, so the load fails and keeps nothing.
+  got = absl::CancelledError("the first load's checkpoint freed");
+  const uint64_t before = memory_->stats().used_bytes;
+  got = LoadCheckpoint(path_, PeerOptions(LoadSource::kPeers));
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(memory_->stats().used_bytes, before);
+}
+
+TEST_F(PeerLoadTest, PeerVerifyAllCatchesALieInOneTensorNoSampleTouches) {
+  peers_.Add({"liar", held_, MemoryPeers::Peer::kLieInOneTensor});
+  auto o = PeerOptions(LoadSource::kAuto);
+  o.peer_verify = PeerVerify{1};
+  auto got = LoadCheckpoint(path_, o);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_GT(peers_.lied_bytes("liar"), 0u);
+  ExpectSameAsHeld(**got);
+  EXPECT_EQ(report_.peer_failures["liar"], 1u);
+  // Every byte it sent was compared with storage's.
+  EXPECT_GE(report_.storage_bytes, held_->total_bytes());
+  EXPECT_EQ(report_.peer_bytes, 0u);
+  // With an honest holder beside it, the load's bytes are storage's too,
+  // and none of the liar's count as kept.
+  report_ = {};
+  peers_.Add({"honest", held_});
+  got = LoadCheckpoint(path_, o);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameAsHeld(**got);
+  EXPECT_EQ(report_.by_peer.count("liar"), 0u);
+}
+
+TEST(PeerVerifyTest, ParsesSamplesAllAndPercentages) {
+  EXPECT_EQ(ParsePeerVerify("samples")->fraction, 0);
+  EXPECT_EQ(ParsePeerVerify("all")->fraction, 1);
+  EXPECT_DOUBLE_EQ(ParsePeerVerify("12.5%")->fraction, 0.125);
+  EXPECT_EQ(ParsePeerVerify("all")->ToString(), "all");
+  EXPECT_EQ(ParsePeerVerify("10%")->ToString(), "10%");
+  for (const char* bad : {"some", "0%", "101%", "-5%", "10"}) {
+    EXPECT_EQ(ParsePeerVerify(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
 }
 
 TEST_F(PeerLoadTest, WhatNoHolderSuppliesComesFromStorageUnlessPeersOnly) {

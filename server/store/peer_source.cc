@@ -2,7 +2,9 @@
 
 #include <cstring>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace weightd {
 
@@ -21,6 +23,33 @@ absl::StatusOr<LoadSource> ParseLoadSource(absl::string_view s) {
   if (s == "peers") return LoadSource::kPeers;
   return absl::InvalidArgumentError(
       absl::StrCat("--source: expected auto, storage or peers, got \"", s, "\""));
+}
+
+std::string PeerVerify::ToString() const {
+  if (fraction <= 0) return "samples";
+  if (fraction >= 1) return "all";
+  return absl::StrCat(fraction * 100, "%");
+}
+
+absl::StatusOr<PeerVerify> ParsePeerVerify(absl::string_view s) {
+  if (s == "samples" || s.empty()) return PeerVerify{0};
+  if (s == "all") return PeerVerify{1};
+  double percent = 0;
+  if (absl::ConsumeSuffix(&s, "%") && absl::SimpleAtod(s, &percent) && percent > 0 &&
+      percent <= 100) {
+    return PeerVerify{percent / 100};
+  }
+  return absl::InvalidArgumentError(
+      "--peer-verify: expected samples, all or a percentage of the bytes (0%..100%, e.g. 10%)");
+}
+
+uint64_t PeerQuery::AnswerBound() const {
+  // Per repeated bytes field: a tag and a varint length (at most 11 bytes),
+  // then the field; the copy id likewise; 64 bytes to spare.
+  uint64_t bound = 64 + 11 + 16;
+  for (uint64_t n : tensors_per_file) bound += 11 + 16 * n;
+  bound += (11 + 16) * samples.size();
+  return bound;
 }
 
 Digest CheckpointKey(const std::vector<CheckpointFileId>& files) {

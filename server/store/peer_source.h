@@ -5,10 +5,12 @@
 //
 // A checkpoint is the same on two daemons when its files have the same
 // names, sizes and header bytes (CheckpointKey). That much is read from
-// storage by every daemon (headers are small); the rest is trusted only
-// once checked: samples of storage bytes against the peer's (before and
-// after the transfer) and every tensor against the digest the peers report
-// (LoadCheckpoint).
+// storage by every daemon (headers are small); the bytes a peer sends are
+// checked against storage's own bytes at places the peer never learns, and
+// as much of them as PeerVerify says (LoadCheckpoint). The samples a load
+// sends with its question only pick the holder's copy and turn away peers
+// with other bytes early: the peer sees them, so they prove nothing about
+// the rest.
 #ifndef WEIGHTD_SERVER_STORE_PEER_SOURCE_H_
 #define WEIGHTD_SERVER_STORE_PEER_SOURCE_H_
 
@@ -27,6 +29,17 @@ namespace weightd {
 enum class LoadSource { kAuto, kStorage, kPeers };
 const char* LoadSourceName(LoadSource s);
 absl::StatusOr<LoadSource> ParseLoadSource(absl::string_view s);
+
+// How much of what peers send a load compares with storage's bytes
+// (--peer-verify), at places chosen after the peers answered and never
+// sent to them: "samples" (fraction 0: peer_samples_per_file pieces per
+// file), "N%" (that share of each file's data, in pieces), "all" (every
+// byte: storage is read whole too).
+struct PeerVerify {
+  double fraction = 0;  // 0: samples; 1: all
+  std::string ToString() const;
+};
+absl::StatusOr<PeerVerify> ParsePeerVerify(absl::string_view s);
 
 // One file of a checkpoint as its content identity sees it.
 struct CheckpointFileId {
@@ -57,17 +70,27 @@ struct PeerHolding {
   std::vector<Digest> sample_digests;  // one per sample asked for
 };
 
+// What a load asks its peers (FindCheckpoint).
+struct PeerQuery {
+  Digest key;
+  std::vector<CheckpointRange> samples;  // of storage's bytes
+  std::vector<Digest> sample_digests;    // storage's, one per sample
+  // Per file, its tensors (from this daemon's own headers): the exact shape
+  // of a true answer, and so the most a peer's answer may take.
+  std::vector<uint64_t> tensors_per_file;
+  // The most bytes a true answer takes on the wire (digests, framing).
+  uint64_t AnswerBound() const;
+};
+
 class CheckpointPeers {
  public:
   virtual ~CheckpointPeers() = default;
-  // Asks every peer that may hold `key` (in parallel, each within its
-  // deadline) and returns those that do, with the digests of `samples` of
-  // their bytes (of the copy whose samples are `sample_digests`, storage's,
-  // when a peer holds several). Peers that fail to answer are logged, not
-  // returned.
-  virtual std::vector<PeerHolding> FindHolders(const Digest& key,
-                                               const std::vector<CheckpointRange>& samples,
-                                               const std::vector<Digest>& sample_digests) = 0;
+  // Asks the peers whether they hold `query.key` (a few at once, each
+  // within its deadline) and returns those that do, with the digests of
+  // the samples of their copy whose samples are `query.sample_digests`.
+  // Peers that fail to answer, or whose answer is not of the query's shape
+  // (or larger than AnswerBound()), are logged and not returned.
+  virtual std::vector<PeerHolding> FindHolders(const PeerQuery& query) = 0;
   // Reads `range` of copy `copy` of the checkpoint `key` from `peer` into
   // `dest` (range.length bytes): an error for anything refused, short, out
   // of order or later than the transfer deadline.
@@ -77,9 +100,13 @@ class CheckpointPeers {
 
 // Where a load's bytes came from (LoadCheckpoint fills it).
 struct LoadSourceReport {
-  uint64_t storage_bytes = 0;  // data read from storage (samples included)
+  uint64_t storage_bytes = 0;  // data read from storage (samples, checks included)
+  // Bytes from peers that the load kept (in what it returned), in all and
+  // by address; bytes peers sent that were thrown away (wrong, fetched
+  // again elsewhere, or the load failed).
   uint64_t peer_bytes = 0;
-  std::map<std::string, uint64_t> by_peer;        // bytes received, by address
+  std::map<std::string, uint64_t> by_peer;
+  uint64_t peer_bytes_discarded = 0;
   std::map<std::string, uint64_t> peer_failures;  // ranges a peer failed, by address
 };
 

@@ -16,6 +16,10 @@ must refuse and once where it must allow.
 * TCP: TLS (server cert), client certificates (--tls-client-ca), bearer
   tokens (UNAUTHENTICATED), Health reachable without a token, and the refusal
   to start a token listener in clear text on a non-loopback address.
+* fleet RPCs (FindCheckpoint, ReadCheckpoint): --fleet-members only (not a
+  local admin, not an unlisted token), refused before the request is read;
+  a copy only if a holder's readers admit the member, and only the one
+  matching its samples.
 * --model-root confinement after resolving symlinks.
 Tests run as root; other users are played with setpriv.
 """
@@ -909,6 +913,147 @@ def test_short_or_missing_token_file_stops_the_daemon(files):
                             "127.0.0.1:%d" % free_port(), "--auth-token-file", path],
                            capture_output=True, text=True, timeout=20)
         assert r.returncode != 0 and word in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------ fleet RPCs (peers)
+# FindCheckpoint / ReadCheckpoint are for the daemons --fleet-members lists
+# (the identities they present on --listen), and answer only about copies a
+# model or adapter holding them lets that member read, matching its samples.
+
+
+def _peer_call(d, method, req, token=None, unix=False):
+    """Calls Models.`method` as a peer would: over --listen with `token`'s
+    bearer token, or on the Unix socket (a local admin: root is the daemon's
+    uid). Returns ("OK", answer) or (code name, details)."""
+    import grpc
+    from weightd.v1 import weightd_pb2_grpc as pbg
+    ch = grpc.insecure_channel("unix:" + d.socket if unix else d.target)
+    md = [("authorization", "Bearer " + TOKENS[token])] if token else []
+    try:
+        call = getattr(pbg.ModelsStub(ch), method)
+        if method == "ReadCheckpoint":
+            return "OK", b"".join(c.data for c in call(req, metadata=md, timeout=10))
+        return "OK", call(req, metadata=md, timeout=10)
+    except grpc.RpcError as e:
+        return e.code().name, e.details()
+    finally:
+        ch.close()
+
+
+def _base_query(files):
+    """(FindCheckpointRequest with true samples, ReadCheckpointRequest of
+    the first 16 bytes, the file) for base.safetensors."""
+    from weightd.v1 import weightd_pb2 as pb
+    import peer_protocol as pp
+    f = pp.StFile(model_path(files, "base.safetensors"))
+    find = pp.find_request(pb, [f], [(0, 0, 64), (0, 100, 60)])
+    read = pb.ReadCheckpointRequest(key=find.key, copy=pp.copy_id([f]),
+                                    range=pb.CheckpointRange(file=0, offset=0, length=16))
+    return find, read, f
+
+
+def test_peer_rpcs_are_off_without_fleet_members(files):
+    d = tcp_daemon(files, "--auth-token-file", files["tokens"])
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"))
+        find, read, _ = _base_query(files)
+        for who in ({"unix": True}, {"token": "alice"}):
+            for method, req in (("FindCheckpoint", find), ("ReadCheckpoint", read)):
+                code, msg = _peer_call(d, method, req, **who)
+                assert code == "PERMISSION_DENIED" and "--fleet-members" in msg, (who, code, msg)
+    finally:
+        d.stop()
+
+
+def test_only_listed_fleet_members_may_call_the_peer_rpcs(files):
+    from weightd.v1 import weightd_pb2 as pb
+    d = tcp_daemon(files, "--auth-token-file", files["tokens"], "--fleet-members", "token:alice")
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"))
+        find, read, f = _base_query(files)
+        # A local admin (root, the daemon's uid) and a token the flag does
+        # not list are refused, before the request is looked at (a malformed
+        # key is still PERMISSION_DENIED); no token is UNAUTHENTICATED.
+        bad = pb.FindCheckpointRequest(key=b"x")
+        for who, name in (({"unix": True}, "uid 0"), ({"token": "bob"}, 'token "bob"')):
+            for method, req in (("FindCheckpoint", find), ("ReadCheckpoint", read),
+                                ("FindCheckpoint", bad)):
+                code, msg = _peer_call(d, method, req, **who)
+                assert code == "PERMISSION_DENIED", (who, method, code, msg)
+                assert name in msg and "is not a fleet member" in msg, msg
+        assert _peer_call(d, "FindCheckpoint", find)[0] == "UNAUTHENTICATED"
+        # The member gets the public model's digests and bytes.
+        code, got = _peer_call(d, "FindCheckpoint", find, token="alice")
+        assert code == "OK", got
+        assert list(got.tensor_digests) == [f.tensor_digests()]
+        assert got.copy == read.copy
+        assert _peer_call(d, "ReadCheckpoint", read, token="alice") == ("OK", f.data[:16])
+    finally:
+        d.stop()
+
+
+def test_a_private_checkpoint_is_offered_only_to_members_its_readers_admit(files):
+    import peer_protocol as pp
+    d = tcp_daemon(files, "--auth-token-file", files["tokens"],
+                   "--fleet-members", "token:alice,token:bob")
+    try:
+        path = model_path(files, "base.safetensors")
+        find, read, f = _base_query(files)
+        code, unknown = _peer_call(d, "FindCheckpoint", find, token="alice")
+        assert code == "NOT_FOUND"
+        d.ctl_ok("load", "priv", path, "--readers", "uid:%d" % OTHER)
+        # Held only by a model whose readers do not admit the member: the
+        # same NOT_FOUND as when nothing is held (no existence oracle), no
+        # bytes, as Fetch refuses it.
+        for who in ("alice", "bob"):
+            code, msg = _peer_call(d, "FindCheckpoint", find, token=who)
+            assert (code, msg) == ("NOT_FOUND", unknown), msg
+            code, msg = _peer_call(d, "ReadCheckpoint", read, token=who)
+            assert code == "NOT_FOUND", msg
+        r = d.ctl("fetch", "priv", "--transport", "grpc", "--out", out_file(files, "p.st"),
+                  target=d.target, env={"WEIGHTD_TOKEN": TOKENS["alice"]})
+        assert_refused(r, "PERMISSION_DENIED")
+        # Another holder of the same files admits alice: alice, not bob.
+        d.ctl_ok("load", "alices", path, "--readers", "token:alice")
+        assert _peer_call(d, "FindCheckpoint", find, token="alice")[0] == "OK"
+        assert _peer_call(d, "ReadCheckpoint", read, token="alice") == ("OK", f.data[:16])
+        assert _peer_call(d, "FindCheckpoint", find, token="bob")[0] == "NOT_FOUND"
+        assert _peer_call(d, "ReadCheckpoint", read, token="bob")[0] == "NOT_FOUND"
+        # A public holder admits every member.
+        d.ctl_ok("unload", "alices")
+        d.ctl_ok("load", "pub", path)
+        assert _peer_call(d, "FindCheckpoint", find, token="bob")[0] == "OK"
+        assert _peer_call(d, "ReadCheckpoint", read, token="bob") == ("OK", f.data[:16])
+        d.ctl_ok("unload", "pub")
+        assert _peer_call(d, "FindCheckpoint", find, token="bob")[0] == "NOT_FOUND"
+        assert pp.copy_id([f]) == read.copy
+    finally:
+        d.stop()
+
+
+def test_the_copy_offered_is_the_one_matching_the_askers_samples_or_none(files):
+    from weightd.v1 import weightd_pb2 as pb
+    d = tcp_daemon(files, "--auth-token-file", files["tokens"], "--fleet-members", "token:alice")
+    try:
+        d.ctl_ok("load", "m", model_path(files, "base.safetensors"))
+        find, _, _ = _base_query(files)
+        assert _peer_call(d, "FindCheckpoint", find, token="alice")[0] == "OK"
+        # Samples whose digests are not the held bytes': no copy, not the
+        # first one.
+        wrong = pb.FindCheckpointRequest()
+        wrong.CopyFrom(find)
+        wrong.sample_digests[1] = bytes(16)
+        code, msg = _peer_call(d, "FindCheckpoint", wrong, token="alice")
+        assert code == "NOT_FOUND", msg
+        # No samples: nothing picks a copy.
+        code, msg = _peer_call(d, "FindCheckpoint", pb.FindCheckpointRequest(key=find.key),
+                               token="alice")
+        assert code == "INVALID_ARGUMENT" and "samples" in msg, msg
+        del wrong.sample_digests[1]
+        code, msg = _peer_call(d, "FindCheckpoint", wrong, token="alice")
+        assert code == "INVALID_ARGUMENT", msg
+    finally:
+        d.stop()
 
 
 # ------------------------------------------------------------ model roots

@@ -230,7 +230,8 @@ def test_verify_recomputes_digests(tmp_path):
     with harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d")) as d:
         d.ctl_ok("load", "m", path)
         out = d.ctl_ok("verify", "m").stdout
-        assert out.startswith("verified m: 1 tensors, 48.0 B, every digest matches"), out
+        assert out.startswith("verified m: 1 tensors, 48.0 B match the digests recorded at "
+                              "load (memory checked, not storage)"), out
         assert d.ctl("verify", "nope").error_code == "NOT_FOUND"
 
 

@@ -457,8 +457,9 @@ def test_hugepages_overlay():
 def test_fleet_overlay():
     """overlays/daemonset-fleet: the DaemonSet plus a headless Service of
     every daemon pod, --peer-dns on it at the gRPC port, --advertise from the
-    pod IP, and a NetworkPolicy that lets daemon pods, and only them, reach
-    each other's gRPC port (README: Peers)."""
+    pod IP, a NetworkPolicy that lets daemon pods, and only them, reach
+    each other's gRPC port (README: Peers), and the fleet's token from a
+    Secret as --auth-token-file, --peer-token-file and --fleet-members."""
     base = weightd_container(one(render(OVERLAYS["daemonset"]), "DaemonSet"))
     objs = render(OVERLAYS["fleet"])
     ds = one(objs, "DaemonSet")
@@ -487,6 +488,17 @@ def test_fleet_overlay():
     assert set(src) == {"podSelector"}, "daemon pods of this namespace only"
     assert all(labels[k] == v for k, v in src["podSelector"]["matchLabels"].items())
     assert rule["ports"] == [{"port": grpc_port, "protocol": "TCP"}]
+    # Fleet membership: every daemon presents the token it accepts, whose
+    # name is the one member listed, from a Secret mounted read-only.
+    [tokens] = f["--auth-token-file"]
+    assert f["--peer-token-file"] == [tokens]
+    assert f["--fleet-members"] == ["token:fleet"]
+    # Clear-text tokens between pods only, which the NetworkPolicy confines.
+    assert f["--allow-insecure-token"] == ["true"]
+    mount = [m for m in c["volumeMounts"] if tokens.startswith(m["mountPath"] + "/")]
+    assert len(mount) == 1 and mount[0]["readOnly"] is True, mount
+    [vol] = [v for v in pod_spec(ds)["volumes"] if v["name"] == mount[0]["name"]]
+    assert vol["secret"]["secretName"] == "weightd-fleet-token"
 
 
 def test_sidecar_shape():
@@ -617,6 +629,10 @@ def test_manifest_flags_start_the_daemon(overlay, tmp_path):
     for a in c["args"]:
         a = expand(a, env).replace("/run/weightd", str(run_dir)).replace("=/models", f"={models}")
         a = a.replace("/var/lib/weightd/state", str(tmp_path / "state"))
+        if "/etc/weightd/fleet/" in a:  # the fleet token's Secret
+            (tmp_path / "fleet").mkdir(exist_ok=True)
+            (tmp_path / "fleet" / "tokens").write_text("fleet %s\n" % ("f" * 64))
+            a = a.replace("/etc/weightd/fleet", str(tmp_path / "fleet"))
         if a.startswith("--listen="):
             a = f"--listen=127.0.0.1:{port}"
         argv.append(a)

@@ -8,7 +8,12 @@ counters; the bytes served equal the files' (digests, and PyTorch reading
 the files). Faults: a holder SIGKILLed mid-transfer, a peer that flips a
 bit (a small proxy in this test), a peer whose file has the same name, size
 and header but other bytes, a peer that accepts and never answers, one that
-stalls mid-range; --source peers when nobody holds the files.
+stalls mid-range; --source peers when nobody holds the files. A real lying
+peer (a Python gRPC server on the generated stubs) that tells the truth at
+the samples it is shown is caught by storage's bytes at places it is never
+told; one that answers FindCheckpoint with 128 MiB does not take the
+loader's memory. Every daemon here is a fleet member of the others
+(--fleet-members token:fleet, --peer-token-file).
 """
 import contextlib
 import os
@@ -31,6 +36,21 @@ from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 CHUNK = 1 << 20  # --read-chunk-bytes: many ranges, so every holder gets some
+# The fleet's identity: holders list it in --fleet-members (by its name in
+# their --auth-token-file), loaders present it (--peer-token-file).
+FLEET_TOKEN = "fleet-0123456789abcdef-token"
+FLEET_AUTH = [("authorization", "Bearer " + FLEET_TOKEN)]
+
+
+def _fleet_args(tmp_path, listens=True):
+    """The flags of a fleet member: it presents the fleet's token to its
+    peers and, if it serves --listen, admits it there (the peer RPCs for it
+    alone)."""
+    tokens = tmp_path / "fleet.tokens"
+    if not tokens.exists():
+        tokens.write_text("fleet %s\n" % FLEET_TOKEN)
+    serve = ["--auth-token-file", str(tokens), "--fleet-members", "token:fleet"]
+    return (serve if listens else []) + ["--peer-token-file", str(tokens)]
 
 
 def _write_checkpoint(root, seed, mib=48):
@@ -108,7 +128,7 @@ def _daemons(tmp_path, models, n, peers_of, extra=()):
     for i, addr in enumerate(addrs):
         peers = peers_of(i, addrs)
         args = ["--listen", addr, "--advertise", addr, "--peer-poll-seconds", "1",
-                "--read-chunk-bytes", str(CHUNK)] + list(extra)
+                "--read-chunk-bytes", str(CHUNK)] + _fleet_args(tmp_path) + list(extra)
         if peers:
             args += ["--peers", ",".join(peers)]
         out.append(Daemon(model_root=str(models), workdir=str(tmp_path / ("d%d" % i)),
@@ -125,13 +145,14 @@ def _holder(tmp_path, root, name):
     (Daemon, its address)."""
     addr = "127.0.0.1:%d" % free_port()
     return Daemon(model_root=str(root), workdir=str(tmp_path / name),
-                  extra_args=["--listen", addr]), addr
+                  extra_args=["--listen", addr] + _fleet_args(tmp_path)), addr
 
 
 def _loader(tmp_path, root, peers, *extra):
     """Daemon "c", whose peers are the addresses `peers`."""
     return Daemon(model_root=str(root), workdir=str(tmp_path / "c"),
-                  extra_args=["--peers", ",".join(peers), *extra])
+                  extra_args=["--peers", ",".join(peers), *_fleet_args(tmp_path, listens=False),
+                              *extra])
 
 
 @contextlib.contextmanager
@@ -292,7 +313,7 @@ class _Proxy:
                                   options=[("grpc.max_send_message_length", -1)])
         handlers = {
             "List": grpc.unary_unary_rpc_method_handler(
-                lambda req, ctx: self.stub.List(req),
+                lambda req, ctx: self.stub.List(req, metadata=FLEET_AUTH),
                 request_deserializer=pb.ListModelsRequest.FromString,
                 response_serializer=pb.ListModelsResponse.SerializeToString),
             "FindCheckpoint": grpc.unary_unary_rpc_method_handler(
@@ -310,7 +331,7 @@ class _Proxy:
 
     def _find(self, req, ctx):
         try:
-            return self.stub.FindCheckpoint(req)
+            return self.stub.FindCheckpoint(req, metadata=FLEET_AUTH)
         except grpc.RpcError as e:
             ctx.abort(e.code(), e.details())
 
@@ -324,7 +345,7 @@ class _Proxy:
                 self.victim.send_signal(signal.SIGKILL)
                 self.victim.wait()
         try:
-            for chunk in self.stub.ReadCheckpoint(req):
+            for chunk in self.stub.ReadCheckpoint(req, metadata=FLEET_AUTH):
                 if chunk.data and self.mode == "flip":
                     data = bytearray(chunk.data)
                     data[len(data) // 2] ^= 0x10
@@ -349,9 +370,10 @@ class _Proxy:
 def test_a_lying_or_stalling_peer_is_dropped(tmp_path, checkpoint, mode):
     models, path, tensors = checkpoint
     a, a_addr = _holder(tmp_path, models, "a")
+    metrics_port = free_port()
     with _running(a), _Proxy(a_addr, mode) as proxy:
         c = _loader(tmp_path, models, [proxy.address], "--read-chunk-bytes", str(CHUNK),
-                    "--peer-poll-seconds", "1")
+                    "--peer-poll-seconds", "1", "--metrics-listen", "127.0.0.1:%d" % metrics_port)
         with _running(c):
             a.ctl_ok("load", "m", str(path))
             start = time.monotonic()
@@ -368,7 +390,15 @@ def test_a_lying_or_stalling_peer_is_dropped(tmp_path, checkpoint, mode):
             assert last.bytes_from_storage >= 0.9 * sum(
                 t.numel() * t.element_size() for t in tensors.values())
             with weightd.Client(socket=c.socket) as cl:
-                assert cl.stats()["peer_transfers"][proxy.address]["failures"] >= 1
+                stats = cl.stats()
+            assert stats["peer_transfers"][proxy.address]["failures"] >= 1
+            # Only the bytes the load kept count as the peer's; what it sent
+            # and the load threw away is counted apart.
+            assert stats["load_bytes_peers"] == last.bytes_from_peers, (stats, last)
+            assert stats["peer_transfers"][proxy.address]["bytes"] == last.bytes_from_peers
+            discarded = scrape_metrics(metrics_port)["weightd_peer_discarded_bytes_total"]
+            if mode == "flip":
+                assert discarded >= CHUNK, discarded
             # --source peers: the only holder fails, so the load fails and
             # leaves nothing behind (m unloaded first: files resident are shared).
             c.ctl_ok("unload", "m")
@@ -379,8 +409,10 @@ def test_a_lying_or_stalling_peer_is_dropped(tmp_path, checkpoint, mode):
 
 
 def test_a_peer_with_other_bytes_under_the_same_header_is_not_used(tmp_path, checkpoint):
+    """e holds a copy with the same names, sizes and headers and other
+    bytes: its bytes at c's samples are not c's, so it offers no copy (the
+    same NOT_FOUND as holding nothing) and c reads storage."""
     models, path, tensors = checkpoint
-    # e's copy: the same names, sizes and headers, other bytes.
     other_root = tmp_path / "other"
     _, other = _write_checkpoint(other_root, seed=6)
     for f in os.listdir(path):
@@ -391,11 +423,11 @@ def test_a_peer_with_other_bytes_under_the_same_header_is_not_used(tmp_path, che
         e.ctl_ok("load", "m", str(other_root / "model"))
         info, last, _ = _load(c, "m", path)
         assert last.bytes_from_peers == 0
-        assert "peer_content_differs" in c.log()
+        assert 'reason="no peer holds the files"' in c.log()
         _check_bytes(c, "m", tensors)
         c.ctl_ok("unload", "m")
         r = c.ctl("load", "m2", str(path), "--source", "peers")
-        assert r.error_code == "UNAVAILABLE" and "other bytes" in r.error_message, r.stderr
+        assert r.error_code == "UNAVAILABLE" and "no peer holds" in r.error_message, r.stderr
 
 
 def test_a_peer_that_never_answers_does_not_hang_the_load(tmp_path, checkpoint):
@@ -533,3 +565,213 @@ def test_a_checkpoint_sharing_tensors_is_not_offered_to_peers(tmp_path):
         _, last, _ = _load(c, "base", models / "base.safetensors", source="peers")
         assert last.bytes_from_peers > 0, last
         _check_bytes(c, "base", base)
+
+
+def _one_file_checkpoint(root, seed=21):
+    """One 16 MiB file: 15 tensors of 1 MiB, a BF16 norm of 666 bytes, two
+    small ones; returns its path and {name: tensor}."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"w%02d" % i: torch.randn(512, 512, generator=g) for i in range(15)}
+    tensors["norm"] = torch.randn(333, generator=g).to(torch.bfloat16)
+    tensors["bias"] = torch.randn(7, generator=g)
+    tensors["scale"] = torch.randn(3, generator=g)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "one.safetensors"
+    st_io.save(tensors, str(path))
+    return path, tensors
+
+
+class _LyingPeer:
+    """A peer that lies (README "What a fleet trusts a peer for"): a real
+    gRPC server with the generated Models stubs, in front of a real holder
+    whose answers it forwards, so that what it says about the question's
+    samples is true. Then it sends other bytes and reports their digests:
+    everywhere the samples are not ("outside"), or in the smallest tensor
+    no sample touches ("one_tensor"). `lied` counts the bytes it changed."""
+
+    def __init__(self, upstream, path, mode):
+        import numpy as np
+        import peer_protocol as pp
+        self.np, self.pp = np, pp
+        self.file = pp.StFile(str(path))
+        self.mode = mode
+        self.lie = None
+        self.lied = 0
+        self.channel = grpc.insecure_channel(upstream)
+        self.stub = pb_grpc.ModelsStub(self.channel)
+        self.server = grpc.server(futures.ThreadPoolExecutor(8))
+        handlers = {
+            "List": grpc.unary_unary_rpc_method_handler(
+                lambda req, ctx: self.stub.List(req, metadata=FLEET_AUTH),
+                request_deserializer=pb.ListModelsRequest.FromString,
+                response_serializer=pb.ListModelsResponse.SerializeToString),
+            "FindCheckpoint": grpc.unary_unary_rpc_method_handler(
+                self._find, request_deserializer=pb.FindCheckpointRequest.FromString,
+                response_serializer=pb.FindCheckpointResponse.SerializeToString),
+            "ReadCheckpoint": grpc.unary_stream_rpc_method_handler(
+                self._read, request_deserializer=pb.ReadCheckpointRequest.FromString,
+                response_serializer=pb.ReadChunk.SerializeToString),
+        }
+        self.server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler("weightd.v1.Models", handlers)])
+        self.address = "127.0.0.1:%d" % self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def _find(self, req, ctx):
+        np = self.np
+        try:
+            resp = self.stub.FindCheckpoint(req, metadata=FLEET_AUTH)
+        except grpc.RpcError as e:
+            ctx.abort(e.code(), e.details())
+        data = np.frombuffer(self.file.data, dtype=np.uint8).copy()
+        sampled = np.zeros(len(data), dtype=bool)
+        for r in req.samples:
+            sampled[r.offset:r.offset + r.length] = True
+        if self.mode == "outside":
+            lie = ~sampled
+        else:
+            lie = np.zeros(len(data), dtype=bool)
+            untouched = [(e - b, b, e) for _, b, e in self.file.tensors
+                         if e > b and not sampled[b:e].any()]
+            _, b, e = min(untouched)
+            lie[b:e] = True
+        data[lie] ^= 0x5A
+        self.lied = int(lie.sum())
+        self.lie = data.tobytes()
+        resp.tensor_digests[0] = self.file.tensor_digests(self.lie)
+        return resp
+
+    def _read(self, req, ctx):
+        r = req.range
+        for at in range(0, r.length, 1 << 20):
+            n = min(1 << 20, r.length - at)
+            yield pb.ReadChunk(offset=at, data=self.lie[r.offset + at:r.offset + at + n])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.stop(0)
+        self.channel.close()
+
+
+def test_a_peer_lying_where_the_samples_are_not_is_caught_by_storage(tmp_path):
+    """The default (--peer-verify samples): the peer answers the samples it
+    is shown truthfully and sends other bytes everywhere else, with their
+    digests. The loader compares what it sent with storage's bytes at
+    places it was never told, so the lie is caught, the peer dropped, and
+    the files' bytes served; nothing it sent counts as kept."""
+    models = tmp_path / "models"
+    path, tensors = _one_file_checkpoint(models)
+    a, a_addr = _holder(tmp_path, models, "a")
+    with _running(a):
+        a.ctl_ok("load", "m", str(path))
+        with _LyingPeer(a_addr, path, "outside") as liar:
+            c = _loader(tmp_path, models, [liar.address], "--read-chunk-bytes", str(CHUNK))
+            with _running(c):
+                info, last, _ = _load(c, "m", path)
+                assert liar.lied > len(liar.file.data) // 2, liar.lied
+                _check_bytes(c, "m", tensors)
+                assert "peer_data_loss" in c.log() and "compared with storage" in c.log()
+                assert last.bytes_from_peers == 0, last
+                with weightd.Client(socket=c.socket) as cl:
+                    s = cl.stats()
+                assert s["load_bytes_peers"] == 0
+                assert s["peer_transfers"][liar.address]["failures"] >= 1
+                # verify says what it checks: the bytes against the digests
+                # made when they were loaded, not storage.
+                out = c.ctl_ok("verify", "m").stdout
+                assert "recorded at load" in out and "storage" in out, out
+
+
+def test_peer_verify_all_refuses_a_lie_in_one_small_tensor(tmp_path):
+    """A lie in the smallest tensor no sample touches (a few bytes): 8
+    secret pieces per file find it only by chance; --peer-verify all
+    compares every byte the peer sent with storage's and refuses it, load
+    after load."""
+    models = tmp_path / "models"
+    path, tensors = _one_file_checkpoint(models)
+    a, a_addr = _holder(tmp_path, models, "a")
+    with _running(a):
+        a.ctl_ok("load", "m", str(path))
+        with _LyingPeer(a_addr, path, "one_tensor") as liar:
+            c = _loader(tmp_path, models, [liar.address], "--read-chunk-bytes", str(CHUNK),
+                        "--peer-verify", "all")
+            with _running(c):
+                for i in range(3):
+                    info, last, _ = _load(c, "m%d" % i, path)
+                    assert 0 < liar.lied < 4096, liar.lied
+                    _check_bytes(c, "m%d" % i, tensors)
+                    c.ctl_ok("unload", "m%d" % i)  # the next load reads again
+                assert c.log().count("peer_data_loss") >= 3
+                # --source peers: the only holder lies, so nothing is loaded.
+                r = c.ctl("load", "p", str(path), "--source", "peers")
+                assert r.returncode != 0 and r.error_code in ("UNAVAILABLE", "DATA_LOSS"), r.stderr
+
+
+def _vm(pid, key):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(key)
+
+
+def test_an_oversized_answer_is_refused_without_taking_the_loaders_memory(tmp_path):
+    """A peer answering FindCheckpoint for a one-tensor file with 128 MiB of
+    digests (and, separately, with 1 MiB: more than the file's one tensor
+    needs): the loader, under a 64 MiB budget, refuses both answers within
+    its peer receive budget (64 MiB at the default --peer-streams), says
+    why in its log, and loads from storage."""
+    models = tmp_path / "models"
+    models.mkdir()
+    st_io.save({"w": torch.arange(1024, dtype=torch.float32)}, str(models / "m.safetensors"))
+    size = {"n": 128 << 20}
+    cache = {}
+
+    def find(req, ctx):
+        # Serialized once per size (the peer's cost, not the loader's).
+        if size["n"] not in cache:
+            cache[size["n"]] = pb.FindCheckpointResponse(
+                copy=b"\0" * 16, tensor_digests=[b"\1" * size["n"]]).SerializeToString()
+        return cache[size["n"]] + pb.FindCheckpointResponse(
+            sample_digests=list(req.sample_digests)).SerializeToString()
+
+    server = grpc.server(futures.ThreadPoolExecutor(4),
+                         options=[("grpc.max_send_message_length", -1)])
+    handlers = {
+        "List": grpc.unary_unary_rpc_method_handler(
+            lambda req, ctx: pb.ListModelsResponse(),
+            request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+        "FindCheckpoint": grpc.unary_unary_rpc_method_handler(
+            find, request_deserializer=pb.FindCheckpointRequest.FromString,
+            response_serializer=lambda raw: raw),
+    }
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("weightd.v1.Models", handlers)])
+    addr = "127.0.0.1:%d" % server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    find(pb.FindCheckpointRequest(), None)  # built before the loader asks
+    try:
+        c = _loader(tmp_path, models, [addr], "--host-memory-bytes", str(64 << 20))
+        with _running(c):
+            before = _vm(c.proc.pid, "VmHWM")
+            _load(c, "m", models / "m.safetensors")
+            peak = _vm(c.proc.pid, "VmHWM")
+            # The answer was refused within the receive budget (64 MiB),
+            # not read whole and parsed (over 300 MiB before).
+            assert peak - before < 128 << 20, (before, peak)
+            log = c.log()
+            assert "peer_find_failed" in log and "RESOURCE_EXHAUSTED" in log, log[-2000:]
+            assert "a true answer takes at most" in log
+            _check_bytes(c, "m", {"w": torch.arange(1024, dtype=torch.float32)})
+            # An answer that fits the budget but not the question.
+            size["n"] = 1 << 20
+            find(pb.FindCheckpointRequest(), None)
+            c.ctl_ok("unload", "m")
+            _load(c, "m", models / "m.safetensors")
+            assert "bytes of digests for file 0, which has 1 tensors" in c.log()
+            _check_bytes(c, "m", {"w": torch.arange(1024, dtype=torch.float32)})
+    finally:
+        server.stop(0)

@@ -6,6 +6,7 @@ the same weights_id. Three real daemons on loopback ports; one stopped is
 reported unreachable, a wrong peer token UNAUTHENTICATED.
 """
 import os
+import shutil
 import subprocess
 import time
 
@@ -51,6 +52,7 @@ def fleet(tmp_path):
                               extra_args=["--listen", addr, "--advertise", addr,
                                           "--peers", others, "--peer-poll-seconds", "1",
                                           "--auth-token-file", str(tokens),
+                                          "--fleet-members", "token:fleet",
                                           "--peer-token-file",
                                           str(wrong if i == 2 else tokens)]))
     for d in daemons:
@@ -208,7 +210,8 @@ def test_peers_with_mutual_tls(tmp_path):
         daemons[n] = Daemon(model_root=str(models), workdir=str(tmp_path / n), extra_args=[
             "--listen", addr, "--peers", others, "--peer-poll-seconds", "1",
             "--tls-cert", str(pki / (n + ".pem")), "--tls-key", str(pki / (n + ".key")),
-            "--tls-client-ca", str(pki / "ca.pem"), "--peer-tls-ca", str(pki / "ca.pem")])
+            "--tls-client-ca", str(pki / "ca.pem"), "--peer-tls-ca", str(pki / "ca.pem"),
+            "--fleet-members", "cn:node-a,cn:node-b"])
     for d in daemons.values():
         d.start()
     try:
@@ -236,4 +239,132 @@ def test_peers_with_mutual_tls(tmp_path):
         assert r.returncode != 0 and r.error_code == "UNAVAILABLE", r.stderr
     finally:
         for d in daemons.values():
+            d.stop()
+
+
+def _threads_and_fds(pid):
+    return len(os.listdir("/proc/%d/task" % pid)), len(os.listdir("/proc/%d/fd" % pid))
+
+
+def test_many_peers_cost_a_bounded_number_of_threads_and_connections(tmp_path):
+    """300 peers (one gRPC server answering on every loopback address;
+    FindCheckpoint says NOT_FOUND after 0.3 s): the daemon considers
+    --peer-max of them (default 64; the truncation logged), polls and asks
+    them 8 at a time and keeps a connection to each of those only. Its
+    threads and fds, sampled through a load that asks every peer, stay
+    within a bound over a daemon without peers (before: a thread and a
+    connection per peer)."""
+    import threading
+    from concurrent import futures
+
+    import grpc
+    from weightd.v1 import weightd_pb2 as pb
+
+    models = tmp_path / "models"
+    models.mkdir()
+    st_io.save({"w": torch.arange(64, dtype=torch.float32)}, str(models / "m.safetensors"))
+
+    def find(req, ctx):
+        time.sleep(0.3)
+        ctx.abort(grpc.StatusCode.NOT_FOUND, "not held")
+
+    server = grpc.server(futures.ThreadPoolExecutor(64))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("weightd.v1.Models", {
+        "List": grpc.unary_unary_rpc_method_handler(
+            lambda req, ctx: pb.ListModelsResponse(),
+            request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+        "FindCheckpoint": grpc.unary_unary_rpc_method_handler(
+            find, request_deserializer=pb.FindCheckpointRequest.FromString,
+            response_serializer=pb.FindCheckpointResponse.SerializeToString)})])
+    port = server.add_insecure_port("0.0.0.0:0")
+    server.start()
+    addrs = ["127.0.%d.%d:%d" % (1 + i // 200, 2 + i % 200, port) for i in range(300)]
+
+    def measure(d):
+        """(peak threads, peak fds) through a load from --source auto."""
+        peak = [0, 0]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                t, f = _threads_and_fds(d.proc.pid)
+                peak[0], peak[1] = max(peak[0], t), max(peak[1], f)
+                time.sleep(0.01)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            d.ctl_ok("load", "m", str(models / "m.safetensors"))
+        finally:
+            done.set()
+            sampler.join()
+        return peak
+
+    try:
+        with Daemon(model_root=str(models), workdir=str(tmp_path / "plain")) as plain:
+            base = measure(plain)
+        d = Daemon(model_root=str(models), workdir=str(tmp_path / "many"),
+                   extra_args=["--peers", ",".join(addrs), "--peer-poll-seconds", "1"])
+        d.start()
+        try:
+            with weightd.Client(socket=d.socket) as c:
+                peers = _wait(lambda: (lambda p: p if len(p) == 64 and all(
+                    q["reachable"] for q in p) else None)(c.peers()), 30, "64 peers polled")
+            assert {p["address"] for p in peers} <= set(addrs)
+            assert "peer_list_truncated" in d.log()
+            threads, fds = measure(d)
+            # 8 calls at once, 64 connections (and gRPC's own threads).
+            assert threads <= base[0] + 8 + 24, (threads, base)
+            assert fds <= base[1] + 64 + 16, (fds, base)
+        finally:
+            d.stop()
+    finally:
+        server.stop(0)
+
+
+def test_a_daemon_in_its_own_peer_dns_leaves_itself_out(tmp_path):
+    """--peer-dns naming every daemon, and no --advertise: each daemon finds
+    its own address among the name's. Its answers carry its instance id, so
+    it recognizes itself at its first poll (peer_is_self), lists only the
+    other daemon and never asks itself for bytes: a copy of a file it holds
+    is not loaded from itself."""
+    models = tmp_path / "models"
+    (models / "copy").mkdir(parents=True)
+    st_io.save({"w": torch.arange(4096, dtype=torch.float32)}, str(models / "m.safetensors"))
+    shutil.copy(models / "m.safetensors", models / "copy" / "m.safetensors")
+    hosts = tmp_path / "hosts"
+    ips = ["127.0.0.2", "127.0.0.3"]
+    hosts.write_text("127.0.0.1 localhost\n" + "".join("%s fleet.test\n" % ip for ip in ips))
+    tokens = tmp_path / "tokens"
+    tokens.write_text("fleet fleet-token-0123456789abcdef\n")
+    port = free_port()
+    prefix = ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"',
+              str(hosts)]
+    daemons = [Daemon(model_root=str(models), workdir=str(tmp_path / ip), prefix=prefix,
+                      extra_args=["--listen", "%s:%d" % (ip, port),
+                                  "--peer-dns", "fleet.test:%d" % port,
+                                  "--peer-poll-seconds", "1", "--auth-token-file", str(tokens),
+                                  "--fleet-members", "token:fleet",
+                                  "--peer-token-file", str(tokens)]) for ip in ips]
+    for d in daemons:
+        d.start()
+    try:
+        a, b = daemons
+        me, other = "%s:%d" % (ips[0], port), "%s:%d" % (ips[1], port)
+        a.ctl_ok("load", "m", str(models / "m.safetensors"))
+        with weightd.Client(socket=a.socket) as c:
+            _wait(lambda: "peer_is_self" in a.log(), 15, "a to find itself")
+            time.sleep(2)  # more polls
+            assert set(_by_address(c)) == {other}
+        assert "peer: %s" % me not in a.ctl_ok("peers").stdout
+        r = a.ctl("load", "c", str(models / "copy" / "m.safetensors"), "--source", "peers")
+        assert r.returncode != 0 and r.error_code == "UNAVAILABLE", r.stdout + r.stderr
+        # b, which holds nothing, finds a's copy and itself likewise.
+        with weightd.Client(socket=b.socket) as c:
+            _wait(lambda: set(_by_address(c)) == {me}, 15, "b to list a only")
+        out = b.ctl_ok("load", "c", str(models / "copy" / "m.safetensors"), "--source", "peers")
+        assert "from peers %s" % me in out.stdout, out.stdout
+    finally:
+        for d in daemons:
             d.stop()

@@ -198,6 +198,55 @@ def test_metrics_endpoint_counts_the_work(tmp_path):
         assert m2["weightd_gpus"] == int(gpus)
 
 
+def test_idle_connections_do_not_stop_metrics(tmp_path):
+    """300 idle TCP connections to --metrics-listen (none sends a request;
+    prometheus-cpp's civetweb gave each a worker until ~224 stopped /metrics)
+    cost the daemon at most an fd each, up to its cap: every connect is
+    accepted, /metrics answers while they are open, the oldest idle ones are
+    closed for newer ones; bad requests get their status and the server
+    serves on."""
+    import socket
+    port = harness.free_port()
+    root = tmp_path / "models"
+    root.mkdir()
+    with harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                        extra_args=["--metrics-listen", "127.0.0.1:%d" % port]) as d:
+        assert harness.scrape_metrics(port)["weightd_models"] == 0
+        idle = []
+        try:
+            for _ in range(300):
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            t = time.monotonic()
+            m = harness.scrape_metrics(port)  # 5 s timeout
+            assert m["weightd_models"] == 0 and time.monotonic() - t < 5
+            # The daemon keeps at most its cap of them (64), not 300.
+            sockets = sum(1 for n in os.listdir("/proc/%d/fd" % d.proc.pid)
+                          if os.readlink("/proc/%d/fd/%s" % (d.proc.pid, n)).startswith("socket:"))
+            assert sockets < 100, sockets
+            idle[0].settimeout(5)
+            assert idle[0].recv(1) == b""  # the oldest was closed for a newer one
+
+            def ask(raw):
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    s.sendall(raw)
+                    out = b""
+                    while chunk := s.recv(65536):
+                        out += chunk
+                    return out
+            assert ask(b"POST /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405 ")
+            assert ask(b"GET /nope HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404 ")
+            assert ask(b"garbage\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+            assert ask(b"GET /metrics HTTP/1.1\r\nX: " + b"y" * 20000).startswith(b"HTTP/1.1 431 ")
+            head = ask(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n"), head
+            assert b"text/plain; version=0.0.4" in head
+        finally:
+            for s in idle:
+                s.close()
+        assert harness.scrape_metrics(port)["weightd_models"] == 0
+        assert d.alive()
+
+
 def test_structured_json_log_has_one_line_per_event(tmp_path):
     root = tmp_path / "models"
     root.mkdir()

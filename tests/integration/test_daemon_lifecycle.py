@@ -493,6 +493,86 @@ def test_watch_streams_are_capped_and_the_excess_refused(tmp_path):
         d.stop()
 
 
+# Holds argv[2] Watch streams of model "m" on socket argv[1], each past its
+# first event, says "ready" and sleeps (to be killed).
+_WATCHER = r"""
+import sys, time, grpc
+from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+stub = pbg.ShardsStub(grpc.insecure_channel("unix:" + sys.argv[1]))
+streams = [stub.Watch(pb.WatchRequest(model="m", include_current=True))
+           for _ in range(int(sys.argv[2]))]
+for s in streams:
+    next(s)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _fds(pid):
+    return sorted(os.readlink("/proc/%d/fd/%s" % (pid, n)) for n in os.listdir("/proc/%d/fd" % pid))
+
+
+def test_cancelled_watch_streams_leave_no_fds_or_threads_behind(tmp_path):
+    """Floods of Watch streams that their clients cancel (before the first
+    event, after it, several at once on one channel, a channel per stream,
+    and the client process killed) leave the daemon's fds and threads where
+    they were: the baseline is taken after one warm-up flood (gRPC's own
+    steady-state fds and pool threads)."""
+    import grpc
+    import signal as sig
+    from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+    d = _preloaded_daemon(tmp_path)
+    d.start()
+    env = dict(os.environ, PYTHONPATH=os.path.join(harness.BUILD, "python"))
+
+    def flood():
+        ch = grpc.insecure_channel("unix:" + d.socket)
+        stub = pbg.ShardsStub(ch)
+        held = []
+        for i in range(40):
+            s = stub.Watch(pb.WatchRequest(model="m", include_current=True), timeout=30)
+            if i % 2:
+                next(s)
+            if i % 4 == 3:
+                held.append(s)  # cancelled together below
+            else:
+                s.cancel()
+        for i in range(10):
+            with grpc.insecure_channel("unix:" + d.socket) as own:
+                s = pbg.ShardsStub(own).Watch(pb.WatchRequest(model="m", include_current=True))
+                next(s)
+                s.cancel()
+        for s in held:
+            s.cancel()
+        ch.close()
+        killed = subprocess.Popen(["/usr/bin/python3", "-c", _WATCHER, d.socket, "10"],
+                                  stdout=subprocess.PIPE, text=True, env=env)
+        assert killed.stdout.readline().strip() == "ready"
+        killed.send_signal(sig.SIGKILL)
+        killed.wait(timeout=10)
+
+    def settled(fds, threads):
+        # (gRPC's pool may grow a thread or two under a flood: not ours.)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if len(_fds(d.proc.pid)) <= len(fds) and _thread_count(d) <= threads + 2:
+                return True
+            time.sleep(0.1)
+        return False
+
+    try:
+        flood()
+        time.sleep(1)  # the cancelled watches' threads notice within 500 ms
+        fds, threads = _fds(d.proc.pid), _thread_count(d)
+        for _ in range(3):  # 180 watches in all
+            flood()
+            assert settled(fds, threads), ("\n".join(fds), "\n".join(_fds(d.proc.pid)),
+                                           threads, _thread_count(d))
+        d.ctl_ok("health")
+    finally:
+        d.stop()
+
+
 def _thread_count(d):
     with open("/proc/%d/status" % d.proc.pid) as f:
         for line in f:

@@ -258,9 +258,16 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
             "default 8)",
             K::kValue, NumberInto("max-pushes-per-uid", &f->data.max_pushes_per_uid, 0, SIZE_MAX)})
       .Add({"device-memory-bytes", "N",
-            "buffers the daemon fills and exports (fetch mode \"export\"), per GPU and for "
-            "host memory: least recently used unheld ones are evicted past it (0 = no limit)",
+            "buffers the daemon fills and exports (fetch mode \"export\"), held or kept, per "
+            "GPU and for host memory: least recently used unheld ones are evicted past it "
+            "(0 = a quarter of each GPU's memory; for host memory half of "
+            "--host-memory-bytes, a quarter of the machine's when that is 0)",
             K::kValue, Uint64Into("device-memory-bytes", &f->data.export_budget)})
+      .Add({"max-export-bytes-per-uid", "N",
+            "bytes of exported buffers one peer uid's open exports hold per device (0 = half "
+            "of --device-memory-bytes as resolved)",
+            K::kValue,
+            Uint64Into("max-export-bytes-per-uid", &f->data.max_export_bytes_per_uid)})
       .Add({"max-watch-streams", "N", "concurrent Watch streams (1..65536, default 256)",
             K::kValue, NumberInto("max-watch-streams", &f->grpc.max_watch_streams, 1, 65536)})
       .Add({"threads", "N", "materialization workers (1..256): one fetch computes on up to N threads, its own included; concurrent fetches share the N-1 helpers", K::kValue,
@@ -793,6 +800,7 @@ int Main(int argc, char** argv) {
     return svc->StagePublish(session, absl::BytesToHexString(token));
   };
   flags.data.gpus = &svc->gpus();
+  flags.data.host_memory = svc->host_memory();
   auto data = ShmDataServer::Start(flags.data, (*service)->leases());
   if (!data.ok()) return Fail(data.status());
   // Taking over: the socket files stay whatever happens until DONE (the

@@ -1,12 +1,30 @@
 #include "server/metrics/prometheus_exporter.h"
 
-#include <prometheus/collectable.h>
-#include <prometheus/exposer.h>
+#include <errno.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <prometheus/metric_family.h>
+#include <prometheus/text_serializer.h>
 
-#include <exception>
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <system_error>
+#include <thread>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "common/fd.h"
+#include "common/log.h"
+#include "common/status_macros.h"
 
 namespace weightd {
 namespace {
@@ -40,11 +58,12 @@ prometheus::ClientMetric HistogramMetric(const LatencyHistogram::Snapshot& s,
   return m;
 }
 
-class StatsCollectable : public prometheus::Collectable {
+// The daemon's metrics, read from WeightService::Stats() when scraped.
+class StatsCollectable {
  public:
   explicit StatsCollectable(const WeightService* service) : service_(service) {}
 
-  std::vector<prometheus::MetricFamily> Collect() const override {
+  std::vector<prometheus::MetricFamily> Collect() const {
     using prometheus::MetricType;
     ServiceStats s = service_->Stats();
     std::vector<prometheus::MetricFamily> out = {
@@ -52,9 +71,9 @@ class StatsCollectable : public prometheus::Collectable {
         Scalar("weightd_adapters", "Adapters loaded.", MetricType::Gauge, s.adapters),
         Scalar("weightd_segments", "Sealed memory segments held.", MetricType::Gauge, s.segments),
         Scalar("weightd_resident_bytes",
-               "Bytes the daemon holds in segments (checkpoints, shards, live leases): what "
-               "--host-memory-bytes bounds. Segments clients still map after their leases "
-               "ended are not counted.",
+               "Bytes the daemon holds in segments (checkpoints, shards, live leases, host "
+               "exports): what --host-memory-bytes bounds. Segments clients still map after "
+               "their leases ended are not counted.",
                MetricType::Gauge, s.bytes_resident),
         Scalar("weightd_checkpoint_logical_bytes",
                "Checkpoint bytes summed over the models that serve them.",
@@ -197,24 +216,256 @@ class StatsCollectable : public prometheus::Collectable {
 
 }  // namespace
 
+// The HTTP side: one thread polls the listening socket and every
+// connection; a connection costs an fd, never a thread, so idle ones cannot
+// keep a scrape waiting (civetweb, behind prometheus-cpp's Exposer, gave
+// each connection a worker thread until its request came: a few hundred
+// idle connections held them all).
 class MetricsServer::Impl {
  public:
-  std::unique_ptr<prometheus::Exposer> exposer;
-  std::shared_ptr<StatsCollectable> collectable;
+  Impl(MetricsServer::Options options, const WeightService* service, UniqueFd listen,
+       UniqueFd wake)
+      : options_(std::move(options)),
+        collectable_(service),
+        listen_(std::move(listen)),
+        wake_(std::move(wake)) {}
+  ~Impl() {
+    uint64_t one = 1;
+    (void)!::write(wake_.get(), &one, sizeof(one));
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void Start() {
+    thread_ = std::thread([this] { Run(); });
+  }
+
+ private:
+  struct Connection {
+    UniqueFd fd;
+    absl::Time deadline;
+    std::string in;
+    std::string out;  // the response, once the request is complete
+    size_t sent = 0;
+    // Answered: what the client still sends is read and dropped until it
+    // closes (closing with unread bytes would reset the connection, and the
+    // client could lose the response).
+    bool draining = false;
+  };
+
+  // The response to a complete request head.
+  std::string Respond(absl::string_view head) {
+    absl::string_view line = head.substr(0, head.find_first_of("\r\n"));
+    std::vector<absl::string_view> parts = absl::StrSplit(line, ' ');
+    auto reply = [](absl::string_view status, absl::string_view type, absl::string_view body,
+                    bool with_body, absl::string_view extra = "") {
+      return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type,
+                          "\r\nContent-Length: ", body.size(), "\r\n", extra,
+                          "Connection: close\r\n\r\n", with_body ? body : "");
+    };
+    constexpr absl::string_view kText = "text/plain; charset=utf-8";
+    if (parts.size() != 3 || !absl::StartsWith(parts[2], "HTTP/1.")) {
+      return reply("400 Bad Request", kText, "malformed request line\n", true);
+    }
+    const absl::string_view method = parts[0];
+    const absl::string_view path = parts[1].substr(0, parts[1].find('?'));
+    const bool head_only = method == "HEAD";
+    if (method != "GET" && !head_only) {
+      return reply("405 Method Not Allowed", kText, "GET or HEAD /metrics\n", true,
+                   "Allow: GET, HEAD\r\n");
+    }
+    if (path != "/metrics") return reply("404 Not Found", kText, "see /metrics\n", !head_only);
+    const std::string body = prometheus::TextSerializer().Serialize(collectable_.Collect());
+    return reply("200 OK", "text/plain; version=0.0.4; charset=utf-8", body, !head_only);
+  }
+
+  // Reads what the connection has; false: close it.
+  bool Read(Connection& c) {
+    char buf[4096];
+    while (true) {
+      ssize_t n = ::recv(c.fd.get(), buf, sizeof(buf), MSG_DONTWAIT);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK;
+      if (n == 0) return false;  // closed (before its request was complete?)
+      if (c.draining) continue;
+      c.in.append(buf, static_cast<size_t>(n));
+      size_t end = c.in.find("\r\n\r\n");
+      if (end == std::string::npos) end = c.in.find("\n\n");
+      if (end != std::string::npos) {
+        c.out = Respond(absl::string_view(c.in).substr(0, end));
+        c.in.clear();
+        return true;
+      }
+      if (c.in.size() > options_.max_request_bytes) {
+        c.out = absl::StrCat(
+            "HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
+            "Connection: close\r\n\r\n");
+        c.in.clear();
+        return true;
+      }
+    }
+  }
+
+  // Sends what the socket takes; false: broken, close it. All sent: the
+  // connection drains.
+  static bool Write(Connection& c) {
+    while (c.sent < c.out.size()) {
+      ssize_t n = ::send(c.fd.get(), c.out.data() + c.sent, c.out.size() - c.sent,
+                         MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK;
+      c.sent += static_cast<size_t>(n);
+    }
+    c.draining = true;
+    c.out.clear();
+    return ::shutdown(c.fd.get(), SHUT_WR) == 0;
+  }
+
+  // Reading a request, or draining after the answer: may give way to a
+  // new connection.
+  static bool Idle(const Connection& c) { return c.out.empty(); }
+
+  void Run() {
+    std::map<uint64_t, Connection> conns;  // by accept order: the oldest first
+    uint64_t next_id = 0;
+    std::vector<pollfd> pfds;
+    std::vector<uint64_t> ids;
+    while (true) {
+      const absl::Time now = absl::Now();
+      for (auto it = conns.begin(); it != conns.end();) {
+        it = now >= it->second.deadline ? conns.erase(it) : std::next(it);
+      }
+      absl::Time next = absl::InfiniteFuture();
+      pfds.clear();
+      ids.clear();
+      pfds.push_back({wake_.get(), POLLIN, 0});
+      pfds.push_back({listen_.get(), POLLIN, 0});
+      for (auto& [id, c] : conns) {
+        pfds.push_back({c.fd.get(), static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
+        ids.push_back(id);
+        next = std::min(next, c.deadline);
+      }
+      int timeout_ms = -1;
+      if (next != absl::InfiniteFuture()) {
+        timeout_ms = static_cast<int>(
+            std::max<int64_t>(0, absl::ToInt64Milliseconds(next - now)) + 1);
+      }
+      int n = ::poll(pfds.data(), pfds.size(), timeout_ms);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        WD_LOG(ERROR) << "metrics poll: " << std::strerror(errno);
+        return;
+      }
+      if (pfds[0].revents != 0) return;  // the destructor
+      for (size_t i = 2; i < pfds.size(); ++i) {
+        if (pfds[i].revents == 0) continue;
+        auto it = conns.find(ids[i - 2]);
+        Connection& c = it->second;
+        bool keep = c.out.empty() ? Read(c) : true;
+        if (keep && !c.out.empty()) keep = Write(c);
+        if (!keep) conns.erase(it);
+      }
+      if (pfds[1].revents & POLLIN) Accept(conns, next_id);
+    }
+  }
+
+  void Accept(std::map<uint64_t, Connection>& conns, uint64_t& next_id) {
+    while (true) {
+      int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        return;  // EAGAIN; or out of fds: the next poll tries again
+      }
+      if (conns.size() >= options_.max_connections) {
+        // Full: the oldest connection still waiting for its request (or
+        // answered already) gives way, one being answered is left to
+        // finish, so that a scraper always gets in however many idle
+        // ones there are.
+        auto oldest = std::find_if(conns.begin(), conns.end(),
+                                   [](const auto& e) { return Idle(e.second); });
+        if (oldest == conns.end()) {
+          ::close(fd);
+          continue;
+        }
+        conns.erase(oldest);
+      }
+      Connection c;
+      c.fd.Reset(fd);
+      c.deadline = absl::Now() + options_.request_timeout;
+      conns.emplace(next_id++, std::move(c));
+    }
+  }
+
+  const MetricsServer::Options options_;
+  StatsCollectable collectable_;
+  UniqueFd listen_;
+  UniqueFd wake_;
+  std::thread thread_;
 };
+
+namespace {
+
+// A listening TCP socket on `address` (HOST:PORT, [IPv6]:PORT or :PORT).
+absl::StatusOr<UniqueFd> ListenTcp(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon + 1 == address.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-listen ", address, ": expected HOST:PORT"));
+  }
+  std::string host = address.substr(0, colon);
+  const std::string port = address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  if (int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res);
+      rc != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-listen ", address, ": ", ::gai_strerror(rc)));
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> owned(res, &::freeaddrinfo);
+  int err = 0;
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    UniqueFd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                         a->ai_protocol));
+    if (!fd.valid()) {
+      err = errno;
+      continue;
+    }
+    int one = 1;
+    (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd.get(), a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd.get(), 128) == 0) {
+      return fd;
+    }
+    err = errno;
+  }
+  return absl::UnavailableError(
+      absl::StrCat("--metrics-listen ", address, ": ", std::strerror(err)));
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& address,
                                                                     const WeightService* service) {
-  auto impl = std::make_unique<Impl>();
-  // prometheus-cpp (civetweb) reports a bind failure by throwing; this is
-  // the one place an exception is caught, at the library boundary.
+  return Start(Options{.address = address}, service);
+}
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(Options options,
+                                                                    const WeightService* service) {
+  WD_ASSIGN_OR_RETURN(UniqueFd listen, ListenTcp(options.address));
+  UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake.valid()) return ErrnoStatus(errno, "eventfd");
+  auto impl = std::make_unique<Impl>(std::move(options), service, std::move(listen),
+                                     std::move(wake));
   try {
-    impl->exposer = std::make_unique<prometheus::Exposer>(address);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("--metrics-listen ", address, ": ", e.what()));
+    impl->Start();
+  } catch (const std::system_error& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot start the metrics thread: ", e.what()));
   }
-  impl->collectable = std::make_shared<StatsCollectable>(service);
-  impl->exposer->RegisterCollectable(impl->collectable);
   return std::unique_ptr<MetricsServer>(new MetricsServer(std::move(impl)));
 }
 

@@ -504,6 +504,9 @@ class WeightService {
   ServiceStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
   LeaseTable* leases() { return &leases_; }
+  // The host memory manager (--host-memory-bytes): what else allocates host
+  // memory for clients (the data socket's exports) charges it here.
+  HostMemoryManager* host_memory() { return &memory_; }
   // The checkpoints resident by their files (what a hand-over gives away).
   const ResidentCheckpoints& resident_checkpoints() const { return resident_; }
   uint64_t checkpoint_segment_bytes() const { return options_.checkpoint_segment_bytes; }

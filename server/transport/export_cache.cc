@@ -7,80 +7,130 @@
 
 namespace weightd {
 
-absl::StatusOr<std::shared_ptr<const ExportedBuffer>> ExportCache::Get(
-    const std::shared_ptr<const void>& table, const std::string& device, uint64_t size,
-    const Fill& fill, bool* filled) {
+ExportHold& ExportHold::operator=(ExportHold&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    cache_ = std::exchange(other.cache_, nullptr);
+    entry_ = other.entry_;
+    holder_ = other.holder_;
+    buffer_ = std::move(other.buffer_);
+  }
+  return *this;
+}
+
+void ExportHold::Reset() {
+  if (cache_ == nullptr) return;
+  // The buffer may be freed by Release (a dead table's): drop our reference
+  // first, so that the cache's is the last one.
+  buffer_.reset();
+  std::exchange(cache_, nullptr)->Release(entry_, holder_);
+}
+
+uint64_t ExportCache::EvictUnheldLocked(
+    const std::string& device, uint64_t bytes, size_t buffers,
+    std::vector<std::shared_ptr<const ExportedBuffer>>* dropped) {
+  // Dead tables' buffers first (nobody can be handed them again), then the
+  // least recently used.
+  std::vector<std::map<uint64_t, Entry>::iterator> unheld;
+  for (auto e = entries_.begin(); e != entries_.end(); ++e) {
+    if (e->second.holds == 0 && (device.empty() || e->second.device == device)) {
+      unheld.push_back(e);
+    }
+  }
+  std::sort(unheld.begin(), unheld.end(), [](const auto& a, const auto& b) {
+    const bool a_dead = a->second.table.expired(), b_dead = b->second.table.expired();
+    if (a_dead != b_dead) return a_dead;
+    return a->second.last_use < b->second.last_use;
+  });
+  uint64_t freed = 0;
+  size_t removed = 0;
+  for (auto& e : unheld) {
+    if (freed >= bytes && removed >= buffers) break;
+    ++removed;
+    freed += e->second.buffer->size;
+    dropped->push_back(std::move(e->second.buffer));
+    entries_.erase(e);
+    ++stats_.evictions;
+  }
+  return freed;
+}
+
+absl::StatusOr<ExportHold> ExportCache::Get(const ExportRequest& request, const Fill& fill,
+                                            bool* filled) {
   if (filled != nullptr) *filled = false;
-  absl::MutexLock fill_lock(&fill_mu_);
+  const std::string& device = request.device;
   std::vector<std::shared_ptr<const ExportedBuffer>> dropped;  // freed outside mu_
+  absl::MutexLock fill_lock(&fill_mu_);
   {
     absl::MutexLock lock(&mu_);
-    const Key key{table.get(), device};
-    auto it = entries_.find(key);
-    if (it != entries_.end()) {
-      if (it->second.table.lock() == table) {
-        it->second.last_use = ++clock_;
-        ++stats_.hits;
-        return it->second.buffer;
-      }
-      // A dead table's address reused: its buffer, if a connection still
-      // holds it, keeps counting (as an orphan) until let go.
-      if (it->second.buffer.use_count() > 1) {
-        orphans_.emplace_back(device, std::move(it->second.buffer));
-      } else {
-        dropped.push_back(std::move(it->second.buffer));
-      }
-      entries_.erase(it);
-    }
-    for (auto o = orphans_.begin(); o != orphans_.end();) {
-      if (o->second.use_count() == 1) {
-        dropped.push_back(std::move(o->second));
-        o = orphans_.erase(o);
-      } else {
-        ++o;
-      }
-    }
-    // Room on the device: drop dead tables' buffers, then the least
-    // recently used unheld ones.
-    uint64_t used = 0;
-    for (const auto& [dev, buffer] : orphans_) {
-      if (dev == device) used += buffer->size;
-    }
-    std::vector<std::map<Key, Entry>::iterator> mine;
+    // Dead tables' buffers nobody holds: never handed out again.
     for (auto e = entries_.begin(); e != entries_.end();) {
-      if (e->first.second != device) {
-        ++e;
-        continue;
-      }
-      if (e->second.table.expired() && e->second.buffer.use_count() == 1) {
+      if (e->second.holds == 0 && e->second.table.expired()) {
         dropped.push_back(std::move(e->second.buffer));
         e = entries_.erase(e);
-        ++stats_.evictions;
-        continue;
+      } else {
+        ++e;
       }
-      used += e->second.buffer->size;
-      mine.push_back(e);
-      ++e;
     }
-    if (budget_ != 0 && size > budget_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "an export of ", size, " bytes to ", device, " exceeds --device-memory-bytes (",
-          budget_, ")"));
+    // What the holder holds on this device now, each buffer once.
+    uint64_t mine_bytes = 0;
+    size_t mine_buffers = 0;  // on every device
+    std::map<uint64_t, Entry>::iterator hit = entries_.end();
+    uint64_t used = 0;
+    for (auto e = entries_.begin(); e != entries_.end(); ++e) {
+      Entry& entry = e->second;
+      const bool mine = entry.holders.count(request.holder) > 0;
+      mine_buffers += mine ? 1 : 0;
+      if (entry.device != device) continue;
+      used += entry.buffer->size;
+      if (mine) mine_bytes += entry.buffer->size;
+      if (entry.key == request.table.get() && entry.table.lock() == request.table) hit = e;
     }
-    std::sort(mine.begin(), mine.end(),
-              [](const auto& a, const auto& b) { return a->second.last_use < b->second.last_use; });
-    for (auto& e : mine) {
-      if (budget_ == 0 || used + size <= budget_) break;
-      if (e->second.buffer.use_count() != 1) continue;  // held by a connection
-      used -= e->second.buffer->size;
-      dropped.push_back(std::move(e->second.buffer));
-      entries_.erase(e);
-      ++stats_.evictions;
+    const uint64_t size = hit != entries_.end() ? hit->second.buffer->size : request.size;
+    const bool held_already = hit != entries_.end() && hit->second.holders.count(request.holder);
+    if (!held_already) {
+      if (mine_bytes + size > request.holder_bytes) {
+        return RefuseLocked(absl::StrCat(
+            "uid ", request.holder, " holds ", mine_bytes, " bytes of exported buffers on ",
+            device, "; another of ", size, " would pass its share (--max-export-bytes-per-uid: ",
+            request.holder_bytes, "); close exports it no longer needs"));
+      }
+      if (mine_buffers >= options_.max_buffers_per_holder) {
+        return RefuseLocked(absl::StrCat("uid ", request.holder, " holds ", mine_buffers,
+                                   " exported buffers, the daemon's limit per uid (",
+                                   options_.max_buffers_per_holder,
+                                   "); close exports it no longer needs"));
+      }
     }
-    if (budget_ != 0 && used + size > budget_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "an export of ", size, " bytes to ", device, " does not fit --device-memory-bytes (",
-          budget_, "): ", used, " bytes are held by clients' open exports"));
+    if (hit != entries_.end()) {
+      Entry& entry = hit->second;
+      entry.last_use = ++clock_;
+      ++entry.holders[request.holder];
+      ++entry.holds;
+      ++stats_.hits;
+      return ExportHold(this, hit->first, request.holder, entry.buffer);
+    }
+    if (request.size > request.device_bytes) {
+      return RefuseLocked(absl::StrCat("an export of ", request.size, " bytes to ", device,
+                                 " exceeds --device-memory-bytes (", request.device_bytes,
+                                 " for ", device, ")"));
+    }
+    if (used + request.size > request.device_bytes) {
+      used -= EvictUnheldLocked(device, used + request.size - request.device_bytes, 0, &dropped);
+    }
+    if (used + request.size > request.device_bytes) {
+      return RefuseLocked(absl::StrCat("an export of ", request.size, " bytes to ", device,
+                                 " does not fit --device-memory-bytes (", request.device_bytes,
+                                 " for ", device, "): ", used,
+                                 " bytes are held by clients' open exports"));
+    }
+    if (entries_.size() + 1 > options_.max_buffers) {
+      EvictUnheldLocked("", 0, entries_.size() + 1 - options_.max_buffers, &dropped);
+    }
+    if (entries_.size() + 1 > options_.max_buffers) {
+      return RefuseLocked(absl::StrCat("clients' open exports hold ", entries_.size(),
+                                 " buffers, the daemon's limit (", options_.max_buffers,
+                                 "; each keeps an fd)"));
     }
   }
   dropped.clear();
@@ -89,19 +139,63 @@ absl::StatusOr<std::shared_ptr<const ExportedBuffer>> ExportCache::Get(
   std::shared_ptr<const ExportedBuffer> buffer(std::move(*made));
   if (filled != nullptr) *filled = true;
   absl::MutexLock lock(&mu_);
-  entries_[Key{table.get(), device}] = Entry{table, buffer, ++clock_};
+  const uint64_t id = next_id_++;
+  Entry& entry = entries_[id];
+  entry.table = request.table;
+  entry.key = request.table.get();
+  entry.device = device;
+  entry.buffer = buffer;
+  entry.holders[request.holder] = 1;
+  entry.holds = 1;
+  entry.last_use = ++clock_;
   ++stats_.fills;
-  return buffer;
+  return ExportHold(this, id, request.holder, std::move(buffer));
+}
+
+absl::Status ExportCache::RefuseLocked(std::string why) {
+  ++stats_.refusals;
+  return absl::ResourceExhaustedError(std::move(why));
+}
+
+void ExportCache::Release(uint64_t id, uid_t holder) {
+  std::shared_ptr<const ExportedBuffer> dropped;  // freed outside mu_
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return;
+  Entry& entry = it->second;
+  auto h = entry.holders.find(holder);
+  if (h != entry.holders.end() && --h->second == 0) entry.holders.erase(h);
+  if (--entry.holds == 0 && entry.table.expired()) {
+    dropped = std::move(entry.buffer);
+    entries_.erase(it);
+  }
+  // (`dropped` is destroyed after `lock`, declared before it.)
+}
+
+uint64_t ExportCache::Reclaim(const std::string& device, uint64_t bytes) {
+  std::vector<std::shared_ptr<const ExportedBuffer>> dropped;  // freed outside mu_
+  uint64_t freed = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    freed = EvictUnheldLocked(device, bytes, 0, &dropped);
+  }
+  return freed;
 }
 
 uint64_t ExportCache::bytes(const std::string& device) const {
   absl::MutexLock lock(&mu_);
   uint64_t n = 0;
-  for (const auto& [key, e] : entries_) {
-    if (key.second == device) n += e.buffer->size;
+  for (const auto& [id, e] : entries_) {
+    if (e.device == device) n += e.buffer->size;
   }
-  for (const auto& [dev, buffer] : orphans_) {
-    if (dev == device) n += buffer->size;
+  return n;
+}
+
+uint64_t ExportCache::held_bytes(const std::string& device, uid_t holder) const {
+  absl::MutexLock lock(&mu_);
+  uint64_t n = 0;
+  for (const auto& [id, e] : entries_) {
+    if (e.device == device && e.holders.count(holder) > 0) n += e.buffer->size;
   }
   return n;
 }
@@ -109,13 +203,10 @@ uint64_t ExportCache::bytes(const std::string& device) const {
 ExportCacheStats ExportCache::stats() const {
   absl::MutexLock lock(&mu_);
   ExportCacheStats s = stats_;
-  for (const auto& [key, e] : entries_) {
+  for (const auto& [id, e] : entries_) {
     ++s.buffers;
     s.bytes += e.buffer->size;
-  }
-  for (const auto& [dev, buffer] : orphans_) {
-    ++s.buffers;
-    s.bytes += buffer->size;
+    if (e.holds > 0) ++s.held;
   }
   return s;
 }

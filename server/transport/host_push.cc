@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -141,22 +142,13 @@ absl::Status CheckHostDestination(int fd, const PushLayout& layout) {
   return absl::OkStatus();
 }
 
-absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, int fd,
-                        const std::atomic<bool>* cancel) {
-  const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
-  if (layout.offsets.size() != n || layout.lengths.size() != n) {
-    return absl::InternalError("push layout does not match the lease");
-  }
-  for (size_t i = 0; i < lease.buffers.size(); ++i) {
-    if (lease.buffers[i]->kind() != MemoryKind::kHost) {
-      return absl::UnimplementedError(absl::StrCat(
-          "segment ", i, " is in ", MemoryKindName(lease.buffers[i]->kind()),
-          " memory; a push into host memory copies host memory only"));
-    }
-  }
-  if (absl::Status s = CheckHostDestination(fd, layout); !s.ok()) return s;
-  if (absl::Status s = CheckLeaseTensors(lease); !s.ok()) return s;
-  if (n == 0) return absl::OkStatus();
+namespace {
+
+// The push's copies, casts and merges, each piece handed to `write` (bytes,
+// length, offset in the destination).
+absl::Status CopyLease(const LeaseContents& lease, const PushLayout& layout,
+                       const std::atomic<bool>* cancel,
+                       const std::function<absl::Status(const uint8_t*, uint64_t, uint64_t)>& write) {
   std::vector<uint8_t> bounce;
   for (const PushCopy& copy : PlanPushCopies(
            *lease.tensors, layout, {.max_copy_bytes = kChunk, .max_cast_bytes = kCastChunk})) {
@@ -180,9 +172,55 @@ absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, in
       }
       src = bounce.data();
     }
-    WD_RETURN_IF_ERROR(WriteAt(fd, src, copy.dst_length, copy.dst_offset));
+    WD_RETURN_IF_ERROR(write(src, copy.dst_length, copy.dst_offset));
   }
   return absl::OkStatus();
+}
+
+// What a lease must be for either push.
+absl::Status CheckLeaseForHostPush(const LeaseContents& lease, const PushLayout& layout) {
+  const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
+  if (layout.offsets.size() != n || layout.lengths.size() != n) {
+    return absl::InternalError("push layout does not match the lease");
+  }
+  for (size_t i = 0; i < lease.buffers.size(); ++i) {
+    if (lease.buffers[i]->kind() != MemoryKind::kHost) {
+      return absl::UnimplementedError(absl::StrCat(
+          "segment ", i, " is in ", MemoryKindName(lease.buffers[i]->kind()),
+          " memory; a push into host memory copies host memory only"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, int fd,
+                        const std::atomic<bool>* cancel) {
+  WD_RETURN_IF_ERROR(CheckLeaseForHostPush(lease, layout));
+  if (absl::Status s = CheckHostDestination(fd, layout); !s.ok()) return s;
+  if (absl::Status s = CheckLeaseTensors(lease); !s.ok()) return s;
+  if (lease.tensors == nullptr || lease.tensors->empty()) return absl::OkStatus();
+  return CopyLease(lease, layout, cancel,
+                   [fd](const uint8_t* data, uint64_t length, uint64_t offset) {
+                     return WriteAt(fd, data, length, offset);
+                   });
+}
+
+absl::Status CopyLeaseToHost(const LeaseContents& lease, const PushLayout& layout, uint8_t* dest,
+                             uint64_t dest_size, const std::atomic<bool>* cancel) {
+  WD_RETURN_IF_ERROR(CheckLeaseForHostPush(lease, layout));
+  if (layout.size > dest_size) {
+    return absl::InternalError(absl::StrCat("a copy of ", layout.size, " bytes into ",
+                                            dest_size));
+  }
+  WD_RETURN_IF_ERROR(CheckLeaseTensors(lease));
+  if (lease.tensors == nullptr || lease.tensors->empty()) return absl::OkStatus();
+  return CopyLease(lease, layout, cancel,
+                   [dest](const uint8_t* data, uint64_t length, uint64_t offset) {
+                     std::memcpy(dest + offset, data, static_cast<size_t>(length));
+                     return absl::OkStatus();
+                   });
 }
 
 }  // namespace weightd

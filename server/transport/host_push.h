@@ -48,6 +48,13 @@ absl::Status CheckHostDestination(int fd, const PushLayout& layout);
 absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, int fd,
                         const std::atomic<bool>* cancel);
 
+// The same copies, casts and merges into memory of the daemon's own that no
+// client can write yet (the host twin of an export, filled before its fd is
+// handed out): [dest, dest + dest_size), at least layout.size bytes.
+// UNAVAILABLE when `cancel` becomes true.
+absl::Status CopyLeaseToHost(const LeaseContents& lease, const PushLayout& layout, uint8_t* dest,
+                             uint64_t dest_size, const std::atomic<bool>* cancel);
+
 }  // namespace weightd
 
 #endif  // WEIGHTD_SERVER_TRANSPORT_HOST_PUSH_H_

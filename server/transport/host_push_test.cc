@@ -253,3 +253,41 @@ TEST(HostPushTest, RefusesDeviceBuffersWithoutTouchingTheDestination) {
 
 }  // namespace
 }  // namespace weightd
+
+namespace weightd {
+namespace {
+
+// The host twin of an export is filled in the daemon's own memory: the
+// same bytes as a push of the same lease and layout, casts included.
+TEST(HostPushTest, CopyLeaseToHostWritesWhatThePushWrites) {
+  LeaseContents lease = LeaseOf({100, 0, 2000, 1});
+  auto tensors = std::make_shared<std::vector<LeaseTensor>>(*lease.tensors);
+  (*tensors)[2].cast = true;
+  (*tensors)[2].src_dtype = DType::kBF16;
+  (*tensors)[2].dst_dtype = DType::kF32;
+  lease.tensors = tensors;
+  auto layout = LayoutForPush(lease, {});
+  ASSERT_TRUE(layout.ok());
+  UniqueFd dest = Destination(layout->size);
+  ASSERT_TRUE(PushToHost(lease, *layout, dest.get(), nullptr).ok());
+  std::string mine(layout->size, '\xEE');
+  ASSERT_TRUE(CopyLeaseToHost(lease, *layout, reinterpret_cast<uint8_t*>(mine.data()),
+                              mine.size(), nullptr)
+                  .ok());
+  EXPECT_TRUE(mine == ReadAll(dest.get(), layout->size));
+  // Too small a destination is refused before a byte is written.
+  std::string small(layout->size - 1, '\xEE');
+  EXPECT_EQ(CopyLeaseToHost(lease, *layout, reinterpret_cast<uint8_t*>(small.data()),
+                            small.size(), nullptr)
+                .code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(small, std::string(layout->size - 1, '\xEE'));
+  std::atomic<bool> cancel{true};
+  EXPECT_EQ(CopyLeaseToHost(lease, *layout, reinterpret_cast<uint8_t*>(mine.data()), mine.size(),
+                            &cancel)
+                .code(),
+            absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace weightd

@@ -26,6 +26,7 @@
 #include "common/data_protocol.h"
 #include "common/status_macros.h"
 #include "server/gpu/cuda_push.h"
+#include "server/memory/huge_pages.h"
 #include "server/transport/host_push.h"
 
 namespace weightd {
@@ -76,7 +77,7 @@ struct Connection {
   std::vector<BufferPtr> pinned;  // keeps the fds in `out` open
   std::vector<UniqueFd> owned;    // as pinned, fds of the daemon's own (staging)
   // The exported buffers this connection took: held while it is open.
-  std::vector<std::shared_ptr<const ExportedBuffer>> exports;
+  std::vector<ExportHold> exports;
   bool close_after_reply = false;
 };
 
@@ -198,6 +199,24 @@ size_t DefaultMaxConnections() {
   return std::clamp<size_t>(static_cast<size_t>(lim.rlim_cur / 2), 1, kMaxDefaultConnections);
 }
 
+// The default cap on exported buffers: a quarter of the open-file limit
+// (each keeps an fd), at most 4096.
+constexpr size_t kMaxDefaultExportBuffers = 4096;
+
+size_t DefaultMaxExportBuffers() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) {
+    return kMaxDefaultExportBuffers;
+  }
+  return std::clamp<size_t>(static_cast<size_t>(lim.rlim_cur / 4), 4, kMaxDefaultExportBuffers);
+}
+
+ExportCache::Options ExportCacheOptions(size_t max_buffers) {
+  if (max_buffers == 0) max_buffers = DefaultMaxExportBuffers();
+  return ExportCache::Options{.max_buffers = max_buffers,
+                              .max_buffers_per_holder = std::max<size_t>(1, max_buffers / 4)};
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options options,
@@ -220,6 +239,11 @@ absl::StatusOr<std::unique_ptr<ShmDataServer>> ShmDataServer::Start(Options opti
   if (!done.valid()) return ErrnoStatus(errno, "eventfd");
   auto server = std::unique_ptr<ShmDataServer>(new ShmDataServer(
       std::move(options), leases, std::move(listen_fd), std::move(wake), std::move(done)));
+  // Memory short: cached exports nobody holds go, as other caches' entries
+  // do (rebuilt on demand).
+  server->reclaimer_ = server->host_memory_->AddReclaimer(
+      MemoryAccount::kRankCache,
+      [s = server.get()](uint64_t bytes) { return s->exports_.Reclaim("host", bytes); });
   try {
     server->thread_ = std::thread([s = server.get()] {
       s->Run();
@@ -238,11 +262,15 @@ ShmDataServer::ShmDataServer(Options options, LeaseTable* leases, UniqueFd liste
                              UniqueFd wake_fd, UniqueFd done_fd)
     : options_(std::move(options)),
       leases_(leases),
+      own_memory_(options_.host_memory != nullptr
+                      ? nullptr
+                      : std::make_unique<HostMemoryManager>(HostMemoryManager::Options{})),
+      host_memory_(options_.host_memory != nullptr ? options_.host_memory : own_memory_.get()),
       listen_fd_(std::move(listen_fd)),
       wake_fd_(std::move(wake_fd)),
       done_fd_(std::move(done_fd)),
       pause_(wake_fd_.get()),
-      exports_(options_.export_budget) {}
+      exports_(ExportCacheOptions(options_.max_export_buffers)) {}
 
 ShmDataServer::~ShmDataServer() { Stop(); }
 
@@ -250,8 +278,11 @@ void ShmDataServer::Stop() {
   if (stopping_.exchange(true)) {
     if (thread_.joinable()) thread_.join();
     push_pool_.reset();
-    absl::MutexLock lock(&closer_mu_);
-    closer_.reset();
+    {
+      absl::MutexLock lock(&closer_mu_);
+      closer_.reset();
+    }
+    if (uint64_t id = reclaimer_.exchange(0); id != 0) host_memory_->RemoveReclaimer(id);
     return;
   }
   uint64_t one = 1;
@@ -266,6 +297,7 @@ void ShmDataServer::Stop() {
     closer = std::move(closer_);
   }
   closer.reset();  // runs what is queued
+  if (uint64_t id = reclaimer_.exchange(0); id != 0) host_memory_->RemoveReclaimer(id);
   if (!keep_file_.load()) ::unlink(options_.path.c_str());
 }
 
@@ -329,42 +361,39 @@ void ShmDataServer::Finish(PushDone done) {
   (void)!::write(done_fd_.get(), &one, sizeof(one));
 }
 
-namespace {
-
-// The host twin of a CUDA export: a memfd of `size` bytes, the lease
-// pushed into it, sealed against writes.
-absl::StatusOr<std::unique_ptr<ExportedBuffer>> FillHostExport(const LeaseContents& lease,
-                                                               const PushLayout& layout,
-                                                               uint64_t size,
-                                                               const std::atomic<bool>* cancel) {
-  UniqueFd fd(::memfd_create("weightd-export", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!fd.valid()) {
-    return absl::ResourceExhaustedError(absl::StrCat("memfd_create: ", std::strerror(errno)));
+uint64_t ShmDataServer::ExportBudget(const GpuDevice* gpu) const {
+  if (options_.export_budget != 0) return options_.export_budget;
+  if (gpu != nullptr) {
+    // A quarter of the GPU: the rest is its clients' (a GPU's memory has no
+    // reclaimer here; unheld buffers go only for another export).
+    constexpr uint64_t kUnknownGpuMemory = uint64_t{4} << 30;
+    return std::max<uint64_t>(1, (gpu->memory_bytes != 0 ? gpu->memory_bytes
+                                                         : kUnknownGpuMemory) / 4);
   }
-  if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
-    return absl::ResourceExhaustedError(absl::StrCat("sizing an export of ", size,
-                                                     " bytes: ", std::strerror(errno)));
-  }
-  if (int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(size)); err != 0) {
-    return absl::ResourceExhaustedError(absl::StrCat("allocating an export of ", size,
-                                                     " bytes: ", std::strerror(err)));
-  }
-  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
-    return absl::InternalError(absl::StrCat("sealing an export: ", std::strerror(errno)));
-  }
-  WD_RETURN_IF_ERROR(PushToHost(lease, layout, fd.get(), cancel));
-  // Never mapped writable here: the write seal takes, and clients map it
-  // read-only.
-  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
-    return absl::InternalError(absl::StrCat("sealing an export: ", std::strerror(errno)));
-  }
-  auto out = std::make_unique<ExportedBuffer>();
-  out->fd = std::move(fd);
-  out->size = size;
-  return out;
+  // Half the host budget: the other half is for what exports are made of.
+  const uint64_t limit = host_memory_->account()->limit();
+  if (limit != 0) return std::max<uint64_t>(1, limit / 2);
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return uint64_t{1} << 30;
+  return std::max<uint64_t>(1, static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 4);
 }
 
-}  // namespace
+absl::StatusOr<std::unique_ptr<ExportedBuffer>> ShmDataServer::FillHostExport(
+    const LeaseContents& lease, const PushLayout& layout, uint64_t size) {
+  // Charged to the host budget (the reclaimers run first when it is short:
+  // unheld exports among them), faulted in now (no page is allocated later
+  // by a write), filled while no client has its fd, then sealed.
+  WD_ASSIGN_OR_RETURN(std::unique_ptr<Segment> segment,
+                      host_memory_->Allocate(size, {.purpose = "export", .prefault = true}));
+  WD_RETURN_IF_ERROR(
+      CopyLeaseToHost(lease, layout, segment->mutable_data(), segment->size(), &stopping_));
+  WD_RETURN_IF_ERROR(segment->Seal(/*populate=*/false));
+  auto out = std::make_unique<ExportedBuffer>();
+  out->size = segment->size();
+  out->segment = std::move(segment);
+  return out;
+}
 
 void ShmDataServer::Export(int conn_fd, uint64_t connection, uid_t uid,
                            std::shared_ptr<const LeaseContents> lease, CudaPushTarget target) {
@@ -372,18 +401,24 @@ void ShmDataServer::Export(int conn_fd, uint64_t connection, uid_t uid,
   bool filled = false;
   std::string device = "host";
   ExportInfo info{};
-  absl::StatusOr<std::shared_ptr<const ExportedBuffer>> got =
-      [&]() -> absl::StatusOr<std::shared_ptr<const ExportedBuffer>> {
+  absl::StatusOr<ExportHold> got = [&]() -> absl::StatusOr<ExportHold> {
     WD_ASSIGN_OR_RETURN(PushLayout layout, LayoutForPush(*lease, {}));
     info.layout_size = layout.size;
     bool host = true;
     for (uint8_t b : target.gpu_uuid) host &= b == 0;
     ExportCache::Fill fill;
     uint64_t size = 0;
+    uint64_t budget = 0;
     if (host) {
       const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
       size = std::max<uint64_t>(1, (layout.size + page - 1) / page) * page;
-      fill = [&, size] { return FillHostExport(*lease, layout, size, &stopping_); };
+      // Budgeted as the pages it will get (a huge segment is whole 2 MiB).
+      const MemoryAccount& account = *host_memory_->account();
+      const std::vector<PageKind> kinds =
+          PageKindsToTry(account.huge_pages(), account.shmem_thp(), size);
+      if (!kinds.empty() && kinds.front() != PageKind::kSmall) size = RoundUpToHugePage(size);
+      budget = ExportBudget(nullptr);
+      fill = [&, size] { return FillHostExport(*lease, layout, size); };
     } else {
       WD_ASSIGN_OR_RETURN(GpuDevice gpu, CheckCudaExport(target, layout, Gpus()));
       device = gpu.uuid;
@@ -391,6 +426,7 @@ void ShmDataServer::Export(int conn_fd, uint64_t connection, uid_t uid,
       // every current GPU) by the plugin; budgeted as that.
       constexpr uint64_t kGranule = uint64_t{2} << 20;
       size = std::max<uint64_t>(1, (layout.size + kGranule - 1) / kGranule) * kGranule;
+      budget = ExportBudget(&gpu);
       fill = [&, gpu]() -> absl::StatusOr<std::unique_ptr<ExportedBuffer>> {
         WD_ASSIGN_OR_RETURN(CudaExport made, ExportToCuda(*lease, layout, gpu, &stopping_));
         auto out = std::make_unique<ExportedBuffer>();
@@ -400,13 +436,22 @@ void ShmDataServer::Export(int conn_fd, uint64_t connection, uid_t uid,
         return out;
       };
     }
-    return exports_.Get(lease->tensors, device, size, fill, &filled);
+    const uint64_t share = options_.max_export_bytes_per_uid != 0
+                               ? options_.max_export_bytes_per_uid
+                               : std::max<uint64_t>(1, budget / 2);
+    return exports_.Get(ExportRequest{.table = lease->tensors,
+                                      .device = device,
+                                      .size = size,
+                                      .holder = uid,
+                                      .device_bytes = budget,
+                                      .holder_bytes = share},
+                        fill, &filled);
   }();
   absl::Status status = got.status();
-  std::shared_ptr<const ExportedBuffer> exported;
+  ExportHold exported;
   if (got.ok()) {
     exported = *std::move(got);
-    info.size = exported->size;
+    info.size = exported.buffer().size;
   }
   LogEvent(status.ok() ? LogLevel::kInfo : LogLevel::kWarning, "export",
            {{"connection", absl::StrCat(connection)},
@@ -416,6 +461,8 @@ void ShmDataServer::Export(int conn_fd, uint64_t connection, uid_t uid,
             {"bytes", absl::StrCat(info.size)},
             {"filled", filled ? "yes" : "no (cached)"},
             {"device_bytes", absl::StrCat(exports_.bytes(device))},
+            {"uid", absl::StrCat(uid)},
+            {"uid_bytes", absl::StrCat(exports_.held_bytes(device, uid))},
             {"ms", absl::StrCat(absl::ToDoubleMilliseconds(absl::Now() - start))},
             {"status", status.ok() ? std::string("OK") : status.ToString()}});
   Finish(PushDone{conn_fd, connection, uid, std::move(status), std::move(exported), info});
@@ -761,9 +808,9 @@ void ShmDataServer::Run() {
       if (it == conns.end() || it->second.id != d.connection) continue;
       Connection& c = it->second;
       c.pushing = false;
-      if (d.status.ok() && d.exported != nullptr) {
+      if (d.status.ok() && d.exported.valid()) {
         // The client's own fd of the buffer; the connection holds the buffer.
-        UniqueFd fd(::fcntl(d.exported->fd.get(), F_DUPFD_CLOEXEC, 0));
+        UniqueFd fd(::fcntl(d.exported.buffer().export_fd(), F_DUPFD_CLOEXEC, 0));
         if (!fd.valid()) {
           QueueReply(&c, absl::ResourceExhaustedError(absl::StrCat(
                              "duplicating the export's fd: ", std::strerror(errno))),

@@ -34,8 +34,10 @@
 #include "common/thread_pool.h"
 #include "common/unix_socket.h"
 #include "common/data_protocol.h"
+#include "common/push_layout.h"
 #include "server/gpu/gpu_devices.h"
 #include "server/lease/lease_table.h"
+#include "server/memory/host_memory.h"
 #include "server/transport/export_cache.h"
 #include "server/transport/peer_identity.h"
 
@@ -77,9 +79,24 @@ class ShmDataServer {
         stage;
     // The GPUs a CUDA push may name (must outlive the server); null: none.
     const GpuInventory* gpus = nullptr;
-    // Bytes of exported buffers per device (each GPU, and host memory for
-    // the host twin); 0 = no limit (--device-memory-bytes).
+    // Exported buffers (kCudaDaemonExport; export_cache.h), held by clients
+    // or kept for the next export. Bytes per device, held or kept
+    // (--device-memory-bytes); 0: a quarter of each GPU's memory, and for
+    // the host twin half of host_memory's budget (a quarter of the
+    // machine's memory when that is unlimited).
     uint64_t export_budget = 0;
+    // Bytes of the buffers one peer uid's open exports hold per device
+    // (--max-export-bytes-per-uid); 0: half of the device's budget.
+    uint64_t max_export_bytes_per_uid = 0;
+    // Buffers in all (each keeps an fd of the daemon's); 0: a quarter of
+    // the open-file limit (RLIMIT_NOFILE, soft) at Start, at most 4096. A
+    // uid's open exports hold at most a quarter of them.
+    size_t max_export_buffers = 0;
+    // The host twin's buffers are segments of this manager, charged to its
+    // budget (--host-memory-bytes, shown in stats as resident); its
+    // reclaimer chain drops the unheld ones when memory runs short. Must
+    // outlive the server. Null: a manager of the server's own, unlimited.
+    HostMemoryManager* host_memory = nullptr;
     // An fd already listening at `path` (a predecessor's, at a hand-over):
     // served instead of binding a new socket; the server owns it. -1: bind.
     int adopt_listen_fd = -1;
@@ -107,6 +124,8 @@ class ShmDataServer {
   const std::string& path() const { return options_.path; }
   uint64_t connections_open() const { return open_.load(); }
   ExportCacheStats export_stats() const { return exports_.stats(); }
+  // Bytes of exported buffers on `device` ("host" or a GPU's UUID).
+  uint64_t export_bytes(const std::string& device) const { return exports_.bytes(device); }
   // The caps in force (0 in Options resolved).
   size_t max_connections() const { return options_.max_connections; }
   size_t max_connections_per_uid() const { return options_.max_connections_per_uid; }
@@ -122,8 +141,9 @@ class ShmDataServer {
     uint64_t connection;  // its id (the fd may have been reused)
     uid_t uid;            // its peer's, whose count of pushes drops
     absl::Status status;
-    // An export's buffer and what the reply says of it (status OK only).
-    std::shared_ptr<const ExportedBuffer> exported;
+    // An export's buffer, held, and what the reply says of it (status OK
+    // only).
+    ExportHold exported;
     ExportInfo info{};
   };
   // Runs on a push thread: copies, then queues the answer.
@@ -142,16 +162,28 @@ class ShmDataServer {
   void Export(int conn_fd, uint64_t connection, uid_t uid,
               std::shared_ptr<const LeaseContents> lease, CudaPushTarget target)
       ABSL_LOCKS_EXCLUDED(done_mu_);
+  // The export budget of `gpu`'s memory (null: the host twin's).
+  uint64_t ExportBudget(const GpuDevice* gpu) const;
+  // The host twin of an export: a segment of host_memory_, the lease
+  // copied in at `layout`, sealed.
+  absl::StatusOr<std::unique_ptr<ExportedBuffer>> FillHostExport(const LeaseContents& lease,
+                                                                 const PushLayout& layout,
+                                                                 uint64_t size);
 
   const Options options_;
   LeaseTable* const leases_;
+  // options_.host_memory, or own_memory_.
+  std::unique_ptr<HostMemoryManager> own_memory_;
+  HostMemoryManager* const host_memory_;
+  std::atomic<uint64_t> reclaimer_{0};  // on host_memory_, until Stop()
   UniqueFd listen_fd_;
   UniqueFd wake_fd_;  // eventfd that breaks poll() on Stop()
   UniqueFd done_fd_;  // eventfd: a push finished (see done_)
   std::atomic<bool> stopping_{false};
   std::atomic<bool> keep_file_{false};
   AcceptPause pause_;  // after wake_fd_, whose fd it borrows
-  // Exported buffers (kCudaDaemonExport), per device; after options_.
+  // Exported buffers (kCudaDaemonExport), per device; after options_,
+  // before everything that holds them (done_).
   ExportCache exports_;
   std::atomic<uint64_t> open_{0};
   absl::Mutex done_mu_;

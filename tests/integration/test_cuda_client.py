@@ -60,13 +60,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import BUILD, REPO, Daemon  # noqa: E402
+from harness import BUILD, REPO, Daemon, user_prefix  # noqa: E402
 from harness import leases_open as _leases, wait_leases as _wait_leases  # noqa: E402
 import st_io  # noqa: E402
 
@@ -1657,9 +1658,12 @@ def test_export_host_twin(daemon, client):
                                                   bytes(resp.token), _cuda.HOST_UUID)
         try:
             assert got_layout == layout and size >= layout and size % 4096 == 0, what
-            assert os.readlink("/proc/self/fd/%d" % fd).startswith("/memfd:weightd-export")
+            # A segment of the daemon's host memory (charged to its budget).
+            assert os.readlink("/proc/self/fd/%d" % fd).startswith("/memfd:weightd:export")
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            assert seals & fcntl.F_SEAL_WRITE and seals & fcntl.F_SEAL_SHRINK, what
+            F_SEAL_FUTURE_WRITE = 0x10  # Linux 5.1; the daemon's pick from 5.10 on
+            assert seals & (fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE), what
+            assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW, what
             with pytest.raises(OSError):
                 mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             data = os.pread(fd, size, 0)
@@ -1695,8 +1699,9 @@ def test_export_host_twin(daemon, client):
 def test_export_budget_evicts_unheld_buffers_only(tmp_path):
     """--device-memory-bytes: a second buffer that does not fit beside a held
     one is RESOURCE_EXHAUSTED (naming the flag); once the first one's
-    connection closes, the second evicts it."""
-    d = Daemon(workdir=str(tmp_path / "d"), extra_args=["--device-memory-bytes", "6000"])
+    connection closes, the second evicts it. (One uid may hold it all here.)"""
+    d = Daemon(workdir=str(tmp_path / "d"), extra_args=["--device-memory-bytes", "6000",
+                                                        "--max-export-bytes-per-uid", "12000"])
     d.start()
     try:
         path = os.path.join(d.model_root, "small.safetensors")
@@ -1732,6 +1737,164 @@ def test_export_budget_evicts_unheld_buffers_only(tmp_path):
         c.close()
     finally:
         d.stop()
+
+
+# Runs as another uid: exports (host twin) every table in argv[3] (a JSON
+# list of [world, rank, dtype]) of model argv[2], holding each it gets; prints
+# one JSON line per table, then "held", then waits for a line on stdin.
+_EXPORTER = r"""
+import json, sys
+import weightd
+from weightd import _cuda, _dtypes
+from weightd.v1 import weightd_pb2 as pb
+c = weightd.Client(socket=sys.argv[1], retry_deadline=0)
+held = []
+for world, rank, dtype in json.loads(sys.argv[3]):
+    dt = _dtypes.parse_request_dtype(dtype)
+    resp = c._shards.Fetch(pb.FetchRequest(
+        model=sys.argv[2], mesh_shape=[world], coord=[rank], transport=pb.SHM,
+        dtype=_dtypes.enum_of_name(dt) if dt else pb.DTYPE_UNSPECIFIED, defer_casts=True,
+        defer_merges=True), timeout=30)
+    try:
+        sock, fd, size, _ = _cuda.export(resp.data_socket, resp.lease_id, bytes(resp.token),
+                                         _cuda.HOST_UUID)
+        held.append((sock, fd))
+        print(json.dumps({"size": size}), flush=True)
+    except weightd.Error as e:
+        print(json.dumps({"code": e.code, "message": e.message}), flush=True)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+MiB = 1 << 20
+
+
+def _open_dir(path):
+    os.makedirs(path, exist_ok=True)
+    os.chmod(path, 0o777)
+    return path
+
+
+class _Exporter:
+    """An _EXPORTER process as `uid`, holding what it got until close()."""
+
+    def __init__(self, d, uid, model, tables):
+        env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"))
+        self.proc = subprocess.Popen(
+            user_prefix(uid) + [sys.executable, "-c", _EXPORTER, d.socket, model,
+                                json.dumps(tables)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env)
+        self.results = []
+        while True:
+            line = self.proc.stdout.readline()
+            assert line, "exporter %d died: %s" % (uid, self.proc.stderr.read())
+            if line.strip() == "held":
+                break
+            self.results.append(json.loads(line))
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=20)
+
+
+def _daemon_shmem(pid):
+    """The daemon's memfds, each once: (count, bytes), and its RssShmem."""
+    seen = {}
+    for n in os.listdir("/proc/%d/fd" % pid):
+        try:
+            if not os.readlink("/proc/%d/fd/%s" % (pid, n)).startswith("/memfd:"):
+                continue
+            st = os.stat("/proc/%d/fd/%s" % (pid, n))
+        except OSError:
+            continue  # closed meanwhile
+        seen[st.st_ino] = st.st_size
+    with open("/proc/%d/status" % pid) as f:
+        rss_shmem = next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssShmem:"))
+    return len(seen), sum(seen.values()), rss_shmem
+
+
+def test_host_exports_are_bounded_by_the_host_budget_and_a_share_per_uid():
+    """Host exports (the CUDA export's host twin) are host memory charged to
+    --host-memory-bytes: under a 48 MiB budget one unprivileged reader asking
+    exports of 28 different fetch tables of an 8 MiB model, holding each,
+    gets RESOURCE_EXHAUSTED at its share (half of the exports' budget, itself
+    half of the host budget), the daemon's memfds stay within the budget and
+    within what stats say is resident, root and another uid still fetch and
+    export, and once the reader lets go its buffers give way to a load."""
+    base = _open_dir(tempfile.mkdtemp(prefix="weightd-exports-"))
+    budget = 48 * MiB
+    d = Daemon(model_root=_open_dir(os.path.join(base, "models")),
+               workdir=_open_dir(os.path.join(base, "d")),
+               extra_args=["--host-memory-bytes", str(budget), "--socket-mode", "0666"])
+    d.start()
+    readers = []
+    try:
+        g = torch.Generator().manual_seed(5)
+        model = {"w%d" % i: torch.randn(512, 512, generator=g) for i in range(8)}  # 8 MiB
+        path = os.path.join(d.model_root, "m.safetensors")
+        st_io.save(model, path)
+        os.chmod(path, 0o644)
+        d.ctl_ok("load", "m", path)
+        c = weightd.Client(socket=d.socket, retry_deadline=0)
+        tables = [[w, r, None] for w in range(7, 0, -1) for r in range(w)]
+        assert len(tables) == 28
+        reader = _Exporter(d, 4343, "m", tables)
+        readers.append(reader)
+        got = [r["size"] for r in reader.results if "size" in r]
+        refused = [r for r in reader.results if "size" not in r]
+        share = budget // 4
+        assert got and sum(got) <= share, reader.results
+        assert refused, "28 exports of %d bytes all granted" % sum(got)
+        for r in refused:
+            assert r["code"] == "RESOURCE_EXHAUSTED", r
+            assert "uid 4343" in r["message"] and "--max-export-bytes-per-uid" in r["message"], r
+        # What the daemon holds is within the budget and what stats say.
+        memfds, shmem, rss_shmem = _daemon_shmem(d.proc.pid)
+        resident = c.stats()["bytes_resident"]
+        assert memfds == 1 + len(got), (memfds, got)  # the checkpoint, the reader's exports
+        assert shmem <= resident <= budget, (shmem, resident)
+        assert rss_shmem <= budget, rss_shmem
+        assert resident >= 8 * MiB + sum(got), (resident, got)
+        # Root fetches and exports; another uid exports, up to its own share.
+        with c.fetch("m") as h:
+            assert all(torch.equal(h[k], v) for k, v in model.items())
+        resp = _export_fetch(c, 2, 1, None, model="m")
+        sock, fd, size, _ = _cuda.export(resp.data_socket, resp.lease_id, bytes(resp.token),
+                                         _cuda.HOST_UUID)
+        try:
+            assert size >= 4 * MiB
+            assert os.pread(fd, 4096, 0) == st_io.tensor_bytes(model["w0"][256:])[:4096]
+        finally:
+            os.close(fd)
+            sock.close()
+        other = _Exporter(d, 4344, "m", [[2, 0, None]])
+        readers.append(other)
+        assert "size" in other.results[0], other.results
+        assert c.stats()["bytes_resident"] <= budget
+        # All let go: the kept buffers give way to a load that needs their room.
+        for r in readers:
+            r.close()
+        big = {"b%d" % i: torch.randn(1024, 1024, generator=g) for i in range(7)}  # 28 MiB
+        path = os.path.join(d.model_root, "big.safetensors")
+        st_io.save(big, path)
+        deadline = time.time() + 10
+        while True:  # the daemon sees the readers' connections close a moment later
+            r = d.ctl("load", "big", path)
+            if r.returncode == 0:
+                break
+            assert r.error_code == "RESOURCE_EXHAUSTED" and time.time() < deadline, r.stderr
+            time.sleep(0.1)
+        memfds, shmem, _ = _daemon_shmem(d.proc.pid)
+        assert shmem <= c.stats()["bytes_resident"] <= budget
+        assert c.health() is True and d.alive()
+        c.close()
+    finally:
+        for r in readers:
+            r.close()
+        d.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.parametrize("access", ["read-only", "refused"])

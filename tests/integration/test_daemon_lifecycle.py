@@ -198,6 +198,55 @@ def test_metrics_endpoint_counts_the_work(tmp_path):
         assert m2["weightd_gpus"] == int(gpus)
 
 
+def test_idle_connections_do_not_stop_metrics(tmp_path):
+    """300 idle TCP connections to --metrics-listen (none sends a request;
+    prometheus-cpp's civetweb gave each a worker until ~224 stopped /metrics)
+    cost the daemon at most an fd each, up to its cap: every connect is
+    accepted, /metrics answers while they are open, the oldest idle ones are
+    closed for newer ones; bad requests get their status and the server
+    serves on."""
+    import socket
+    port = harness.free_port()
+    root = tmp_path / "models"
+    root.mkdir()
+    with harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                        extra_args=["--metrics-listen", "127.0.0.1:%d" % port]) as d:
+        assert harness.scrape_metrics(port)["weightd_models"] == 0
+        idle = []
+        try:
+            for _ in range(300):
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            t = time.monotonic()
+            m = harness.scrape_metrics(port)  # 5 s timeout
+            assert m["weightd_models"] == 0 and time.monotonic() - t < 5
+            # The daemon keeps at most its cap of them (64), not 300.
+            sockets = sum(1 for n in os.listdir("/proc/%d/fd" % d.proc.pid)
+                          if os.readlink("/proc/%d/fd/%s" % (d.proc.pid, n)).startswith("socket:"))
+            assert sockets < 100, sockets
+            idle[0].settimeout(5)
+            assert idle[0].recv(1) == b""  # the oldest was closed for a newer one
+
+            def ask(raw):
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    s.sendall(raw)
+                    out = b""
+                    while chunk := s.recv(65536):
+                        out += chunk
+                    return out
+            assert ask(b"POST /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405 ")
+            assert ask(b"GET /nope HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404 ")
+            assert ask(b"garbage\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+            assert ask(b"GET /metrics HTTP/1.1\r\nX: " + b"y" * 20000).startswith(b"HTTP/1.1 431 ")
+            head = ask(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n"), head
+            assert b"text/plain; version=0.0.4" in head
+        finally:
+            for s in idle:
+                s.close()
+        assert harness.scrape_metrics(port)["weightd_models"] == 0
+        assert d.alive()
+
+
 def test_structured_json_log_has_one_line_per_event(tmp_path):
     root = tmp_path / "models"
     root.mkdir()
@@ -442,6 +491,86 @@ def test_watch_streams_are_capped_and_the_excess_refused(tmp_path):
         assert took < 3, took
     finally:
         channel.close()
+        d.stop()
+
+
+# Holds argv[2] Watch streams of model "m" on socket argv[1], each past its
+# first event, says "ready" and sleeps (to be killed).
+_WATCHER = r"""
+import sys, time, grpc
+from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+stub = pbg.ShardsStub(grpc.insecure_channel("unix:" + sys.argv[1]))
+streams = [stub.Watch(pb.WatchRequest(model="m", include_current=True))
+           for _ in range(int(sys.argv[2]))]
+for s in streams:
+    next(s)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _fds(pid):
+    return sorted(os.readlink("/proc/%d/fd/%s" % (pid, n)) for n in os.listdir("/proc/%d/fd" % pid))
+
+
+def test_cancelled_watch_streams_leave_no_fds_or_threads_behind(tmp_path):
+    """Floods of Watch streams that their clients cancel (before the first
+    event, after it, several at once on one channel, a channel per stream,
+    and the client process killed) leave the daemon's fds and threads where
+    they were: the baseline is taken after one warm-up flood (gRPC's own
+    steady-state fds and pool threads)."""
+    import grpc
+    import signal as sig
+    from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+    d = _preloaded_daemon(tmp_path)
+    d.start()
+    env = dict(os.environ, PYTHONPATH=os.path.join(harness.BUILD, "python"))
+
+    def flood():
+        ch = grpc.insecure_channel("unix:" + d.socket)
+        stub = pbg.ShardsStub(ch)
+        held = []
+        for i in range(40):
+            s = stub.Watch(pb.WatchRequest(model="m", include_current=True), timeout=30)
+            if i % 2:
+                next(s)
+            if i % 4 == 3:
+                held.append(s)  # cancelled together below
+            else:
+                s.cancel()
+        for i in range(10):
+            with grpc.insecure_channel("unix:" + d.socket) as own:
+                s = pbg.ShardsStub(own).Watch(pb.WatchRequest(model="m", include_current=True))
+                next(s)
+                s.cancel()
+        for s in held:
+            s.cancel()
+        ch.close()
+        killed = subprocess.Popen(["/usr/bin/python3", "-c", _WATCHER, d.socket, "10"],
+                                  stdout=subprocess.PIPE, text=True, env=env)
+        assert killed.stdout.readline().strip() == "ready"
+        killed.send_signal(sig.SIGKILL)
+        killed.wait(timeout=10)
+
+    def settled(fds, threads):
+        # (gRPC's pool may grow a thread or two under a flood: not ours.)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if len(_fds(d.proc.pid)) <= len(fds) and _thread_count(d) <= threads + 2:
+                return True
+            time.sleep(0.1)
+        return False
+
+    try:
+        flood()
+        time.sleep(1)  # the cancelled watches' threads notice within 500 ms
+        fds, threads = _fds(d.proc.pid), _thread_count(d)
+        for _ in range(3):  # 180 watches in all
+            flood()
+            assert settled(fds, threads), ("\n".join(fds), "\n".join(_fds(d.proc.pid)),
+                                           threads, _thread_count(d))
+        d.ctl_ok("health")
+    finally:
         d.stop()
 
 

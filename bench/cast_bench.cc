@@ -9,6 +9,7 @@
 
 #include "common/cast.h"
 #include "common/dtype.h"
+#include "common/merge.h"
 
 namespace weightd {
 namespace cast_internal {
@@ -88,6 +89,53 @@ WD_CAST_BENCH(F32_to_BF16_scalar, kF32, kBF16, "scalar");
 WD_CAST_BENCH(F32_to_F16_scalar, kF32, kF16, "scalar");
 
 #undef WD_CAST_BENCH
+
+// MergeBufferHost (the host twin of a push's merge, merge_elements.h): a
+// BF16 parameter of 4096 columns with a rank-16 LoRA term and an added
+// dense term, written as BF16. Bytes/s counts bytes read + written.
+void BM_MergeBf16LowRank16(benchmark::State& state) {
+  constexpr int64_t kCols = 4096, kRank = 16;
+  const size_t count = kSrcBytes / 2;
+  const int64_t rows = static_cast<int64_t>(count) / kCols;
+  const std::vector<uint8_t> src = MakeSource(DType::kBF16);
+  std::vector<uint8_t> dst(src.size(), 1);
+  std::mt19937 rng(2);
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  std::vector<float> x(static_cast<size_t>(rows * kRank)), y(static_cast<size_t>(kRank * kCols));
+  std::vector<float> v(count);
+  for (float& f : x) f = dist(rng);
+  for (float& f : y) f = dist(rng);
+  for (float& f : v) f = dist(rng);
+  MergeTerm low;
+  low.kind = MergeTerm::kLowRank;
+  low.s = 0.5f;
+  low.rank = kRank;
+  low.x = x.data();
+  low.y = y.data();
+  low.x_r = kRank;
+  low.x_k = 1;
+  low.y_k = kCols;
+  low.y_c = 1;
+  MergeTerm add;
+  add.kind = MergeTerm::kAdd;
+  add.s = 0.25f;
+  add.v = v.data();
+  const MergeTerm terms[] = {low, add};
+  for (auto _ : state) {
+    absl::Status s = MergeBufferHost(DType::kBF16, src.data(), DType::kBF16, dst.data(), count,
+                                     0, 0, kCols, terms);
+    if (!s.ok()) {
+      state.SkipWithError(std::string(s.message()).c_str());
+      break;
+    }
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) *
+                          static_cast<int64_t>(src.size() + dst.size()));
+}
+
+BENCHMARK(BM_MergeBf16LowRank16)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 }  // namespace weightd

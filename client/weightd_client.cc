@@ -817,7 +817,8 @@ absl::StatusOr<DaemonStats> Client::Stats() {
   for (const v1::GpuDevice& g : r.gpus()) {
     s.gpus.push_back(GpuInfo{g.uuid(), g.name(), g.pci_bus_id(), g.memory_bytes(), g.ordinal(),
                              g.compute_major(), g.compute_minor(), g.pageable_memory_access(),
-                             g.host_register(), g.host_register_read_only()});
+                             g.host_register(), g.host_register_read_only(),
+                             g.unavailable()});
   }
   return s;
 }

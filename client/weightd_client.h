@@ -116,6 +116,7 @@ struct GpuInfo {
   int ordinal = 0;  // the daemon's CUDA index
   int compute_major = 0, compute_minor = 0;
   bool pageable_memory_access = false, host_register = false, host_register_read_only = false;
+  std::string unavailable;  // "" while the daemon can use it, else why not
 };
 
 // Models.Peers: the fleet's other daemons as this one last polled them.

@@ -14,8 +14,17 @@ if(WEIGHTD_SANITIZE)
   add_link_options(-fsanitize=${WEIGHTD_SANITIZE})
 endif()
 
+# No contraction of a multiply and an add into one FMA, in every target of
+# ours: GCC contracts by default in C++ (-ffp-contract=fast, ISO mode or
+# not) wherever the target ISA has FMA (-march=haswell and later,
+# -march=native, aarch64), and then the element functions that the CPU and
+# the GPU share (common/cast_elements.h, merge_elements.h) and the LoRA
+# merges round differently from PyTorch and from the GPU. Explicit FMAs
+# (std::fma, _mm256_fmadd_ps) are unaffected. fp_contract_test checks it.
+set(WEIGHTD_FP_FLAGS -ffp-contract=off)
+
 function(weightd_target_defaults target)
-  target_compile_options(${target} PRIVATE ${WEIGHTD_WARNINGS})
+  target_compile_options(${target} PRIVATE ${WEIGHTD_WARNINGS} ${WEIGHTD_FP_FLAGS})
   target_include_directories(${target} PUBLIC ${CMAKE_SOURCE_DIR})
 endfunction()
 

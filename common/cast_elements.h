@@ -7,10 +7,16 @@
 // Ports of c10 (c10/util/Half.h, BFloat16.h, Float8_e4m3fn.h,
 // Float8_e5m2.h); semantics in cast.h. They need IEEE single precision
 // without flush-to-zero and without contraction of a multiply and an add
-// into one FMA: on the CPU the default MXCSR and -ffp-contract=off (ISO
-// C++); on the GPU every multiply and add below is an explicit
-// round-to-nearest intrinsic (__fmul_rn / __fadd_rn never contract), and
-// CUDA code is built without --use_fast_math (no FTZ).
+// into one FMA. On the CPU: the default MXCSR, and -ffp-contract=off on
+// every target of ours (cmake/WeightdTargets.cmake) -- ISO C++ does not
+// forbid contraction, and GCC contracts by default (-ffp-contract=fast,
+// even with -std=c++20) wherever the ISA has FMA (-march=haswell or
+// native, aarch64); fp_contract_test builds these functions with -mavx2
+// -mfma and checks they still give the baseline's bits. A program of yours
+// that includes this header needs the flag too. On the GPU every multiply
+// and add below is an explicit round-to-nearest intrinsic (__fmul_rn /
+// __fadd_rn never contract), the kernels are built with --fmad=false and
+// without --use_fast_math (no FTZ).
 #ifndef WEIGHTD_COMMON_CAST_ELEMENTS_H_
 #define WEIGHTD_COMMON_CAST_ELEMENTS_H_
 

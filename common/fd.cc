@@ -271,7 +271,7 @@ bool KernelAtLeast(int major, int minor) {
 }
 }  // namespace
 
-absl::Status MemfdSegment::Seal(bool populate) {
+absl::Status MemfdSegment::Seal(bool populate, bool keep_writable) {
   if (sealed_) return absl::OkStatus();
   constexpr int kShape = F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL;
   // F_SEAL_FUTURE_WRITE forbids write(), new writable shared mappings and
@@ -280,21 +280,25 @@ absl::Status MemfdSegment::Seal(bool populate) {
   // tearing them down and mapping again (~0.1 s per GiB here). Used from
   // Linux 5.10 on: earlier kernels had a copy-on-write bug with private
   // writable mappings of F_SEAL_FUTURE_WRITE files (the Python client maps
-  // segments that way), fixed in 5.10.
+  // segments that way), fixed in 5.10. With `keep_writable` the mapping is
+  // left as it is: the seal binds new mappings and writes through the fd,
+  // not mappings made before it.
   if (KernelAtLeast(5, 10)) {
-    if (map_.size() > 0 && ::mprotect(map_.data(), map_.size(), PROT_READ) != 0) {
+    const bool protect = !keep_writable && map_.size() > 0;
+    if (protect && ::mprotect(map_.data(), map_.size(), PROT_READ) != 0) {
       return ErrnoStatus(errno, "making the memfd's mapping read-only");
     }
     if (::fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE | kShape) == 0) {
       if (populate && size_ > 0) (void)map_.PopulateRead(0, size_);  // best effort
       sealed_ = true;
       kept_mapping_ = true;
+      writable_after_seal_ = keep_writable && map_.size() > 0;
       return absl::OkStatus();
     }
     const int err = errno;
     if (err != EINVAL) {
       // Not sealed: leave the segment as it was, writable.
-      if (map_.size() > 0) (void)::mprotect(map_.data(), map_.size(), PROT_READ | PROT_WRITE);
+      if (protect) (void)::mprotect(map_.data(), map_.size(), PROT_READ | PROT_WRITE);
       return ErrnoStatus(err, "sealing memfd");
     }
   }

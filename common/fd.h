@@ -137,7 +137,14 @@ class MemfdSegment {
   // Drops write access: applies the seals and makes the mapping read-only.
   // `populate` fills the mapping's page tables now: the owner will read all
   // of it (a checkpoint), and one call is far cheaper than a fault per page.
-  absl::Status Seal(bool populate = true);
+  // `keep_writable`: the seals are the same (F_SEAL_FUTURE_WRITE: no new
+  // writable mapping, no write(2), no hole punching, for every holder of
+  // the fd, this process included) but this mapping, which exists already,
+  // stays writable: for registering it with CUDA where read-only
+  // registration is unsupported (server/gpu/host_pinner.h); nobody writes
+  // through it. Only from Linux 5.10 on (see Seal's comment in fd.cc);
+  // earlier kernels seal as without it and writable_mapping() is null.
+  absl::Status Seal(bool populate = true, bool keep_writable = false);
   // Seal(), proving first that no one else can still write: drops this
   // mapping, adds F_SEAL_WRITE (which the kernel refuses while a shared
   // mapping of the memfd that may write exists in any process, or its
@@ -163,6 +170,12 @@ class MemfdSegment {
   PageKind pages() const { return pages_; }
   // Writable only before Seal().
   uint8_t* mutable_data() const { return sealed_ ? nullptr : map_.data(); }
+  // The mapping where Seal(keep_writable) kept it writable, else nullptr.
+  // Only for registering it with CUDA: the memfd is sealed, its bytes
+  // must not change.
+  uint8_t* writable_mapping() const {
+    return sealed_ && writable_after_seal_ ? map_.data() : nullptr;
+  }
   const uint8_t* data() const { return map_.data(); }
 
  private:
@@ -172,6 +185,7 @@ class MemfdSegment {
   PageKind pages_ = PageKind::kSmall;
   bool sealed_ = false;
   bool kept_mapping_ = false;
+  bool writable_after_seal_ = false;
 };
 
 // pread()s exactly `size` bytes at `offset`, retrying short reads and EINTR.

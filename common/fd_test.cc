@@ -87,6 +87,49 @@ TEST(MemfdSegmentTest, SealedSegmentCannotBeChangedThroughAnyHolderOfTheFd) {
   EXPECT_EQ(seg->data()[0], 0x5A);
 }
 
+// Seal(keep_writable): the daemon's mapping stays writable (for a CUDA
+// registration that needs one, server/gpu/host_pinner.h), and still no other
+// holder of the fd has any way to write: the same seals as a plain Seal.
+TEST(MemfdSegmentTest, SealKeepingTheMappingWritableStillShutsOutEveryOtherWriter) {
+  auto seg = MemfdSegment::Create("pinned", 2 * 4096, /*prefault=*/true);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  std::memset(seg->mutable_data(), 0x6B, 2 * 4096);
+  EXPECT_EQ(seg->writable_mapping(), nullptr);  // unsealed: not yet
+  const uint8_t* before = seg->data();
+  ASSERT_TRUE(seg->Seal(/*populate=*/true, /*keep_writable=*/true).ok());
+  ASSERT_TRUE(seg->sealed());
+  EXPECT_EQ(seg->mutable_data(), nullptr);
+  if (!seg->kept_mapping()) {
+    // Before Linux 5.10 the seal remaps read-only: nothing stays writable.
+    EXPECT_EQ(seg->writable_mapping(), nullptr);
+    GTEST_SKIP() << "kernel before 5.10: sealed as without keep_writable";
+  }
+  EXPECT_EQ(seg->data(), before);
+  EXPECT_EQ(seg->writable_mapping(), before);
+  EXPECT_EQ(MapPerms(seg->data()), "rw-s");
+  const int seals = ::fcntl(seg->fd(), F_GET_SEALS);
+  constexpr int kFutureWrite = 0x0010;  // F_SEAL_FUTURE_WRITE
+  EXPECT_EQ(seals & (F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL | kFutureWrite),
+            F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL | kFutureWrite)
+      << seals;
+  // Every route another holder of the fd has is shut.
+  EXPECT_EQ(::pwrite(seg->fd(), "x", 1, 0), -1);
+  const std::string path = "/proc/self/fd/" + std::to_string(seg->fd());
+  int rw = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(rw, 0);
+  EXPECT_EQ(::pwrite(rw, "x", 1, 0), -1);
+  ::close(rw);
+  EXPECT_NE(::ftruncate(seg->fd(), 4096), 0);
+  EXPECT_NE(::ftruncate(seg->fd(), 4 * 4096), 0);
+  EXPECT_NE(::fallocate(seg->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096), 0);
+  EXPECT_FALSE(MappedRegion::Map(seg->fd(), 2 * 4096, MappedRegion::Mode::kReadWrite).ok());
+  auto ro = MappedRegion::Map(seg->fd(), 2 * 4096, MappedRegion::Mode::kReadOnly);
+  ASSERT_TRUE(ro.ok()) << ro.status();
+  EXPECT_NE(::mprotect(ro->data(), 2 * 4096, PROT_READ | PROT_WRITE), 0);
+  EXPECT_EQ(::fcntl(seg->fd(), F_ADD_SEALS, 0), -1);  // F_SEAL_SEAL
+  EXPECT_EQ(ro->data()[4096], 0x6B);
+}
+
 // A memfd handed out writable (a publisher's staging) is sealed only once
 // nobody else maps it writable: F_SEAL_FUTURE_WRITE would leave such a
 // mapping writing into sealed, digested bytes.

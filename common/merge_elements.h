@@ -12,7 +12,10 @@
 //   set       acc = fl(V[r][c] · s);
 //   copy      acc = V[r][c];
 // then one rounding to the output dtype. `r` and `c` index the parameter
-// viewed as 2-D [rows, cols] (cols = numel / shape[0]).
+// viewed as 2-D [rows, cols] (cols = numel / shape[0]). Only the low-rank
+// sum's FMAs are fused (elements::Fma, explicitly); every other multiply and
+// add is rounded on its own, which holds on the CPU only because our
+// targets build with -ffp-contract=off (see cast_elements.h).
 #ifndef WEIGHTD_COMMON_MERGE_ELEMENTS_H_
 #define WEIGHTD_COMMON_MERGE_ELEMENTS_H_
 

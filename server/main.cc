@@ -273,8 +273,9 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
       .Add({"threads", "N", "materialization workers (1..256): one fetch computes on up to N threads, its own included; concurrent fetches share the N-1 helpers", K::kValue,
             NumberInto("threads", &f->service.worker_threads, 1, 256)})
       .Add({"pin-host-memory", "auto|on|off",
-            "register checkpoint memory with CUDA for pinned-speed GPU copies (auto: when "
-            "there are GPUs; failures are logged, never fatal)",
+            "register checkpoint and published memory with CUDA for pinned-speed GPU copies "
+            "(auto: when there are GPUs; read-only registration where every GPU supports it, "
+            "else the daemon's writable mapping; failures are logged, never fatal)",
             K::kValue,
             OneOf("pin-host-memory", "auto, on or off", [f](const std::string& v) {
               using Pin = WeightServiceOptions::Pin;

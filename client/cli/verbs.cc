@@ -102,6 +102,15 @@ absl::Status CmdHealth(Client& c, const Args& a) {
   WD_RETURN_IF_ERROR(NeedPositional(a, 0, "health"));
   WD_RETURN_IF_ERROR(c.Health());
   std::printf("SERVING\n");
+  // Serving, with a GPU out of use (a sticky CUDA error): one line each.
+  // Best effort: a caller not allowed Stats still gets SERVING.
+  if (absl::StatusOr<DaemonStats> s = c.Stats(); s.ok()) {
+    for (const GpuInfo& g : s->gpus) {
+      if (!g.unavailable.empty()) {
+        std::printf("gpu %s unavailable: %s\n", g.uuid.c_str(), g.unavailable.c_str());
+      }
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -319,7 +328,8 @@ absl::Status CmdStats(Client& c, const Args& a) {
   return absl::OkStatus();
 }
 
-// One line per GPU the daemon found, or why none ("no GPU: REASON").
+// One line per GPU the daemon found, or why none ("no GPU: REASON"); a GPU
+// a sticky CUDA error took out ends its line with "unavailable: WHY".
 absl::Status CmdGpus(Client& c, const Args& a) {
   WD_RETURN_IF_ERROR(NeedPositional(a, 0, "gpus"));
   WD_ASSIGN_OR_RETURN(DaemonStats s, c.Stats());
@@ -332,10 +342,11 @@ absl::Status CmdGpus(Client& c, const Args& a) {
     if (g.pageable_memory_access) features += " pageable-memory-access";
     if (g.host_register) features += " host-register";
     if (g.host_register_read_only) features += " host-register-read-only";
-    std::printf("gpu:\t%s\t%s\t%s\tsm_%d%d\t%s\t#%d\t%s\n", g.uuid.c_str(), g.name.c_str(),
-                g.pci_bus_id.c_str(), g.compute_major, g.compute_minor,
+    std::printf("gpu:\t%s\t%s\t%s\tsm_%d%d\t%s\t#%d\t%s%s%s\n", g.uuid.c_str(),
+                g.name.c_str(), g.pci_bus_id.c_str(), g.compute_major, g.compute_minor,
                 HumanBytes(g.memory_bytes).c_str(), g.ordinal,
-                features.empty() ? "-" : features.c_str() + 1);
+                features.empty() ? "-" : features.c_str() + 1,
+                g.unavailable.empty() ? "" : "\tunavailable: ", g.unavailable.c_str());
   }
   return absl::OkStatus();
 }

@@ -8,15 +8,22 @@
 // the CPU path where there is no CUDA at all.
 //
 // The plugin is looked for at $WEIGHTD_CUDA_PLUGIN, beside the executable,
-// then in ../lib/weightd/ from it.
+// then in ../lib/weightd/ from it. The tests' fake plugin
+// (fake_cuda_plugin.cc: GPUs of chosen kinds, no CUDA) is loaded the same
+// way, so that a real daemon runs its GPU paths without a GPU.
 #ifndef WEIGHTD_SERVER_GPU_CUDA_PLUGIN_H_
 #define WEIGHTD_SERVER_GPU_CUDA_PLUGIN_H_
 
 #include <atomic>
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/data_protocol.h"
+#include "common/log.h"
 #include "common/push_layout.h"
 #include "server/gpu/gpu_devices.h"
 #include "server/lease/lease_table.h"
@@ -25,29 +32,49 @@ namespace weightd {
 
 // Bumped whenever these signatures or the types they take change (the
 // plugin and the daemon are built together; this catches a stale file).
-inline constexpr uint32_t kCudaPluginAbi = 4;
+inline constexpr uint32_t kCudaPluginAbi = 5;
 
+// Where the plugin's events go: the daemon's LogEvent (common/log.h), so
+// that they are written in its --log-format (the plugin's own copy of the
+// logger is never configured).
+using CudaPluginEventSink = void (*)(LogLevel level, absl::string_view event,
+                                     const std::vector<std::pair<std::string, std::string>>& fields);
+
+// Every call below runs with the device it names made current on the
+// calling thread (cudaSetDevice). `sticky_error`, where a call takes one,
+// is set to the CUDA error code when the call failed with a sticky error
+// (cuda_errors.h: the context of that GPU is unusable for good), else left
+// 0; the daemon then marks that GPU unavailable (gpu_health.h).
 struct CudaPluginApi {
   uint32_t abi = 0;
+  // Called once, first, by LoadCudaPlugin.
+  void (*set_event_sink)(CudaPluginEventSink sink) = nullptr;
   GpuInventory (*discover)() = nullptr;
-  // The copies of a checked CUDA push onto `gpu` (cuda_push.h).
+  // The copies of a checked CUDA push onto `gpu` (cuda_push.h). Everything
+  // it set up (the imported allocation, its mapping, streams, scratch) is
+  // released before it returns, each release checked (a failure is logged
+  // as a "cuda_release_failed" event).
   absl::Status (*push)(const LeaseContents& lease, const PushLayout& layout,
                        const CudaPushTarget& target, int fd, const GpuDevice& gpu,
-                       const std::atomic<bool>* cancel) = nullptr;
-  // Registers read-only host memory with CUDA (cudaHostRegister, portable,
-  // read-only: a sealed segment's mapping), so copies from it run at pinned
-  // speed; UNAVAILABLE with CUDA's words when it cannot. `unpin` undoes it
-  // and must run before the memory is unmapped.
-  absl::Status (*pin)(const void* data, size_t size) = nullptr;
-  void (*unpin)(const void* data) = nullptr;
+                       const std::atomic<bool>* cancel, int* sticky_error) = nullptr;
+  // Registers host memory with CUDA (cudaHostRegister, portable: every
+  // GPU's context), with device `ordinal` current, so that copies from it
+  // run at pinned speed. `read_only`: cudaHostRegisterReadOnly, for a
+  // read-only mapping (needs cudaDevAttrHostRegisterReadOnlySupported);
+  // else the mapping must be writable (the driver pins it for writing).
+  // UNAVAILABLE with CUDA's words when it cannot. `unpin` undoes it (the
+  // same `ordinal`), and must run before the memory is unmapped.
+  absl::Status (*pin)(const void* data, size_t size, bool read_only, int ordinal) = nullptr;
+  absl::Status (*unpin)(const void* data, int ordinal) = nullptr;
   // A daemon-owned export (cuda_push.h ExportToCuda): fills a new VMM
   // allocation on `gpu` with the lease at `layout`, sets *fd (its exported
   // POSIX fd, the caller's), *size and *handle (for export_release, which
-  // frees the daemon's reference).
+  // frees the daemon's reference, with the export's device current, and
+  // says whether cuMemRelease succeeded).
   absl::Status (*export_fill)(const LeaseContents& lease, const PushLayout& layout,
                               const GpuDevice& gpu, const std::atomic<bool>* cancel, int* fd,
-                              uint64_t* size, void** handle) = nullptr;
-  void (*export_release)(void* handle) = nullptr;
+                              uint64_t* size, void** handle, int* sticky_error) = nullptr;
+  absl::Status (*export_release)(void* handle) = nullptr;
 };
 
 // The plugin's API, loaded once (later calls return the first answer).

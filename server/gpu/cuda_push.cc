@@ -5,8 +5,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/log.h"
 #include "common/status_macros.h"
 #include "server/gpu/cuda_plugin.h"
+#include "server/gpu/gpu_health.h"
 
 namespace weightd {
 
@@ -43,16 +45,30 @@ absl::StatusOr<GpuDevice> CheckCudaExport(const CudaPushTarget& target, const Pu
 absl::StatusOr<CudaExport> ExportToCuda(const LeaseContents& lease, const PushLayout& layout,
                                         const GpuDevice& gpu, const std::atomic<bool>* cancel) {
 #ifdef WEIGHTD_HAVE_CUDA
+  WD_RETURN_IF_ERROR(GpuHealth::Process().CheckUsable(gpu));
   absl::StatusOr<const CudaPluginApi*> api = LoadCudaPlugin();
   if (!api.ok()) return api.status();
   CudaExport out;
   int fd = -1;
   void* handle = nullptr;
   uint64_t size = 0;
-  WD_RETURN_IF_ERROR((*api)->export_fill(lease, layout, gpu, cancel, &fd, &size, &handle));
+  int sticky = 0;
+  absl::Status filled =
+      (*api)->export_fill(lease, layout, gpu, cancel, &fd, &size, &handle, &sticky);
+  if (!filled.ok()) {
+    GpuHealth::Process().NoteStickyError(gpu, sticky, filled, "export");
+    return filled;
+  }
   out.fd = UniqueFd(fd);
   out.size = size;
-  out.release = [release = (*api)->export_release, handle] { release(handle); };
+  out.release = [release = (*api)->export_release, handle, gpu = gpu.uuid, size] {
+    if (absl::Status s = release(handle); !s.ok()) {
+      LogEvent(LogLevel::kWarning, "cuda_release_failed",
+               {{"gpu", gpu},
+                {"what", absl::StrCat("an export of ", size, " bytes")},
+                {"error", s.ToString()}});
+    }
+  };
   return out;
 #else
   (void)lease;
@@ -98,9 +114,13 @@ absl::Status PushToCuda(const LeaseContents& lease, const PushLayout& layout,
 #ifdef WEIGHTD_HAVE_CUDA
   absl::StatusOr<GpuDevice> gpu = CheckCudaTarget(target, fd >= 0, layout, gpus);
   if (!gpu.ok()) return gpu.status();
+  WD_RETURN_IF_ERROR(GpuHealth::Process().CheckUsable(*gpu));
   absl::StatusOr<const CudaPluginApi*> api = LoadCudaPlugin();
   if (!api.ok()) return api.status();
-  return (*api)->push(lease, layout, target, fd, *gpu, cancel);
+  int sticky = 0;
+  absl::Status pushed = (*api)->push(lease, layout, target, fd, *gpu, cancel, &sticky);
+  if (!pushed.ok()) GpuHealth::Process().NoteStickyError(*gpu, sticky, pushed, "push");
+  return pushed;
 #else
   return absl::UnimplementedError(
       "this weightd was built without CUDA; a CUDA push needs a CUDA build (WEIGHTD_CUDA)");

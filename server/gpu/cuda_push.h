@@ -33,8 +33,10 @@ absl::StatusOr<GpuDevice> CheckCudaTarget(const CudaPushTarget& target, bool has
 // (INVALID_ARGUMENT with CUDA's words: a stale fd, another process's GPU,
 // a size that is not the allocation's); CUDA failing otherwise
 // (UNAVAILABLE); `cancel` (UNAVAILABLE, checked between copies, with the
-// copies already queued synchronized before returning). A build without
-// CUDA: UNIMPLEMENTED.
+// copies already queued synchronized before returning). A sticky CUDA
+// error marks the GPU unavailable (gpu_health.h), and from then on pushes
+// to it are refused with FAILED_PRECONDITION naming it and that error. A
+// build without CUDA: UNIMPLEMENTED.
 absl::Status PushToCuda(const LeaseContents& lease, const PushLayout& layout,
                         const CudaPushTarget& target, int fd, const GpuInventory& gpus,
                         const std::atomic<bool>* cancel);
@@ -56,7 +58,9 @@ absl::StatusOr<GpuDevice> CheckCudaExport(const CudaPushTarget& target, const Pu
 // Allocates device memory on `gpu` (cuMemCreate, POSIX-fd shareable,
 // rounded to its granularity), pushes the lease into it at `layout` as
 // PushToCuda does (casts and merges on the GPU), synchronizes and exports
-// it. UNAVAILABLE with CUDA's words; UNIMPLEMENTED without CUDA.
+// it. UNAVAILABLE with CUDA's words; FAILED_PRECONDITION for a GPU a
+// sticky error took out (as PushToCuda); UNIMPLEMENTED without CUDA.
+// `release` logs a failed cuMemRelease ("cuda_release_failed").
 absl::StatusOr<CudaExport> ExportToCuda(const LeaseContents& lease, const PushLayout& layout,
                                         const GpuDevice& gpu, const std::atomic<bool>* cancel);
 

@@ -9,12 +9,15 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <unordered_map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_cast.h"
 #include "common/status_macros.h"
+#include "server/gpu/cuda_errors.h"
 #include "server/gpu/cuda_plugin.h"
 #include "server/memory/buffer.h"
 #include "server/transport/push_plan.h"
@@ -25,6 +28,55 @@ namespace {
 constexpr uint64_t kCopyBytes = uint64_t{64} << 20;
 constexpr uint64_t kCastBytes = uint64_t{32} << 20;  // per stream, with a cast
 constexpr int kStreams = 2;
+// What each device's default memory pool (cudaMallocAsync: the pushes'
+// cast scratch and merge factors) keeps after a push instead of handing it
+// back to the driver at the next synchronization (the default threshold,
+// 0): four pushes' scratch on both streams, so back-to-back pushes do not
+// allocate again; beyond it the pool trims itself.
+constexpr uint64_t kPoolKeepBytes = 4 * kStreams * kCastBytes;
+
+// cuda_errors.h's numbers are CUDA's, in the runtime and the driver.
+#define WD_SAME_CODE(ours, runtime, driver)                                  \
+  static_assert(static_cast<int>(runtime) == ours && static_cast<int>(driver) == ours, \
+                #runtime)
+WD_SAME_CODE(kCudaEccUncorrectable, cudaErrorECCUncorrectable, CUDA_ERROR_ECC_UNCORRECTABLE);
+WD_SAME_CODE(kCudaNvlinkUncorrectable, cudaErrorNvlinkUncorrectable,
+             CUDA_ERROR_NVLINK_UNCORRECTABLE);
+WD_SAME_CODE(kCudaContained, cudaErrorContained, CUDA_ERROR_CONTAINED);
+WD_SAME_CODE(kCudaIllegalAddress, cudaErrorIllegalAddress, CUDA_ERROR_ILLEGAL_ADDRESS);
+WD_SAME_CODE(kCudaLaunchTimeout, cudaErrorLaunchTimeout, CUDA_ERROR_LAUNCH_TIMEOUT);
+WD_SAME_CODE(kCudaAssert, cudaErrorAssert, CUDA_ERROR_ASSERT);
+WD_SAME_CODE(kCudaHardwareStackError, cudaErrorHardwareStackError,
+             CUDA_ERROR_HARDWARE_STACK_ERROR);
+WD_SAME_CODE(kCudaIllegalInstruction, cudaErrorIllegalInstruction,
+             CUDA_ERROR_ILLEGAL_INSTRUCTION);
+WD_SAME_CODE(kCudaMisalignedAddress, cudaErrorMisalignedAddress, CUDA_ERROR_MISALIGNED_ADDRESS);
+WD_SAME_CODE(kCudaInvalidAddressSpace, cudaErrorInvalidAddressSpace,
+             CUDA_ERROR_INVALID_ADDRESS_SPACE);
+WD_SAME_CODE(kCudaInvalidPc, cudaErrorInvalidPc, CUDA_ERROR_INVALID_PC);
+WD_SAME_CODE(kCudaLaunchFailure, cudaErrorLaunchFailure, CUDA_ERROR_LAUNCH_FAILED);
+WD_SAME_CODE(kCudaTensorMemoryLeak, cudaErrorTensorMemoryLeak, CUDA_ERROR_TENSOR_MEMORY_LEAK);
+WD_SAME_CODE(kCudaMpsClientTerminated, cudaErrorMpsClientTerminated,
+             CUDA_ERROR_MPS_CLIENT_TERMINATED);
+WD_SAME_CODE(kCudaExternalDevice, cudaErrorExternalDevice, CUDA_ERROR_EXTERNAL_DEVICE);
+#undef WD_SAME_CODE
+
+// The daemon's LogEvent (set_event_sink); null until it is set.
+std::atomic<CudaPluginEventSink> event_sink{nullptr};
+
+void Event(LogLevel level, absl::string_view event,
+           const std::vector<std::pair<std::string, std::string>>& fields) {
+  if (CudaPluginEventSink sink = event_sink.load(); sink != nullptr) sink(level, event, fields);
+}
+
+// The first sticky error (cuda_errors.h) met by the API call running on
+// this thread, for its caller's `sticky_error`: every error reported below
+// goes through RuntimeError or DriverError, which note it.
+thread_local int sticky_seen = 0;
+
+void NoteIfSticky(int code) {
+  if (sticky_seen == 0 && IsStickyCudaError(code)) sticky_seen = code;
+}
 
 struct DriverApi {
   decltype(&::cuMemImportFromShareableHandle) import_handle = nullptr;
@@ -80,28 +132,86 @@ const DriverApi& Driver() {
 }
 
 std::string DriverError(const DriverApi& d, CUresult r) {
+  NoteIfSticky(static_cast<int>(r));
   const char* text = nullptr;
   if (d.error_string != nullptr) d.error_string(r, &text);
   return absl::StrCat(text != nullptr ? text : "CUDA driver error", " (", static_cast<int>(r), ")");
 }
 
 absl::Status RuntimeError(cudaError_t err, absl::string_view what) {
+  NoteIfSticky(static_cast<int>(err));
   (void)cudaGetLastError();
   return absl::UnavailableError(
       absl::StrCat(what, ": ", cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
 }
 
-// Undoes what was set up, in reverse order, however the push ends.
+// Undoes what was set up, in reverse order, however the push ends; every
+// step's result is checked, and a failure is logged ("cuda_release_failed":
+// after a sticky error every release fails, and what it held stays held by
+// the dead context until the process exits).
 class Cleanup {
  public:
+  explicit Cleanup(std::string gpu) : gpu_(std::move(gpu)) {}
   ~Cleanup() {
-    for (auto it = steps_.rbegin(); it != steps_.rend(); ++it) (*it)();
+    for (auto it = steps_.rbegin(); it != steps_.rend(); ++it) {
+      if (std::string error = it->second(); !error.empty()) {
+        Event(LogLevel::kWarning, "cuda_release_failed",
+              {{"gpu", gpu_}, {"what", it->first}, {"error", error}});
+      }
+    }
   }
-  void Add(std::function<void()> step) { steps_.push_back(std::move(step)); }
+  Cleanup(const Cleanup&) = delete;
+  Cleanup& operator=(const Cleanup&) = delete;
+  // `step` returns "" or what went wrong.
+  void Add(std::string what, std::function<std::string()> step) {
+    steps_.emplace_back(std::move(what), std::move(step));
+  }
+  void AddRuntime(std::string what, std::function<cudaError_t()> step) {
+    Add(std::move(what), [step = std::move(step)]() -> std::string {
+      cudaError_t err = step();
+      if (err == cudaSuccess) return "";
+      NoteIfSticky(static_cast<int>(err));
+      (void)cudaGetLastError();
+      return absl::StrCat(cudaGetErrorName(err), ": ", cudaGetErrorString(err));
+    });
+  }
+  void AddDriver(const DriverApi& d, std::string what, std::function<CUresult()> step) {
+    Add(std::move(what), [&d, step = std::move(step)]() -> std::string {
+      CUresult r = step();
+      return r == CUDA_SUCCESS ? std::string() : DriverError(d, r);
+    });
+  }
 
  private:
-  std::vector<std::function<void()>> steps_;
+  const std::string gpu_;
+  std::vector<std::pair<std::string, std::function<std::string()>>> steps_;
 };
+
+// Selects `gpu` on this thread and, the first time, bounds its default
+// memory pool's cache (kPoolKeepBytes).
+absl::Status UseDevice(const GpuDevice& gpu) {
+  if (cudaError_t err = cudaSetDevice(gpu.ordinal); err != cudaSuccess) {
+    return RuntimeError(err, absl::StrCat("selecting ", gpu.uuid));
+  }
+  static std::mutex mu;
+  static std::vector<int> prepared;
+  std::lock_guard<std::mutex> lock(mu);
+  if (std::find(prepared.begin(), prepared.end(), gpu.ordinal) != prepared.end()) {
+    return absl::OkStatus();
+  }
+  prepared.push_back(gpu.ordinal);
+  cudaMemPool_t pool = nullptr;
+  cudaError_t err = cudaDeviceGetDefaultMemPool(&pool, gpu.ordinal);
+  uint64_t keep = kPoolKeepBytes;
+  if (err == cudaSuccess) err = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  // Not fatal: pushes still run, allocating their scratch each time.
+  Event(err == cudaSuccess ? LogLevel::kInfo : LogLevel::kWarning, "gpu_memory_pool",
+        {{"gpu", gpu.uuid},
+         {"release_threshold_bytes", absl::StrCat(kPoolKeepBytes)},
+         {"error", err == cudaSuccess ? std::string()
+                                      : RuntimeError(err, "cudaMemPoolSetAttribute").ToString()}});
+  return absl::OkStatus();
+}
 
 // What CopyIntoDevice can copy from, checked before any CUDA call: host
 // buffers only (UNIMPLEMENTED), tensors inside them (INTERNAL).
@@ -123,9 +233,9 @@ absl::Status CheckLeaseForDevice(const LeaseContents& lease, absl::string_view w
 // merges by kernels from per-stream scratch; synchronized before it
 // returns, whatever happened.
 absl::Status CopyIntoDevice(const LeaseContents& lease, const PushLayout& layout, uint8_t* base,
-                            const std::atomic<bool>* cancel) {
+                            const GpuDevice& gpu, const std::atomic<bool>* cancel) {
   const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
-  Cleanup cleanup;
+  Cleanup cleanup(gpu.uuid);
   std::vector<cudaStream_t> streams;
   for (int s = 0; s < kStreams; ++s) {
     cudaStream_t stream = nullptr;
@@ -134,7 +244,7 @@ absl::Status CopyIntoDevice(const LeaseContents& lease, const PushLayout& layout
       return RuntimeError(err, "creating a copy stream");
     }
     streams.push_back(stream);
-    cleanup.Add([stream] { (void)cudaStreamDestroy(stream); });
+    cleanup.AddRuntime("a copy stream", [stream] { return cudaStreamDestroy(stream); });
   }
   std::vector<PushCopy> copies;
   if (n > 0) {
@@ -158,7 +268,8 @@ absl::Status CopyIntoDevice(const LeaseContents& lease, const PushLayout& layout
       return RuntimeError(err, absl::StrCat("allocating ", kCastBytes,
                                             " bytes of GPU scratch for the push's casts"));
     }
-    cleanup.Add([p = scratch[copy.stream], stream] { (void)cudaFreeAsync(p, stream); });
+    cleanup.AddRuntime("the push's cast scratch",
+                       [p = scratch[copy.stream], stream] { return cudaFreeAsync(p, stream); });
   }
   // Each merge's terms and the arrays they point to, in device memory, once
   // per push (LoRA factors are small; a dense patch sends its box's rows).
@@ -177,7 +288,9 @@ absl::Status CopyIntoDevice(const LeaseContents& lease, const PushLayout& layout
     }
     // Freed once every stream is synchronized (the push's end), in order
     // after its uses on streams[0].
-    cleanup.Add([arena, stream = streams[0]] { (void)cudaFreeAsync(arena, stream); });
+    cleanup.AddRuntime("a merge's factors on the GPU", [arena, stream = streams[0]] {
+      return cudaFreeAsync(arena, stream);
+    });
     float* at = reinterpret_cast<float*>(static_cast<uint8_t*>(arena) + terms_bytes);
     auto upload = [&at, &streams](const float*& p, uint64_t n) -> cudaError_t {
       if (p == nullptr || n == 0) return cudaSuccess;
@@ -250,12 +363,10 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
   const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
   if (layout.offsets.size() != n) return absl::InternalError("push layout does not match the lease");
   if (absl::Status s = CheckLeaseForDevice(lease, "push"); !s.ok()) return s;
-  if (cudaError_t err = cudaSetDevice(gpu->ordinal); err != cudaSuccess) {
-    return RuntimeError(err, absl::StrCat("selecting ", gpu->uuid));
-  }
+  WD_RETURN_IF_ERROR(UseDevice(*gpu));
   const DriverApi& d = Driver();
   if (!d.status.ok()) return d.status;
-  Cleanup cleanup;
+  Cleanup cleanup(gpu->uuid);
   uint8_t* base = nullptr;
   if (target.handle_kind == kCudaVmmPosixFd) {
     CUmemGenericAllocationHandle handle{};
@@ -265,7 +376,8 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
       return absl::InvalidArgumentError(absl::StrCat(
           "the push's GPU allocation cannot be imported from its fd: ", DriverError(d, r)));
     }
-    cleanup.Add([&d, handle] { d.release(handle); });
+    cleanup.AddDriver(d, "the push's imported allocation (cuMemRelease)",
+                      [&d, handle] { return d.release(handle); });
     CUmemAllocationProp prop{};
     if ((r = d.properties(&prop, handle)) != CUDA_SUCCESS) {
       return absl::InvalidArgumentError(
@@ -279,6 +391,9 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
           "the push's allocation is not device memory (location type ",
           static_cast<int>(prop.location.type), ")"));
     }
+    // The granularity is asked for the GPU the push maps it on, by this
+    // process's ordinal (the exporter's id means nothing here).
+    prop.location.id = gpu->ordinal;
     size_t granularity = 0;
     if ((r = d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) !=
             CUDA_SUCCESS ||
@@ -298,13 +413,15 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
           absl::StrCat("reserving ", target.size, " bytes of GPU address space: ", DriverError(d, r)));
     }
     const uint64_t size = target.size;
-    cleanup.Add([&d, va, size] { d.free_address(va, size); });
+    cleanup.AddDriver(d, "the push's GPU address range (cuMemAddressFree)",
+                      [&d, va, size] { return d.free_address(va, size); });
     if ((r = d.map(va, size, 0, handle, 0)) != CUDA_SUCCESS) {
       return absl::InvalidArgumentError(absl::StrCat(
           "mapping the push's GPU allocation (", size, " bytes, as the request says): ",
           DriverError(d, r)));
     }
-    cleanup.Add([&d, va, size] { d.unmap(va, size); });
+    cleanup.AddDriver(d, "the push's mapping (cuMemUnmap)",
+                      [&d, va, size] { return d.unmap(va, size); });
     CUmemAccessDesc access{};
     access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     access.location.id = gpu->ordinal;
@@ -334,7 +451,8 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
           "the push's legacy IPC handle cannot be opened (", cudaGetErrorString(err),
           "): legacy handles need the client in the daemon's PID namespace; use a VMM fd"));
     }
-    cleanup.Add([p] { (void)cudaIpcCloseMemHandle(p); });
+    cleanup.AddRuntime("the push's legacy IPC handle (cudaIpcCloseMemHandle)",
+                       [p] { return cudaIpcCloseMemHandle(p); });
     // A copy past the allocation would be a sticky error in the daemon's
     // context: check the size the client claims against the real one.
     const CUdeviceptr at = reinterpret_cast<CUdeviceptr>(p);
@@ -358,7 +476,7 @@ absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& la
     }
     base = static_cast<uint8_t*>(p);
   }
-  return CopyIntoDevice(lease, layout, base, cancel);
+  return CopyIntoDevice(lease, layout, base, *gpu, cancel);
 }
 
 // An export's allocation, for ExportReleaseWithCuda.
@@ -371,9 +489,7 @@ absl::Status ExportFillWithCuda(const LeaseContents& lease, const PushLayout& la
                                 const GpuDevice& gpu, const std::atomic<bool>* cancel, int* fd,
                                 uint64_t* size_out, void** handle_out) {
   if (absl::Status s = CheckLeaseForDevice(lease, "export"); !s.ok()) return s;
-  if (cudaError_t err = cudaSetDevice(gpu.ordinal); err != cudaSuccess) {
-    return RuntimeError(err, absl::StrCat("selecting ", gpu.uuid));
-  }
+  WD_RETURN_IF_ERROR(UseDevice(gpu));
   const DriverApi& d = Driver();
   if (!d.status.ok()) return d.status;
   CUmemAllocationProp prop{};
@@ -397,20 +513,22 @@ absl::Status ExportFillWithCuda(const LeaseContents& lease, const PushLayout& la
                      DriverError(d, r)));
   }
   bool keep = false;
-  Cleanup cleanup;  // unmaps the daemon's view; releases the handle unless kept
-  cleanup.Add([&d, handle, &keep] {
-    if (!keep) d.release(handle);
+  Cleanup cleanup(gpu.uuid);  // unmaps the daemon's view; releases the handle unless kept
+  cleanup.AddDriver(d, "an export's allocation (cuMemRelease)", [&d, handle, &keep] {
+    return keep ? CUDA_SUCCESS : d.release(handle);
   });
   CUdeviceptr va = 0;
   if ((r = d.reserve(&va, size, 0, 0, 0)) != CUDA_SUCCESS) {
     return absl::UnavailableError(
         absl::StrCat("reserving ", size, " bytes of GPU address space: ", DriverError(d, r)));
   }
-  cleanup.Add([&d, va, size] { d.free_address(va, size); });
+  cleanup.AddDriver(d, "an export's address range (cuMemAddressFree)",
+                    [&d, va, size] { return d.free_address(va, size); });
   if ((r = d.map(va, size, 0, handle, 0)) != CUDA_SUCCESS) {
     return absl::UnavailableError(absl::StrCat("mapping an export: ", DriverError(d, r)));
   }
-  cleanup.Add([&d, va, size] { d.unmap(va, size); });
+  cleanup.AddDriver(d, "an export's mapping in the daemon (cuMemUnmap)",
+                    [&d, va, size] { return d.unmap(va, size); });
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = gpu.ordinal;
@@ -418,7 +536,8 @@ absl::Status ExportFillWithCuda(const LeaseContents& lease, const PushLayout& la
   if ((r = d.set_access(va, size, &access, 1)) != CUDA_SUCCESS) {
     return absl::UnavailableError(absl::StrCat("granting access to an export: ", DriverError(d, r)));
   }
-  WD_RETURN_IF_ERROR(CopyIntoDevice(lease, layout, reinterpret_cast<uint8_t*>(va), cancel));
+  WD_RETURN_IF_ERROR(
+      CopyIntoDevice(lease, layout, reinterpret_cast<uint8_t*>(va), gpu, cancel));
   int exported = -1;
   if ((r = d.export_handle(&exported, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) !=
       CUDA_SUCCESS) {
@@ -428,15 +547,43 @@ absl::Status ExportFillWithCuda(const LeaseContents& lease, const PushLayout& la
   keep = true;
   *fd = exported;
   *size_out = size;
-  *handle_out = new ExportHandle{handle, gpu.ordinal};
+  *handle_out = new ExportHandle{handle, gpu.ordinal};  // deleted by ExportReleaseWithCuda
   return absl::OkStatus();
 }
 
-void ExportReleaseWithCuda(void* p) {
-  auto* h = static_cast<ExportHandle*>(p);
+absl::Status ExportReleaseWithCuda(void* p) {
+  std::unique_ptr<ExportHandle> h(static_cast<ExportHandle*>(p));
   const DriverApi& d = Driver();
-  if (d.status.ok()) d.release(h->handle);
-  delete h;
+  if (!d.status.ok()) return d.status;
+  // With its device current, as every call on it.
+  if (cudaError_t err = cudaSetDevice(h->ordinal); err != cudaSuccess) {
+    return RuntimeError(err, absl::StrCat("selecting device ", h->ordinal,
+                                          " to release an export"));
+  }
+  if (CUresult r = d.release(h->handle); r != CUDA_SUCCESS) {
+    return absl::UnavailableError(
+        absl::StrCat("releasing an export (cuMemRelease): ", DriverError(d, r)));
+  }
+  return absl::OkStatus();
+}
+
+// The API's entry points: each reports the sticky error it met.
+absl::Status PushEntry(const LeaseContents& lease, const PushLayout& layout,
+                       const CudaPushTarget& target, int fd, const GpuDevice& gpu,
+                       const std::atomic<bool>* cancel, int* sticky_error) {
+  sticky_seen = 0;
+  absl::Status s = PushToCudaWithCuda(lease, layout, target, fd, gpu, cancel);
+  if (sticky_error != nullptr) *sticky_error = s.ok() ? 0 : sticky_seen;
+  return s;
+}
+
+absl::Status ExportEntry(const LeaseContents& lease, const PushLayout& layout,
+                         const GpuDevice& gpu, const std::atomic<bool>* cancel, int* fd,
+                         uint64_t* size, void** handle, int* sticky_error) {
+  sticky_seen = 0;
+  absl::Status s = ExportFillWithCuda(lease, layout, gpu, cancel, fd, size, handle);
+  if (sticky_error != nullptr) *sticky_error = s.ok() ? 0 : sticky_seen;
+  return s;
 }
 
 }  // namespace weightd
@@ -444,26 +591,44 @@ void ExportReleaseWithCuda(void* p) {
 namespace weightd {
 GpuInventory DiscoverGpusWithCuda();
 
-absl::Status PinHostMemory(const void* data, size_t size) {
-  cudaError_t err = cudaHostRegister(const_cast<void*>(data), size,
-                                     cudaHostRegisterPortable | cudaHostRegisterReadOnly);
-  if (err != cudaSuccess) return RuntimeError(err, "cudaHostRegister (read-only)");
+void SetEventSink(CudaPluginEventSink sink) { event_sink.store(sink); }
+
+// Portable: one registration for every GPU's context. `ordinal`'s device
+// is made current first (the registration is made in its context).
+absl::Status PinHostMemory(const void* data, size_t size, bool read_only, int ordinal) {
+  if (cudaError_t err = cudaSetDevice(ordinal); err != cudaSuccess) {
+    return RuntimeError(err, absl::StrCat("selecting device ", ordinal, " to pin host memory"));
+  }
+  unsigned flags = cudaHostRegisterPortable;
+  if (read_only) flags |= cudaHostRegisterReadOnly;
+  cudaError_t err = cudaHostRegister(const_cast<void*>(data), size, flags);
+  if (err != cudaSuccess) {
+    return RuntimeError(err, read_only ? "cudaHostRegister (portable, read-only)"
+                                       : "cudaHostRegister (portable)");
+  }
   return absl::OkStatus();
 }
 
-void UnpinHostMemory(const void* data) {
-  if (cudaHostUnregister(const_cast<void*>(data)) != cudaSuccess) (void)cudaGetLastError();
+absl::Status UnpinHostMemory(const void* data, int ordinal) {
+  if (cudaError_t err = cudaSetDevice(ordinal); err != cudaSuccess) {
+    return RuntimeError(err, absl::StrCat("selecting device ", ordinal, " to unpin host memory"));
+  }
+  if (cudaError_t err = cudaHostUnregister(const_cast<void*>(data)); err != cudaSuccess) {
+    return RuntimeError(err, "cudaHostUnregister");
+  }
+  return absl::OkStatus();
 }
 }  // namespace weightd
 
 extern "C" __attribute__((visibility("default"))) const weightd::CudaPluginApi*
 weightd_cuda_plugin_api() {
   static const weightd::CudaPluginApi api{weightd::kCudaPluginAbi,
+                                          &weightd::SetEventSink,
                                           &weightd::DiscoverGpusWithCuda,
-                                          &weightd::PushToCudaWithCuda,
+                                          &weightd::PushEntry,
                                           &weightd::PinHostMemory,
                                           &weightd::UnpinHostMemory,
-                                          &weightd::ExportFillWithCuda,
+                                          &weightd::ExportEntry,
                                           &weightd::ExportReleaseWithCuda};
   return &api;
 }

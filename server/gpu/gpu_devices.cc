@@ -40,11 +40,14 @@ absl::StatusOr<const CudaPluginApi*> LoadCudaPlugin() {
       auto entry = reinterpret_cast<const CudaPluginApi* (*)()>(
           ::dlsym(handle, "weightd_cuda_plugin_api"));
       const CudaPluginApi* api = entry != nullptr ? entry() : nullptr;
-      if (api == nullptr || api->abi != kCudaPluginAbi || api->discover == nullptr ||
-          api->push == nullptr || api->pin == nullptr || api->unpin == nullptr) {
+      if (api == nullptr || api->abi != kCudaPluginAbi || api->set_event_sink == nullptr ||
+          api->discover == nullptr || api->push == nullptr || api->pin == nullptr ||
+          api->unpin == nullptr || api->export_fill == nullptr ||
+          api->export_release == nullptr) {
         why.push_back(absl::StrCat(path, ": not a weightd CUDA plugin of ABI ", kCudaPluginAbi));
         continue;  // the handle stays open: harmless
       }
+      api->set_event_sink(&LogEvent);
       return api;
     }
     return absl::FailedPreconditionError(

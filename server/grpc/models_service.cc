@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "server/gpu/gpu_health.h"
 #include "server/grpc/peer_table.h"
 #include "server/grpc/proto_convert.h"
 #include "server/grpc/reactors.h"
@@ -473,6 +474,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
       out->set_pageable_memory_access(g.pageable_memory_access);
       out->set_host_register(g.host_register);
       out->set_host_register_read_only(g.host_register_read_only);
+      out->set_unavailable(GpuHealth::Process().Unavailable(g.uuid));
     }
     auto* reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);

@@ -10,7 +10,8 @@ namespace weightd {
 HostMemoryManager::HostMemoryManager(Options options)
     : options_(std::move(options)),
       account_(std::make_shared<MemoryAccount>(options_.limit_bytes, options_.huge_pages,
-                                               ShmemThpHonoured(ReadHostPages().shmem_thp))),
+                                               ShmemThpHonoured(ReadHostPages().shmem_thp),
+                                               options_.keep_writable_mappings)),
       disposer_(options_.dispose_min_bytes) {
   // A reservation short of budget first waits for the drops the disposer
   // still holds (rank 0), then takes the warm reserve back (the pool's own

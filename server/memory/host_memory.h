@@ -56,6 +56,10 @@ class HostMemoryManager {
     // --huge-pages: the pages of every segment allocated here, the warm
     // reserve's chunks included (huge_pages.h).
     HugePageMode huge_pages = HugePageMode::kOff;
+    // Sealed segments keep the daemon's mapping writable (the seals still
+    // shut out every other writer): set where the host pinner registers
+    // writable mappings (server/gpu/host_pinner.h, MemoryAccount).
+    bool keep_writable_mappings = false;
   };
 
   struct AllocateOptions {

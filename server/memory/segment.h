@@ -32,9 +32,16 @@ class MemoryAccount {
   // limit 0 = unlimited. `huge_pages` and `shmem_thp` (whether the host's
   // shmem THP setting honours MADV_HUGEPAGE) choose the pages of the
   // segments charged here (huge_pages.h).
+  // `keep_writable_mappings`: segments charged here keep the daemon's
+  // mapping writable when sealed (Segment::Seal), for the host pinner
+  // (server/gpu/host_pinner.h) to register where CUDA cannot register
+  // read-only memory; the seals shut out every other writer all the same.
   explicit MemoryAccount(uint64_t limit, HugePageMode huge_pages = HugePageMode::kOff,
-                         bool shmem_thp = false)
-      : limit_(limit), huge_pages_(huge_pages), shmem_thp_(shmem_thp) {}
+                         bool shmem_thp = false, bool keep_writable_mappings = false)
+      : limit_(limit),
+        huge_pages_(huge_pages),
+        shmem_thp_(shmem_thp),
+        keep_writable_mappings_(keep_writable_mappings) {}
 
   // Reserves `bytes` or fails with RESOURCE_EXHAUSTED naming `what`. When
   // the budget is short, the reclaimers are asked to free memory first, in
@@ -69,6 +76,7 @@ class MemoryAccount {
   uint64_t segments() const { return segments_.load(std::memory_order_relaxed); }
   HugePageMode huge_pages() const { return huge_pages_; }
   bool shmem_thp() const { return shmem_thp_; }
+  bool keep_writable_mappings() const { return keep_writable_mappings_; }
   // Bytes of live segments by the pages behind them.
   uint64_t page_bytes(PageKind kind) const {
     return page_bytes_[static_cast<int>(kind)].load(std::memory_order_relaxed);
@@ -94,6 +102,7 @@ class MemoryAccount {
   const uint64_t limit_;
   const HugePageMode huge_pages_;
   const bool shmem_thp_;
+  const bool keep_writable_mappings_;
   std::atomic<uint64_t> page_bytes_[kPageKinds] = {};
   std::atomic<uint64_t> page_fallbacks_{0};
   absl::Mutex mu_;
@@ -150,8 +159,12 @@ class Segment final : public Buffer {
   Segment& operator=(const Segment&) = delete;
 
   // Seals the memfd (no writes, grow or shrink by anyone) and makes its
-  // mapping read-only; `populate`: see MemfdSegment::Seal.
-  absl::Status Seal(bool populate = true) { return memfd_.Seal(populate); }
+  // mapping read-only -- or keeps it writable where the account says so
+  // (MemoryAccount::keep_writable_mappings; registrable_mapping());
+  // `populate`: see MemfdSegment::Seal.
+  absl::Status Seal(bool populate = true) {
+    return memfd_.Seal(populate, account_->keep_writable_mappings());
+  }
   // See MemfdSegment::SealExclusive: for a segment whose fd was handed out
   // writable. FAILED_PRECONDITION while another process maps it writable.
   absl::Status SealExclusive(bool populate = true) { return memfd_.SealExclusive(populate); }
@@ -165,6 +178,18 @@ class Segment final : public Buffer {
   // Runs `hook` when the segment is destroyed, before its mapping goes
   // (e.g. unregistering it from CUDA); hooks run last-added first.
   void AddReleaseHook(absl::AnyInvocable<void() &&> hook) const ABSL_LOCKS_EXCLUDED(hooks_mu_);
+
+  // Pinning (server/gpu/host_pinner.h). The first caller gets true: the
+  // segment is its to register, once, however many checkpoints, published
+  // generations or dedupe holders share it.
+  bool ClaimPinning() const { return !pin_claimed_.exchange(true); }
+  // The daemon's mapping where the seal kept it writable
+  // (MemoryAccount::keep_writable_mappings, Linux 5.10+), for a CUDA
+  // registration that needs a writable mapping; nullptr where it is
+  // read-only (adopted at a hand-over, sealed exclusively after a publisher
+  // wrote it in place, older kernels, or not kept). Never written through:
+  // the memfd is sealed.
+  void* registrable_mapping() const { return memfd_.writable_mapping(); }
 
   // Buffer: host memory; the shareable fd is the sealed memfd.
   uint64_t id() const override { return id_; }
@@ -188,6 +213,7 @@ class Segment final : public Buffer {
   std::shared_ptr<MemoryAccount> account_;
   MemfdSegment memfd_;
   uint64_t id_;
+  mutable std::atomic<bool> pin_claimed_{false};
   mutable absl::Mutex hooks_mu_;
   mutable std::vector<absl::AnyInvocable<void() &&>> release_hooks_ ABSL_GUARDED_BY(hooks_mu_);
 };

@@ -940,6 +940,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
       return committed;
     }
     for (uint64_t g : retired) materializer_.RetireTag(absl::StrCat(session.model, "#", g));
+    PinPublished(session.model, gen->published.get());
     if (published_store_ != nullptr) {
       // Saved for restarts in the background (the journal names the file).
       std::vector<std::shared_ptr<const StoredTensor>> tensors;

@@ -13,7 +13,6 @@
 #include "common/log.h"
 #include "common/untrusted_text.h"
 #include "server/adapter/lora_patch.h"
-#include "server/gpu/cuda_plugin.h"
 #include "server/profile/name_summary.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
@@ -58,10 +57,13 @@ absl::StatusOr<std::unique_ptr<WeightService>> WeightService::Create(
 WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
     : options_(std::move(options)),
       roots_(std::move(roots)),
-      memory_(HostMemoryManager::Options{.limit_bytes = options_.host_memory_bytes,
-                                         .warm_reserve_bytes = options_.warm_reserve_bytes,
-                                         .reserve_chunk_bytes = options_.reserve_chunk_bytes,
-                                         .huge_pages = options_.huge_pages}),
+      pinner_(HostPinner::Options{.mode = options_.pin_host_memory, .gpus = options_.gpus}),
+      memory_(HostMemoryManager::Options{
+          .limit_bytes = options_.host_memory_bytes,
+          .warm_reserve_bytes = options_.warm_reserve_bytes,
+          .reserve_chunk_bytes = options_.reserve_chunk_bytes,
+          .huge_pages = options_.huge_pages,
+          .keep_writable_mappings = pinner_.wants_writable_mappings()}),
       materializer_(Materializer::Options{&memory_, options_.worker_threads}),
       leases_(options_.lease_idle_ttl, memory_.disposer()),
       access_(options_.access) {
@@ -378,7 +380,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     model->checkpoint = std::move(*checkpoint);
     shared = shared_charge != nullptr;
     model->metadata_charge = std::move(shared_charge);
-    PinSegments(name, *model->checkpoint);
+    PinCheckpoint(name, *model->checkpoint);
     std::vector<SourceTensorInfo> sources;
     for (const StoredTensor& t : model->checkpoint->tensors()) {
       sources.push_back(SourceTensorInfo{t.name, t.dtype, t.shape});
@@ -566,61 +568,19 @@ std::shared_ptr<const WeightService::Generation> WeightService::GenerationOf(con
   return nullptr;
 }
 
-void WeightService::PinSegments(const std::string& model, const Checkpoint& checkpoint) {
-  using Pin = WeightServiceOptions::Pin;
-  if (options_.pin_host_memory == Pin::kOff) return;
-  // A checkpoint that another model shares was pinned (or skipped) for it.
-  if (!checkpoint.ClaimPinning()) return;
-  if (options_.pin_host_memory == Pin::kAuto && options_.gpus.devices.empty()) return;
-  if (options_.gpus.devices.empty()) {
-    LogEvent(LogLevel::kWarning, "pin_skipped",
-             {{"model", model}, {"reason", options_.gpus.unavailable}});
-    return;
-  }
-  // A sealed segment's mapping is read-only: only cudaHostRegisterReadOnly
-  // takes it (Hopper and later report it).
-  bool read_only = false;
-  for (const GpuDevice& g : options_.gpus.devices) read_only |= g.host_register_read_only;
-  if (!read_only) {
-    LogEvent(LogLevel::kWarning, "pin_skipped",
-             {{"model", model},
-              {"reason", "no GPU here registers read-only host memory "
-                         "(cudaDevAttrHostRegisterReadOnlySupported)"}});
-    return;
-  }
-  absl::StatusOr<const CudaPluginApi*> api = LoadCudaPlugin();
-  if (!api.ok()) {
-    LogEvent(LogLevel::kWarning, "pin_skipped",
-             {{"model", model}, {"reason", std::string(api.status().message())}});
-    return;
-  }
-  absl::Time start = absl::Now();
+void WeightService::PinCheckpoint(const std::string& model, const Checkpoint& checkpoint) {
+  pinner_.Pin(model, "checkpoint", checkpoint.host_segments());
+}
+
+void WeightService::PinPublished(const std::string& model, const PublishedBase* published) {
+  if (published == nullptr) return;
+  std::vector<SegmentPtr> segments;
   absl::flat_hash_set<uint64_t> seen;
-  uint64_t pinned = 0, segments = 0;
-  absl::Status first_error;
-  for (const SegmentPtr& seg : checkpoint.host_segments()) {
-    if (seg == nullptr || seg->size() == 0 || !seen.insert(seg->id()).second) continue;
-    absl::Status s = (*api)->pin(seg->data(), seg->size());
-    if (!s.ok()) {
-      if (first_error.ok()) first_error = s;
-      continue;
-    }
-    const uint64_t size = seg->size();
-    pinned_bytes_->fetch_add(size);
-    seg->AddReleaseHook([unpin = (*api)->unpin, data = seg->data(), size,
-                         counter = pinned_bytes_]() {
-      unpin(data);
-      counter->fetch_sub(size);
-    });
-    pinned += size;
-    ++segments;
+  for (const auto& [key, t] : *published) {
+    auto seg = std::dynamic_pointer_cast<const Segment>(t->buffer);
+    if (seg != nullptr && seen.insert(seg->id()).second) segments.push_back(std::move(seg));
   }
-  LogEvent(first_error.ok() ? LogLevel::kInfo : LogLevel::kWarning, "pinned",
-           {{"model", model},
-            {"segments", absl::StrCat(segments)},
-            {"bytes", absl::StrCat(pinned)},
-            {"ms", absl::StrCat(absl::ToInt64Milliseconds(absl::Now() - start))},
-            {"error", first_error.ok() ? std::string() : first_error.ToString()}});
+  pinner_.Pin(model, "publish", segments);
 }
 
 absl::StatusOr<FetchResult> WeightService::Fetch(const FetchParams& params) {
@@ -1197,6 +1157,7 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
     }
     WD_ASSIGN_OR_RETURN((*published)[t.name], ChargedPublished(std::move(kept)));
   }
+  PinPublished(model_name, published.get());
   RestoredPublish restored{std::move(published), file_name, bytes_shared};
   return ApplyImpl(model_name, stack, 0, number, &expect_content, &restored);
 }
@@ -1642,7 +1603,7 @@ ServiceStats WeightService::Stats() const {
   s.leases_open = leases_.size();
   s.bytes_served = bytes_served_.load();
   s.bytes_read = bytes_read_.load();
-  s.pinned_bytes = pinned_bytes_->load();
+  s.pinned_bytes = pinner_.pinned_bytes();
   s.pushes = pushes_.load();
   s.push_bytes = push_bytes_.load();
   s.publishes = publish_count_.load();

@@ -41,6 +41,7 @@
 #include "server/service/publish_plan.h"
 #include "server/state/published_store.h"
 #include "server/state/state_journal.h"
+#include "server/gpu/host_pinner.h"
 #include "server/memory/host_memory.h"
 #include "server/memory/segment.h"
 
@@ -60,10 +61,10 @@ struct WeightServiceOptions {
   AccessPolicyOptions access;
   // The GPUs found at start-up (reported by Stats).
   GpuInventory gpus;
-  // --pin-host-memory: register checkpoint segments with CUDA when loaded
-  // (kAuto: when there are GPUs), unregistered before they are freed.
-  // Failures are logged, never fatal.
-  enum class Pin { kAuto, kOn, kOff };
+  // --pin-host-memory: register checkpoint and published segments with
+  // CUDA (kAuto: when there are GPUs), unregistered before they are freed
+  // (server/gpu/host_pinner.h). Failures are logged, never fatal.
+  using Pin = PinMode;
   Pin pin_host_memory = Pin::kAuto;
   // --huge-pages: the pages of host segments (server/memory/huge_pages.h).
   // Off here (tests and embedders); the daemon's flag defaults to auto.
@@ -705,6 +706,9 @@ class WeightService {
 
   const WeightServiceOptions options_;
   const ModelRoots roots_;
+  // --pin-host-memory; before memory_, whose segments keep writable
+  // mappings where it registers those.
+  HostPinner pinner_;
   // Budget, warm reserve, disposer, reclaimer chain; before materializer_
   // and leases_, which borrow it.
   HostMemoryManager memory_;
@@ -782,10 +786,6 @@ class WeightService {
   std::atomic<uint64_t> bytes_served_{0};
   std::atomic<uint64_t> bytes_read_{0};
   std::atomic<uint64_t> pushes_{0};
-  // Shared with the release hooks of pinned segments, which may outlive
-  // the service.
-  std::shared_ptr<std::atomic<uint64_t>> pinned_bytes_ =
-      std::make_shared<std::atomic<uint64_t>>(0);
   std::atomic<uint64_t> push_bytes_{0};
   std::atomic<uint64_t> fetches_{0};
   std::atomic<uint64_t> applies_{0};
@@ -805,9 +805,10 @@ class WeightService {
   absl::StatusOr<FetchResult> FetchImpl(const FetchParams& params);
   // Counts one fetch (an error, or its latency by transport) since `start`.
   void RecordFetch(const FetchParams& params, bool ok, absl::Time start);
-  // --pin-host-memory: registers the checkpoint's segments with CUDA (each
-  // unregistered by its release hook); logs what it pinned or why not.
-  void PinSegments(const std::string& model, const Checkpoint& checkpoint);
+  // --pin-host-memory (pinner_): registers the segments of a loaded
+  // checkpoint, or of a generation's published tensors, with CUDA.
+  void PinCheckpoint(const std::string& model, const Checkpoint& checkpoint);
+  void PinPublished(const std::string& model, const PublishedBase* published);
   // Generation `number` of `model` (0 = current), null if it is not kept.
   static std::shared_ptr<const Generation> GenerationOf(const Model& model, uint64_t number);
 

@@ -111,9 +111,6 @@ class Checkpoint {
   const std::array<uint64_t, kPageKinds>& page_bytes() const { return page_bytes_; }
   // Budget bytes held for the tensors' metadata (0 without a charge).
   uint64_t metadata_bytes() const { return metadata_charge_ ? metadata_charge_->bytes() : 0; }
-  // True for the first caller only: a checkpoint that several models share
-  // (ResidentCheckpoints) is registered with CUDA once.
-  bool ClaimPinning() const { return !pin_claimed_.exchange(true); }
   // The metadata charge, for a caller that drops this checkpoint in favour
   // of an identical resident one (LoadCheckpoint) and keeps the charge.
   std::unique_ptr<MemoryCharge> TakeMetadataCharge() { return std::move(metadata_charge_); }
@@ -136,7 +133,6 @@ class Checkpoint {
   std::vector<CheckpointFileInfo> file_info_;
   Digest content_key_;
   Digest copy_id_;
-  mutable std::atomic<bool> pin_claimed_{false};
   uint64_t bytes_held_elsewhere_ = 0;
 };
 

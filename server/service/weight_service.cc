@@ -58,7 +58,8 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
                                          .huge_pages = options_.huge_pages}),
       materializer_(Materializer::Options{&memory_, options_.worker_threads}),
       leases_(options_.lease_idle_ttl, memory_.disposer()),
-      access_(options_.access) {
+      access_(options_.access),
+      publish_slots_({options_.max_publish_sessions, options_.max_publish_sessions_per_caller}) {
   if (!options_.published_dir.empty()) {
     published_store_ = std::make_unique<PublishedStore>(options_.published_dir);
   }

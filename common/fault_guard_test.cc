@@ -52,7 +52,9 @@ TEST(FaultGuardTest, ReadPastTheFileIsCutShortAtTheFaultingPage) {
   auto fault = RunFaultGuarded(m.map.data(), m.map.size(),
                                [&] { std::memcpy(out.data(), m.map.data(), out.size()); });
   ASSERT_TRUE(fault.has_value());
-  EXPECT_EQ(fault->offset, kPage);
+  // memcpy may copy in any order: some byte past the file's first page.
+  EXPECT_GE(fault->offset, kPage);
+  EXPECT_LT(fault->offset, 4 * kPage);
 }
 
 TEST(FaultGuardTest, WriteIntoAPageWithoutBackingIsCutShort) {
@@ -62,7 +64,8 @@ TEST(FaultGuardTest, WriteIntoAPageWithoutBackingIsCutShort) {
     std::memcpy(m.map.data() + 2 * kPage + 100, in.data(), 64);
   });
   ASSERT_TRUE(fault.has_value());
-  EXPECT_EQ(fault->offset, 2 * kPage + 100);
+  EXPECT_GE(fault->offset, 2 * kPage + 100);
+  EXPECT_LT(fault->offset, 2 * kPage + 164);
 }
 
 TEST(FaultGuardTest, DigestKernelsRunUnderTheGuard) {
@@ -139,7 +142,7 @@ TEST(FaultGuardTest, ThreadsGuardTheirOwnAccesses) {
         std::vector<uint8_t> out(3 * kPage);
         auto fault = RunFaultGuarded(m.map.data(), m.map.size(),
                                      [&] { std::memcpy(out.data(), m.map.data(), out.size()); });
-        if (fault.has_value() && fault->offset == (1 + t % 2) * kPage) caught.fetch_add(1);
+        if (fault.has_value() && fault->offset >= (1 + t % 2) * kPage) caught.fetch_add(1);
       }
     });
   }
@@ -169,6 +172,11 @@ void SigbusSentByAProcess() {
 }
 
 TEST(FaultGuardDeathTest, FaultsNoGuardCoversStillCrash) {
+#if defined(__SANITIZE_THREAD__)
+  // The fatal SIGBUS is reported by ThreadSanitizer (as it should be), and
+  // the TSan run fails on any report (scripts/test.sh).
+  GTEST_SKIP() << "ThreadSanitizer reports the expected fatal SIGBUS";
+#endif
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_DEATH(FaultOutsideTheRange(), "");
   EXPECT_DEATH(FaultAfterTheGuard(), "");
@@ -211,7 +219,8 @@ TEST(FaultGuardTest, PunchedHugetlbPageWithAnEmptyPool) {
     std::memcpy(seg->mutable_data() + 8192, in.data(), in.size());
   });
   ASSERT_TRUE(fault.has_value());
-  EXPECT_EQ(fault->offset, 8192u);
+  EXPECT_GE(fault->offset, 8192u);
+  EXPECT_LT(fault->offset, 8192u + 4096);
   // The page still there reads as written.
   uint8_t second = 0;
   fault = RunFaultGuarded(seg->data(), seg->size(),

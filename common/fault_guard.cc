@@ -1,10 +1,14 @@
 #include "common/fault_guard.h"
 
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <ucontext.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 namespace weightd {
@@ -16,7 +20,11 @@ struct GuardFrame {
   uintptr_t begin = 0;
   uintptr_t end = 0;
   GuardFrame* outer = nullptr;  // the access this one runs inside, if any
-  volatile uintptr_t fault = 0;  // set by the handler before it jumps
+  // Set by the handler before it jumps: the fault address and the signal
+  // mask the access ran with (restored after the jump).
+  volatile uintptr_t fault = 0;
+  volatile bool has_mask = false;
+  sigset_t mask;
 };
 
 // The thread's innermost guarded access. initial-exec: reading it from the
@@ -35,7 +43,7 @@ void PassOn(int sig, const siginfo_t* info) {
   if (info == nullptr || info->si_code <= 0) raise(sig);
 }
 
-void OnSigbus(int sig, siginfo_t* info, void* /*context*/) {
+void OnSigbus(int sig, siginfo_t* info, void* context) {
   // si_code > 0: sent by the kernel for an access (SI_USER, SI_TKILL and
   // SI_QUEUE are <= 0).
   if (info != nullptr && info->si_code > 0) {
@@ -43,7 +51,15 @@ void OnSigbus(int sig, siginfo_t* info, void* /*context*/) {
     for (GuardFrame* f = t_innermost; f != nullptr; f = f->outer) {
       if (addr >= f->begin && addr < f->end) {
         f->fault = addr;
-        siglongjmp(f->jump, 1);  // restores the signal mask saved by sigsetjmp
+        if (context != nullptr) {
+          // The kernel writes its sigset (64 signals, 8 bytes) where
+          // uc_sigmask starts; glibc's sigset_t is larger.
+          sigemptyset(&f->mask);
+          std::memcpy(&f->mask, &static_cast<const ucontext_t*>(context)->uc_sigmask,
+                      sizeof(uint64_t));
+          f->has_mask = true;
+        }
+        siglongjmp(f->jump, 1);
       }
     }
   }
@@ -69,11 +85,14 @@ std::optional<MemoryFault> RunFaultGuarded(const void* begin, size_t length,
   frame.begin = reinterpret_cast<uintptr_t>(begin);
   frame.end = frame.begin + length;
   frame.outer = t_innermost;
-  // The mask is saved (1): the handler runs with SIGBUS blocked, and the
-  // jump out of it must unblock it again.
-  if (sigsetjmp(frame.jump, 1) != 0) {
+  // No mask saved (0): that would cost a system call per access. The
+  // handler runs with SIGBUS (and, under some interposers, every signal)
+  // blocked; the mask the access ran with is put back after the jump, from
+  // the signal's context: a system call on the fault's path only.
+  if (sigsetjmp(frame.jump, 0) != 0) {
     t_innermost = frame.outer;
     std::atomic_signal_fence(std::memory_order_seq_cst);
+    if (frame.has_mask) pthread_sigmask(SIG_SETMASK, &frame.mask, nullptr);
     return MemoryFault{static_cast<uint64_t>(frame.fault - frame.begin)};
   }
   t_innermost = &frame;

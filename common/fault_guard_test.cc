@@ -84,8 +84,13 @@ TEST(FaultGuardTest, DigestKernelsRunUnderTheGuard) {
   EXPECT_EQ(d, DigestBytes(same.data(), same.size()));
 }
 
-TEST(FaultGuardTest, RecoversEveryTimeAndLeavesSigbusUnblocked) {
+TEST(FaultGuardTest, RecoversEveryTimeAndLeavesTheSignalMaskAsItWas) {
   ShrunkMapping m(2, 1);
+  // A mask of the thread's own: the jump back must leave it as it was.
+  sigset_t usr1, before;
+  sigemptyset(&usr1);
+  sigaddset(&usr1, SIGUSR1);
+  ASSERT_EQ(::pthread_sigmask(SIG_BLOCK, &usr1, &before), 0);
   for (int i = 0; i < 1000; ++i) {
     volatile uint8_t sink = 0;
     auto fault = RunFaultGuarded(m.map.data(), m.map.size(),
@@ -97,6 +102,9 @@ TEST(FaultGuardTest, RecoversEveryTimeAndLeavesSigbusUnblocked) {
   sigset_t blocked;
   ASSERT_EQ(::pthread_sigmask(SIG_BLOCK, nullptr, &blocked), 0);
   EXPECT_FALSE(sigismember(&blocked, SIGBUS));
+  EXPECT_TRUE(sigismember(&blocked, SIGUSR1));
+  EXPECT_FALSE(sigismember(&blocked, SIGUSR2));
+  ASSERT_EQ(::pthread_sigmask(SIG_SETMASK, &before, nullptr), 0);
 }
 
 TEST(FaultGuardTest, NestedGuardsEachTakeTheirOwnRange) {

@@ -60,7 +60,8 @@
 // commit seals the memfd with F_SEAL_WRITE, which the kernel refuses while
 // any process still maps it shared: the session then fails with
 // FAILED_PRECONDITION and nothing is published. Staging needs the same
-// rights as publishing (admins); the connection may close at once.
+// rights as publishing (an admin who may read the model); the connection
+// may close at once.
 #ifndef WEIGHTD_COMMON_DATA_PROTOCOL_H_
 #define WEIGHTD_COMMON_DATA_PROTOCOL_H_
 

@@ -296,6 +296,22 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
               f->service.publish_staging_ahead = v == "on";
               return true;
             })})
+      .Add({"max-publish-sessions", "N",
+            "publish sessions open at once, in all (each holds a memfd, a mapping and its "
+            "staging memory until it ends; 0 = no limit, default 64)",
+            K::kValue,
+            NumberInto("max-publish-sessions", &f->service.max_publish_sessions, 0, SIZE_MAX)})
+      .Add({"max-publish-sessions-per-caller", "N",
+            "publish sessions one caller (a uid; a token or client certificate on TCP) may hold "
+            "open (0 = no limit, default 8)",
+            K::kValue,
+            NumberInto("max-publish-sessions-per-caller",
+                       &f->service.max_publish_sessions_per_caller, 0, SIZE_MAX)})
+      .Add({"publish-idle-seconds", "N",
+            "end an open publish session after this long without a write, a stage or a waiting "
+            "commit, freeing its memory (0 = only its deadline ends it; default 300)",
+            K::kValue,
+            SecondsInto("publish-idle-seconds", &f->service.publish_idle_timeout, 86400)})
       .Add({"huge-pages", "auto|off|require",
             "2 MiB pages for segments of 2 MiB or more: auto - hugetlb while the pool has room, "
             "else shmem THP where the host honours it, else 4 KiB; require - hugetlb or the load "
@@ -796,9 +812,11 @@ int Main(int argc, char** argv) {
   flags.data.on_push = [svc](uint64_t bytes) { svc->RecordPush(bytes); };
   flags.data.stage = [svc](const PeerIdentity& peer, uint64_t session,
                            absl::string_view token) -> absl::StatusOr<UniqueFd> {
-    // Writing a publish's bytes is publishing: admins only, as on gRPC.
-    WD_RETURN_IF_ERROR(svc->access().CheckAdmin(Principal::UnixPeer(peer), "publish weights"));
-    return svc->StagePublish(session, absl::BytesToHexString(token));
+    // Writing a publish's bytes is publishing: admins only, as on gRPC
+    // (and readers of the model: StagePublish checks).
+    const Principal caller = Principal::UnixPeer(peer);
+    WD_RETURN_IF_ERROR(svc->access().CheckAdmin(caller, "publish weights"));
+    return svc->StagePublish(caller, session, absl::BytesToHexString(token));
   };
   flags.data.gpus = &svc->gpus();
   flags.data.host_memory = svc->host_memory();

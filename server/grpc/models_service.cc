@@ -48,8 +48,12 @@ void FillPublishResult(const WeightService::PublishResult& r, v1::PublishResult*
 class PublishWriteReactor : public grpc::ServerReadReactor<v1::PublishChunk> {
  public:
   PublishWriteReactor(WeightService* service, ThreadPool* pool, CallDrain::Hold hold,
-                      v1::PublishWriteResponse* resp)
-      : service_(service), pool_(pool), hold_(std::move(hold)), resp_(resp) {
+                      Principal caller, v1::PublishWriteResponse* resp)
+      : service_(service),
+        pool_(pool),
+        hold_(std::move(hold)),
+        caller_(std::move(caller)),
+        resp_(resp) {
     StartRead(&chunk_);
   }
 
@@ -82,7 +86,7 @@ class PublishWriteReactor : public grpc::ServerReadReactor<v1::PublishChunk> {
       runs.push_back(WeightService::PublishRun{r.tensor(), r.offset(), r.length()});
     }
     auto progress =
-        service_->WritePublish(session_, token_, runs, chunk_.data(), chunk_.in_place());
+        service_->WritePublish(caller_, session_, token_, runs, chunk_.data(), chunk_.in_place());
     if (!progress.ok()) {
       Finish(ToGrpcStatus(progress.status()));
       return;
@@ -98,6 +102,7 @@ class PublishWriteReactor : public grpc::ServerReadReactor<v1::PublishChunk> {
   WeightService* const service_;
   ThreadPool* const pool_;
   CallDrain::Hold hold_;
+  const Principal caller_;
   v1::PublishWriteResponse* const resp_;
   v1::PublishChunk chunk_;
   uint64_t session_ = 0;
@@ -237,8 +242,9 @@ class ModelsImpl final : public v1::Models::CallbackService {
     if (!who.ok()) return Refuse(ctx, who.status());
     return RunOnPool(
         ctx, pool_, drain_,
-        [this, req, resp]() -> absl::Status {
+        [this, req, resp, who = std::move(*who)]() -> absl::Status {
           WeightService::PublishBeginParams params;
+          params.caller = who;
           params.model = req->model();
           params.expect_generation = req->expect_generation();
           params.timeout = absl::Seconds(req->timeout_seconds() == 0 ? 600 : req->timeout_seconds());
@@ -284,7 +290,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
       };
       return new Refused(hold.status());
     }
-    return new PublishWriteReactor(service_, pool_, std::move(*hold), resp);
+    return new PublishWriteReactor(service_, pool_, std::move(*hold), std::move(*who), resp);
   }
 
   grpc::ServerUnaryReactor* CommitPublish(grpc::CallbackServerContext* ctx,
@@ -296,8 +302,8 @@ class ModelsImpl final : public v1::Models::CallbackService {
     if (!hold.ok()) return Refuse(ctx, hold.status());
     auto* reactor = new HeldUnaryReactor(std::move(*hold));  // deletes itself in OnDone
     // It may wait: a thread of its own, not a pool worker.
-    absl::Status started = long_calls_->Start([this, reactor, req, resp] {
-      auto r = service_->CommitPublish(req->session(), req->token(),
+    absl::Status started = long_calls_->Start([this, reactor, req, resp, who = std::move(*who)] {
+      auto r = service_->CommitPublish(who, req->session(), req->token(),
                                        absl::Seconds(std::min<uint32_t>(req->wait_seconds(), 3600)));
       if (r.ok()) FillPublishResult(*r, resp);
       reactor->Finish(ToGrpcStatus(r.status()));
@@ -313,7 +319,9 @@ class ModelsImpl final : public v1::Models::CallbackService {
     if (!who.ok()) return Refuse(ctx, who.status());
     return RunOnPool(
         ctx, pool_, drain_,
-        [this, req] { return service_->AbortPublish(req->session(), req->token()); },
+        [this, req, who = std::move(*who)] {
+          return service_->AbortPublish(who, req->session(), req->token());
+        },
         /*change=*/true);
   }
 

@@ -5,16 +5,22 @@
 // is released; CommitStaged takes state_mu_/mu_ (CommitState) with no
 // session lock held.
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <tuple>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/fault_guard.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
@@ -51,6 +57,75 @@ std::string SpecString(DType dtype, absl::Span<const int64_t> shape) {
   return absl::StrCat(DTypeName(dtype), " ", ShapeString(shape));
 }
 
+// What one recorded byte range of a session's coverage costs in memory (a
+// std::map node and its allocation), charged as the coverage grows.
+constexpr uint64_t kCoverageRangeBytes = 64;
+
+constexpr char kSealedByWriter[] =
+    "its staging memfd was sealed by a writer (F_SEAL_SEAL): the daemon can no longer seal it "
+    "against writes, so nothing of it can be published";
+
+uint64_t SmallPageBytes() {
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+// Whether another holder of the memfd forbade further seals.
+bool SealedByWriter(int fd) {
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  return seals >= 0 && (seals & F_SEAL_SEAL) != 0;
+}
+
+// The key a caller's open sessions are counted under (PublishSlots): its
+// uid on a Unix socket, its token name and certificate CN on TCP; "" for
+// the daemon itself.
+std::string CallerKey(const Principal& p) {
+  switch (p.via) {
+    case Principal::Via::kInternal:
+      return "";
+    case Principal::Via::kUnixSocket:
+      return absl::StrCat("uid:", p.peer.uid);
+    case Principal::Via::kTcp:
+      return absl::StrCat("tcp:token=", p.token_name, ",cn=", p.cert_cn);
+  }
+  return "";
+}
+
+// A staging memfd handed out writable, sealed since: FAILED_PRECONDITION
+// when it has fewer pages allocated than its size. Every page was
+// allocated before it was handed out (StagePublish) and the seal forbids
+// punching from then on, so a missing page is one a writer punched out
+// (fallocate PUNCH_HOLE, MADV_REMOVE); reading it would fault in a zero
+// page, or on hugetlb with an empty pool, SIGBUS. REQUIRES: the daemon's
+// mapping of it is not populated yet (mincore then finds the first hole
+// of a shmem memfd; hugetlb mappings say nothing of the file's pages).
+absl::Status CheckNoPagesLost(const Segment& staging) {
+  struct stat st;
+  if (::fstat(staging.fd(), &st) != 0) return ErrnoStatus(errno, "fstat on the staging memfd");
+  const uint64_t allocated = static_cast<uint64_t>(st.st_blocks) * 512;
+  if (allocated >= staging.size()) return absl::OkStatus();
+  // Pages are whole: a size of 4 KiB pages and a bit takes one more.
+  const uint64_t whole = (staging.size() + SmallPageBytes() - 1) / SmallPageBytes() * SmallPageBytes();
+  std::string where;
+  if (staging.pages() != PageKind::kHugetlb && staging.data() != nullptr) {
+    const uint64_t page = SmallPageBytes();
+    std::vector<unsigned char> resident((staging.size() + page - 1) / page);
+    if (::mincore(const_cast<uint8_t*>(staging.data()), staging.size(), resident.data()) == 0) {
+      for (size_t i = 0; i < resident.size(); ++i) {
+        if ((resident[i] & 1) == 0) {
+          where = absl::StrCat(", the first at offset ", i * page);
+          break;
+        }
+      }
+    }
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "a writer punched ", whole - allocated,
+      " bytes of pages out of its staging memfd after it was handed out (fallocate "
+      "PUNCH_HOLE, MADV_REMOVE)",
+      where, "; nothing was published"));
+}
+
 }  // namespace
 
 struct WeightService::PublishSession {
@@ -60,6 +135,9 @@ struct WeightService::PublishSession {
   // The model instance the session began on: a model unloaded and loaded
   // again under the same name meanwhile is another one (Model::instance).
   uint64_t model_instance = 0;
+  // The model's own readers (fixed for the instance): every call on the
+  // session checks its caller against them (FindPublish).
+  std::vector<ReadGuard> model_guards;
   uint64_t expect_generation = 0;
   uint64_t base_generation = 0;
   std::vector<PublishTensorSpec> specs;
@@ -67,22 +145,40 @@ struct WeightService::PublishSession {
   uint64_t bytes_total = 0;
   absl::Time start;
   absl::Time deadline;
+  absl::Duration idle_timeout;  // zero: none
   uint8_t* base = nullptr;  // the staging segment's writable mapping
   uint64_t staging_bytes = 0;
+  uint64_t page_bytes = 4096;  // of the staging's pages, for messages
+  // Its open-session slot (PublishSlots), held until it ends, under
+  // `caller_key`; its specs and layout, charged to the budget for its life.
+  PublishSlots* slots = nullptr;
+  std::string caller_key;
+  std::unique_ptr<MemoryCharge> metadata ABSL_GUARDED_BY(mu);
+  // The budget its coverage's ranges are charged to as they grow.
+  std::shared_ptr<MemoryAccount> account;
 
   enum class State { kOpen, kCommitting, kDone, kFailed };
   absl::Mutex mu;
   absl::CondVar changed;
   std::unique_ptr<Segment> staging ABSL_GUARDED_BY(mu);  // until commit or failure
   std::vector<RangeCoverage> coverage ABSL_GUARDED_BY(mu);
+  // Ranges the coverage holds, and the bytes charged for them (a high-water
+  // mark with room for the runs being added).
+  uint64_t coverage_ranges ABSL_GUARDED_BY(mu) = 0;
+  uint64_t coverage_charged ABSL_GUARDED_BY(mu) = 0;
   uint64_t landed ABSL_GUARDED_BY(mu) = 0;  // bytes copied in
   // The staging memfd was handed out writable (StagePublish): the commit
   // must prove no one maps it any more (Segment::SealExclusive).
   bool handed_out ABSL_GUARDED_BY(mu) = false;
   int writers ABSL_GUARDED_BY(mu) = 0;      // copies in progress
+  int waiters ABSL_GUARDED_BY(mu) = 0;      // CommitPublish calls waiting for it
+  absl::Time last_active ABSL_GUARDED_BY(mu);  // of the last write, stage or commit call
+  bool holds_slot ABSL_GUARDED_BY(mu) = false;
   State state ABSL_GUARDED_BY(mu) = State::kOpen;
   absl::Status failure ABSL_GUARDED_BY(mu);
   std::optional<PublishResult> result ABSL_GUARDED_BY(mu);
+  // Who may be told the result: the guards of the generation it made.
+  std::vector<ReadGuard> result_guards ABSL_GUARDED_BY(mu);
   absl::Time ended ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
 
   std::string Describe() const {
@@ -95,10 +191,35 @@ struct WeightService::PublishSession {
     state = State::kFailed;
     failure = std::move(why);
     ended = absl::Now();
-    if (writers == 0) staging.reset();
+    EndedLocked();
     changed.SignalAll();
     LogEvent(LogLevel::kWarning, "publish_failed",
              {{"model", model}, {"session", absl::StrCat(id)}, {"error", failure.ToString()}});
+  }
+  // What an ended session (done or failed) gives back: its slot at once,
+  // its memory once no copy is in progress (DropLocked). What stays while
+  // it lingers (kEndedSessionLinger) is its result or failure.
+  void EndedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (holds_slot) slots->Release(caller_key);
+    holds_slot = false;
+    if (writers == 0) DropLocked();
+  }
+  // Frees an ended session's memory: the staging (unless the commit took
+  // it), the coverage, the specs and layout and their charges. REQUIRES:
+  // ended, and no copy in progress (copies read `layout` and `base` without
+  // the lock; specs and layout are read without it only by those and by
+  // the commit, which no one else ends).
+  void DropLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    staging.reset();
+    coverage.clear();
+    coverage.shrink_to_fit();
+    coverage_ranges = 0;
+    if (coverage_charged > 0) account->Return(coverage_charged);
+    coverage_charged = 0;
+    specs.clear();
+    specs.shrink_to_fit();
+    layout = PublishLayout();
+    metadata.reset();
   }
   // The status of a call on a session that is no longer open.
   absl::Status NotOpenLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
@@ -117,15 +238,27 @@ struct WeightService::PublishSession {
     }
     return absl::InternalError("unknown session state");
   }
-  // NotOpenLocked(), and a session past its deadline fails now.
+  // NotOpenLocked(), and a session past its deadline, or idle past its
+  // idle timeout, fails now.
   absl::Status CheckOpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     WD_RETURN_IF_ERROR(NotOpenLocked());
-    if (absl::Now() > deadline) {
-      FailLocked(absl::DeadlineExceededError(
-          absl::StrCat("not complete by its deadline; missing ", FirstMissingLocked())));
-      return NotOpenLocked();
+    ExpireLocked(absl::Now());
+    return NotOpenLocked();
+  }
+  // Fails an open session past its deadline or idle too long.
+  void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (state != State::kOpen) return;
+    if (now > deadline) {
+      FailLocked(absl::DeadlineExceededError(absl::StrCat(
+          "not complete by its deadline; missing ", FirstMissingLocked(),
+          "; nothing was published")));
+    } else if (idle_timeout > absl::ZeroDuration() && writers == 0 && waiters == 0 &&
+               now - last_active > idle_timeout) {
+      FailLocked(absl::DeadlineExceededError(absl::StrCat(
+          "idle for over ", absl::FormatDuration(idle_timeout),
+          " (no write, stage or waiting commit; --publish-idle-seconds); missing ",
+          FirstMissingLocked(), "; nothing was published")));
     }
-    return absl::OkStatus();
   }
   // "tensor \"x\" bytes [a, b)" of the first byte still missing.
   std::string FirstMissingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
@@ -138,12 +271,71 @@ struct WeightService::PublishSession {
     }
     return "nothing";
   }
+  // Records `runs` of a write carrying `data_size` bytes (their lengths
+  // add up to `total`, or `overflow`ed) as landing, and counts the write in
+  // progress; a write that lies about its bytes ends the session.
+  absl::Status AddRunsLocked(absl::Span<const PublishRun> runs, uint64_t data_size,
+                             uint64_t total, bool overflow, bool in_place)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    absl::Status bad;
+    if (in_place) {
+      if (!handed_out) {
+        // Not the publisher lying: nothing was written. The session stays open.
+        return absl::FailedPreconditionError(absl::StrCat(
+            Describe(), ": runs declared written in place, but no writer has taken its "
+            "staging memfd (a StageRequest on the data socket)"));
+      }
+      if (data_size != 0 || overflow) {
+        bad = absl::InvalidArgumentError(absl::StrCat(
+            "a write declared in place carries ", data_size, " bytes of data"));
+      }
+    } else if (overflow || total != data_size) {
+      bad = absl::InvalidArgumentError(absl::StrCat("a write's runs add up to ", total,
+                                                    " bytes but it carries ", data_size));
+    }
+    for (size_t i = 0; i < runs.size() && bad.ok(); ++i) {
+      const PublishRun& r = runs[i];
+      if (r.tensor >= specs.size()) {
+        bad = absl::InvalidArgumentError(absl::StrCat("a write names tensor index ", r.tensor,
+                                                      "; the session has ", specs.size()));
+        break;
+      }
+      RangeCoverage& c = coverage[r.tensor];
+      const size_t before = c.ranges();
+      absl::Status added = c.Add(r.offset, r.length);
+      coverage_ranges = coverage_ranges + c.ranges() - before;
+      if (!added.ok()) {
+        bad = absl::InvalidArgumentError(
+            absl::StrCat("tensor \"", specs[r.tensor].name, "\": ", added.message()));
+      }
+    }
+    if (!bad.ok()) {
+      // What was written is not trusted.
+      FailLocked(bad);
+      return NotOpenLocked();
+    }
+    ++writers;
+    return absl::OkStatus();
+  }
+  // Why a guarded access of the staging at `offset` failed.
+  absl::Status StagingFault(uint64_t offset) const {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "staging page at offset ", offset / page_bytes * page_bytes,
+        " could not be faulted in: a writer of its memfd punched it out, or the huge-page "
+        "pool is exhausted; nothing was published"));
+  }
 };
 
 absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
     const PublishBeginParams& params) {
   WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(params.model));
   const std::shared_ptr<const Generation> cur = model->current;
+  // Writing requires reading: nothing about the model (its generation,
+  // names, dtypes, shapes) is checked or said before the caller is known
+  // to be a reader, as Fetch does.
+  if (params.caller.has_value()) {
+    WD_RETURN_IF_ERROR(access_.CheckRead(*params.caller, GuardsOf(*model, *cur)));
+  }
   if (params.expect_generation != 0 && params.expect_generation != cur->number) {
     return absl::AbortedError(absl::StrCat("model \"", params.model, "\" is at generation ",
                                            cur->number, ", not ", params.expect_generation));
@@ -158,6 +350,7 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   absl::flat_hash_set<absl::string_view> added;
   for (const Served& s : cur->added) added.insert(s.plan.name);
   uint64_t bytes = 0;
+  uint64_t metadata_bytes = sizeof(PublishSession);
   std::vector<std::string> per_part;
   for (const PublishTensorSpec& spec : params.tensors) {
     if (added.contains(spec.name)) {
@@ -187,11 +380,24 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
           SpecString(spec.dtype, spec.shape)));
     }
     bytes += spec.bytes();
+    metadata_bytes += sizeof(PublishTensorSpec) + spec.name.size() +
+                      spec.shape.size() * sizeof(int64_t) + sizeof(RangeCoverage) +
+                      sizeof(uint64_t);
     if (plan.per_part) per_part.push_back(spec.name);
   }
+  // An open session holds a memfd and a mapping: capped per caller and in
+  // all, so that no caller can take the daemon's file descriptors.
+  const std::string caller_key = params.caller.has_value() ? CallerKey(*params.caller) : "";
+  WD_RETURN_IF_ERROR(publish_slots_.Acquire(
+      caller_key, params.caller.has_value() ? params.caller->Describe() : "the daemon"));
+  absl::Cleanup give_slot_back = [&] { publish_slots_.Release(caller_key); };
+  WD_ASSIGN_OR_RETURN(std::unique_ptr<MemoryCharge> metadata,
+                      memory_.Charge(metadata_bytes, absl::StrCat("publish session metadata for "
+                                                                  "model \"", params.model, "\"")));
+  const uint64_t staging_size = layout.total;
   // Prepared after the model's last publish (StagerLoop) when this one is
   // the same size; else allocated now.
-  std::unique_ptr<Segment> ahead = TakeStagingAhead(model->instance, layout.total);
+  std::unique_ptr<Segment> ahead = TakeStagingAhead(model->instance, staging_size);
   const bool took_ahead = ahead != nullptr;
   HostMemoryManager::AllocateOptions alloc;
   alloc.purpose = "publish";
@@ -200,7 +406,7 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   alloc.prefault = true;
   alloc.warm = true;  // a pre-faulted reserve chunk when the staging fits one
   absl::StatusOr<std::unique_ptr<Segment>> staging = std::move(ahead);
-  if (!took_ahead) staging = memory_.Allocate(layout.total, alloc);
+  if (!took_ahead) staging = memory_.Allocate(staging_size, alloc);
   if (!staging.ok()) {
     return Annotate(staging.status(),
                     absl::StrCat("staging ", layout.total, " bytes to publish to model \"",
@@ -211,6 +417,7 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   session->token = RandomHex(16);
   session->model = params.model;
   session->model_instance = model->instance;
+  session->model_guards = ModelGuards(*model);
   session->expect_generation = params.expect_generation;
   session->base_generation = cur->number;
   session->specs = params.tensors;
@@ -218,15 +425,24 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
   session->bytes_total = bytes;
   session->start = absl::Now();
   session->deadline = session->start + params.timeout;
+  session->idle_timeout = options_.publish_idle_timeout;
   session->base = (*staging)->mutable_data();
   session->staging_bytes = (*staging)->size();
+  session->page_bytes = (*staging)->pages() == PageKind::kSmall ? SmallPageBytes() : kHugePageBytes;
+  session->slots = &publish_slots_;
+  session->caller_key = caller_key;
+  session->account = memory_.account();
   {
     absl::MutexLock lock(&session->mu);
+    session->metadata = std::move(metadata);
     session->staging = std::move(*staging);
     for (const PublishTensorSpec& spec : params.tensors) {
       session->coverage.emplace_back(spec.bytes());
     }
+    session->last_active = session->start;
+    session->holds_slot = true;
   }
+  std::move(give_slot_back).Cancel();
   PublishSessionInfo info;
   {
     absl::MutexLock lock(&publish_mu_);
@@ -252,32 +468,60 @@ absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
 }
 
 absl::StatusOr<std::shared_ptr<WeightService::PublishSession>> WeightService::FindPublish(
-    uint64_t id, absl::string_view token) {
-  absl::MutexLock lock(&publish_mu_);
-  auto it = publishes_.find(id);
-  if (it == publishes_.end()) {
-    return absl::NotFoundError(absl::StrCat("publish session ", id,
-                                            " is unknown (never opened, or ended over ",
-                                            absl::FormatDuration(kEndedSessionLinger), " ago)"));
+    const std::optional<Principal>& caller, uint64_t id, absl::string_view token) {
+  std::shared_ptr<PublishSession> session;
+  {
+    absl::MutexLock lock(&publish_mu_);
+    auto it = publishes_.find(id);
+    if (it == publishes_.end()) {
+      return absl::NotFoundError(absl::StrCat("publish session ", id,
+                                              " is unknown (never opened, or ended over ",
+                                              absl::FormatDuration(kEndedSessionLinger), " ago)"));
+    }
+    if (!TokensEqual(token, it->second->token)) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("wrong token for publish session ", id));
+    }
+    session = it->second;
   }
-  if (!TokensEqual(token, it->second->token)) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("wrong token for publish session ", id));
-  }
-  return it->second;
+  // A token is not enough: writing requires reading (model_guards is fixed
+  // for the session's life).
+  if (caller.has_value()) WD_RETURN_IF_ERROR(access_.CheckRead(*caller, session->model_guards));
+  return session;
 }
 
-absl::StatusOr<UniqueFd> WeightService::StagePublish(uint64_t id, absl::string_view token) {
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(id, token));
+absl::StatusOr<UniqueFd> WeightService::StagePublish(const std::optional<Principal>& caller,
+                                                     uint64_t id, absl::string_view token) {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(caller, id, token));
   PublishSession& session = *s;
   absl::MutexLock lock(&session.mu);
   WD_RETURN_IF_ERROR(session.CheckOpenLocked());
   if (session.staging == nullptr) return absl::InternalError("publish session has no staging");
   const int fd = session.staging->fd();
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0) return ErrnoStatus(errno, "reading the staging memfd's seals");
+  if ((seals & F_SEAL_SEAL) != 0) {
+    // A writer it was handed to sealed it: the commit cannot seal it
+    // against writes any more, so nothing of it can be published.
+    session.FailLocked(absl::FailedPreconditionError(kSealedByWriter));
+    return session.NotOpenLocked();
+  }
   // The publisher may write, never resize: a shrink would take pages the
   // daemon's mapping covers.
-  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK) != 0) {
+  constexpr int kShape = F_SEAL_GROW | F_SEAL_SHRINK;
+  if ((seals & kShape) != kShape && ::fcntl(fd, F_ADD_SEALS, kShape) != 0) {
     return ErrnoStatus(errno, "sealing the staging memfd's size");
+  }
+  if (!session.handed_out) {
+    // Every page allocated before anyone else holds the memfd: a page
+    // missing at the commit was then punched out by a writer
+    // (StagingLostPages).
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat on the staging memfd");
+    if (static_cast<uint64_t>(st.st_blocks) * 512 < session.staging->size() &&
+        ::fallocate(fd, 0, 0, static_cast<off_t>(session.staging->size())) != 0) {
+      return ErrnoStatus(errno, "allocating every page of the staging memfd");
+    }
   }
   UniqueFd dup(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
   if (!dup.valid()) return ErrnoStatus(errno, "duplicating the staging memfd");
@@ -287,13 +531,14 @@ absl::StatusOr<UniqueFd> WeightService::StagePublish(uint64_t id, absl::string_v
               {"bytes", absl::StrCat(session.staging->size())}});
   }
   session.handed_out = true;
+  session.last_active = absl::Now();
   return dup;
 }
 
 absl::StatusOr<WeightService::PublishProgress> WeightService::WritePublish(
-    uint64_t id, absl::string_view token, absl::Span<const PublishRun> runs,
-    absl::string_view data, bool in_place) {
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(id, token));
+    const std::optional<Principal>& caller, uint64_t id, absl::string_view token,
+    absl::Span<const PublishRun> runs, absl::string_view data, bool in_place) {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(caller, id, token));
   PublishSession& session = *s;
   uint64_t total = 0;
   bool overflow = false;
@@ -301,53 +546,49 @@ absl::StatusOr<WeightService::PublishProgress> WeightService::WritePublish(
     overflow |= total + r.length < total;
     total += r.length;
   }
-  {
-    absl::MutexLock lock(&session.mu);
-    WD_RETURN_IF_ERROR(session.CheckOpenLocked());
-    absl::Status bad;
-    if (in_place) {
-      if (!session.handed_out) {
-        // Not the publisher lying: nothing was written. The session stays open.
-        return absl::FailedPreconditionError(absl::StrCat(
-            session.Describe(), ": runs declared written in place, but no writer has taken its "
-            "staging memfd (a StageRequest on the data socket)"));
+  // The ranges the runs may add are charged before they are recorded.
+  const std::string charge_what = absl::StrCat("the byte ranges written to ", session.Describe());
+  for (bool reclaimed = false;; reclaimed = true) {
+    uint64_t short_by = 0;
+    {
+      absl::MutexLock lock(&session.mu);
+      WD_RETURN_IF_ERROR(session.CheckOpenLocked());
+      session.last_active = absl::Now();
+      const uint64_t want = (session.coverage_ranges + runs.size()) * kCoverageRangeBytes;
+      if (want > session.coverage_charged) {
+        absl::Status charged =
+            session.account->ReserveNoReclaim(want - session.coverage_charged, charge_what);
+        // The budget is short: what the reclaimers free (outside the
+        // session's lock), once; else this write is refused, the session
+        // still open.
+        if (!charged.ok() && reclaimed) return charged;
+        if (charged.ok()) {
+          session.coverage_charged = want;
+        } else {
+          short_by = want - session.coverage_charged;
+        }
       }
-      if (!data.empty() || overflow) {
-        bad = absl::InvalidArgumentError(absl::StrCat(
-            "a write declared in place carries ", data.size(), " bytes of data"));
-      }
-    } else if (overflow || total != data.size()) {
-      bad = absl::InvalidArgumentError(absl::StrCat("a write's runs add up to ", total,
-                                                    " bytes but it carries ", data.size()));
-    }
-    for (size_t i = 0; i < runs.size() && bad.ok(); ++i) {
-      const PublishRun& r = runs[i];
-      if (r.tensor >= session.specs.size()) {
-        bad = absl::InvalidArgumentError(absl::StrCat("a write names tensor index ", r.tensor,
-                                                      "; the session has ",
-                                                      session.specs.size()));
+      if (short_by == 0) {
+        WD_RETURN_IF_ERROR(session.AddRunsLocked(runs, data.size(), total, overflow, in_place));
         break;
       }
-      absl::Status added = session.coverage[r.tensor].Add(r.offset, r.length);
-      if (!added.ok()) {
-        bad = absl::InvalidArgumentError(absl::StrCat(
-            "tensor \"", session.specs[r.tensor].name, "\": ", added.message()));
-      }
     }
-    if (!bad.ok()) {
-      // A publisher that lies about its bytes ends the session: what was
-      // written is not trusted.
-      session.FailLocked(bad);
-      return session.NotOpenLocked();
-    }
-    ++session.writers;
+    session.account->ReclaimUpTo(std::numeric_limits<int>::max(), short_by);
   }
-  // Disjoint ranges (the coverage says so): no lock while copying.
-  uint64_t at = 0;
-  for (const PublishRun& r : in_place ? absl::Span<const PublishRun>() : runs) {
-    std::memcpy(session.base + session.layout.offsets[r.tensor] + r.offset, data.data() + at,
-                r.length);
-    at += r.length;
+  // Disjoint ranges (the coverage says so): no lock while copying. Another
+  // process may map the staging writable too (StagePublish) and punch out
+  // the pages copied into: a page that cannot be faulted in ends this
+  // session, never the daemon.
+  std::optional<MemoryFault> fault;
+  if (!in_place) {
+    fault = RunFaultGuarded(session.base, session.staging_bytes, [&] {
+      uint64_t at = 0;
+      for (const PublishRun& r : runs) {
+        std::memcpy(session.base + session.layout.offsets[r.tensor] + r.offset, data.data() + at,
+                    r.length);
+        at += r.length;
+      }
+    });
   }
   PublishProgress progress;
   progress.bytes_total = session.bytes_total;
@@ -355,10 +596,12 @@ absl::StatusOr<WeightService::PublishProgress> WeightService::WritePublish(
   {
     absl::MutexLock lock(&session.mu);
     --session.writers;
+    session.last_active = absl::Now();
+    if (fault.has_value()) session.FailLocked(session.StagingFault(fault->offset));
     session.landed += total;
     progress.bytes_done = session.landed;
     if (session.state == PublishSession::State::kFailed) {
-      if (session.writers == 0) session.staging.reset();
+      if (session.writers == 0) session.DropLocked();
       return session.NotOpenLocked();
     }
     if (session.landed == session.bytes_total && session.writers == 0) {
@@ -367,17 +610,22 @@ absl::StatusOr<WeightService::PublishProgress> WeightService::WritePublish(
     }
   }
   if (!commit) return progress;
-  WD_ASSIGN_OR_RETURN(progress.result, CommitAndRecord(session));
+  WD_ASSIGN_OR_RETURN(progress.result, CommitAndRecord(session, caller));
   return progress;
 }
 
 absl::StatusOr<WeightService::PublishResult> WeightService::CommitPublish(
-    uint64_t id, absl::string_view token, absl::Duration wait) {
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(id, token));
+    const std::optional<Principal>& caller, uint64_t id, absl::string_view token,
+    absl::Duration wait) {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(caller, id, token));
   PublishSession& session = *s;
   bool commit = false;
   {
     absl::MutexLock lock(&session.mu);
+    session.ExpireLocked(absl::Now());
+    if (session.state == PublishSession::State::kOpen) session.last_active = absl::Now();
+    // A caller waiting for the last byte keeps the session from idling out.
+    ++session.waiters;
     const absl::Time until = std::min(absl::Now() + wait, session.deadline);
     while (session.state == PublishSession::State::kOpen ||
            session.state == PublishSession::State::kCommitting) {
@@ -390,30 +638,41 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitPublish(
       }
       if (session.changed.WaitWithDeadline(&session.mu, until)) break;
     }
+    --session.waiters;
+    if (session.state == PublishSession::State::kOpen) session.last_active = absl::Now();
     if (!commit) {
-      if (session.state == PublishSession::State::kDone) return *session.result;
+      if (session.state == PublishSession::State::kDone) {
+        // The generation it made may carry guards the model's own readers
+        // do not (a private adapter in its stack).
+        if (caller.has_value()) {
+          WD_RETURN_IF_ERROR(access_.CheckRead(*caller, session.result_guards));
+        }
+        return *session.result;
+      }
       if (session.state != PublishSession::State::kOpen) return session.NotOpenLocked();
       return absl::FailedPreconditionError(absl::StrCat(
           session.Describe(), " is not complete: ", session.landed, " of ",
           session.bytes_total, " bytes written; missing ", session.FirstMissingLocked()));
     }
   }
-  return CommitAndRecord(session);
+  return CommitAndRecord(session, caller);
 }
 
 absl::StatusOr<WeightService::PublishResult> WeightService::CommitAndRecord(
-    PublishSession& session) {
-  auto result = CommitStaged(session);
+    PublishSession& session, const std::optional<Principal>& caller) {
+  auto result = CommitStaged(session, caller);
   absl::MutexLock lock(&session.mu);
   session.ended = absl::Now();
   if (!result.ok()) {
     session.FailLocked(result.status());
     return result.status();
   }
+  const uint64_t staging_size = session.layout.total;
   session.state = PublishSession::State::kDone;
   session.result = *result;
+  session.EndedLocked();
   session.changed.SignalAll();
-  WantStagingAhead(session.model, session.model_instance, session.layout.total);
+  WantStagingAhead(session.model, session.model_instance, staging_size);
   return result;
 }
 
@@ -569,8 +828,9 @@ void WeightService::StopStager() {
   ReclaimStagingAhead();
 }
 
-absl::Status WeightService::AbortPublish(uint64_t id, absl::string_view token) {
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(id, token));
+absl::Status WeightService::AbortPublish(const std::optional<Principal>& caller, uint64_t id,
+                                       absl::string_view token) {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(caller, id, token));
   absl::MutexLock lock(&s->mu);
   if (s->state != PublishSession::State::kOpen) return s->NotOpenLocked();
   s->FailLocked(absl::AbortedError("aborted by the publisher; nothing was published"));
@@ -614,11 +874,7 @@ void WeightService::ExpirePublishes() {
   std::vector<uint64_t> gone;
   for (const auto& s : sessions) {
     absl::MutexLock lock(&s->mu);
-    if (s->state == PublishSession::State::kOpen && now > s->deadline) {
-      s->FailLocked(absl::DeadlineExceededError(absl::StrCat(
-          "not complete by its deadline; missing ", s->FirstMissingLocked(),
-          "; nothing was published")));
-    }
+    s->ExpireLocked(now);
     if (s->ended != absl::InfiniteFuture() && now - s->ended > kEndedSessionLinger) {
       gone.push_back(s->id);
     }
@@ -629,7 +885,7 @@ void WeightService::ExpirePublishes() {
 }
 
 absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
-    PublishSession& session) {
+    PublishSession& session, const std::optional<Principal>& caller) {
   std::unique_ptr<Segment> staged;
   bool handed_out = false;
   {
@@ -642,11 +898,34 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
   if (handed_out) {
     // Written in place by other processes: sealed only once none of them
     // can write any more, so the digests below describe the bytes for good.
-    absl::Status sealed = staged->SealExclusive(/*populate=*/true);  // digested next
+    // A writer that sealed it itself (F_SEAL_SEAL) leaves no way to.
+    if (SealedByWriter(staged->fd())) return absl::FailedPreconditionError(kSealedByWriter);
+    absl::Status sealed = staged->SealExclusive(/*populate=*/false);
     if (!sealed.ok()) {
+      // The seal refused (EPERM) because a writer sealed it meanwhile.
+      if (absl::IsPermissionDenied(sealed) && SealedByWriter(staged->fd())) {
+        return absl::FailedPreconditionError(kSealedByWriter);
+      }
+      // Sealed, but not mapped again: a hugetlb page punched out needs a
+      // page of the pool to map, and it may have none.
+      const int seals = ::fcntl(staged->fd(), F_GET_SEALS);
+      if (seals >= 0 && (seals & F_SEAL_WRITE) != 0) {
+        WD_RETURN_IF_ERROR(CheckNoPagesLost(*staged));
+        return Annotate(sealed, "mapping the sealed staging memfd");
+      }
       return Annotate(sealed, "sealing the staging memfd (each writer must unmap it before "
                               "declaring its last bytes)");
     }
+    // No one can punch pages out of it any more; every page was there when
+    // it was handed out.
+    WD_RETURN_IF_ERROR(CheckNoPagesLost(*staged));
+#ifdef MADV_POPULATE_READ
+    // Page tables filled in one call, not a fault per page while digesting
+    // (best effort).
+    if (staged->size() > 0) {
+      (void)::madvise(const_cast<uint8_t*>(staged->data()), staged->size(), MADV_POPULATE_READ);
+    }
+#endif
   } else {
     WD_RETURN_IF_ERROR(staged->Seal(/*populate=*/false));
   }
@@ -697,15 +976,26 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
   }
   // Digested on the worker threads' count of cores (the caller's thread
   // too), a tensor at a time: a digest reads every byte once more.
-  WD_RETURN_IF_ERROR(ParallelFor(nullptr, pieces.size(),
-                                 std::max(1, options_.worker_threads), [&](size_t i) {
-                                   pieces[i].digest =
-                                       DigestBytes(base + pieces[i].offset, pieces[i].length);
-                                   return absl::OkStatus();
-                                 }));
+  // Under a fault guard: the staging's pages are checked above, but
+  // nothing a writer did to it may take the daemon down.
+  WD_RETURN_IF_ERROR(ParallelFor(
+      nullptr, pieces.size(), std::max(1, options_.worker_threads), [&](size_t i) {
+        Digest digest;
+        const std::optional<MemoryFault> fault = RunFaultGuarded(
+            base, segment->size(),
+            [&] { digest = DigestBytes(base + pieces[i].offset, pieces[i].length); });
+        if (fault.has_value()) return session.StagingFault(fault->offset);
+        pieces[i].digest = digest;
+        return absl::OkStatus();
+      }));
   const absl::Time digested_at = absl::Now();
 
+  std::vector<ReadGuard> result_guards;  // of the generation the result describes
   auto finish = [&](PublishResult result) {
+    {
+      absl::MutexLock lock(&session.mu);
+      session.result_guards = result_guards;
+    }
     publish_count_.fetch_add(1);
     publish_bytes_.fetch_add(session.bytes_total);
     const absl::Duration took = absl::Now() - session.start;
@@ -734,6 +1024,11 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
           "model \"", session.model, "\" was unloaded during the publish; nothing published"));
     }
     const std::shared_ptr<const Generation> cur = model->current;
+    // The new generation keeps the stack of the one it builds on: its
+    // committer must be able to read that one (an adapter applied since
+    // the session began may be private).
+    result_guards = GuardsOf(*model, *cur);
+    if (caller.has_value()) WD_RETURN_IF_ERROR(access_.CheckRead(*caller, result_guards));
     if (session.expect_generation != 0 && cur->number != session.expect_generation) {
       return absl::AbortedError(absl::StrCat("model \"", session.model, "\" is at generation ",
                                              cur->number, ", not ", session.expect_generation,

@@ -50,6 +50,8 @@ class RangeCoverage {
   uint64_t size() const { return size_; }
   uint64_t covered() const { return covered_; }
   bool complete() const { return covered_ == size_; }
+  // Disjoint ranges recorded (what the coverage holds in memory).
+  size_t ranges() const { return ranges_.size(); }
   // The first range not yet written, [begin, end); nullopt when complete.
   std::optional<std::pair<uint64_t, uint64_t>> FirstGap() const;
 

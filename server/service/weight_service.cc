@@ -66,7 +66,8 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
           .keep_writable_mappings = pinner_.wants_writable_mappings()}),
       materializer_(Materializer::Options{&memory_, options_.worker_threads}),
       leases_(options_.lease_idle_ttl, memory_.disposer()),
-      access_(options_.access) {
+      access_(options_.access),
+      publish_slots_({options_.max_publish_sessions, options_.max_publish_sessions_per_caller}) {
   if (options_.state_dir != nullptr) {
     published_store_ = std::make_unique<PublishedStore>(options_.state_dir);
   }

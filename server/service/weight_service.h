@@ -39,6 +39,7 @@
 #include "server/service/fetch_table_cache.h"
 #include "server/service/latency_histogram.h"
 #include "server/service/publish_plan.h"
+#include "server/service/publish_slots.h"
 #include "server/state/published_store.h"
 #include "server/state/state_journal.h"
 #include "server/gpu/host_pinner.h"
@@ -100,6 +101,15 @@ struct WeightServiceOptions {
   // while the budget has room for it without evicting anything; the
   // memory manager takes it back first when short (like the warm reserve).
   bool publish_staging_ahead = true;
+  // Open publish sessions, in all and per caller (--max-publish-sessions,
+  // --max-publish-sessions-per-caller; 0 = no cap): RESOURCE_EXHAUSTED at
+  // begin past either.
+  size_t max_publish_sessions = 64;
+  size_t max_publish_sessions_per_caller = 8;
+  // --publish-idle-seconds: an open session with no write, stage or
+  // waiting commit for this long ends (DEADLINE_EXCEEDED) and frees its
+  // memory; zero = only its deadline ends it.
+  absl::Duration publish_idle_timeout = absl::Minutes(5);
 };
 
 struct ModelSummary {
@@ -431,8 +441,20 @@ class WeightService {
   // is merged again on the new base). Nothing is visible before that, and a
   // session aborted, failed or past its deadline leaves nothing and frees
   // its memory. expect_generation != 0 is checked at begin and at commit
-  // (ABORTED). Access control is the caller's (admins, like load).
+  // (ABORTED).
+  //
+  // Access: admin rights are the caller's to check (like load); writing
+  // requires reading, checked here for every call that names a `caller`
+  // (none = the daemon itself): the caller must be able to read the
+  // model's current generation (as Fetch words it: NOT_FOUND for a model
+  // not loaded, PERMISSION_DENIED naming the first guard that refuses),
+  // before anything else about the model or the publish is checked or
+  // said. The calls on a session check its token first, then the caller
+  // against the model's readers; the commit also against the generation it
+  // builds on. Open sessions are capped (PublishSlots) and charged: their
+  // staging segments and their metadata count against --host-memory-bytes.
   struct PublishBeginParams {
+    std::optional<Principal> caller;  // none: the daemon itself
     std::string model;
     std::vector<PublishTensorSpec> tensors;
     uint64_t expect_generation = 0;
@@ -480,7 +502,13 @@ class WeightService {
   // (StagePublish) and carry no data (`data` must be empty); they count as
   // arrived as if copied. FAILED_PRECONDITION when no writer took the
   // staging memfd.
-  absl::StatusOr<PublishProgress> WritePublish(uint64_t id, absl::string_view token,
+  //
+  // Nothing a writer of the staging memfd does can fail more than its own
+  // session: a copy into a staging page the writer punched out (on hugetlb
+  // with no free page left in the pool, a SIGBUS) ends the session
+  // FAILED_PRECONDITION naming the page's offset (common/fault_guard.h).
+  absl::StatusOr<PublishProgress> WritePublish(const std::optional<Principal>& caller,
+                                               uint64_t id, absl::string_view token,
                                                absl::Span<const PublishRun> runs,
                                                absl::string_view data, bool in_place = false)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
@@ -488,18 +516,23 @@ class WeightService {
   // (sealed against growing and shrinking), for a publisher on this node to
   // map, write in place and unmap (common/data_protocol.h, StageRequest).
   // From then on the commit seals the memfd with F_SEAL_WRITE: a publisher
-  // that still maps it makes the session fail (FAILED_PRECONDITION).
-  // `token` as BeginPublish gave it (hex). Access control is the caller's.
-  absl::StatusOr<UniqueFd> StagePublish(uint64_t id, absl::string_view token)
+  // that still maps it makes the session fail (FAILED_PRECONDITION); so
+  // does one that sealed it itself (F_SEAL_SEAL), or punched pages out of
+  // it (the commit finds fewer pages allocated than it handed out).
+  // `token` as BeginPublish gave it (hex).
+  absl::StatusOr<UniqueFd> StagePublish(const std::optional<Principal>& caller, uint64_t id,
+                                        absl::string_view token)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
   // The session's result: waits up to `wait` for its last byte and commit;
   // then FAILED_PRECONDITION naming the first tensor and bytes still
   // missing (the session stays open until its deadline), or the error that
   // ended it.
-  absl::StatusOr<PublishResult> CommitPublish(uint64_t id, absl::string_view token,
+  absl::StatusOr<PublishResult> CommitPublish(const std::optional<Principal>& caller,
+                                              uint64_t id, absl::string_view token,
                                               absl::Duration wait)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
-  absl::Status AbortPublish(uint64_t id, absl::string_view token)
+  absl::Status AbortPublish(const std::optional<Principal>& caller, uint64_t id,
+                            absl::string_view token)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
 
   ServiceStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -651,12 +684,15 @@ class WeightService {
   // What clients are told of generation `gen` of `model`.
   static GenerationInfo InfoOf(const Model& model, const Generation& gen);
   struct PublishSession;
-  absl::StatusOr<std::shared_ptr<PublishSession>> FindPublish(uint64_t id,
-                                                              absl::string_view token)
+  // The session, for a caller with its token who may read its model.
+  absl::StatusOr<std::shared_ptr<PublishSession>> FindPublish(
+      const std::optional<Principal>& caller, uint64_t id, absl::string_view token)
       ABSL_LOCKS_EXCLUDED(publish_mu_);
   // Digests the staged tensors and makes the generation (the write that
   // completed the session calls it).
-  absl::StatusOr<PublishResult> CommitStaged(PublishSession& session)
+  // `caller` made the call that committed it.
+  absl::StatusOr<PublishResult> CommitStaged(PublishSession& session,
+                                             const std::optional<Principal>& caller)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
   // Where bytes can be shared instead of stored (CommitStaged,
   // RestorePublish, model loads). For each wanted run of bytes: a tensor
@@ -690,14 +726,16 @@ class WeightService {
                                   const absl::flat_hash_set<uint64_t>& held);
   // Runs CommitStaged for the session (kCommitting, every byte landed)
   // and records its end: kDone with the result, or failed.
-  absl::StatusOr<PublishResult> CommitAndRecord(PublishSession& session)
+  absl::StatusOr<PublishResult> CommitAndRecord(PublishSession& session,
+                                                const std::optional<Principal>& caller)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
   // The sessions, open or ended, as a list the caller may lock one by one.
   std::vector<std::shared_ptr<PublishSession>> PublishSessions() const
       ABSL_LOCKS_EXCLUDED(publish_mu_);
   // Sessions not yet committed or ended.
   uint64_t OpenPublishSessions() const ABSL_LOCKS_EXCLUDED(publish_mu_);
-  // Fails the sessions past their deadline (the reaper calls it).
+  // Fails the sessions past their deadline or idle past
+  // options_.publish_idle_timeout (the reaper calls it).
   void ExpirePublishes() ABSL_LOCKS_EXCLUDED(publish_mu_);
   absl::StatusOr<float> Fp8Scale(const Served& served, const Generation& gen);
   void ReapLoop();
@@ -740,6 +778,8 @@ class WeightService {
   absl::flat_hash_map<uint64_t, std::shared_ptr<PublishSession>> publishes_
       ABSL_GUARDED_BY(publish_mu_);
   uint64_t next_publish_id_ ABSL_GUARDED_BY(publish_mu_) = 1;
+  // Open sessions per caller and in all (a leaf lock of its own).
+  PublishSlots publish_slots_;
   std::atomic<uint64_t> next_model_instance_{1};
   // Fails the open publish sessions of `model` instance `instance` (unload).
   void EndPublishesOf(uint64_t instance, const std::string& why) ABSL_LOCKS_EXCLUDED(publish_mu_);

@@ -24,6 +24,7 @@ must refuse and once where it must allow.
 Tests run as root; other users are played with setpriv.
 """
 import json
+import math
 import os
 import random
 import shutil
@@ -40,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import BUILD, WEIGHTD, Daemon, user_prefix  # noqa: E402
 import st_io  # noqa: E402
+import weightd  # noqa: E402
 
 PYTHON = "/usr/bin/python3"
 NOBODY = 65534
@@ -435,6 +437,137 @@ def test_non_reader_learns_nothing_about_a_private_models_generations(files):
         d.stop()
 
 
+# Publishes as whoever runs it (argv: socket, model, JSON [[name, dtype, shape,
+# hex bytes]], expect_generation) over gRPC; prints {"generation", "changed"}
+# or {"error", "message"}.
+_PUBLISH = r"""
+import json, sys, grpc
+from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+models = pbg.ModelsStub(grpc.insecure_channel("unix:" + sys.argv[1]))
+tensors = json.loads(sys.argv[3])
+try:
+    s = models.BeginPublish(pb.BeginPublishRequest(
+        model=sys.argv[2], expect_generation=int(sys.argv[4]),
+        tensors=[pb.PublishTensor(name=n, dtype=d, shape=shape) for n, d, shape, _ in tensors]),
+        timeout=30)
+    chunks = [pb.PublishChunk(runs=[pb.PublishRun(tensor=i, offset=0, length=len(h) // 2)],
+                              data=bytes.fromhex(h)) for i, (*_, h) in enumerate(tensors)]
+    chunks[0].session, chunks[0].token = s.session, s.token
+    r = models.PublishWrite(iter(chunks), timeout=30)
+    print(json.dumps({"generation": r.result.generation, "changed": r.result.changed}))
+except grpc.RpcError as e:
+    print(json.dumps({"error": e.code().name, "message": e.details()}))
+"""
+
+# Every call on a publish session, given its id and token (argv: socket, data
+# socket, session, token, hex bytes to write at offset 0 of its first tensor);
+# prints {call: [code, message]}.
+_SESSION_CALLS = r"""
+import json, os, sys, grpc
+from weightd import _datasock
+from weightd.errors import Error
+from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+sock, data_sock, session, token, data = sys.argv[1:6]
+session, data = int(session), bytes.fromhex(data)
+models = pbg.ModelsStub(grpc.insecure_channel("unix:" + sock))
+out = {}
+def call(name, fn):
+    try:
+        fn()
+        out[name] = ["OK", ""]
+    except grpc.RpcError as e:
+        out[name] = [e.code().name, e.details()]
+    except Error as e:
+        out[name] = [e.code, e.message]
+call("stage", lambda: os.close(_datasock.stage(data_sock, session, bytes.fromhex(token), timeout=10)))
+call("write", lambda: models.PublishWrite(iter([pb.PublishChunk(
+    session=session, token=token, runs=[pb.PublishRun(tensor=0, offset=0, length=len(data))],
+    data=data)]), timeout=30))
+call("commit", lambda: models.CommitPublish(
+    pb.CommitPublishRequest(session=session, token=token), timeout=30))
+call("abort", lambda: models.AbortPublish(
+    pb.AbortPublishRequest(session=session, token=token), timeout=30))
+print(json.dumps(out))
+"""
+
+F32 = 2   # weightd.v1.DType
+
+
+def publish_as(d, user, model, tensors, expect=0):
+    """Publishes [(name, shape, tensor)] as `user`; the _PUBLISH reply."""
+    spec = [[n, F32, list(shape), t.contiguous().numpy().tobytes().hex()] for n, shape, t in tensors]
+    r = run_py(user, _PUBLISH, d.socket, model, json.dumps(spec), expect)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)
+
+
+def test_publishing_requires_reading_the_model(files):
+    """Issue 38 M1: an admin who may not read a private model used to learn
+    its tensor names (NOT_FOUND), dtypes and shapes (INVALID_ARGUMENT),
+    whether guessed bytes were its bytes (changed=0), and could make a new
+    generation of it. Every publish call now needs reading too: a non-reader
+    gets the one PERMISSION_DENIED Fetch gives it, whatever it asked, and a
+    session's token does not help it; an unknown model is NOT_FOUND, as for
+    Fetch; a reader is told what there is and publishes."""
+    d = open_daemon(files)
+    try:
+        d.ctl_ok("load", "priv", model_path(files, "base.safetensors"),
+                 "--readers", "uid:%d" % NOBODY)
+        head = BASE["head.weight"]
+        probes = {
+            "unknown name": [("no.such.weight", (6, 4), head)],
+            "wrong shape": [("head.weight", (4, 6), head.reshape(4, 6))],
+            "its own bytes": [("head.weight", (6, 4), head)],
+            "other bytes": [("head.weight", (6, 4), torch.zeros(6, 4))],
+        }
+        r, _ = fetch_as(d, OTHER, "priv", "f.safetensors", files)
+        assert_refused(r, "PERMISSION_DENIED")
+        refusal = r.error_message
+        assert refusal == 'uid %d (gid %d) is not a reader of model "priv"' % (OTHER, OTHER), refusal
+        for what, tensors in probes.items():
+            for expect in (0, 1, 7):
+                got = publish_as(d, OTHER, "priv", tensors, expect)
+                assert got == {"error": "PERMISSION_DENIED", "message": refusal}, (what, got)
+        with weightd.Client(socket=d.socket) as c:
+            assert c.info("priv").generation == 1
+        # A model that is not loaded: NOT_FOUND, as Fetch says.
+        got = publish_as(d, OTHER, "nomodel", probes["its own bytes"])
+        assert got["error"] == "NOT_FOUND" and "not loaded" in got["message"], got
+        r, _ = fetch_as(d, OTHER, "nomodel", "n.safetensors", files)
+        assert_refused(r, "NOT_FOUND", "not loaded")
+        # Its reader is told what there is, and publishes.
+        got = publish_as(d, NOBODY, "priv", probes["unknown name"])
+        assert got["error"] == "NOT_FOUND" and '"no.such.weight"' in got["message"], got
+        got = publish_as(d, NOBODY, "priv", probes["wrong shape"])
+        assert got["error"] == "INVALID_ARGUMENT" and "is F32 [6, 4]" in got["message"], got
+        assert publish_as(d, NOBODY, "priv", probes["its own bytes"]) == \
+            {"generation": 1, "changed": 0}
+        assert publish_as(d, NOBODY, "priv", probes["other bytes"]) == \
+            {"generation": 2, "changed": 1}
+        # A session's token is not enough: the reader's session, every call
+        # by a non-reader holding its id and token is refused, on gRPC and
+        # on the data socket, and the session stays the reader's.
+        r = run_py(NOBODY, _BEGIN_PUBLISH, d.socket, "priv")
+        assert r.returncode == 0, r.stdout + r.stderr
+        session, token, _ = r.stdout.split()
+        emb = torch.full((10, 4), 0.25).numpy().tobytes().hex()
+        r = run_py(OTHER, _SESSION_CALLS, d.socket, d.data_socket, session, token, emb)
+        assert r.returncode == 0, r.stdout + r.stderr
+        for call, (code, message) in json.loads(r.stdout).items():
+            assert (code, message) == ("PERMISSION_DENIED", refusal), (call, code, message)
+        r = run_py(NOBODY, _SESSION_CALLS, d.socket, d.data_socket, session, token, emb)
+        assert r.returncode == 0, r.stdout + r.stderr
+        calls = json.loads(r.stdout)
+        assert calls["stage"][0] == "OK" and calls["write"][0] == "OK", calls
+        assert calls["commit"][0] == "OK", calls
+        assert calls["abort"][0] == "FAILED_PRECONDITION", calls   # complete
+        _, tensors = fetch_as(d, NOBODY, "priv", "p.safetensors", files)
+        assert torch.equal(tensors["emb.weight"], torch.full((10, 4), 0.25))
+        assert torch.equal(tensors["head.weight"], torch.zeros(6, 4))
+    finally:
+        d.stop()
+
+
 def test_bad_reader_specs_are_invalid_argument(files):
     d = open_daemon(files)
     try:
@@ -502,10 +635,27 @@ from weightd import _datasock
 from weightd.errors import Error
 from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
 markers = np.array([int(m) for m in sys.argv[2].split(",")], dtype=np.uint16)
-stub = pbg.ShardsStub(grpc.insecure_channel("unix:" + sys.argv[1]))
+channel = grpc.insecure_channel("unix:" + sys.argv[1])
+stub = pbg.ShardsStub(channel)
+models = pbg.ModelsStub(channel)
 held = []   # leases kept open ("hold"), until a {"release": true} line
 for line in sys.stdin:
     q = json.loads(line)
+    if "publish" in q:   # [[name, dtype, shape, hex bytes]] over gRPC
+        try:
+            s = models.BeginPublish(pb.BeginPublishRequest(model=q["publish"], tensors=[
+                pb.PublishTensor(name=n, dtype=d, shape=sh) for n, d, sh, _ in q["tensors"]]),
+                timeout=30)
+            chunks = [pb.PublishChunk(runs=[pb.PublishRun(tensor=i, offset=0, length=len(h) // 2)],
+                                      data=bytes.fromhex(h))
+                      for i, (*_, h) in enumerate(q["tensors"])]
+            chunks[0].session, chunks[0].token = s.session, s.token
+            r = models.PublishWrite(iter(chunks), timeout=30)
+            print(json.dumps({"generation": r.result.generation, "changed": r.result.changed}),
+                  flush=True)
+        except grpc.RpcError as e:
+            print(json.dumps({"error": e.code().name, "message": e.details()}), flush=True)
+        continue
     if q.get("release"):
         for lease_id, token, conn in held:
             stub.Release(pb.ReleaseRequest(lease_id=lease_id, token=token), timeout=30)
@@ -605,6 +755,8 @@ class _Tenants:
         }
         for name, tensors in self.ckpts.items():
             st_io.save(tensors, os.path.join(models, name + ".safetensors"))
+        # What each model's base holds now (publishes change it).
+        self.current = {name: dict(tensors) for name, tensors in self.ckpts.items()}
         for name in ("TA", "TB"):   # dense diffs: merged, the tensor is the secret
             st_io.save({"shared.a.diff": SECRET[name] - shared["shared.a.weight"]},
                        os.path.join(models, name + ".safetensors"))
@@ -679,18 +831,58 @@ def test_a_removed_private_adapter_leaves_no_bytes_in_public_fetches(files, tran
         t.close()
 
 
+def _publish_step(t, rng, q_stack, root):
+    """One publish by a random uid to a random model: a served or made-up
+    name, its shape or another, public values or the model's current bytes
+    (an equality guess). Who may not read the model (its readers, the
+    adapter applied to Q) gets the very refusal a made-up request gets, and
+    nothing changes; a reader publishes or is told what is wrong."""
+    uid = rng.choice([A, B, NOBODY])
+    model = rng.choice(["P", "R", "Q"])
+    names = sorted(t.ckpts[model])
+    name = rng.choice(names + ["made.up.weight"])
+    shape = list(t.current[model][name].shape) if name in t.current[model] else [2, 3]
+    if rng.random() < 0.2:
+        shape = shape[::-1] + [1]
+    if name in t.current[model] and rng.random() < 0.5:
+        values = t.current[model][name]   # its bytes now
+    else:
+        values = torch.randint(-8, 9, tuple(shape)).float() / 8
+    values = values.reshape(shape) if values.numel() == math.prod(shape) else torch.zeros(shape)
+    spec = [[name, 2, shape, values.contiguous().numpy().tobytes().hex()]]
+    generation = root.info(model).generation
+    r = t.tenants[uid].fetch(publish=model, tensors=spec)
+    needs = {model} - {"Q"} | ({q_stack} if model == "Q" and q_stack else set())
+    if not needs <= READABLE[uid]:
+        probe = t.tenants[uid].fetch(publish=model, tensors=[["no.such", 2, [1], "00000000"]])
+        assert r.get("error") == "PERMISSION_DENIED" and r == probe, (uid, model, spec[0][:3], r)
+        assert name not in r["message"] and "F32" not in r["message"], r
+        assert root.info(model).generation == generation
+        return
+    if name not in t.current[model] or shape != list(t.current[model][name].shape):
+        assert r.get("error") in ("NOT_FOUND", "INVALID_ARGUMENT"), (uid, model, name, r)
+        return
+    assert "error" not in r, (uid, model, name, r)
+    same = torch.equal(values, t.current[model][name])
+    assert r["changed"] == (0 if same else 1), (r, same)
+    t.current[model][name] = values
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_no_client_ever_maps_or_reads_a_byte_it_may_not_read(files, seed):
     """F1 as a property: models sharing tensors, tenant-private models and
     adapters applied and removed, three uids, both transports, keep and bf16,
     row and column shards; after every fetch, every byte of every segment the
-    client maps (shm) or Reads (grpc) belongs to something it may read."""
+    client maps (shm) or Reads (grpc) belongs to something it may read.
+    Issue 38 M1: publishes by every uid mixed in; one to a model the uid may
+    not read gets no name, shape or equality answer, and changes nothing."""
     rng = random.Random(seed)
     t = _Tenants(files, seed)
+    root = weightd.Client(socket=t.d.socket)
     try:
         q_stack = None   # the adapter applied to Q, if any
-        fetched = 0
-        for step in range(90):
+        fetched = published = 0
+        for step in range(110):
             if rng.random() < 0.05:   # leases held so far end
                 for u in (A, B, NOBODY):
                     t.tenants[u].fetch(release=True)
@@ -698,6 +890,10 @@ def test_no_client_ever_maps_or_reads_a_byte_it_may_not_read(files, seed):
             if rng.random() < 0.15:
                 q_stack = rng.choice([None, "TA", "TB"])
                 t.d.ctl_ok("apply", "Q", *([q_stack + ":1"] if q_stack else []))
+                continue
+            if rng.random() < 0.15:
+                _publish_step(t, rng, q_stack, root)
+                published += 1
                 continue
             uid = rng.choice([A, B, NOBODY])
             model = rng.choice(["P", "R", "Q", "Q"])
@@ -717,8 +913,9 @@ def test_no_client_ever_maps_or_reads_a_byte_it_may_not_read(files, seed):
             leaked = seen - READABLE[uid]
             assert not leaked, ("step %d: uid %d fetched %s and could read bytes of %s"
                                 % (step, uid, q, sorted(leaked)))
-        assert fetched >= 30, fetched
+        assert fetched >= 30 and published >= 5, (fetched, published)
     finally:
+        root.close()
         t.close()
 
 

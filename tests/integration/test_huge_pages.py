@@ -462,3 +462,85 @@ def test_release_and_unload_return_pool_fds_and_memory(multi):
         while time.time() < deadline and _fds(d) != fds0:
             time.sleep(0.05)
         assert _fds(d) == fds0
+
+
+# ------------------------------------------------------------------ publish staging (issue 38 H1)
+
+
+def _punch(fd, offset, length):
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, 3, offset, length) != 0:   # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+        raise OSError(ctypes.get_errno(), "fallocate(PUNCH_HOLE)")
+
+
+def test_publisher_punching_hugetlb_staging_and_draining_the_pool_kills_nothing(tmp_path):
+    """Issue 38 H1: a publisher takes its session's hugetlb staging memfd,
+    punches a 2 MiB page out of it and takes every free page of the pool.
+    The daemon's streamed copy into that page, and the commit's digest of a
+    page punched after it was written in place, used to die on SIGBUS. Now
+    that session fails FAILED_PRECONDITION naming the page, its pages go
+    back to the pool, and the daemon serves and publishes on."""
+    from weightd import _datasock
+    g = torch.Generator().manual_seed(38)
+    base = {"big": torch.randn(1024, 1024, generator=g), "small": torch.randn(8, 8, generator=g)}
+    path = str(tmp_path / "p.safetensors")
+    st_io.save(base, path)
+    with Daemon(model_root=str(tmp_path), extra_args=["--huge-pages", "auto",
+                                                      "--publish-staging-ahead", "off"]) as d, \
+            weightd.Client(socket=d.socket) as c:
+        c.load("p", path)
+        free0 = _pool()[0]
+        resident = c.stats()["bytes_resident"]
+        new = {"big": torch.randn(1024, 1024, generator=g), "small": torch.randn(8, 8, generator=g)}
+        raw = {n: t.reshape(-1).view(torch.uint8).numpy() for n, t in new.items()}
+
+        # Streamed copies into a punched page with the pool drained.
+        s = c.begin_publish("p", new)
+        assert s.staging_bytes % HUGE == 0 and _pool()[0] == free0 - s.staging_bytes // HUGE
+        fd = _datasock.stage(d.data_socket, s.session, bytes.fromhex(s.token))
+        _punch(fd, 0, HUGE)
+        with PoolHold(leave=0):
+            with pytest.raises(weightd.Error) as e:
+                c._write_publish(s, [(0, [(0, raw["big"].size)], raw["big"])])
+            assert d.alive(), d.log()[-2000:]
+        os.close(fd)
+        assert e.value.code == "FAILED_PRECONDITION", e.value
+        assert "staging page at offset 0 could not be faulted in" in e.value.message, e.value
+        assert "huge-page pool is exhausted" in e.value.message
+
+        # Written in place, a page punched after, the pool drained, declared:
+        # the commit finds the page gone before it reads it.
+        s = c.begin_publish("p", new)
+        fd = _datasock.stage(d.data_socket, s.session, bytes.fromhex(s.token))
+        mm = mmap.mmap(fd, s.staging_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        for i, n in enumerate(new):
+            mm[s.offsets[i]:s.offsets[i] + raw[n].size] = raw[n].tobytes()
+        mm.close()
+        _punch(fd, HUGE, HUGE)
+        os.close(fd)
+        from weightd.v1 import weightd_pb2 as pb
+        declare = pb.PublishChunk(session=s.session, token=s.token, in_place=True, runs=[
+            pb.PublishRun(tensor=i, offset=0, length=raw[n].size) for i, n in enumerate(new)])
+        with PoolHold(leave=0):
+            with pytest.raises(weightd.Error) as e:
+                try:
+                    c._models.PublishWrite(iter([declare]))
+                except Exception as err:  # grpc.RpcError
+                    raise weightd.errors.from_grpc(err) from None
+            assert d.alive(), d.log()[-2000:]
+        assert e.value.code == "FAILED_PRECONDITION", e.value
+        assert "a writer punched %d bytes of pages out of its staging memfd" % HUGE in e.value.message
+
+        # Neither published anything; their pages are back in the pool.
+        assert c.info("p").generation == 1
+        assert c.stats()["publish_sessions"] == 0
+        assert c.stats()["bytes_resident"] == resident
+        assert _wait_pool(free0) == free0
+        # The next publish and fetch work, on hugetlb staging again.
+        r = c.publish("p", new, transport="shm")
+        assert r.generation == 2 and r.changed == 2, r
+        with c.fetch("p") as h:
+            got = h.state_dict()
+            assert all(torch.equal(got[n], new[n]) for n in new)

@@ -638,7 +638,8 @@ def test_in_place_staging(env):
         # after the last publish is freed too: this one is another size.)
         st = _wait_stat(c, "publish_staging_ahead_bytes", lambda v: v > 0)
         resident = st["bytes_resident"] - st["publish_staging_ahead_bytes"]
-        s = c.begin_publish("m", {"w.f32": base["w.f32"]}, timeout=1)
+        # (Long enough for the child to start on a loaded machine.)
+        s = c.begin_publish("m", {"w.f32": base["w.f32"]}, timeout=6)
         child = subprocess.run(
             [sys.executable, "-c", """
 import mmap, os, signal, sys
@@ -650,7 +651,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """, d.data_socket, str(s.session), s.token, str(s.staging_bytes)],
             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)), timeout=60)
         assert child.returncode == -signal.SIGKILL
-        time.sleep(2.5)
+        time.sleep(max(0.0, s.deadline_unix_ms / 1000 - time.time()) + 1.5)
         refused("DEADLINE_EXCEEDED", 'missing tensor "w.f32" bytes [0, 320)',
                 c.commit_publish, s)
         assert c.info("m").generation == 2
@@ -1008,3 +1009,247 @@ def test_large_tensors_are_staged_in_runs_on_several_threads(tmp_path):
         env = dict(os.environ, WEIGHTD_STAGING_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
         subprocess.run([sys.executable, "-c", code, d.socket, out], env=env, check=True)
         _check(c, "m", dict(base, big=torch.load(out)["big"]))
+
+
+# ------------------------------------------------------------ hostile writers (issue 38)
+
+
+def _punch(fd, offset, length):
+    """fallocate(PUNCH_HOLE | KEEP_SIZE): what a writer holding the staging
+    memfd can do to its pages (it is sealed only against resizing)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, 3, offset, length) != 0:   # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+        raise OSError(ctypes.get_errno(), "fallocate(PUNCH_HOLE)")
+
+
+def _raw(t):
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _stream(c, s, tensors, which=None):
+    """Streams the tensors' bytes (those at the indices `which`, default all)
+    over PublishWrite, not through the staging memfd."""
+    pieces = [(i, [(0, t.numel() * t.element_size())], _raw(t))
+              for i, t in enumerate(tensors.values()) if which is None or i in which]
+    return c._write_publish(s, pieces)
+
+
+def test_a_writer_punching_its_staging_fails_only_its_own_session(env):
+    """Issue 38 H1 on 4 KiB pages: a writer that took the staging memfd
+    punches pages out of it. Punched before the daemon's streamed copies, the
+    copies fault fresh pages in and the publish holds the streamed bytes;
+    punched after bytes landed (streamed or written in place), the commit
+    finds the pages gone and fails that session FAILED_PRECONDITION naming
+    the first one (it used to publish zeros there); a writer that seals the
+    memfd itself (F_SEAL_SEAL) ends its session FAILED_PRECONDITION (it was
+    PERMISSION_DENIED). Each time the daemon serves on, frees the session's
+    memory, and the next publish and fetch work."""
+    import fcntl
+    import mmap
+    from weightd import _datasock
+    models, path, base = env
+    with Daemon(model_root=models, extra_args=["--huge-pages", "off"]) as d, \
+            weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        want = dict(base)
+
+        def fresh():
+            return {"w.f32": _rand((10, 8), torch.float32), "same": _rand((64, 64), torch.bfloat16)}
+
+        def baseline():
+            st = _wait_stat(c, "publish_staging_ahead_bytes", lambda v: True)
+            return st["bytes_resident"] - st["publish_staging_ahead_bytes"]
+
+        # Punched whole before the streamed writes: the copies land anyway.
+        new = fresh()
+        s = c.begin_publish("m", new)
+        fd = _datasock.stage(d.data_socket, s.session, bytes.fromhex(s.token))
+        _punch(fd, 0, s.staging_bytes)
+        r = _stream(c, s, new)
+        os.close(fd)
+        assert r.result.generation == 2 and r.result.changed == 2, r
+        want.update(new)
+        _check(c, "m", want)
+
+        # Punched after the streamed bytes landed: refused at the commit.
+        resident = baseline()
+        new = fresh()
+        s = c.begin_publish("m", new)
+        fd = _datasock.stage(d.data_socket, s.session, bytes.fromhex(s.token))
+        _stream(c, s, new, which={1})
+        _punch(fd, s.offsets[1] // 4096 * 4096 + 4096, 4096)
+        os.close(fd)
+        with pytest.raises(weightd.Error) as e:
+            _stream(c, s, new, which={0})
+        assert e.value.code == "FAILED_PRECONDITION", e.value
+        assert "a writer punched 4096 bytes of pages out of its staging memfd" in e.value.message
+        assert "the first at offset %d" % (s.offsets[1] // 4096 * 4096 + 4096) in e.value.message
+        refused("FAILED_PRECONDITION", "punched", c.commit_publish, s)
+
+        # Written in place, punched, unmapped, declared: refused the same way.
+        new = fresh()
+        s = c.begin_publish("m", new)
+        fd, mm = _staging_map(d, s)
+        for i, t in enumerate(new.values()):
+            mm[s.offsets[i]:s.offsets[i] + t.numel() * t.element_size()] = _raw(t).tobytes()
+        mm.close()
+        _punch(fd, 0, 4096)
+        os.close(fd)
+        refused("FAILED_PRECONDITION", "the first at offset 0", _declare, c, s,
+                [(0, 0, 320), (1, 0, 8192)])
+
+        # A writer that seals the memfd itself: the commit cannot seal it.
+        new = fresh()
+        s = c.begin_publish("m", new)
+        fd, mm = _staging_map(d, s)
+        for i, t in enumerate(new.values()):
+            mm[s.offsets[i]:s.offsets[i] + t.numel() * t.element_size()] = _raw(t).tobytes()
+        mm.close()
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
+        os.close(fd)
+        refused("FAILED_PRECONDITION", "its staging memfd was sealed by a writer (F_SEAL_SEAL)",
+                _declare, c, s, [(0, 0, 320), (1, 0, 8192)])
+        # ... and one asking for the memfd again after sealing it.
+        s = c.begin_publish("m", new)
+        fd = _datasock.stage(d.data_socket, s.session, bytes.fromhex(s.token))
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
+        os.close(fd)
+        refused("FAILED_PRECONDITION", "sealed by a writer (F_SEAL_SEAL)", _datasock.stage,
+                d.data_socket, s.session, bytes.fromhex(s.token))
+        refused("FAILED_PRECONDITION", "sealed by a writer", c.commit_publish, s)
+
+        # Nothing of any of them is visible; their memory is back; the
+        # daemon publishes and serves on.
+        assert d.alive()
+        assert c.info("m").generation == 2
+        assert c.stats()["publish_sessions"] == 0
+        assert baseline() == resident
+        _check(c, "m", want)
+        new = fresh()
+        assert c.publish("m", new, transport="shm").generation == 3
+        want.update(new)
+        _check(c, "m", want)
+
+
+# Opens up to N publish sessions for w.f32 of model M as whoever runs it
+# (argv: socket, model, N); prints {"opened": [[session, token]...], "error": [code, msg]}.
+_OPEN_SESSIONS = r"""
+import json, sys, grpc
+from weightd.v1 import weightd_pb2 as pb, weightd_pb2_grpc as pbg
+models = pbg.ModelsStub(grpc.insecure_channel("unix:" + sys.argv[1]))
+opened, error = [], None
+for _ in range(int(sys.argv[3])):
+    try:
+        s = models.BeginPublish(pb.BeginPublishRequest(model=sys.argv[2], tensors=[
+            pb.PublishTensor(name="w.f32", dtype=pb.F32, shape=[10, 8])]), timeout=30)
+    except grpc.RpcError as e:
+        error = [e.code().name, e.details()]
+        break
+    opened.append([s.session, s.token])
+print(json.dumps({"opened": opened, "error": error}))
+"""
+
+
+def _as_user(user, code, *args):
+    import json
+    from harness import BUILD, user_prefix
+    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "python"))
+    r = subprocess.run(user_prefix(user) + ["/usr/bin/python3", "-c", code] + [str(a) for a in args],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)
+
+
+def test_publish_sessions_are_capped_per_caller_and_in_all(env):
+    """Issue 38 M2: sessions that are never finished used to be unlimited
+    (under --nofile=256, 239 of them took every fd and root's loads and
+    fetches failed). Each caller holds at most --max-publish-sessions-per-
+    caller, everyone together --max-publish-sessions (RESOURCE_EXHAUSTED
+    naming the cap and its flag); their staging is charged to the budget;
+    one that ends frees its slot; root loads and fetches while an
+    unprivileged caller is at its cap."""
+    if os.geteuid() != 0:
+        pytest.skip("plays other users with setpriv; needs root")
+    models, path, base = env
+    os.chmod(models, 0o755)
+    nobody, other = 65534, 1234
+    d = Daemon(model_root=models, prefix=["prlimit", "--nofile=256", "--"],
+               extra_args=["--socket-mode", "0666", "--max-publish-sessions", "6",
+                           "--max-publish-sessions-per-caller", "3"])
+    os.chmod(d.workdir, 0o755)
+    d.start()
+    try:
+        with weightd.Client(socket=d.socket) as c:
+            c.load("m", path)
+            before = c.stats()["bytes_resident"]
+            # An unprivileged caller asking for 300: it gets 3.
+            got = _as_user(nobody, _OPEN_SESSIONS, d.socket, "m", 300)
+            assert len(got["opened"]) == 3, got
+            code, msg = got["error"]
+            assert code == "RESOURCE_EXHAUSTED", got
+            assert "uid 65534" in msg and "holds 3 open publish sessions" in msg, msg
+            assert "--max-publish-sessions-per-caller" in msg, msg
+            # Root loads and fetches meanwhile; so does every other caller.
+            c.load("m2", path)
+            _check(c, "m", base)
+            _check(c, "m2", base)
+            # Their staging is charged: 320 bytes each.
+            assert c.stats()["bytes_resident"] >= before + 3 * 320
+            assert c.stats()["publish_sessions"] == 3
+            # Another caller takes the last 3 of the 6 in all; then even root is refused.
+            assert len(_as_user(other, _OPEN_SESSIONS, d.socket, "m", 3)["opened"]) == 3
+            e = None
+            try:
+                c.begin_publish("m", {"w.f32": base["w.f32"]})
+            except weightd.Error as err:
+                e = err
+            assert e is not None and e.code == "RESOURCE_EXHAUSTED", e
+            assert "holds 6 open publish sessions" in e.message, e.message
+            assert "--max-publish-sessions)" in e.message, e.message
+            # One ended frees a slot.
+            from weightd.v1 import weightd_pb2 as pb
+            sid, token = got["opened"][0]
+            c._models.AbortPublish(pb.AbortPublishRequest(session=sid, token=token))
+            r = c.publish("m", {"w.f32": base["w.f32"] * 2})
+            assert r.generation == 2
+            _check(c, "m", dict(base, **{"w.f32": base["w.f32"] * 2}))
+            assert d.alive()
+    finally:
+        d.stop()
+
+
+def test_an_idle_publish_session_ends_early(env):
+    """Issue 38 M2: --publish-idle-seconds ends an open session nobody wrote
+    to, staged or waited on for that long (DEADLINE_EXCEEDED saying so) and
+    frees its memory and slot, well before its deadline; writes keep a
+    session alive."""
+    models, path, base = env
+    with Daemon(model_root=models, extra_args=["--publish-idle-seconds", "2",
+                                               "--max-publish-sessions-per-caller", "1"]) as d, \
+            weightd.Client(socket=d.socket) as c:
+        c.load("m", path)
+        resident = c.stats()["bytes_resident"]
+        new = {"w.f32": _rand((10, 8), torch.float32), "same": _rand((64, 64), torch.bfloat16)}
+        s = c.begin_publish("m", new, timeout=600)
+        _stream(c, s, new, which={0})
+        deadline = time.time() + 30
+        while time.time() < deadline and c.stats()["publish_sessions"] != 0:
+            time.sleep(0.2)
+        assert c.stats()["publish_sessions"] == 0
+        refused("DEADLINE_EXCEEDED", "idle for over 2s", c.commit_publish, s)
+        refused("DEADLINE_EXCEEDED", 'missing tensor "same" bytes [0, 8192)', c.commit_publish, s)
+        assert c.stats()["bytes_resident"] == resident
+        # Its slot is free again (one per caller here); a session written to
+        # every second outlives the idle timeout.
+        s = c.begin_publish("m", new, timeout=600)
+        half = 4096
+        raw = _raw(new["same"])
+        for k in range(4):
+            time.sleep(1)
+            c._write_publish(s, [(1, [(k * 1024, 1024)], raw[k * 1024:(k + 1) * 1024])])
+        c._write_publish(s, [(1, [(half, 8192 - half)], raw[half:])])
+        r = _stream(c, s, new, which={0})
+        assert r.result.generation == 2
+        _check(c, "m", dict(base, **new))

@@ -242,6 +242,7 @@ class MetricsServer::Impl {
  private:
   struct Connection {
     UniqueFd fd;
+    absl::Time accepted;
     absl::Time deadline;
     std::string in;
     std::string out;  // the response, once the request is complete
@@ -338,7 +339,11 @@ class MetricsServer::Impl {
       pfds.clear();
       ids.clear();
       pfds.push_back({wake_.get(), POLLIN, 0});
-      pfds.push_back({listen_.get(), POLLIN, 0});
+      // Out of fds, the listener sits out a moment instead of waking the
+      // poll at once for a connection it cannot take.
+      const bool accepting = now >= accept_resume_;
+      pfds.push_back({listen_.get(), static_cast<short>(accepting ? POLLIN : 0), 0});
+      if (!accepting) next = accept_resume_;
       for (auto& [id, c] : conns) {
         pfds.push_back({c.fd.get(), static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
         ids.push_back(id);
@@ -373,8 +378,30 @@ class MetricsServer::Impl {
       int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd < 0) {
         if (errno == EINTR || errno == ECONNABORTED) continue;
-        return;  // EAGAIN; or out of fds: the next poll tries again
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          // Out of fds or memory (accept4 says EMFILE with or without a
+          // connection waiting): an idle connection that sent nothing for
+          // a back-off gives its fd to the next one (a young one may have
+          // a request unread); with none, try again later, not on the next
+          // poll (a waiting connection keeps the socket readable).
+          const absl::Time idle_since = absl::Now() - kAcceptBackoff;
+          auto oldest = std::find_if(conns.begin(), conns.end(), [&](const auto& e) {
+            return Idle(e.second) && e.second.accepted <= idle_since;
+          });
+          if (oldest != conns.end()) {
+            conns.erase(oldest);
+            continue;
+          }
+          if (!accept_starved_) {  // once per episode, not every back-off
+            WD_LOG(WARNING) << "metrics accept: " << std::strerror(errno)
+                            << "; accepting again every " << kAcceptBackoff;
+          }
+          accept_starved_ = true;
+          accept_resume_ = absl::Now() + kAcceptBackoff;
+        }
+        return;  // EAGAIN
       }
+      accept_starved_ = false;
       if (conns.size() >= options_.max_connections) {
         // Full: the oldest connection still waiting for its request (or
         // answered already) gives way, one being answered is left to
@@ -390,13 +417,19 @@ class MetricsServer::Impl {
       }
       Connection c;
       c.fd.Reset(fd);
-      c.deadline = absl::Now() + options_.request_timeout;
+      c.accepted = absl::Now();
+      c.deadline = c.accepted + options_.request_timeout;
       conns.emplace(next_id++, std::move(c));
     }
   }
 
+  static constexpr absl::Duration kAcceptBackoff = absl::Milliseconds(200);
+
   const MetricsServer::Options options_;
   StatsCollectable collectable_;
+  // The server thread's own.
+  absl::Time accept_resume_ = absl::InfinitePast();
+  bool accept_starved_ = false;
   UniqueFd listen_;
   UniqueFd wake_;
   std::thread thread_;

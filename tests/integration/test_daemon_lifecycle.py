@@ -247,6 +247,54 @@ def test_idle_connections_do_not_stop_metrics(tmp_path):
         assert d.alive()
 
 
+def _cpu_seconds(pid):
+    fields = open("/proc/%d/stat" % pid).read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_metrics_out_of_fds_neither_spins_nor_stops_scrapes(tmp_path):
+    """With the daemon out of fds, a connection waiting in the metrics
+    listener's backlog keeps it readable: the server must not spin on
+    accept (EMFILE) but back off, and an idle connection it holds gives its
+    fd to a scraper."""
+    import resource
+    import socket
+    port = harness.free_port()
+    root = tmp_path / "models"
+    root.mkdir()
+    with harness.Daemon(model_root=str(root), workdir=str(tmp_path / "d"),
+                        extra_args=["--metrics-listen", "127.0.0.1:%d" % port]) as d:
+        pid = d.proc.pid
+        assert harness.scrape_metrics(port)["weightd_models"] == 0
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        held = []
+        try:
+            time.sleep(0.5)  # the scrape's connection is closed
+            # No fd left: the limit is one past the highest fd it holds.
+            fds = [int(n) for n in os.listdir("/proc/%d/fd" % pid)]
+            assert sorted(fds) == list(range(len(fds)))
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(fds), hard))
+            for _ in range(8):  # stay in the backlog: nothing to accept them with
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            time.sleep(0.5)
+            assert "metrics accept: Too many open files" in d.log()
+            before = _cpu_seconds(pid)
+            time.sleep(2)
+            spent = _cpu_seconds(pid) - before
+            assert spent < 0.25, "the daemon spent %.2f s of CPU in 2 s idle" % spent
+            # One fd more: the idle connections take it in turn, each giving
+            # it up after a back-off, until the scraper's turn (5 s timeout).
+            resource.prlimit(pid, resource.RLIMIT_NOFILE,
+                             (len(os.listdir("/proc/%d/fd" % pid)) + 1, hard))
+            assert harness.scrape_metrics(port)["weightd_models"] == 0
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+            for s in held:
+                s.close()
+        assert harness.scrape_metrics(port)["weightd_models"] == 0
+        assert d.alive()
+
+
 def test_structured_json_log_has_one_line_per_event(tmp_path):
     root = tmp_path / "models"
     root.mkdir()

@@ -30,11 +30,11 @@
 #include "common/unix_socket.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "server/fleet/fleet.h"
 #include "server/grpc/call_auth.h"
 #include "server/gpu/gpu_devices.h"
 #include "server/memory/huge_pages.h"
 #include "server/grpc/grpc_server.h"
-#include "server/grpc/peer_table.h"
 #include "server/metrics/prometheus_exporter.h"
 #include "server/service/weight_service.h"
 #include "server/state/handover.h"
@@ -681,18 +681,18 @@ int Main(int argc, char** argv) {
   }
   // Before the service, which borrows it (loads ask peers for bytes), and
   // destroyed after it.
-  std::unique_ptr<PeerTable> peer_table;
+  std::unique_ptr<Fleet> fleet;
   if (!flags.peers.addresses.empty() || !flags.peers.dns.empty()) {
     flags.peers.tls_cert_file = flags.grpc.tls_cert_file;
     flags.peers.tls_key_file = flags.grpc.tls_key_file;
     // Room for a true answer and every stream's ranges in flight.
     flags.peers.receive_budget_bytes =
         (32ull << 20) + static_cast<uint64_t>(flags.service.peer_streams) * (8ull << 20);
-    auto started = PeerTable::Start(flags.peers);
+    auto started = Fleet::Start(flags.peers);
     if (!started.ok()) return Fail(started.status());
-    peer_table = std::move(*started);
-    flags.grpc.peers = peer_table.get();
-    flags.service.peers = peer_table.get();
+    fleet = std::move(*started);
+    flags.grpc.peers = fleet->table();
+    flags.service.peers = fleet->checkpoint_peers();
   }
   auto service = WeightService::Create(flags.service);
   if (!service.ok()) return Fail(service.status());
@@ -973,7 +973,7 @@ int Main(int argc, char** argv) {
   (*data)->Stop();
   handover.reset();
   grpc->reset();
-  peer_table.reset();
+  fleet.reset();
   data->reset();
   service->reset();
   LogEvent(LogLevel::kInfo, "stopped", {});

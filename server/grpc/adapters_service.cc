@@ -8,10 +8,10 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc/status_convert.h"
 #include "common/status_macros.h"
 #include "server/grpc/proto_convert.h"
 #include "server/grpc/reactors.h"
-#include "server/grpc/status_convert.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {

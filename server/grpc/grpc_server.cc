@@ -19,13 +19,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/fd.h"
+#include "common/grpc/status_convert.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 #include "server/grpc/call_auth.h"
 #include "server/grpc/call_drain.h"
 #include "server/grpc/services.h"
-#include "server/grpc/status_convert.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {

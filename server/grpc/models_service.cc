@@ -8,12 +8,13 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc/status_convert.h"
 #include "common/status_macros.h"
+#include "proto/convert/dtype_convert.h"
+#include "server/fleet/peer_table.h"
 #include "server/gpu/gpu_health.h"
-#include "server/grpc/peer_table.h"
 #include "server/grpc/proto_convert.h"
 #include "server/grpc/reactors.h"
-#include "server/grpc/status_convert.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {

@@ -7,9 +7,18 @@
 #include <grpcpp/support/slice.h>
 
 #include "absl/strings/str_cat.h"
-#include "server/grpc/status_convert.h"
+#include "proto/convert/dtype_convert.h"
 
 namespace weightd {
+
+absl::StatusOr<DType> FromProtoDType(v1::DType dtype) {
+  std::optional<DType> d = DTypeFromProto(dtype);
+  if (!d.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown dtype enum value ", static_cast<int>(dtype)));
+  }
+  return *d;
+}
 
 void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_name(s.name);

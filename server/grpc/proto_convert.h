@@ -1,7 +1,7 @@
 // weightd.v1 messages <-> the domain's types, for the gRPC services: model
 // and adapter summaries, fetch requests, and fetch responses assembled from
 // a table's encoding made once (EncodedTable). DTypes: ToProtoDType
-// (proto/convert/dtype_convert.h) and FromProtoDType (status_convert.h).
+// (proto/convert/dtype_convert.h) and FromProtoDType (below).
 #ifndef WEIGHTD_SERVER_GRPC_PROTO_CONVERT_H_
 #define WEIGHTD_SERVER_GRPC_PROTO_CONVERT_H_
 
@@ -10,10 +10,15 @@
 #include <grpcpp/support/byte_buffer.h>
 
 #include "absl/status/statusor.h"
+#include "common/dtype.h"
 #include "server/service/weight_service.h"
 #include "weightd/v1/weightd.pb.h"
 
 namespace weightd {
+
+// proto enum -> DType (DTYPE_UNSPECIFIED has no DType): INVALID_ARGUMENT
+// for values without one. The other way: ToProtoDType (dtype_convert.h).
+absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
 
 void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out);
 void FillAdapterInfo(const AdapterSummary& a, v1::AdapterInfo* out);

@@ -16,9 +16,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/grpc/status_convert.h"
 #include "common/thread_pool.h"
 #include "server/grpc/call_drain.h"
-#include "server/grpc/status_convert.h"
 #include "server/service/weight_service.h"
 #include "weightd/v1/weightd.pb.h"
 

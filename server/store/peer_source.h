@@ -1,6 +1,6 @@
 // Where a checkpoint load gets its bytes besides storage: the daemon's
 // peers, other daemons holding the same files (issue [cluster]). The store
-// sees peers through this interface only; server/grpc/peer_table.h
+// sees peers through this interface only; server/fleet/peer_checkpoint_client.h
 // implements it over gRPC, tests implement it in memory.
 //
 // A checkpoint is the same on two daemons when its files have the same

@@ -19,7 +19,6 @@
 #include "common/dtype.h"
 #include "common/shard.h"
 #include "server/grpc/proto_convert.h"
-#include "server/grpc/status_convert.h"
 #include "weightd/v1/weightd.pb.h"
 
 namespace weightd {

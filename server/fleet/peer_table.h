@@ -2,7 +2,9 @@
 // each polled every --peer-poll-seconds over its TCP listener (weightd.v1
 // Models.List) for what it holds, so `weightctl peers` shows the fleet from
 // any node: which peers answer, and every model's generation and weights_id
-// (issue [cluster]; replication between peers builds on it).
+// (issue [cluster]). Loads ask the peers in this table for checkpoint bytes
+// (PeerCheckpointClient, peer_checkpoint_client.h); server/fleet/fleet.h
+// builds both.
 //
 // Daemon-to-daemon calls use the listener's security: a bearer token from
 // --peer-token-file, and with --peer-tls-ca TLS verified against that CA,
@@ -13,15 +15,17 @@
 // most max_peers peers are considered (the rest logged, not polled), calls
 // to them run call_threads at once, at most max_peers connections are kept
 // (least recently used closed), and every peer connection's buffers share
-// one receive budget (a gRPC resource quota: past it, calls are cancelled
-// RESOURCE_EXHAUSTED), so a peer's answer cannot take the loader's memory.
+// one receive budget (PeerChannels).
 //
 // A daemon recognizes itself among its peers (--peer-dns naming it without
 // --advertise, --peers listing its own address): answers carry a random
 // per-process instance id (initial metadata kInstanceMetadata), and an
 // address that answers with this daemon's own id is left out for good.
-#ifndef WEIGHTD_SERVER_GRPC_PEER_TABLE_H_
-#define WEIGHTD_SERVER_GRPC_PEER_TABLE_H_
+//
+// Thread-safe. Owns its polling thread (joined by the destructor) and the
+// table; borrows the channels. One mutex of its own.
+#ifndef WEIGHTD_SERVER_FLEET_PEER_TABLE_H_
+#define WEIGHTD_SERVER_FLEET_PEER_TABLE_H_
 
 #include <cstdint>
 #include <memory>
@@ -30,15 +34,12 @@
 #include <thread>
 #include <vector>
 
-#include "absl/status/statusor.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/store/peer_source.h"
+#include "server/fleet/peer_channels.h"
 
 namespace weightd {
-
-// The initial-metadata key of a daemon's instance id in its answers.
-inline constexpr char kInstanceMetadata[] = "weightd-instance";
 
 struct PeerOptions {
   std::vector<std::string> addresses;  // HOST:PORT each
@@ -80,14 +81,14 @@ struct PeerState {
   std::vector<PeerModelState> models;
 };
 
-// Also the peers loads get checkpoint bytes from (CheckpointPeers): the
-// peers asked are those in the table (this daemon left out).
-class PeerTable : public CheckpointPeers {
+class PeerTable {
  public:
-  // INVALID_ARGUMENT for an address that is not HOST:PORT, or credentials
-  // that cannot be read. Polls at once, then every poll_interval.
-  static absl::StatusOr<std::unique_ptr<PeerTable>> Start(PeerOptions options);
-  ~PeerTable() override;  // stops polling
+  // Polls at once, then every poll_interval, through `channels` (which
+  // must outlive the table). REQUIRES: options checked (Fleet::Start),
+  // max_peers and call_threads >= 1.
+  static std::unique_ptr<PeerTable> Start(PeerOptions options, PeerChannels* channels,
+                                          std::string instance_id);
+  ~PeerTable();  // stops polling
   PeerTable(const PeerTable&) = delete;
   PeerTable& operator=(const PeerTable&) = delete;
 
@@ -98,45 +99,48 @@ class PeerTable : public CheckpointPeers {
   // This process's random id (32 hex digits), sent with this daemon's
   // answers (kInstanceMetadata).
   const std::string& instance_id() const { return instance_id_; }
-
-  // CheckpointPeers. A range's deadline: twice the call timeout plus 32
-  // MiB/s of its length. An answer is refused unless it has exactly the
-  // query's shape; with too little receive budget for call_threads true
-  // answers at once, fewer peers are asked at once (none, logged, when
-  // even one would not fit).
-  std::vector<PeerHolding> FindHolders(const PeerQuery& query) override ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status ReadRange(const std::string& peer, const Digest& key, const Digest& copy,
-                         const CheckpointRange& range, uint8_t* dest) override;
-
-  class Channels;
-
- private:
-  PeerTable(PeerOptions options, std::unique_ptr<Channels> channels, std::string instance_id);
-  void Run() ABSL_LOCKS_EXCLUDED(mu_);
-  // The addresses to poll now: the static ones, then what DNS gives, this
-  // daemon's own left out, at most max_peers.
-  std::vector<std::string> Targets() ABSL_LOCKS_EXCLUDED(mu_);
-  void Poll(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
   // `address` answered with this daemon's instance id: it leaves the table
   // and is never polled or asked again.
   void MarkSelf(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  PeerTable(PeerOptions options, PeerChannels* channels, std::string instance_id);
+  void Run() ABSL_LOCKS_EXCLUDED(mu_);
+  // The addresses to poll now: the static ones, then what DNS gives, this
+  // daemon's own left out, at most max_peers; the table follows them.
+  std::vector<std::string> Targets() ABSL_LOCKS_EXCLUDED(mu_);
+  // The --peers addresses, once each, this daemon's own left out.
+  std::vector<std::string> StaticTargets() const ABSL_LOCKS_EXCLUDED(mu_);
+  // DNS failed: the peers found before are kept (and polled) until it
+  // answers again.
+  void KeepPeersFoundBefore(const absl::Status& why, std::vector<std::string>* targets)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The table becomes `targets`: new addresses added, the ones DNS no
+  // longer gives (and no flag names) dropped.
+  void Follow(const std::vector<std::string>& targets) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Poll(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
   bool IsSelf(const std::string& address) const ABSL_LOCKS_EXCLUDED(mu_);
   // Orders `addresses` by this daemon's rendezvous scores and keeps
   // `room` of them.
   std::vector<std::string> Preferred(std::vector<std::string> addresses, size_t room) const;
 
+  // Constant after construction.
   const PeerOptions options_;
-  std::unique_ptr<Channels> channels_;
+  PeerChannels* const channels_;
   const std::string instance_id_;
+
+  // Protected by mu_.
   mutable absl::Mutex mu_;
   std::vector<PeerState> peers_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> self_ ABSL_GUARDED_BY(mu_);  // addresses that are this daemon
   std::string dns_error_ ABSL_GUARDED_BY(mu_);
   size_t truncated_from_ ABSL_GUARDED_BY(mu_) = 0;  // the last peer_list_truncated's count
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+
+  // Set once by Start, joined by the destructor.
   std::thread thread_;
 };
 
 }  // namespace weightd
 
-#endif  // WEIGHTD_SERVER_GRPC_PEER_TABLE_H_
+#endif  // WEIGHTD_SERVER_FLEET_PEER_TABLE_H_

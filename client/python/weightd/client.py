@@ -87,10 +87,8 @@ import json
 import fcntl
 import mmap
 import os
-import random
 import re
 import threading
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Tuple
@@ -98,41 +96,16 @@ from typing import Tuple
 import grpc
 import numpy as np
 
-from . import _cuda, _datasock, _dtypes
+from . import _channel, _cuda, _datasock, _dtypes, _health, _policy
+# weightd.client.RETRY_* as before (the policy's, client/policy/client_policy.json).
+from ._policy import RETRY_INITIAL_BACKOFF, RETRY_JITTER, RETRY_MAX_BACKOFF, RETRY_MULTIPLIER
 from .errors import Error, from_grpc
 from .v1 import weightd_pb2 as pb
 from .v1 import weightd_pb2_grpc as pb_grpc
 
-_MAX_MESSAGE = 256 << 20
-_READ_MERGE_GAP = 1 << 16  # grpc transport: coalesce tensor ranges closer than this
-
-# Retry on UNAVAILABLE (daemon down, restarting or draining): exponential
-# backoff with +-20% jitter, bounded by the client's retry_deadline.
-# CANCELLED too: a draining daemon (SIGTERM) cancels calls that arrive on an
-# open connection before any handler runs, and this client cancels none of
-# the calls it retries itself.
-_RETRY_CODES = ("UNAVAILABLE", "CANCELLED")
 # Release answers that closing a lease's data connection makes moot.
 _RELEASE_ENDED_BY_CONN = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
                           grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
-RETRY_INITIAL_BACKOFF = 0.05
-RETRY_MULTIPLIER = 2.0
-RETRY_MAX_BACKOFF = 2.0
-RETRY_JITTER = 0.2
-# Read-only RPCs: also retried inside gRPC (service-config retryPolicy).
-# Mutating ones (Models.Load/Unload, Adapters.Load/Unload/Apply,
-# Shards.Release) are never retried: one that reached a daemon which then
-# went away may or may not have taken effect.
-_READ_METHODS = [("grpc.health.v1.Health", "Check"), ("weightd.v1.Models", "List"),
-                 ("weightd.v1.Models", "Get"), ("weightd.v1.Models", "Stats"),
-                 ("weightd.v1.Models", "Verify"), ("weightd.v1.Shards", "Fetch"),
-                 ("weightd.v1.Adapters", "List")]
-_SERVICE_CONFIG = json.dumps({"methodConfig": [{
-    "name": [{"service": s, "method": m} for s, m in _READ_METHODS],
-    "retryPolicy": {"maxAttempts": 4, "initialBackoff": "%gs" % RETRY_INITIAL_BACKOFF,
-                    "maxBackoff": "%gs" % RETRY_MAX_BACKOFF,
-                    "backoffMultiplier": RETRY_MULTIPLIER,
-                    "retryableStatusCodes": ["UNAVAILABLE"]}}]})
 
 
 def _torch_or_none():
@@ -294,55 +267,6 @@ def _readers(readers):
     return [str(r) for r in readers]
 
 
-def _read_pem(value):
-    """PEM bytes from bytes, PEM text, or a file path."""
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value
-    text = os.fspath(value)
-    if "-----BEGIN" in text:
-        return text.encode()
-    with open(text, "rb") as f:
-        return f.read()
-
-
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds "authorization: Bearer <token>" to every call."""
-
-    def __init__(self, token):
-        self._md = ("authorization", "Bearer " + token)
-
-    def _details(self, d):
-        md = list(d.metadata or ()) + [self._md]
-        fields = {f: getattr(d, f, None) for f in
-                  ("method", "timeout", "credentials", "wait_for_ready", "compression")}
-        return _CallDetails(metadata=md, **fields)
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation, details, requests):
-        return continuation(self._details(details), requests)
-
-    def intercept_stream_stream(self, continuation, details, requests):
-        return continuation(self._details(details), requests)
-
-
-class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
-        self.method = method
-        self.timeout = timeout
-        self.metadata = metadata
-        self.credentials = credentials
-        self.wait_for_ready = wait_for_ready
-        self.compression = compression
-
-
 # ---------------------------------------------------------------- request parsing
 
 
@@ -399,47 +323,6 @@ def _parse_profile(profile):
             return f.read()
     except OSError as e:
         raise Error("INVALID_ARGUMENT", "cannot read profile %s: %s" % (profile, e)) from None
-
-
-# ---------------------------------------------------------------- health (no stubs)
-
-
-def _read_varint(data, i):
-    shift = value = 0
-    while True:
-        if i >= len(data):
-            raise ValueError("truncated varint")
-        b = data[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, i
-        shift += 7
-
-
-def _decode_health_response(data):
-    """grpc.health.v1.HealthCheckResponse -> its `status` (field 1, varint)."""
-    status, i = 0, 0
-    while i < len(data):
-        key, i = _read_varint(data, i)
-        fnum, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = _read_varint(data, i)
-            if fnum == 1:
-                status = v
-        elif wt == 1:
-            i += 8
-        elif wt == 2:
-            n, i = _read_varint(data, i)
-            i += n
-        elif wt == 5:
-            i += 4
-        else:
-            raise ValueError("bad wire type %d" % wt)
-    return status
-
-
-_SERVING_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 
 # ---------------------------------------------------------------- leases and buffers
@@ -1094,41 +977,16 @@ class Client:
             raise Error("INVALID_ARGUMENT", "give a socket=PATH or a target=\"HOST:PORT\"")
         self.timeout = timeout  # default deadline for unary calls (None = none)
         self.retry_deadline = float(retry_deadline or 0)  # seconds; 0 = no retries
-        opts = [("grpc.max_receive_message_length", _MAX_MESSAGE),
-                ("grpc.max_send_message_length", 64 << 20)]
-        if self.retry_deadline > 0:
-            # Reconnect to a restarted daemon within the backoff cap instead
-            # of gRPC's default (1 s growing to 120 s).
-            opts += [("grpc.enable_retries", 1), ("grpc.service_config", _SERVICE_CONFIG),
-                     ("grpc.initial_reconnect_backoff_ms", int(RETRY_INITIAL_BACKOFF * 1000)),
-                     ("grpc.max_reconnect_backoff_ms", int(RETRY_MAX_BACKOFF * 1000))]
-        else:
-            opts += [("grpc.enable_retries", 0)]
-        opts += list(options)
         if token is None:
             token = os.environ.get("WEIGHTD_TOKEN") or None
-        use_tls = tls or tls_ca is not None or tls_cert is not None
-        if use_tls:
-            if socket is not None:
-                raise Error("INVALID_ARGUMENT", "TLS is for target=\"HOST:PORT\", not a socket")
-            if (tls_cert is None) != (tls_key is None):
-                raise Error("INVALID_ARGUMENT", "a client certificate needs tls_cert= and tls_key=")
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=_read_pem(tls_ca), private_key=_read_pem(tls_key),
-                certificate_chain=_read_pem(tls_cert))
-            if tls_server_name:
-                opts.append(("grpc.ssl_target_name_override", tls_server_name))
-            self._channel = grpc.secure_channel(self.target, creds, options=opts)
-        else:
-            self._channel = grpc.insecure_channel(self.target, options=opts)
-        if token:
-            self._channel = grpc.intercept_channel(self._channel, _BearerToken(token))
+        self._channel = _channel.open_channel(
+            self.target, _channel.channel_options(self.retry_deadline, options),
+            unix_socket=socket is not None, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
+            tls_key=tls_key, tls_server_name=tls_server_name, token=token)
         self._models = pb_grpc.ModelsStub(self._channel)
         self._shards = pb_grpc.ShardsStub(self._channel)
         self._adapters = pb_grpc.AdaptersStub(self._channel)
-        self._health = self._channel.unary_unary(
-            "/grpc.health.v1.Health/Check", request_serializer=lambda _: b"",
-            response_deserializer=_decode_health_response)
+        self._health = _health.check_method(self._channel)
 
     # -- plumbing
 
@@ -1142,25 +1000,7 @@ class Client:
         """attempt(), again on Error UNAVAILABLE (or CANCELLED) with backoff
         until retry_deadline has passed; then UNAVAILABLE with the last
         error's message."""
-        if self.retry_deadline <= 0:
-            return attempt()
-        start = time.monotonic()
-        deadline = start + self.retry_deadline
-        backoff = RETRY_INITIAL_BACKOFF
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                return attempt()
-            except Error as e:
-                if e.code not in _RETRY_CODES:
-                    raise
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Error("UNAVAILABLE", "%s (gave up after %d attempts in %.1f s)"
-                                % (e.message or e.code, tries, time.monotonic() - start)) from None
-            time.sleep(min(left, backoff * random.uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER)))
-            backoff = min(backoff * RETRY_MULTIPLIER, RETRY_MAX_BACKOFF)
+        return _channel.retrying(self.retry_deadline, attempt)
 
     def _read_call(self, method, request, timeout=None):
         return self._retrying(lambda: self._call(method, request, timeout))
@@ -1183,9 +1023,8 @@ class Client:
         (UNAVAILABLE with the reported status, or the RPC's error)."""
         def attempt():
             status = self._call(self._health, None, timeout=timeout)
-            if status != 1:
-                raise Error("UNAVAILABLE", "daemon reports %s"
-                            % _SERVING_NAMES.get(status, status))
+            if status != _health.SERVING:
+                raise Error("UNAVAILABLE", "daemon reports %s" % _health.status_name(status))
             return True
         return self._retrying(attempt)
 
@@ -1779,7 +1618,7 @@ class Client:
                                 if m.segment == seg_index and m.length)
                 merged = []
                 for lo, hi in ranges:
-                    if merged and lo <= merged[-1][1] + _READ_MERGE_GAP:
+                    if merged and lo <= merged[-1][1] + _policy.READ_MERGE_GAP:
                         merged[-1][1] = max(merged[-1][1], hi)
                     else:
                         merged.append([lo, hi])

@@ -17,9 +17,11 @@ try:
     from ._version import __version__  # written by the build (the CMake project version)
 except ImportError:  # the source tree, not built
     __version__ = "0+unknown"
-from .client import (AdapterInfo, Client, GenerationEvent, LoadProgress, ModelInfo,
-                     PublishResult, PublishSession, ShardHandle, TensorInfo, TensorMeta,
-                     WatchStream)
+from ._types import (AdapterInfo, GenerationEvent, LoadProgress, ModelInfo, TensorInfo,
+                     TensorMeta)
+from .client import Client
+from .handle import ShardHandle, WatchStream
+from .publish import PublishResult, PublishSession
 from .torch_utils import load_into_module
 
 __all__ = ["__version__", "Client", "Error", "ShardHandle", "TensorMeta", "TensorInfo", "ModelInfo",

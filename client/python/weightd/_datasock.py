@@ -104,6 +104,17 @@ def attach(path, lease_id, token, num_segments, timeout=30.0):
         raise
 
 
+def data_socket_of(socket, resp):
+    """Where to collect a lease's fds (or a publish's staging memfd): beside
+    the Unix socket this client connected to when the daemon's data socket
+    lies beside its own (the directory may be mounted at another path here
+    than in the daemon's container), else the path the daemon gave. `resp`:
+    a FetchResponse or a PublishSession (data_socket, data_socket_name)."""
+    if socket is not None and resp.data_socket_name:
+        return os.path.join(os.path.dirname(os.path.realpath(socket)), resp.data_socket_name)
+    return resp.data_socket
+
+
 # ---------------------------------------------------------------- push
 
 

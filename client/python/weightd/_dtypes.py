@@ -60,6 +60,16 @@ def numpy_dtype(name):
     return np.dtype(_ROWS[name][2])
 
 
+def torch_or_none():
+    """torch when it is installed, else None (the client then hands out
+    NumPy arrays)."""
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None
+
+
 def torch_dtype(name):
     """The torch dtype a tensor of `name` is given as (see module doc)."""
     import torch

@@ -32,6 +32,7 @@
 #include "common/status_macros.h"
 #include "server/fleet/fleet.h"
 #include "server/grpc/call_auth.h"
+#include "server/gpu/cuda_push_writer.h"
 #include "server/gpu/gpu_devices.h"
 #include "server/memory/huge_pages.h"
 #include "server/grpc/grpc_server.h"
@@ -818,7 +819,7 @@ int Main(int argc, char** argv) {
     WD_RETURN_IF_ERROR(svc->access().CheckAdmin(caller, "publish weights"));
     return svc->StagePublish(caller, session, absl::BytesToHexString(token));
   };
-  flags.data.gpus = &svc->gpus();
+  flags.data.push_writers = {std::make_shared<CudaPushWriter>(&svc->gpus())};
   flags.data.host_memory = svc->host_memory();
   auto data = ShmDataServer::Start(flags.data, (*service)->leases());
   if (!data.ok()) return Fail(data.status());

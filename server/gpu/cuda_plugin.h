@@ -11,6 +11,12 @@
 // then in ../lib/weightd/ from it. The tests' fake plugin
 // (fake_cuda_plugin.cc: GPUs of chosen kinds, no CUDA) is loaded the same
 // way, so that a real daemon runs its GPU paths without a GPU.
+//
+// What crosses the seam is this header's types only: a push or an export is
+// a PushJob (server/push/push_job.h: host pointers, lengths, offsets, casts
+// and merges, planned by the daemon), never a lease or a layout, so the
+// plugin compiles nothing of the daemon's but its own sources
+// (server/gpu/plugin/) and the kernels (common/cuda/).
 #ifndef WEIGHTD_SERVER_GPU_CUDA_PLUGIN_H_
 #define WEIGHTD_SERVER_GPU_CUDA_PLUGIN_H_
 
@@ -24,15 +30,14 @@
 #include "absl/strings/string_view.h"
 #include "common/data_protocol.h"
 #include "common/log.h"
-#include "common/push_layout.h"
 #include "server/gpu/gpu_devices.h"
-#include "server/lease/lease_table.h"
+#include "server/push/push_job.h"
 
 namespace weightd {
 
 // Bumped whenever these signatures or the types they take change (the
 // plugin and the daemon are built together; this catches a stale file).
-inline constexpr uint32_t kCudaPluginAbi = 5;
+inline constexpr uint32_t kCudaPluginAbi = 6;
 
 // Where the plugin's events go: the daemon's LogEvent (common/log.h), so
 // that they are written in its --log-format (the plugin's own copy of the
@@ -50,13 +55,14 @@ struct CudaPluginApi {
   // Called once, first, by LoadCudaPlugin.
   void (*set_event_sink)(CudaPluginEventSink sink) = nullptr;
   GpuInventory (*discover)() = nullptr;
-  // The copies of a checked CUDA push onto `gpu` (cuda_push.h). Everything
-  // it set up (the imported allocation, its mapping, streams, scratch) is
-  // released before it returns, each release checked (a failure is logged
-  // as a "cuda_release_failed" event).
-  absl::Status (*push)(const LeaseContents& lease, const PushLayout& layout,
-                       const CudaPushTarget& target, int fd, const GpuDevice& gpu,
-                       const std::atomic<bool>* cancel, int* sticky_error) = nullptr;
+  // The copies of a checked CUDA push onto `gpu` (cuda_push_writer.h):
+  // `job` into the client's allocation `target` names (`fd` its VMM fd, or
+  // -1 for a legacy handle). Everything it set up (the imported allocation,
+  // its mapping, streams, scratch) is released before it returns, each
+  // release checked (a failure is logged as a "cuda_release_failed" event).
+  absl::Status (*push)(const PushJob& job, const CudaPushTarget& target, int fd,
+                       const GpuDevice& gpu, const std::atomic<bool>* cancel,
+                       int* sticky_error) = nullptr;
   // Registers host memory with CUDA (cudaHostRegister, portable: every
   // GPU's context), with device `ordinal` current, so that copies from it
   // run at pinned speed. `read_only`: cudaHostRegisterReadOnly, for a
@@ -66,14 +72,14 @@ struct CudaPluginApi {
   // same `ordinal`), and must run before the memory is unmapped.
   absl::Status (*pin)(const void* data, size_t size, bool read_only, int ordinal) = nullptr;
   absl::Status (*unpin)(const void* data, int ordinal) = nullptr;
-  // A daemon-owned export (cuda_push.h ExportToCuda): fills a new VMM
-  // allocation on `gpu` with the lease at `layout`, sets *fd (its exported
-  // POSIX fd, the caller's), *size and *handle (for export_release, which
-  // frees the daemon's reference, with the export's device current, and
-  // says whether cuMemRelease succeeded).
-  absl::Status (*export_fill)(const LeaseContents& lease, const PushLayout& layout,
-                              const GpuDevice& gpu, const std::atomic<bool>* cancel, int* fd,
-                              uint64_t* size, void** handle, int* sticky_error) = nullptr;
+  // A daemon-owned export (cuda_push_writer.h ExportToCuda): fills a new
+  // VMM allocation on `gpu` (job.size bytes, rounded up to its granularity)
+  // with `job`, sets *fd (its exported POSIX fd, the caller's), *size and
+  // *handle (for export_release, which frees the daemon's reference, with
+  // the export's device current, and says whether cuMemRelease succeeded).
+  absl::Status (*export_fill)(const PushJob& job, const GpuDevice& gpu,
+                              const std::atomic<bool>* cancel, int* fd, uint64_t* size,
+                              void** handle, int* sticky_error) = nullptr;
   absl::Status (*export_release)(void* handle) = nullptr;
 };
 

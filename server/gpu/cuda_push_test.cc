@@ -1,4 +1,4 @@
-#include "server/gpu/cuda_push.h"
+#include "server/gpu/cuda_push_writer.h"
 
 #include <cstring>
 

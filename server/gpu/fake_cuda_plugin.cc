@@ -26,9 +26,9 @@
 // what is not registered; calls.log records the mapping's permissions at
 // each pin and unpin, so a test sees which mapping was registered and that
 // it was still mapped when unregistered. A push "imports" the client's fd
-// (a memfd standing in for the VMM allocation) and writes every tensor
-// there at its offset, casting on the CPU (no merges: UNIMPLEMENTED); an
-// export fills a memfd of its own.
+// (a memfd standing in for the VMM allocation) and writes every piece of
+// its PushJob there at its offset, casting on the CPU (no merges:
+// UNIMPLEMENTED); an export fills a memfd of its own.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -49,7 +49,7 @@
 #include "common/dtype.h"
 #include "server/gpu/cuda_errors.h"
 #include "server/gpu/cuda_plugin.h"
-#include "server/memory/buffer.h"
+#include "server/push/push_job.h"
 
 namespace weightd {
 namespace {
@@ -203,31 +203,24 @@ absl::Status Unpin(const void* data, int ordinal) {
   return s;
 }
 
-// Writes the lease's tensors into `fd` at `layout`, as the GPU copies would.
-absl::Status Fill(const LeaseContents& lease, const PushLayout& layout, int fd) {
-  const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
-  if (layout.offsets.size() != n) return absl::InternalError("push layout does not match the lease");
-  for (size_t i = 0; i < n; ++i) {
-    const LeaseTensor& t = (*lease.tensors)[i];
-    if (t.buffer >= lease.buffers.size() || lease.buffers[t.buffer]->host_data() == nullptr) {
-      return absl::UnimplementedError("the fake CUDA plugin copies from host memory only");
-    }
-    const uint8_t* src = lease.buffers[t.buffer]->host_data() + t.offset;
-    std::vector<uint8_t> cast;
-    if (t.cast) {
-      if (t.merge != nullptr) return absl::UnimplementedError("the fake CUDA plugin merges nothing");
-      const size_t count = t.length / DTypeSize(t.src_dtype);
-      cast.resize(count * DTypeSize(t.dst_dtype));
-      if (absl::Status s = CastBuffer(t.src_dtype, src, t.dst_dtype, cast.data(), count);
+// Writes the job's pieces into `fd`, as the GPU copies would.
+absl::Status Fill(const PushJob& job, int fd) {
+  std::vector<uint8_t> cast;
+  for (const PushJobCopy& copy : job.copies) {
+    const uint8_t* src = copy.src;
+    if (copy.cast) {
+      if (copy.merge >= 0) return absl::UnimplementedError("the fake CUDA plugin merges nothing");
+      const size_t count = copy.length / DTypeSize(copy.src_dtype);
+      cast.resize(copy.dst_length);
+      if (absl::Status s = CastBuffer(copy.src_dtype, src, copy.dst_dtype, cast.data(), count);
           !s.ok()) {
         return s;
       }
       src = cast.data();
     }
-    const uint64_t length = PushLength(t);
-    for (uint64_t done = 0; done < length;) {
-      ssize_t w = ::pwrite(fd, src + done, length - done,
-                           static_cast<off_t>(layout.offsets[i] + done));
+    for (uint64_t done = 0; done < copy.dst_length;) {
+      ssize_t w = ::pwrite(fd, src + done, copy.dst_length - done,
+                           static_cast<off_t>(copy.dst_offset + done));
       if (w <= 0) {
         return absl::InvalidArgumentError(absl::StrCat("the fake GPU allocation: pwrite: ",
                                                        std::strerror(errno)));
@@ -238,8 +231,7 @@ absl::Status Fill(const LeaseContents& lease, const PushLayout& layout, int fd) 
   return absl::OkStatus();
 }
 
-absl::Status Push(const LeaseContents& lease, const PushLayout& layout,
-                  const CudaPushTarget& target, int fd, const GpuDevice& gpu,
+absl::Status Push(const PushJob& job, const CudaPushTarget& target, int fd, const GpuDevice& gpu,
                   const std::atomic<bool>* cancel, int* sticky_error) {
   if (fd < 0) {
     return absl::InvalidArgumentError("the fake CUDA plugin imports VMM fds only");
@@ -250,10 +242,10 @@ absl::Status Push(const LeaseContents& lease, const PushLayout& layout,
     s = CudaError(kCudaIllegalAddress, "cudaErrorIllegalAddress",
                   "waiting for the push's copies");
   } else {
-    s = Fill(lease, layout, fd);
+    s = Fill(job, fd);
   }
   // The imported allocation is released however the push ended.
-  Record(absl::StrCat("push gpu=", gpu.uuid, " device=", gpu.ordinal, " bytes=", layout.size, " ",
+  Record(absl::StrCat("push gpu=", gpu.uuid, " device=", gpu.ordinal, " bytes=", job.size, " ",
                       s.ok() ? "ok" : s.ToString()));
   Record(absl::StrCat("release gpu=", gpu.uuid, " what=imported-allocation"));
   return s;
@@ -263,9 +255,8 @@ struct FakeExport {
   int ordinal = 0;
 };
 
-absl::Status ExportFill(const LeaseContents& lease, const PushLayout& layout,
-                        const GpuDevice& gpu, const std::atomic<bool>* cancel, int* fd_out,
-                        uint64_t* size_out, void** handle_out, int* sticky_error) {
+absl::Status ExportFill(const PushJob& job, const GpuDevice& gpu, const std::atomic<bool>* cancel,
+                        int* fd_out, uint64_t* size_out, void** handle_out, int* sticky_error) {
   if (StickyAsked(gpu)) {
     *sticky_error = kCudaIllegalAddress;
     absl::Status s = CudaError(kCudaIllegalAddress, "cudaErrorIllegalAddress",
@@ -274,14 +265,14 @@ absl::Status ExportFill(const LeaseContents& lease, const PushLayout& layout,
     return s;
   }
   constexpr uint64_t kGranularity = uint64_t{2} << 20;
-  const uint64_t size = std::max<uint64_t>(1, (layout.size + kGranularity - 1) / kGranularity) *
+  const uint64_t size = std::max<uint64_t>(1, (job.size + kGranularity - 1) / kGranularity) *
                         kGranularity;
   int fd = ::memfd_create("fake-export", MFD_CLOEXEC);
   if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(size)) != 0) {
     if (fd >= 0) ::close(fd);
     return absl::ResourceExhaustedError("the fake GPU is out of memory");
   }
-  if (absl::Status s = Fill(lease, layout, fd); !s.ok()) {
+  if (absl::Status s = Fill(job, fd); !s.ok()) {
     ::close(fd);
     return s;
   }

@@ -1,4 +1,4 @@
-#include "server/transport/shm_server.h"
+#include "server/transport/data_server.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "server/gpu/cuda_push_writer.h"  // the CUDA push below: the daemon's wiring
 #include "server/memory/segment.h"
 #include "server/memory/test_buffers.h"
 
@@ -330,7 +331,7 @@ TEST_F(ShmDataServerTest, ACudaPushIsReadWholeAndAnsweredWhyNotWithoutAGpu) {
   GpuInventory none;
   none.unavailable = "no CUDA driver here";
   ShmDataServer::Options options;
-  options.gpus = &none;
+  options.push_writers = {std::make_shared<CudaPushWriter>(&none)};
   Start(std::move(options));
   auto tensors = std::make_shared<std::vector<LeaseTensor>>(
       std::vector<LeaseTensor>{{0, 0, 16}, {0, 16, 16}});

@@ -1,4 +1,4 @@
-#include "server/transport/export_cache.h"
+#include "server/push/export_cache.h"
 
 #include <memory>
 #include <vector>

@@ -1,15 +1,16 @@
 // Push into a client's host memory (DESIGN §6, common/data_protocol.h): the
 // client owns the destination, a memfd it passed over the data socket; the
 // daemon checks it and writes each tensor of a lease into it at the layout's
-// offsets. The host twin of the CUDA push: the same lease, layout and
-// checks, with pwrite instead of a device copy.
+// offsets. The host twin of the CUDA push: the same lease, layout, checks
+// and PushJob (push_plan.h MakePushJob), with pwrite instead of a device
+// copy. Pure functions of their arguments; thread-safe.
 //
 // The destination is written with pwrite, never through a mapping, so
 // nothing a client does to its memfd mid-push can fault the daemon; it must
 // be sealed against shrinking, and a write seal added mid-push ends the push
 // ABORTED.
-#ifndef WEIGHTD_SERVER_TRANSPORT_HOST_PUSH_H_
-#define WEIGHTD_SERVER_TRANSPORT_HOST_PUSH_H_
+#ifndef WEIGHTD_SERVER_PUSH_HOST_PUSH_H_
+#define WEIGHTD_SERVER_PUSH_HOST_PUSH_H_
 
 #include <atomic>
 #include <cstdint>
@@ -18,13 +19,9 @@
 #include "absl/types/span.h"
 #include "common/push_layout.h"
 #include "server/lease/lease_table.h"
+#include "server/push/push_plan.h"  // LayoutForPush
 
 namespace weightd {
-
-// The layout of `lease`'s tensors: the default one for empty `offsets`,
-// else the client's, checked (CheckPushLayout).
-absl::StatusOr<PushLayout> LayoutForPush(const LeaseContents& lease,
-                                         absl::Span<const uint64_t> offsets);
 
 // Checks that `fd` can take a push of `layout`, without calling into the
 // filesystem of anything but a memfd:
@@ -57,4 +54,4 @@ absl::Status CopyLeaseToHost(const LeaseContents& lease, const PushLayout& layou
 
 }  // namespace weightd
 
-#endif  // WEIGHTD_SERVER_TRANSPORT_HOST_PUSH_H_
+#endif  // WEIGHTD_SERVER_PUSH_HOST_PUSH_H_

@@ -1,7 +1,10 @@
-// The CUDA plugin's push (cuda_push.h, cuda_plugin.h). The driver API (VMM import
-// and mapping) is reached through the runtime's cudaGetDriverEntryPoint-
-// ByVersion, never by linking libcuda.so.1, so this daemon still starts
-// where there is no driver.
+// The CUDA plugin's push and export (cuda_plugin.h; the daemon's side is
+// cuda_push_writer.h): each runs a PushJob the daemon planned (push_job.h)
+// in three steps — map the destination, copy-or-cast every piece on the
+// job's streams, synchronize — and then releases what it set up. The
+// driver API (VMM import and mapping) is reached through the runtime's
+// cudaGetDriverEntryPoint-ByVersion, never by linking libcuda.so.1, so this
+// daemon still starts where there is no driver.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -19,21 +22,19 @@
 #include "common/status_macros.h"
 #include "server/gpu/cuda_errors.h"
 #include "server/gpu/cuda_plugin.h"
-#include "server/memory/buffer.h"
-#include "server/transport/push_plan.h"
+#include "server/push/push_job.h"
 
 namespace weightd {
 namespace {
 
-constexpr uint64_t kCopyBytes = uint64_t{64} << 20;
-constexpr uint64_t kCastBytes = uint64_t{32} << 20;  // per stream, with a cast
-constexpr int kStreams = 2;
 // What each device's default memory pool (cudaMallocAsync: the pushes'
 // cast scratch and merge factors) keeps after a push instead of handing it
 // back to the driver at the next synchronization (the default threshold,
-// 0): four pushes' scratch on both streams, so back-to-back pushes do not
-// allocate again; beyond it the pool trims itself.
-constexpr uint64_t kPoolKeepBytes = 4 * kStreams * kCastBytes;
+// 0): four pushes' scratch on both streams (the daemon plans a CUDA push
+// on 2 streams with 32 MiB of scratch each: kCudaPushPlan in
+// cuda_push_writer.cc), so back-to-back pushes do not allocate again;
+// beyond it the pool trims itself.
+constexpr uint64_t kPoolKeepBytes = 4 * 2 * (uint64_t{32} << 20);
 
 // cuda_errors.h's numbers are CUDA's, in the runtime and the driver.
 #define WD_SAME_CODE(ours, runtime, driver)                                  \
@@ -213,142 +214,133 @@ absl::Status UseDevice(const GpuDevice& gpu) {
   return absl::OkStatus();
 }
 
-// What CopyIntoDevice can copy from, checked before any CUDA call: host
-// buffers only (UNIMPLEMENTED), tensors inside them (INTERNAL).
-absl::Status CheckLeaseForDevice(const LeaseContents& lease, absl::string_view what) {
-  for (size_t i = 0; i < lease.buffers.size(); ++i) {
-    if (lease.buffers[i]->kind() != MemoryKind::kHost) {
-      return absl::UnimplementedError(absl::StrCat("segment ", i,
-                                                   " is not in host memory; a CUDA ", what,
-                                                   " copies from host memory only (for now)"));
-    }
-  }
-  return CheckLeaseTensors(lease);
-}
-
-}  // namespace
-
-// Writes every tensor of `lease` at `layout` into device memory at `base`
-// (mapped, current device): raw copies on kStreams streams, casts and
-// merges by kernels from per-stream scratch; synchronized before it
-// returns, whatever happened.
-absl::Status CopyIntoDevice(const LeaseContents& lease, const PushLayout& layout, uint8_t* base,
-                            const GpuDevice& gpu, const std::atomic<bool>* cancel) {
-  const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
-  Cleanup cleanup(gpu.uuid);
+// The device side of one push or export: kStreams-many streams (the job's),
+// a cast scratch buffer per stream that casts, each merge's terms and
+// factors in device memory. Everything is released by `cleanup`, in reverse
+// order, once the caller is done.
+struct DeviceCopies {
   std::vector<cudaStream_t> streams;
-  for (int s = 0; s < kStreams; ++s) {
+  std::vector<void*> scratch;                // per stream; null where nothing casts
+  std::vector<const MergeTerm*> merge_terms;  // per PushJob::merges entry, device memory
+};
+
+absl::Status CreateStreams(int count, Cleanup& cleanup, DeviceCopies* device) {
+  for (int s = 0; s < count; ++s) {
     cudaStream_t stream = nullptr;
     if (cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
         err != cudaSuccess) {
       return RuntimeError(err, "creating a copy stream");
     }
-    streams.push_back(stream);
+    device->streams.push_back(stream);
     cleanup.AddRuntime("a copy stream", [stream] { return cudaStreamDestroy(stream); });
   }
-  std::vector<PushCopy> copies;
-  if (n > 0) {
-    copies = PlanPushCopies(*lease.tensors, layout,
-                            {.max_copy_bytes = kCopyBytes,
-                             .streams = kStreams,
-                             .max_cast_bytes = kCastBytes});
-  }
-  // A cast's source goes to a scratch buffer of its stream (raw bytes,
-  // from pinned memory where the checkpoint is pinned), and the kernel
-  // converts it into the destination on the same stream: the next piece's
-  // copy into that scratch waits for the kernel, in stream order.
-  std::vector<void*> scratch(kStreams, nullptr);
-  for (const PushCopy& copy : copies) {
-    if (!copy.cast || scratch[copy.stream] != nullptr) continue;
+  return absl::OkStatus();
+}
+
+// A cast's source goes to a scratch buffer of its stream (raw bytes, from
+// pinned memory where the checkpoint is pinned), and the kernel converts it
+// into the destination on the same stream: the next piece's copy into that
+// scratch waits for the kernel, in stream order.
+absl::Status AllocateScratch(const PushJob& job, Cleanup& cleanup, DeviceCopies* device) {
+  device->scratch.assign(device->streams.size(), nullptr);
+  for (const PushJobCopy& copy : job.copies) {
+    void*& scratch = device->scratch[static_cast<size_t>(copy.stream)];
+    if (!copy.cast || scratch != nullptr) continue;
     // Stream-ordered (cudaMallocAsync): freeing it does not wait for the
     // whole device, so concurrent pushes do not stall each other.
-    cudaStream_t stream = streams[copy.stream];
-    if (cudaError_t err = cudaMallocAsync(&scratch[copy.stream], kCastBytes, stream);
+    cudaStream_t stream = device->streams[static_cast<size_t>(copy.stream)];
+    if (cudaError_t err = cudaMallocAsync(&scratch, job.max_cast_bytes, stream);
         err != cudaSuccess) {
-      return RuntimeError(err, absl::StrCat("allocating ", kCastBytes,
+      return RuntimeError(err, absl::StrCat("allocating ", job.max_cast_bytes,
                                             " bytes of GPU scratch for the push's casts"));
     }
     cleanup.AddRuntime("the push's cast scratch",
-                       [p = scratch[copy.stream], stream] { return cudaFreeAsync(p, stream); });
+                       [p = scratch, stream] { return cudaFreeAsync(p, stream); });
   }
-  // Each merge's terms and the arrays they point to, in device memory, once
-  // per push (LoRA factors are small; a dense patch sends its box's rows).
-  std::unordered_map<const PushMerge*, const MergeTerm*> device_terms;
-  for (const PushCopy& copy : copies) {
-    if (copy.merge == nullptr || device_terms.count(copy.merge) > 0) continue;
-    std::vector<MergeTerm> terms = copy.merge->terms;
-    uint64_t floats = 0;
-    for (const MergeTerm& t : terms) floats += t.x_len + t.y_len + t.v_len;
-    const uint64_t terms_bytes = (terms.size() * sizeof(MergeTerm) + 255) / 256 * 256;
-    void* arena = nullptr;
-    if (cudaError_t err = cudaMallocAsync(&arena, terms_bytes + floats * sizeof(float),
-                                          streams[0]);
-        err != cudaSuccess) {
-      return RuntimeError(err, "allocating GPU memory for a merge's LoRA factors");
-    }
-    // Freed once every stream is synchronized (the push's end), in order
-    // after its uses on streams[0].
-    cleanup.AddRuntime("a merge's factors on the GPU", [arena, stream = streams[0]] {
-      return cudaFreeAsync(arena, stream);
-    });
-    float* at = reinterpret_cast<float*>(static_cast<uint8_t*>(arena) + terms_bytes);
-    auto upload = [&at, &streams](const float*& p, uint64_t n) -> cudaError_t {
-      if (p == nullptr || n == 0) return cudaSuccess;
-      cudaError_t err =
-          cudaMemcpyAsync(at, p, n * sizeof(float), cudaMemcpyHostToDevice, streams[0]);
-      p = at;
-      at += n;
-      return err;
-    };
-    for (MergeTerm& t : terms) {
-      for (cudaError_t err : {upload(t.x, t.x_len), upload(t.y, t.y_len), upload(t.v, t.v_len)}) {
-        if (err != cudaSuccess) return RuntimeError(err, "copying a merge's factors to the GPU");
-      }
-    }
-    if (cudaError_t err = cudaMemcpyAsync(arena, terms.data(),
-                                          terms.size() * sizeof(MergeTerm),
-                                          cudaMemcpyHostToDevice, streams[0]);
-        err != cudaSuccess) {
-      return RuntimeError(err, "copying a merge's terms to the GPU");
-    }
-    // `terms` is pageable and goes out of scope: its copy must be done (a
-    // pageable copy may return before its DMA ends), and the kernels of
-    // the other stream must see the factors.
-    if (cudaError_t err = cudaStreamSynchronize(streams[0]); err != cudaSuccess) {
-      return RuntimeError(err, "copying a merge's factors to the GPU");
-    }
-    device_terms[copy.merge] = static_cast<const MergeTerm*>(arena);
+  return absl::OkStatus();
+}
+
+// One merge's terms and the arrays they point to, in device memory (LoRA
+// factors are small; a dense patch sends its box's rows), on `stream`.
+absl::StatusOr<const MergeTerm*> UploadMerge(const PushJobMerge& merge, cudaStream_t stream,
+                                             Cleanup& cleanup) {
+  std::vector<MergeTerm> terms(merge.terms, merge.terms + merge.num_terms);
+  uint64_t floats = 0;
+  for (const MergeTerm& t : terms) floats += t.x_len + t.y_len + t.v_len;
+  const uint64_t terms_bytes = (terms.size() * sizeof(MergeTerm) + 255) / 256 * 256;
+  void* arena = nullptr;
+  if (cudaError_t err = cudaMallocAsync(&arena, terms_bytes + floats * sizeof(float), stream);
+      err != cudaSuccess) {
+    return RuntimeError(err, "allocating GPU memory for a merge's LoRA factors");
   }
-  absl::Status status;
-  for (const PushCopy& copy : copies) {
-    if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
-      status = absl::UnavailableError("the daemon is shutting down; the push was cut short");
-      break;
-    }
-    const uint8_t* src = lease.buffers[copy.buffer]->host_data() + copy.src_offset;
-    cudaStream_t stream = streams[copy.stream];
-    void* to = copy.cast ? scratch[copy.stream] : base + copy.dst_offset;
-    if (cudaError_t err = cudaMemcpyAsync(to, src, copy.length, cudaMemcpyHostToDevice, stream);
-        err != cudaSuccess) {
-      status = RuntimeError(err, "copying to the push's GPU allocation");
-      break;
-    }
-    const size_t count = copy.cast ? copy.length / DTypeSize(copy.src_dtype) : 0;
-    if (copy.merge != nullptr) {
-      status = MergeBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset, count,
-                               copy.first_element, copy.merge->row_begin, copy.merge->cols,
-                               device_terms[copy.merge],
-                               static_cast<int>(copy.merge->terms.size()), stream);
-      if (!status.ok()) break;
-    } else if (copy.cast) {
-      status = CastBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset, count,
-                              stream);
-      if (!status.ok()) break;
+  // Freed once every stream is synchronized (the push's end), in order
+  // after its uses on `stream`.
+  cleanup.AddRuntime("a merge's factors on the GPU",
+                     [arena, stream] { return cudaFreeAsync(arena, stream); });
+  float* at = reinterpret_cast<float*>(static_cast<uint8_t*>(arena) + terms_bytes);
+  auto upload = [&at, stream](const float*& p, uint64_t n) -> cudaError_t {
+    if (p == nullptr || n == 0) return cudaSuccess;
+    cudaError_t err = cudaMemcpyAsync(at, p, n * sizeof(float), cudaMemcpyHostToDevice, stream);
+    p = at;
+    at += n;
+    return err;
+  };
+  for (MergeTerm& t : terms) {
+    for (cudaError_t err : {upload(t.x, t.x_len), upload(t.y, t.y_len), upload(t.v, t.v_len)}) {
+      if (err != cudaSuccess) return RuntimeError(err, "copying a merge's factors to the GPU");
     }
   }
-  // Nothing is unmapped while a copy may still run; the answer waits for
-  // every byte.
-  for (cudaStream_t stream : streams) {
+  if (cudaError_t err = cudaMemcpyAsync(arena, terms.data(), terms.size() * sizeof(MergeTerm),
+                                        cudaMemcpyHostToDevice, stream);
+      err != cudaSuccess) {
+    return RuntimeError(err, "copying a merge's terms to the GPU");
+  }
+  // `terms` is pageable and goes out of scope: its copy must be done (a
+  // pageable copy may return before its DMA ends), and the kernels of the
+  // other stream must see the factors.
+  if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess) {
+    return RuntimeError(err, "copying a merge's factors to the GPU");
+  }
+  return static_cast<const MergeTerm*>(arena);
+}
+
+absl::Status UploadMerges(const PushJob& job, Cleanup& cleanup, DeviceCopies* device) {
+  for (const PushJobMerge& merge : job.merges) {
+    WD_ASSIGN_OR_RETURN(const MergeTerm* terms,
+                        UploadMerge(merge, device->streams.front(), cleanup));
+    device->merge_terms.push_back(terms);
+  }
+  return absl::OkStatus();
+}
+
+// Queues one piece on its stream: a raw copy into the destination, or a
+// copy into the stream's scratch and a cast (or merge) kernel from there.
+absl::Status CopyOrCast(const PushJob& job, const PushJobCopy& copy, uint8_t* base,
+                        const DeviceCopies& device) {
+  cudaStream_t stream = device.streams[static_cast<size_t>(copy.stream)];
+  void* to = copy.cast ? device.scratch[static_cast<size_t>(copy.stream)]
+                       : base + copy.dst_offset;
+  if (cudaError_t err = cudaMemcpyAsync(to, copy.src, copy.length, cudaMemcpyHostToDevice, stream);
+      err != cudaSuccess) {
+    return RuntimeError(err, "copying to the push's GPU allocation");
+  }
+  if (!copy.cast) return absl::OkStatus();
+  const size_t count = copy.length / DTypeSize(copy.src_dtype);
+  if (copy.merge >= 0) {
+    const PushJobMerge& merge = job.merges[static_cast<size_t>(copy.merge)];
+    return MergeBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset, count,
+                           copy.first_element, merge.row_begin, merge.cols,
+                           device.merge_terms[static_cast<size_t>(copy.merge)],
+                           static_cast<int>(merge.num_terms), stream);
+  }
+  return CastBufferCuda(copy.src_dtype, to, copy.dst_dtype, base + copy.dst_offset, count, stream);
+}
+
+// Waits for every stream: nothing is unmapped while a copy may still run,
+// and the answer waits for every byte. Returns `status`, or the first
+// failure to synchronize when `status` is OK.
+absl::Status SyncStreams(const DeviceCopies& device, absl::Status status) {
+  for (cudaStream_t stream : device.streams) {
     if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess && status.ok()) {
       status = RuntimeError(err, "waiting for the push's copies");
     }
@@ -356,128 +348,175 @@ absl::Status CopyIntoDevice(const LeaseContents& lease, const PushLayout& layout
   return status;
 }
 
-absl::Status PushToCudaWithCuda(const LeaseContents& lease, const PushLayout& layout,
-                                const CudaPushTarget& target, int fd, const GpuDevice& device,
-                                const std::atomic<bool>* cancel) {
-  const GpuDevice* gpu = &device;
-  const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
-  if (layout.offsets.size() != n) return absl::InternalError("push layout does not match the lease");
-  if (absl::Status s = CheckLeaseForDevice(lease, "push"); !s.ok()) return s;
-  WD_RETURN_IF_ERROR(UseDevice(*gpu));
+// Writes `job` into device memory at `base` (mapped, current device): raw
+// copies on job.streams streams, casts and merges by kernels from
+// per-stream scratch; once the copies are queued, synchronized before it
+// returns, whatever happened.
+absl::Status CopyIntoDevice(const PushJob& job, uint8_t* base, const GpuDevice& gpu,
+                            const std::atomic<bool>* cancel) {
+  Cleanup cleanup(gpu.uuid);
+  DeviceCopies device;
+  WD_RETURN_IF_ERROR(CreateStreams(std::max(job.streams, 1), cleanup, &device));
+  WD_RETURN_IF_ERROR(AllocateScratch(job, cleanup, &device));
+  WD_RETURN_IF_ERROR(UploadMerges(job, cleanup, &device));
+  absl::Status status;
+  for (const PushJobCopy& copy : job.copies) {
+    if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
+      status = absl::UnavailableError("the daemon is shutting down; the push was cut short");
+      break;
+    }
+    status = CopyOrCast(job, copy, base, device);
+    if (!status.ok()) break;
+  }
+  return SyncStreams(device, std::move(status));
+}
+
+// Imports the client's VMM allocation from its fd and checks it is device
+// memory whose size is a multiple of its granularity on `gpu`.
+absl::StatusOr<CUmemGenericAllocationHandle> ImportVmm(const DriverApi& d,
+                                                        const CudaPushTarget& target, int fd,
+                                                        const GpuDevice& gpu, Cleanup& cleanup) {
+  CUmemGenericAllocationHandle handle{};
+  CUresult r = d.import_handle(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                               CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  if (r != CUDA_SUCCESS) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the push's GPU allocation cannot be imported from its fd: ", DriverError(d, r)));
+  }
+  cleanup.AddDriver(d, "the push's imported allocation (cuMemRelease)",
+                    [&d, handle] { return d.release(handle); });
+  CUmemAllocationProp prop{};
+  if ((r = d.properties(&prop, handle)) != CUDA_SUCCESS) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the push's GPU allocation: ", DriverError(d, r)));
+  }
+  // Which device it is on is asked once it is mapped (MapVmm): the id in
+  // its properties may be the exporting process's ordinal, which means
+  // nothing here (CUDA_VISIBLE_DEVICES differs between containers).
+  if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the push's allocation is not device memory (location type ",
+                     static_cast<int>(prop.location.type), ")"));
+  }
+  // The granularity is asked for the GPU the push maps it on, by this
+  // process's ordinal (the exporter's id means nothing here).
+  prop.location.id = gpu.ordinal;
+  size_t granularity = 0;
+  if ((r = d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) !=
+          CUDA_SUCCESS ||
+      granularity == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the push's GPU allocation: no allocation granularity (",
+                     r != CUDA_SUCCESS ? DriverError(d, r) : std::string("0"), ")"));
+  }
+  if (target.size % granularity != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("the push names an allocation of ", target.size,
+                                                   " bytes, not a multiple of its granularity (",
+                                                   granularity, ")"));
+  }
+  return handle;
+}
+
+// Maps the imported allocation into the daemon's address space on `gpu`,
+// readable and writable, and checks that it is on `gpu`.
+absl::StatusOr<uint8_t*> MapVmm(const DriverApi& d, CUmemGenericAllocationHandle handle,
+                                uint64_t size, const GpuDevice& gpu, Cleanup& cleanup) {
+  CUdeviceptr va = 0;
+  CUresult r = d.reserve(&va, size, 0, 0, 0);
+  if (r != CUDA_SUCCESS) {
+    return absl::UnavailableError(
+        absl::StrCat("reserving ", size, " bytes of GPU address space: ", DriverError(d, r)));
+  }
+  cleanup.AddDriver(d, "the push's GPU address range (cuMemAddressFree)",
+                    [&d, va, size] { return d.free_address(va, size); });
+  if ((r = d.map(va, size, 0, handle, 0)) != CUDA_SUCCESS) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mapping the push's GPU allocation (", size,
+                     " bytes, as the request says): ", DriverError(d, r)));
+  }
+  cleanup.AddDriver(d, "the push's mapping (cuMemUnmap)",
+                    [&d, va, size] { return d.unmap(va, size); });
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = gpu.ordinal;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if ((r = d.set_access(va, size, &access, 1)) != CUDA_SUCCESS) {
+    return absl::UnavailableError(absl::StrCat(
+        "granting the daemon access to the push's allocation: ", DriverError(d, r)));
+  }
+  int ordinal = -1;
+  if ((r = d.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, va)) !=
+          CUDA_SUCCESS ||
+      ordinal != gpu.ordinal) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the push's allocation is not on ", gpu.uuid, " (",
+        r != CUDA_SUCCESS ? DriverError(d, r) : absl::StrCat("device ", ordinal, " here"), ")"));
+  }
+  return reinterpret_cast<uint8_t*>(va);
+}
+
+// Opens a legacy IPC handle and checks the allocation's real size and
+// device against what the push names.
+absl::StatusOr<uint8_t*> OpenLegacyIpc(const DriverApi& d, const CudaPushTarget& target,
+                                       const GpuDevice& gpu, Cleanup& cleanup) {
+  cudaIpcMemHandle_t handle;
+  static_assert(sizeof(handle) == sizeof(target.ipc_handle));
+  std::memcpy(&handle, target.ipc_handle, sizeof(handle));
+  void* p = nullptr;
+  if (cudaError_t err = cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess);
+      err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the push's legacy IPC handle cannot be opened (", cudaGetErrorString(err),
+        "): legacy handles need the client in the daemon's PID namespace; use a VMM fd"));
+  }
+  cleanup.AddRuntime("the push's legacy IPC handle (cudaIpcCloseMemHandle)",
+                     [p] { return cudaIpcCloseMemHandle(p); });
+  // A copy past the allocation would be a sticky error in the daemon's
+  // context: check the size the client claims against the real one.
+  const CUdeviceptr at = reinterpret_cast<CUdeviceptr>(p);
+  CUdeviceptr range_base = 0;
+  size_t range_size = 0;
+  CUresult r = d.address_range(&range_base, &range_size, at);
+  if (r != CUDA_SUCCESS || at < range_base || range_size < at - range_base ||
+      target.size > range_size - (at - range_base)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the push names an allocation of ", target.size, " bytes; the handle's has ",
+        r == CUDA_SUCCESS ? absl::StrCat(range_size - (at - range_base)) : DriverError(d, r)));
+  }
+  // cudaIpcOpenMemHandle opens an allocation on whichever device it is.
+  int ordinal = -1;
+  if ((r = d.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, at)) !=
+          CUDA_SUCCESS ||
+      ordinal != gpu.ordinal) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the push's legacy handle is not on ", gpu.uuid, " (",
+        r != CUDA_SUCCESS ? DriverError(d, r) : absl::StrCat("device ", ordinal, " here"), ")"));
+  }
+  return static_cast<uint8_t*>(p);
+}
+
+// A checked CUDA push: maps the client's allocation (map), copies the job
+// into it (copy-or-cast, synchronized), then undoes the mapping in reverse
+// (cleanup).
+absl::Status PushToCudaWithCuda(const PushJob& job, const CudaPushTarget& target, int fd,
+                                const GpuDevice& gpu, const std::atomic<bool>* cancel) {
+  WD_RETURN_IF_ERROR(UseDevice(gpu));
   const DriverApi& d = Driver();
   if (!d.status.ok()) return d.status;
-  Cleanup cleanup(gpu->uuid);
+  Cleanup cleanup(gpu.uuid);
   uint8_t* base = nullptr;
   if (target.handle_kind == kCudaVmmPosixFd) {
-    CUmemGenericAllocationHandle handle{};
-    CUresult r = d.import_handle(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    if (r != CUDA_SUCCESS) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the push's GPU allocation cannot be imported from its fd: ", DriverError(d, r)));
-    }
-    cleanup.AddDriver(d, "the push's imported allocation (cuMemRelease)",
-                      [&d, handle] { return d.release(handle); });
-    CUmemAllocationProp prop{};
-    if ((r = d.properties(&prop, handle)) != CUDA_SUCCESS) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the push's GPU allocation: ", DriverError(d, r)));
-    }
-    // Which device it is on is asked once it is mapped (below): the id in
-    // its properties may be the exporting process's ordinal, which means
-    // nothing here (CUDA_VISIBLE_DEVICES differs between containers).
-    if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the push's allocation is not device memory (location type ",
-          static_cast<int>(prop.location.type), ")"));
-    }
-    // The granularity is asked for the GPU the push maps it on, by this
-    // process's ordinal (the exporter's id means nothing here).
-    prop.location.id = gpu->ordinal;
-    size_t granularity = 0;
-    if ((r = d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) !=
-            CUDA_SUCCESS ||
-        granularity == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the push's GPU allocation: no allocation granularity (",
-                       r != CUDA_SUCCESS ? DriverError(d, r) : std::string("0"), ")"));
-    }
-    if (target.size % granularity != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the push names an allocation of ", target.size,
-          " bytes, not a multiple of its granularity (", granularity, ")"));
-    }
-    CUdeviceptr va = 0;
-    if ((r = d.reserve(&va, target.size, 0, 0, 0)) != CUDA_SUCCESS) {
-      return absl::UnavailableError(
-          absl::StrCat("reserving ", target.size, " bytes of GPU address space: ", DriverError(d, r)));
-    }
-    const uint64_t size = target.size;
-    cleanup.AddDriver(d, "the push's GPU address range (cuMemAddressFree)",
-                      [&d, va, size] { return d.free_address(va, size); });
-    if ((r = d.map(va, size, 0, handle, 0)) != CUDA_SUCCESS) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "mapping the push's GPU allocation (", size, " bytes, as the request says): ",
-          DriverError(d, r)));
-    }
-    cleanup.AddDriver(d, "the push's mapping (cuMemUnmap)",
-                      [&d, va, size] { return d.unmap(va, size); });
-    CUmemAccessDesc access{};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = gpu->ordinal;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    if ((r = d.set_access(va, size, &access, 1)) != CUDA_SUCCESS) {
-      return absl::UnavailableError(
-          absl::StrCat("granting the daemon access to the push's allocation: ", DriverError(d, r)));
-    }
-    int ordinal = -1;
-    if ((r = d.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, va)) !=
-            CUDA_SUCCESS ||
-        ordinal != gpu->ordinal) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the push's allocation is not on ", gpu->uuid, " (",
-          r != CUDA_SUCCESS ? DriverError(d, r) : absl::StrCat("device ", ordinal, " here"), ")"));
-    }
-    base = reinterpret_cast<uint8_t*>(va);
+    WD_ASSIGN_OR_RETURN(CUmemGenericAllocationHandle handle,
+                        ImportVmm(d, target, fd, gpu, cleanup));
+    WD_ASSIGN_OR_RETURN(base, MapVmm(d, handle, target.size, gpu, cleanup));
   } else {
-    cudaIpcMemHandle_t handle;
-    static_assert(sizeof(handle) == sizeof(target.ipc_handle));
-    std::memcpy(&handle, target.ipc_handle, sizeof(handle));
-    void* p = nullptr;
-    if (cudaError_t err = cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess);
-        err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the push's legacy IPC handle cannot be opened (", cudaGetErrorString(err),
-          "): legacy handles need the client in the daemon's PID namespace; use a VMM fd"));
-    }
-    cleanup.AddRuntime("the push's legacy IPC handle (cudaIpcCloseMemHandle)",
-                       [p] { return cudaIpcCloseMemHandle(p); });
-    // A copy past the allocation would be a sticky error in the daemon's
-    // context: check the size the client claims against the real one.
-    const CUdeviceptr at = reinterpret_cast<CUdeviceptr>(p);
-    CUdeviceptr range_base = 0;
-    size_t range_size = 0;
-    CUresult r = d.address_range(&range_base, &range_size, at);
-    if (r != CUDA_SUCCESS || at < range_base || range_size < at - range_base ||
-        target.size > range_size - (at - range_base)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the push names an allocation of ", target.size, " bytes; the handle's has ",
-          r == CUDA_SUCCESS ? absl::StrCat(range_size - (at - range_base)) : DriverError(d, r)));
-    }
-    // cudaIpcOpenMemHandle opens an allocation on whichever device it is.
-    int ordinal = -1;
-    if ((r = d.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, at)) !=
-            CUDA_SUCCESS ||
-        ordinal != gpu->ordinal) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the push's legacy handle is not on ", gpu->uuid, " (",
-          r != CUDA_SUCCESS ? DriverError(d, r) : absl::StrCat("device ", ordinal, " here"), ")"));
-    }
-    base = static_cast<uint8_t*>(p);
+    WD_ASSIGN_OR_RETURN(base, OpenLegacyIpc(d, target, gpu, cleanup));
   }
-  return CopyIntoDevice(lease, layout, base, *gpu, cancel);
+  return CopyIntoDevice(job, base, gpu, cancel);
 }
+
+}  // namespace
 
 // An export's allocation, for ExportReleaseWithCuda.
 struct ExportHandle {
@@ -485,10 +524,9 @@ struct ExportHandle {
   int ordinal = 0;
 };
 
-absl::Status ExportFillWithCuda(const LeaseContents& lease, const PushLayout& layout,
-                                const GpuDevice& gpu, const std::atomic<bool>* cancel, int* fd,
-                                uint64_t* size_out, void** handle_out) {
-  if (absl::Status s = CheckLeaseForDevice(lease, "export"); !s.ok()) return s;
+absl::Status ExportFillWithCuda(const PushJob& job, const GpuDevice& gpu,
+                                const std::atomic<bool>* cancel, int* fd, uint64_t* size_out,
+                                void** handle_out) {
   WD_RETURN_IF_ERROR(UseDevice(gpu));
   const DriverApi& d = Driver();
   if (!d.status.ok()) return d.status;
@@ -505,7 +543,7 @@ absl::Status ExportFillWithCuda(const LeaseContents& lease, const PushLayout& la
         r != CUDA_SUCCESS ? DriverError(d, r) : std::string("0")));
   }
   const uint64_t size =
-      std::max<uint64_t>(1, (layout.size + granularity - 1) / granularity) * granularity;
+      std::max<uint64_t>(1, (job.size + granularity - 1) / granularity) * granularity;
   CUmemGenericAllocationHandle handle{};
   if ((r = d.create(&handle, size, &prop, 0)) != CUDA_SUCCESS) {
     return (r == CUDA_ERROR_OUT_OF_MEMORY ? absl::ResourceExhaustedError : absl::UnavailableError)(
@@ -536,8 +574,7 @@ absl::Status ExportFillWithCuda(const LeaseContents& lease, const PushLayout& la
   if ((r = d.set_access(va, size, &access, 1)) != CUDA_SUCCESS) {
     return absl::UnavailableError(absl::StrCat("granting access to an export: ", DriverError(d, r)));
   }
-  WD_RETURN_IF_ERROR(
-      CopyIntoDevice(lease, layout, reinterpret_cast<uint8_t*>(va), gpu, cancel));
+  WD_RETURN_IF_ERROR(CopyIntoDevice(job, reinterpret_cast<uint8_t*>(va), gpu, cancel));
   int exported = -1;
   if ((r = d.export_handle(&exported, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) !=
       CUDA_SUCCESS) {
@@ -568,20 +605,19 @@ absl::Status ExportReleaseWithCuda(void* p) {
 }
 
 // The API's entry points: each reports the sticky error it met.
-absl::Status PushEntry(const LeaseContents& lease, const PushLayout& layout,
-                       const CudaPushTarget& target, int fd, const GpuDevice& gpu,
-                       const std::atomic<bool>* cancel, int* sticky_error) {
+absl::Status PushEntry(const PushJob& job, const CudaPushTarget& target, int fd,
+                       const GpuDevice& gpu, const std::atomic<bool>* cancel, int* sticky_error) {
   sticky_seen = 0;
-  absl::Status s = PushToCudaWithCuda(lease, layout, target, fd, gpu, cancel);
+  absl::Status s = PushToCudaWithCuda(job, target, fd, gpu, cancel);
   if (sticky_error != nullptr) *sticky_error = s.ok() ? 0 : sticky_seen;
   return s;
 }
 
-absl::Status ExportEntry(const LeaseContents& lease, const PushLayout& layout,
-                         const GpuDevice& gpu, const std::atomic<bool>* cancel, int* fd,
-                         uint64_t* size, void** handle, int* sticky_error) {
+absl::Status ExportEntry(const PushJob& job, const GpuDevice& gpu,
+                         const std::atomic<bool>* cancel, int* fd, uint64_t* size, void** handle,
+                         int* sticky_error) {
   sticky_seen = 0;
-  absl::Status s = ExportFillWithCuda(lease, layout, gpu, cancel, fd, size, handle);
+  absl::Status s = ExportFillWithCuda(job, gpu, cancel, fd, size, handle);
   if (sticky_error != nullptr) *sticky_error = s.ok() ? 0 : sticky_seen;
   return s;
 }

@@ -1,17 +1,23 @@
 // The copies a push makes: plain C++, shared by the host push (pwrite, one
 // stream) and the CUDA push (cudaMemcpyAsync on the daemon's streams), and
-// unit-tested here.
-#ifndef WEIGHTD_SERVER_TRANSPORT_PUSH_PLAN_H_
-#define WEIGHTD_SERVER_TRANSPORT_PUSH_PLAN_H_
+// unit-tested here. MakePushJob turns a lease and its layout into the flat
+// PushJob (push_job.h) that both run: the plan is made here, in the
+// daemon, never in the CUDA plugin.
+//
+// Pure functions: no locks, no I/O.
+#ifndef WEIGHTD_SERVER_PUSH_PUSH_PLAN_H_
+#define WEIGHTD_SERVER_PUSH_PUSH_PLAN_H_
 
 #include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/dtype.h"
 #include "common/push_layout.h"
 #include "server/lease/lease_table.h"
+#include "server/push/push_job.h"
 
 namespace weightd {
 
@@ -62,6 +68,21 @@ absl::Status CheckLeaseTensors(const LeaseContents& lease);
 std::vector<PushCopy> PlanPushCopies(absl::Span<const LeaseTensor> tensors,
                                      const PushLayout& layout, const PushPlanOptions& options);
 
+// The layout of `lease`'s tensors: the default one for empty `offsets`,
+// else the client's, checked (CheckPushLayout).
+absl::StatusOr<PushLayout> LayoutForPush(const LeaseContents& lease,
+                                         absl::Span<const uint64_t> offsets);
+
+// The job that writes `lease` at `layout`: CheckLeaseTensors, then
+// PlanPushCopies with `options`, each piece's source resolved to its host
+// address and each merge flattened once (PushJobMerge). The job borrows
+// the lease's bytes and merge terms: keep the lease alive while it runs.
+// REQUIRES: every buffer of `lease` is host memory (the writers refuse
+// other kinds first, each in its own words); one that is not is INTERNAL,
+// as is a layout that does not match the lease.
+absl::StatusOr<PushJob> MakePushJob(const LeaseContents& lease, const PushLayout& layout,
+                                    const PushPlanOptions& options);
+
 }  // namespace weightd
 
-#endif  // WEIGHTD_SERVER_TRANSPORT_PUSH_PLAN_H_
+#endif  // WEIGHTD_SERVER_PUSH_PUSH_PLAN_H_

@@ -1,4 +1,4 @@
-#include "server/transport/host_push.h"
+#include "server/push/host_push.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -18,7 +18,7 @@
 #include "common/merge.h"
 #include "common/status_macros.h"
 #include "server/memory/buffer.h"
-#include "server/transport/push_plan.h"
+#include "server/push/push_plan.h"
 
 namespace weightd {
 namespace {
@@ -56,17 +56,6 @@ absl::Status WriteAt(int fd, const uint8_t* data, uint64_t length, uint64_t offs
 }
 
 }  // namespace
-
-absl::StatusOr<PushLayout> LayoutForPush(const LeaseContents& lease,
-                                         absl::Span<const uint64_t> offsets) {
-  std::vector<uint64_t> lengths;
-  if (lease.tensors != nullptr) {
-    lengths.reserve(lease.tensors->size());
-    for (const LeaseTensor& t : *lease.tensors) lengths.push_back(PushLength(t));
-  }
-  if (offsets.empty()) return DefaultPushLayout(lengths);
-  return CheckPushLayout(lengths, offsets);
-}
 
 absl::Status CheckHostDestination(int fd, const PushLayout& layout) {
   if (fd < 0 || ::fcntl(fd, F_GETFD) < 0) {
@@ -144,28 +133,32 @@ absl::Status CheckHostDestination(int fd, const PushLayout& layout) {
 
 namespace {
 
-// The push's copies, casts and merges, each piece handed to `write` (bytes,
-// length, offset in the destination).
+// The push's copies, casts and merges (CheckLeaseTensors first, through
+// MakePushJob), each piece handed to `write` (bytes, length, offset in the
+// destination).
 absl::Status CopyLease(const LeaseContents& lease, const PushLayout& layout,
                        const std::atomic<bool>* cancel,
                        const std::function<absl::Status(const uint8_t*, uint64_t, uint64_t)>& write) {
+  WD_ASSIGN_OR_RETURN(PushJob job, MakePushJob(lease, layout,
+                                               {.max_copy_bytes = kChunk,
+                                                .max_cast_bytes = kCastChunk}));
   std::vector<uint8_t> bounce;
-  for (const PushCopy& copy : PlanPushCopies(
-           *lease.tensors, layout, {.max_copy_bytes = kChunk, .max_cast_bytes = kCastChunk})) {
+  for (const PushJobCopy& copy : job.copies) {
     if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
       return absl::UnavailableError("the daemon is shutting down; the push was cut short");
     }
-    const uint8_t* src = lease.buffers[copy.buffer]->host_data() + copy.src_offset;
+    const uint8_t* src = copy.src;
     if (copy.cast) {
       // The host twin of the CUDA push's cast on the GPU: the same pieces,
       // converted by the CPU's kernels (bit for bit the GPU's, cast_test).
       if (bounce.size() < copy.dst_length) bounce.resize(copy.dst_length);
       const size_t count = copy.length / DTypeSize(copy.src_dtype);
-      if (copy.merge != nullptr) {
+      if (copy.merge >= 0) {
         // And the GPU's merge: the same element function (merge_elements.h).
+        const PushJobMerge& merge = job.merges[static_cast<size_t>(copy.merge)];
         WD_RETURN_IF_ERROR(MergeBufferHost(copy.src_dtype, src, copy.dst_dtype, bounce.data(),
-                                           count, copy.first_element, copy.merge->row_begin,
-                                           copy.merge->cols, copy.merge->terms));
+                                           count, copy.first_element, merge.row_begin,
+                                           merge.cols, {merge.terms, merge.num_terms}));
       } else {
         WD_RETURN_IF_ERROR(
             CastBuffer(copy.src_dtype, src, copy.dst_dtype, bounce.data(), count));
@@ -199,7 +192,6 @@ absl::Status PushToHost(const LeaseContents& lease, const PushLayout& layout, in
                         const std::atomic<bool>* cancel) {
   WD_RETURN_IF_ERROR(CheckLeaseForHostPush(lease, layout));
   if (absl::Status s = CheckHostDestination(fd, layout); !s.ok()) return s;
-  if (absl::Status s = CheckLeaseTensors(lease); !s.ok()) return s;
   if (lease.tensors == nullptr || lease.tensors->empty()) return absl::OkStatus();
   return CopyLease(lease, layout, cancel,
                    [fd](const uint8_t* data, uint64_t length, uint64_t offset) {
@@ -214,7 +206,6 @@ absl::Status CopyLeaseToHost(const LeaseContents& lease, const PushLayout& layou
     return absl::InternalError(absl::StrCat("a copy of ", layout.size, " bytes into ",
                                             dest_size));
   }
-  WD_RETURN_IF_ERROR(CheckLeaseTensors(lease));
   if (lease.tensors == nullptr || lease.tensors->empty()) return absl::OkStatus();
   return CopyLease(lease, layout, cancel,
                    [dest](const uint8_t* data, uint64_t length, uint64_t offset) {

@@ -1,8 +1,11 @@
-#include "server/transport/push_plan.h"
+#include "server/push/push_plan.h"
 
 #include <algorithm>
+#include <unordered_map>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "server/memory/buffer.h"
 
 namespace weightd {
 
@@ -138,6 +141,64 @@ std::vector<PushCopy> PlanPushCopies(absl::Span<const LeaseTensor> tensors,
     }
   }
   return out;
+}
+
+absl::StatusOr<PushLayout> LayoutForPush(const LeaseContents& lease,
+                                         absl::Span<const uint64_t> offsets) {
+  std::vector<uint64_t> lengths;
+  if (lease.tensors != nullptr) {
+    lengths.reserve(lease.tensors->size());
+    for (const LeaseTensor& t : *lease.tensors) lengths.push_back(PushLength(t));
+  }
+  if (offsets.empty()) return DefaultPushLayout(lengths);
+  return CheckPushLayout(lengths, offsets);
+}
+
+absl::StatusOr<PushJob> MakePushJob(const LeaseContents& lease, const PushLayout& layout,
+                                    const PushPlanOptions& options) {
+  const size_t n = lease.tensors == nullptr ? 0 : lease.tensors->size();
+  if (layout.offsets.size() != n) return absl::InternalError("push layout does not match the lease");
+  WD_RETURN_IF_ERROR(CheckLeaseTensors(lease));
+  PushJob job;
+  job.size = layout.size;
+  job.streams = std::max(options.streams, 1);
+  job.max_cast_bytes = options.max_cast_bytes;
+  if (n == 0) return job;
+  std::unordered_map<const PushMerge*, int32_t> merges;  // each flattened once
+  for (const PushCopy& copy : PlanPushCopies(*lease.tensors, layout, options)) {
+    const uint8_t* base = lease.buffers[copy.buffer]->host_data();
+    if (base == nullptr) {
+      return absl::InternalError(absl::StrCat("push source segment ", copy.buffer,
+                                              " is not in host memory"));
+    }
+    PushJobCopy out{.src = base + copy.src_offset,
+                    .length = copy.length,
+                    .dst_offset = copy.dst_offset,
+                    .dst_length = copy.dst_length,
+                    .stream = copy.stream,
+                    .cast = copy.cast,
+                    .src_dtype = copy.src_dtype,
+                    .dst_dtype = copy.dst_dtype,
+                    .first_element = copy.first_element};
+    if (copy.cast) {
+      // A scratch of max_cast_bytes holds every cast piece (the plan takes
+      // one element a piece even where that is more).
+      job.max_cast_bytes = std::max({job.max_cast_bytes, copy.length, copy.dst_length});
+    }
+    if (copy.merge != nullptr) {
+      auto [it, added] = merges.try_emplace(copy.merge, static_cast<int32_t>(job.merges.size()));
+      if (added) {
+        job.merges.push_back(PushJobMerge{.cols = copy.merge->cols,
+                                          .row_begin = copy.merge->row_begin,
+                                          .terms = copy.merge->terms.data(),
+                                          .num_terms =
+                                              static_cast<uint32_t>(copy.merge->terms.size())});
+      }
+      out.merge = it->second;
+    }
+    job.copies.push_back(out);
+  }
+  return job;
 }
 
 }  // namespace weightd

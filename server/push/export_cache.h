@@ -22,8 +22,8 @@
 // Thread-safe. Fills run one at a time, and a lookup waits for a fill in
 // progress (an export is rare next to a push; a fill of many GiB delays
 // the others: a known limit). The cache must outlive its holds.
-#ifndef WEIGHTD_SERVER_TRANSPORT_EXPORT_CACHE_H_
-#define WEIGHTD_SERVER_TRANSPORT_EXPORT_CACHE_H_
+#ifndef WEIGHTD_SERVER_PUSH_EXPORT_CACHE_H_
+#define WEIGHTD_SERVER_PUSH_EXPORT_CACHE_H_
 
 #include <sys/types.h>
 
@@ -174,4 +174,4 @@ class ExportCache {
 
 }  // namespace weightd
 
-#endif  // WEIGHTD_SERVER_TRANSPORT_EXPORT_CACHE_H_
+#endif  // WEIGHTD_SERVER_PUSH_EXPORT_CACHE_H_

@@ -1,4 +1,4 @@
-#include "server/transport/push_plan.h"
+#include "server/push/push_plan.h"
 
 #include <vector>
 

@@ -1,4 +1,4 @@
-#include "server/transport/host_push.h"
+#include "server/push/host_push.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

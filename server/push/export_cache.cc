@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace weightd {
 
@@ -55,83 +56,116 @@ uint64_t ExportCache::EvictUnheldLocked(
   return freed;
 }
 
+void ExportCache::DropDeadLocked(std::vector<std::shared_ptr<const ExportedBuffer>>* dropped) {
+  for (auto e = entries_.begin(); e != entries_.end();) {
+    if (e->second.holds == 0 && e->second.table.expired()) {
+      dropped->push_back(std::move(e->second.buffer));
+      e = entries_.erase(e);
+    } else {
+      ++e;
+    }
+  }
+}
+
+ExportCache::Usage ExportCache::UsageLocked(const ExportRequest& request) {
+  // What the holder holds on this device now, each buffer once.
+  Usage usage{.hit = entries_.end()};
+  for (auto e = entries_.begin(); e != entries_.end(); ++e) {
+    Entry& entry = e->second;
+    const bool mine = entry.holders.count(request.holder) > 0;
+    usage.mine_buffers += mine ? 1 : 0;
+    if (entry.device != request.device) continue;
+    usage.used += entry.buffer->size;
+    if (mine) usage.mine_bytes += entry.buffer->size;
+    if (entry.key == request.table.get() && entry.table.lock() == request.table) usage.hit = e;
+  }
+  return usage;
+}
+
+absl::Status ExportCache::CheckShareLocked(const ExportRequest& request, const Usage& usage) {
+  const bool cached = usage.hit != entries_.end();
+  if (cached && usage.hit->second.holders.count(request.holder)) return absl::OkStatus();
+  const uint64_t size = cached ? usage.hit->second.buffer->size : request.size;
+  if (usage.mine_bytes + size > request.holder_bytes) {
+    return RefuseLocked(absl::StrCat(
+        "uid ", request.holder, " holds ", usage.mine_bytes, " bytes of exported buffers on ",
+        request.device, "; another of ", size, " would pass its share (--max-export-bytes-per-uid: ",
+        request.holder_bytes, "); close exports it no longer needs"));
+  }
+  if (usage.mine_buffers >= options_.max_buffers_per_holder) {
+    return RefuseLocked(absl::StrCat("uid ", request.holder, " holds ", usage.mine_buffers,
+                                     " exported buffers, the daemon's limit per uid (",
+                                     options_.max_buffers_per_holder,
+                                     "); close exports it no longer needs"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExportCache::MakeRoomLocked(
+    const ExportRequest& request, uint64_t used,
+    std::vector<std::shared_ptr<const ExportedBuffer>>* dropped) {
+  const std::string& device = request.device;
+  if (request.size > request.device_bytes) {
+    return RefuseLocked(absl::StrCat("an export of ", request.size, " bytes to ", device,
+                                     " exceeds --device-memory-bytes (", request.device_bytes,
+                                     " for ", device, ")"));
+  }
+  if (used + request.size > request.device_bytes) {
+    used -= EvictUnheldLocked(device, used + request.size - request.device_bytes, 0, dropped);
+  }
+  if (used + request.size > request.device_bytes) {
+    return RefuseLocked(absl::StrCat("an export of ", request.size, " bytes to ", device,
+                                     " does not fit --device-memory-bytes (",
+                                     request.device_bytes, " for ", device, "): ", used,
+                                     " bytes are held by clients' open exports"));
+  }
+  if (entries_.size() + 1 > options_.max_buffers) {
+    EvictUnheldLocked("", 0, entries_.size() + 1 - options_.max_buffers, dropped);
+  }
+  if (entries_.size() + 1 > options_.max_buffers) {
+    return RefuseLocked(absl::StrCat("clients' open exports hold ", entries_.size(),
+                                     " buffers, the daemon's limit (", options_.max_buffers,
+                                     "; each keeps an fd)"));
+  }
+  return absl::OkStatus();
+}
+
+ExportHold ExportCache::HoldLocked(Entries::iterator hit, uid_t holder) {
+  Entry& entry = hit->second;
+  entry.last_use = ++clock_;
+  ++entry.holders[holder];
+  ++entry.holds;
+  ++stats_.hits;
+  return ExportHold(this, hit->first, holder, entry.buffer);
+}
+
+ExportHold ExportCache::InsertLocked(const ExportRequest& request,
+                                     std::shared_ptr<const ExportedBuffer> buffer) {
+  const uint64_t id = next_id_++;
+  Entry& entry = entries_[id];
+  entry.table = request.table;
+  entry.key = request.table.get();
+  entry.device = request.device;
+  entry.buffer = buffer;
+  entry.holders[request.holder] = 1;
+  entry.holds = 1;
+  entry.last_use = ++clock_;
+  ++stats_.fills;
+  return ExportHold(this, id, request.holder, std::move(buffer));
+}
+
 absl::StatusOr<ExportHold> ExportCache::Get(const ExportRequest& request, const Fill& fill,
                                             bool* filled) {
   if (filled != nullptr) *filled = false;
-  const std::string& device = request.device;
   std::vector<std::shared_ptr<const ExportedBuffer>> dropped;  // freed outside mu_
   absl::MutexLock fill_lock(&fill_mu_);
   {
     absl::MutexLock lock(&mu_);
-    // Dead tables' buffers nobody holds: never handed out again.
-    for (auto e = entries_.begin(); e != entries_.end();) {
-      if (e->second.holds == 0 && e->second.table.expired()) {
-        dropped.push_back(std::move(e->second.buffer));
-        e = entries_.erase(e);
-      } else {
-        ++e;
-      }
-    }
-    // What the holder holds on this device now, each buffer once.
-    uint64_t mine_bytes = 0;
-    size_t mine_buffers = 0;  // on every device
-    std::map<uint64_t, Entry>::iterator hit = entries_.end();
-    uint64_t used = 0;
-    for (auto e = entries_.begin(); e != entries_.end(); ++e) {
-      Entry& entry = e->second;
-      const bool mine = entry.holders.count(request.holder) > 0;
-      mine_buffers += mine ? 1 : 0;
-      if (entry.device != device) continue;
-      used += entry.buffer->size;
-      if (mine) mine_bytes += entry.buffer->size;
-      if (entry.key == request.table.get() && entry.table.lock() == request.table) hit = e;
-    }
-    const uint64_t size = hit != entries_.end() ? hit->second.buffer->size : request.size;
-    const bool held_already = hit != entries_.end() && hit->second.holders.count(request.holder);
-    if (!held_already) {
-      if (mine_bytes + size > request.holder_bytes) {
-        return RefuseLocked(absl::StrCat(
-            "uid ", request.holder, " holds ", mine_bytes, " bytes of exported buffers on ",
-            device, "; another of ", size, " would pass its share (--max-export-bytes-per-uid: ",
-            request.holder_bytes, "); close exports it no longer needs"));
-      }
-      if (mine_buffers >= options_.max_buffers_per_holder) {
-        return RefuseLocked(absl::StrCat("uid ", request.holder, " holds ", mine_buffers,
-                                   " exported buffers, the daemon's limit per uid (",
-                                   options_.max_buffers_per_holder,
-                                   "); close exports it no longer needs"));
-      }
-    }
-    if (hit != entries_.end()) {
-      Entry& entry = hit->second;
-      entry.last_use = ++clock_;
-      ++entry.holders[request.holder];
-      ++entry.holds;
-      ++stats_.hits;
-      return ExportHold(this, hit->first, request.holder, entry.buffer);
-    }
-    if (request.size > request.device_bytes) {
-      return RefuseLocked(absl::StrCat("an export of ", request.size, " bytes to ", device,
-                                 " exceeds --device-memory-bytes (", request.device_bytes,
-                                 " for ", device, ")"));
-    }
-    if (used + request.size > request.device_bytes) {
-      used -= EvictUnheldLocked(device, used + request.size - request.device_bytes, 0, &dropped);
-    }
-    if (used + request.size > request.device_bytes) {
-      return RefuseLocked(absl::StrCat("an export of ", request.size, " bytes to ", device,
-                                 " does not fit --device-memory-bytes (", request.device_bytes,
-                                 " for ", device, "): ", used,
-                                 " bytes are held by clients' open exports"));
-    }
-    if (entries_.size() + 1 > options_.max_buffers) {
-      EvictUnheldLocked("", 0, entries_.size() + 1 - options_.max_buffers, &dropped);
-    }
-    if (entries_.size() + 1 > options_.max_buffers) {
-      return RefuseLocked(absl::StrCat("clients' open exports hold ", entries_.size(),
-                                 " buffers, the daemon's limit (", options_.max_buffers,
-                                 "; each keeps an fd)"));
-    }
+    DropDeadLocked(&dropped);
+    const Usage usage = UsageLocked(request);
+    WD_RETURN_IF_ERROR(CheckShareLocked(request, usage));
+    if (usage.hit != entries_.end()) return HoldLocked(usage.hit, request.holder);
+    WD_RETURN_IF_ERROR(MakeRoomLocked(request, usage.used, &dropped));
   }
   dropped.clear();
   absl::StatusOr<std::unique_ptr<ExportedBuffer>> made = fill();
@@ -139,17 +173,7 @@ absl::StatusOr<ExportHold> ExportCache::Get(const ExportRequest& request, const 
   std::shared_ptr<const ExportedBuffer> buffer(std::move(*made));
   if (filled != nullptr) *filled = true;
   absl::MutexLock lock(&mu_);
-  const uint64_t id = next_id_++;
-  Entry& entry = entries_[id];
-  entry.table = request.table;
-  entry.key = request.table.get();
-  entry.device = device;
-  entry.buffer = buffer;
-  entry.holders[request.holder] = 1;
-  entry.holds = 1;
-  entry.last_use = ++clock_;
-  ++stats_.fills;
-  return ExportHold(this, id, request.holder, std::move(buffer));
+  return InsertLocked(request, std::move(buffer));
 }
 
 absl::Status ExportCache::RefuseLocked(std::string why) {

@@ -163,8 +163,44 @@ class ExportCache {
   // Counts a refusal: RESOURCE_EXHAUSTED saying `why`.
   absl::Status RefuseLocked(std::string why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Get's phases, under mu_.
+  using Entries = std::map<uint64_t, Entry>;
+  // What a Get finds: the request's cached entry (or end()), the bytes of
+  // the device's buffers, and the holder's bytes there and buffers
+  // anywhere.
+  struct Usage {
+    Entries::iterator hit;
+    uint64_t used = 0;
+    uint64_t mine_bytes = 0;
+    size_t mine_buffers = 0;
+  };
+  // Drops dead tables' buffers nobody holds (never handed out again).
+  void DropDeadLocked(std::vector<std::shared_ptr<const ExportedBuffer>>* dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Usage UsageLocked(const ExportRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The holder's share, unless it holds the cached buffer already.
+  absl::Status CheckShareLocked(const ExportRequest& request, const Usage& usage)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Room for a new buffer of request.size bytes: evicts unheld ones of the
+  // device (bytes) and of any device (count), or refuses.
+  absl::Status MakeRoomLocked(const ExportRequest& request, uint64_t used,
+                              std::vector<std::shared_ptr<const ExportedBuffer>>* dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new hold of `entry`'s buffer for `holder`.
+  ExportHold HoldLocked(Entries::iterator entry, uid_t holder) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Caches a filled buffer, held once by the request's holder.
+  ExportHold InsertLocked(const ExportRequest& request,
+                          std::shared_ptr<const ExportedBuffer> buffer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Constant after construction.
   const Options options_;
+
+  // Serializes Gets (a fill runs under it, mu_ released), so that two
+  // exports of one table fill one buffer.
   absl::Mutex fill_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+
+  // Protected by mu_.
   mutable absl::Mutex mu_;
   std::map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);  // by id
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -67,20 +67,23 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
       materializer_(Materializer::Options{&memory_, options_.worker_threads}),
       leases_(options_.lease_idle_ttl, memory_.disposer()),
       access_(options_.access),
-      publish_slots_({options_.max_publish_sessions, options_.max_publish_sessions_per_caller}) {
+      publish_slots_({options_.max_publish_sessions, options_.max_publish_sessions_per_caller}),
+      staging_(StagingReserve::Options{
+          .enabled = options_.publish_staging_ahead,
+          .memory = &memory_,
+          .still_loaded =
+              [this](const std::string& name, uint64_t instance) {
+                auto loaded = FindModel(name);
+                return loaded.ok() && (*loaded)->instance == instance;
+              }}) {
   if (options_.state_dir != nullptr) {
     published_store_ = std::make_unique<PublishedStore>(options_.state_dir);
   }
   reaper_ = std::thread([this] { ReapLoop(); });
-  if (options_.publish_staging_ahead) {
-    ahead_reclaimer_ = memory_.AddReclaimer(MemoryAccount::kRankWarmReserve,
-                                            [this](uint64_t) { return ReclaimStagingAhead(); });
-    stager_ = std::thread([this] { StagerLoop(); });
-  }
 }
 
 WeightService::~WeightService() {
-  StopStager();
+  staging_.Stop();
   stop_.Notify();
   if (reaper_.joinable()) reaper_.join();
 }
@@ -94,27 +97,9 @@ void WeightService::ReapLoop() {
     PruneGenerations();
     ExpirePublishes();
     // A model that stopped publishing does not keep a staging for good.
-    if (options_.publish_staging_ahead) ReclaimStagingAhead(absl::Minutes(10));
+    staging_.Reclaim(absl::Minutes(10));
     materializer_.Sweep();
   }
-}
-
-std::vector<ReadGuard> WeightService::ModelGuards(const Model& model) {
-  std::vector<ReadGuard> guards;
-  if (!model.readers.empty()) {
-    guards.push_back(ReadGuard{absl::StrCat("model \"", model.name, "\""), model.readers});
-  }
-  return guards;
-}
-
-std::vector<ReadGuard> WeightService::GuardsOf(const Model& model, const Generation& gen) {
-  std::vector<ReadGuard> guards = ModelGuards(model);
-  for (const ReadGuard& g : gen.adapter_guards) {
-    guards.push_back(ReadGuard{absl::StrCat(g.what, " (applied to model \"", model.name,
-                                            "\" at generation ", gen.number, ")"),
-                               g.readers});
-  }
-  return guards;
 }
 
 absl::Status WeightService::CheckCanRead(const std::string& model_name,
@@ -178,7 +163,7 @@ absl::Status WeightService::CommitState(StateRecord& record,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<const WeightService::Model>> WeightService::FindModel(
+absl::StatusOr<std::shared_ptr<const Model>> WeightService::FindModel(
     const std::string& name) const {
   absl::MutexLock lock(&mu_);
   auto it = models_.find(name);
@@ -188,19 +173,7 @@ absl::StatusOr<std::shared_ptr<const WeightService::Model>> WeightService::FindM
   return it->second;
 }
 
-std::vector<const WeightService::Served*> WeightService::ServedAt(const Model& model,
-                                                                  const Generation& gen) {
-  std::vector<const Served*> out;
-  const std::vector<Served>& base = gen.served != nullptr ? *gen.served : *model.served;
-  out.reserve(base.size() + gen.added.size());
-  for (const Served& s : base) out.push_back(&s);
-  for (const Served& s : gen.added) out.push_back(&s);
-  std::sort(out.begin(), out.end(),
-            [](const Served* a, const Served* b) { return a->plan.name < b->plan.name; });
-  return out;
-}
-
-absl::StatusOr<std::shared_ptr<WeightService::Generation>> WeightService::BuildGeneration(
+absl::StatusOr<std::shared_ptr<Generation>> WeightService::BuildGeneration(
     const Model& model, uint64_t number, const std::vector<AdapterRef>& stack,
     std::vector<std::shared_ptr<const Adapter>> adapters,
     std::shared_ptr<const PublishedBase> published) {
@@ -560,7 +533,7 @@ void WeightService::RecordFetch(const FetchParams& params, bool ok, absl::Time s
   }
 }
 
-std::shared_ptr<const WeightService::Generation> WeightService::GenerationOf(const Model& model,
+std::shared_ptr<const Generation> WeightService::GenerationOf(const Model& model,
                                                                              uint64_t number) {
   if (number == 0) return model.current;
   for (const auto& g : model.history) {
@@ -1613,7 +1586,7 @@ ServiceStats WeightService::Stats() const {
   s.publish_sessions = OpenPublishSessions();
   s.publish_staging_prepared = staging_prepared_.load();
   s.publish_staging_allocated = staging_allocated_.load();
-  s.publish_staging_ahead_bytes = StagingAheadBytes();
+  s.publish_staging_ahead_bytes = staging_.Bytes();
   s.fetches = fetches_.load();
   s.applies = applies_.load();
   s.loads = loads_.load();

@@ -38,8 +38,13 @@
 #include "server/service/fetch_plan.h"
 #include "server/service/fetch_table_cache.h"
 #include "server/service/latency_histogram.h"
-#include "server/service/publish_plan.h"
-#include "server/service/publish_slots.h"
+#include "server/publish/publish_plan.h"
+#include "server/publish/publish_slots.h"
+#include "server/publish/publish_session.h"
+#include "server/publish/publish_types.h"
+#include "server/publish/staging_reserve.h"
+#include "server/service/model.h"
+#include "server/service/types.h"
 #include "server/state/published_store.h"
 #include "server/state/state_journal.h"
 #include "server/gpu/host_pinner.h"
@@ -47,6 +52,8 @@
 #include "server/memory/segment.h"
 
 namespace weightd {
+
+struct PublishDiff;
 
 struct WeightServiceOptions {
   std::vector<std::string> model_roots;
@@ -110,63 +117,6 @@ struct WeightServiceOptions {
   // waiting commit for this long ends (DEADLINE_EXCEEDED) and frees its
   // memory; zero = only its deadline ends it.
   absl::Duration publish_idle_timeout = absl::Minutes(5);
-};
-
-struct ModelSummary {
-  std::string name;
-  std::string path;
-  uint64_t generation = 0;
-  uint64_t tensor_count = 0;  // served tensors
-  uint64_t total_bytes = 0;   // checkpoint bytes
-  // The checkpoint's segments by page kind (PageKind order), rounding included.
-  std::array<uint64_t, kPageKinds> page_bytes{};
-  std::vector<std::string> files;
-  std::vector<std::string> adapters;  // current stack, "name:strength"
-  std::vector<std::string> report;    // profile report, names summarized
-  std::vector<std::string> readers;   // the model's own; empty = public
-  // What a read of the current generation must pass: the model and every
-  // private adapter in its stack.
-  std::vector<ReadGuard> guards;
-  // Identity of the current generation's served content: a digest over the
-  // (served name, tensor digest) pairs in name order.
-  Digest content;
-};
-
-struct TensorSummary {
-  std::string name;  // served name
-  DType dtype;       // as served by default (dtype rules and quantization applied)
-  std::vector<int64_t> shape;
-  Digest digest;     // content identity at the current generation
-  std::vector<std::string> sources;  // checkpoint names (reverse map)
-  std::vector<std::string> patched_by;  // adapters touching it
-};
-
-struct ModelDetail {
-  ModelSummary summary;
-  std::vector<TensorSummary> tensors;
-};
-
-struct AdapterSummary {
-  std::string name;
-  std::string path;
-  std::string format;
-  uint64_t tensor_count = 0;  // parameters it patches
-  uint64_t bytes = 0;
-  std::vector<std::string> ignored;  // keys not understood, summarized
-  std::vector<std::string> readers;  // empty = public
-};
-
-struct AdapterRef {
-  std::string name;
-  float strength = 1.0f;
-};
-
-struct GenerationInfo {
-  std::string model;
-  uint64_t generation = 0;
-  std::vector<std::string> adapters;  // "name:strength"
-  std::vector<ReadGuard> guards;      // what reading this generation must pass
-  Digest content;                     // as ModelSummary::content
 };
 
 enum class TransportKind { kShm, kGrpc, kCuda };
@@ -453,44 +403,11 @@ class WeightService {
   // against the model's readers; the commit also against the generation it
   // builds on. Open sessions are capped (PublishSlots) and charged: their
   // staging segments and their metadata count against --host-memory-bytes.
-  struct PublishBeginParams {
-    std::optional<Principal> caller;  // none: the daemon itself
-    std::string model;
-    std::vector<PublishTensorSpec> tensors;
-    uint64_t expect_generation = 0;
-    absl::Duration timeout = absl::Minutes(10);  // from begin to the last byte
-  };
-  struct PublishSessionInfo {
-    uint64_t id = 0;
-    std::string token;  // every write and commit must present it
-    uint64_t base_generation = 0;
-    PublishLayout layout;  // where each tensor lies in the staging segment
-    uint64_t staging_bytes = 0;  // the staging memfd's size (layout.total, rounded to its pages)
-    uint64_t bytes = 0;    // tensor bytes to write (sum over the specs)
-    absl::Time deadline;
-    std::vector<std::string> per_part;  // specs the profile shards part by part
-  };
-  struct PublishRun {
-    uint32_t tensor = 0;  // index into the session's specs
-    uint64_t offset = 0;  // bytes into the tensor (row-major)
-    uint64_t length = 0;
-  };
-  struct PublishResult {
-    GenerationInfo generation;  // the new one, or the current one when nothing changed
-    uint64_t tensors = 0;
-    uint64_t changed = 0;         // served tensors whose bytes differ
-    uint64_t bytes = 0;           // received
-    uint64_t bytes_stored = 0;    // new memory held for the changed ones
-    // Changed bytes that some loaded model already held, shared instead of
-    // stored again (FindResidentCopies), and the models that held them.
-    uint64_t bytes_shared = 0;
-    std::vector<std::string> shared_with;
-  };
-  struct PublishProgress {
-    uint64_t bytes_done = 0;
-    uint64_t bytes_total = 0;
-    std::optional<PublishResult> result;  // set by the write that completed it
-  };
+  using PublishBeginParams = ::weightd::PublishBeginParams;
+  using PublishSessionInfo = ::weightd::PublishSessionInfo;
+  using PublishRun = ::weightd::PublishRun;
+  using PublishResult = ::weightd::PublishResult;
+  using PublishProgress = ::weightd::PublishProgress;
   absl::StatusOr<PublishSessionInfo> BeginPublish(const PublishBeginParams& params)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
   // Copies `data` (the runs' bytes, concatenated) into the staging segment.
@@ -547,68 +464,6 @@ class WeightService {
   const WeightServiceOptions& options() const { return options_; }
 
  private:
-  using ContentMap = absl::flat_hash_map<std::string, Digest>;
-  // A served tensor of a model: its plan and its parts in the store.
-  struct Served {
-    ServedTensorPlan plan;
-    std::vector<const StoredTensor*> parts;  // borrowed from the checkpoint
-  };
-  using PublishedBase = absl::flat_hash_map<std::string, std::shared_ptr<const StoredTensor>>;
-  // One generation: the adapter stack and the patches it puts on each part
-  // (keyed by the part's checkpoint name, or served name for new tensors).
-  struct Generation {
-    uint64_t number = 1;
-    // Copied into every lease on this generation, and nowhere else: the
-    // generation is leased while use_count() > 1 (IsLeased).
-    std::shared_ptr<const int> lease_marker = std::make_shared<const int>(0);
-    std::vector<AdapterRef> stack;
-    std::vector<std::shared_ptr<const Adapter>> adapters;  // kept alive
-    absl::flat_hash_map<std::string, std::vector<AppliedPatch>> patches;
-    absl::flat_hash_map<std::string, std::vector<std::string>> patched_by;  // served -> adapters
-    // Served tensors added by .set_weight (absent from the checkpoint).
-    std::vector<Served> added;
-    // Published base weights in place of the checkpoint's (by part key: the
-    // checkpoint name, or the served name of an allow_new tensor), carried
-    // from generation to generation; null = none.
-    std::shared_ptr<const PublishedBase> published;
-    // The model's served tensors with the published parts in place (the
-    // model's own list when nothing is published).
-    std::shared_ptr<const std::vector<Served>> served;
-    std::shared_ptr<const ContentMap> content;  // served name -> identity
-    Digest identity;                            // ContentIdentity(*content)
-    // Private adapters of the stack, with their readers as of the apply.
-    std::vector<ReadGuard> adapter_guards;
-    // FP8 scales (amax / 448) computed on first use, per served tensor.
-    mutable absl::Mutex scale_mu;
-    mutable absl::flat_hash_map<std::string, float> fp8_scales ABSL_GUARDED_BY(scale_mu);
-  };
-  // Immutable; an apply publishes a new Model sharing everything but the
-  // generation list.
-  struct Model {
-    std::string name;
-    // Which load this is (kept by the copies an apply makes): a model
-    // unloaded and loaded again under its name is another instance.
-    uint64_t instance = 0;
-    std::string path;
-    std::vector<std::string> files;  // the files its load opened
-    std::shared_ptr<const Checkpoint> checkpoint;
-    // A model that shares its checkpoint with another (loaded from the same
-    // files) holds its own charge for the metadata it builds (names,
-    // layout, generations): the checkpoint's own was charged once.
-    std::shared_ptr<const MemoryCharge> metadata_charge;
-    std::shared_ptr<const Profile> profile;  // null: identity layout
-    ReaderList readers;                      // empty: public
-    std::shared_ptr<const std::vector<Served>> served;  // sorted by name
-    std::shared_ptr<const ServedLayout> layout;
-    std::shared_ptr<const Generation> current;
-    // Older generations still leased (and the current one).
-    std::vector<std::shared_ptr<const Generation>> history;
-    // Content identities of the last kDigestHistory generations, leased or
-    // not: all --changed-since needs.
-    std::vector<std::pair<uint64_t, std::shared_ptr<const ContentMap>>> digests;
-    // The next generation's number is at least this (SetGenerationFloor).
-    uint64_t generation_floor = 0;
-  };
   static Digest ContentIdentity(const ContentMap& content);
   // A restored publish (RestorePublish): its weights replace the current
   // generation's published ones, and it is journaled as a publish.
@@ -656,21 +511,15 @@ class WeightService {
   // `publish` (under mu_; no other change ran meanwhile) makes it visible.
   absl::Status CommitState(StateRecord& record, absl::FunctionRef<absl::Status()> check,
                            absl::FunctionRef<void()> publish) ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
-  static constexpr size_t kDigestHistory = 256;
 
   WeightService(WeightServiceOptions options, ModelRoots roots);
   static ModelSummary Summarize(const Model& model);
-  static std::vector<ReadGuard> GuardsOf(const Model& model, const Generation& gen);
-  // The model's own readers (none: public), whatever generation is served.
-  static std::vector<ReadGuard> ModelGuards(const Model& model);
   absl::StatusOr<std::shared_ptr<const Model>> FindModel(const std::string& name) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // A published tensor's entry, its metadata (TensorMetadataBytes) charged
   // to the budget for as long as the entry lives: RESOURCE_EXHAUSTED when
   // it does not fit.
   absl::StatusOr<std::shared_ptr<const StoredTensor>> ChargedPublished(StoredTensor t);
-  // The served tensors at `gen`: the model's plus those the generation adds.
-  static std::vector<const Served*> ServedAt(const Model& model, const Generation& gen);
   static absl::StatusOr<std::shared_ptr<Generation>> BuildGeneration(
       const Model& model, uint64_t number, const std::vector<AdapterRef>& stack,
       std::vector<std::shared_ptr<const Adapter>> adapters,
@@ -683,7 +532,6 @@ class WeightService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What clients are told of generation `gen` of `model`.
   static GenerationInfo InfoOf(const Model& model, const Generation& gen);
-  struct PublishSession;
   // The session, for a caller with its token who may read its model.
   absl::StatusOr<std::shared_ptr<PublishSession>> FindPublish(
       const std::optional<Principal>& caller, uint64_t id, absl::string_view token)
@@ -694,6 +542,40 @@ class WeightService {
   absl::StatusOr<PublishResult> CommitStaged(PublishSession& session,
                                              const std::optional<Principal>& caller)
       ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+  // CommitStaged's phases beyond publish_commit.h's, those that read or
+  // change the catalog. The commit's times, for its log line.
+  struct CommitTimes {
+    absl::Time start;     // the last byte landed
+    absl::Time sealed;    // SealStaging done
+    absl::Time digested;  // DigestPieces done
+  };
+  // The session's model, if it is still the instance the session began on
+  // (ABORTED otherwise; NOT_FOUND when unloaded).
+  absl::StatusOr<std::shared_ptr<const Model>> FindSessionModel(
+      const PublishSession& session) const ABSL_LOCKS_EXCLUDED(mu_);
+  // A publish that changes nothing: the current generation `cur` as the
+  // result; ABORTED and `raced` when the model moved on meanwhile.
+  absl::Status CurrentAsResult(const PublishSession& session,
+                               const std::shared_ptr<const Generation>& cur,
+                               PublishResult* result, bool* raced) ABSL_LOCKS_EXCLUDED(mu_);
+  // Shares or stores the changed pieces of `diff` (FindResidentCopies,
+  // PlanStore, CompactStored, StoredTensorsOf) and installs the generation
+  // they make on `cur` (InstallPublished).
+  absl::Status StorePublished(PublishSession& session, const Model& model,
+                              const std::shared_ptr<const Generation>& cur,
+                              const SegmentPtr& segment, PublishDiff& diff,
+                              PublishResult* result, bool* raced)
+      ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
+  // Builds the generation of `published` on `cur` and commits it
+  // (CommitState): journaled, installed, pinned and saved for restarts.
+  // ABORTED and `raced` when another change won (the caller builds on it).
+  absl::Status InstallPublished(const PublishSession& session, const Model& model,
+                                const std::shared_ptr<const Generation>& cur,
+                                std::shared_ptr<PublishedBase> published, PublishResult* result,
+                                bool* raced) ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
+  // Records the result's guards on the session, counts and logs the publish.
+  PublishResult FinishPublish(PublishSession& session, std::vector<ReadGuard> result_guards,
+                              const CommitTimes& times, PublishResult result);
   // Where bytes can be shared instead of stored (CommitStaged,
   // RestorePublish, model loads). For each wanted run of bytes: a tensor
   // some loaded model holds now (a checkpoint tensor, served or not, or a
@@ -784,39 +666,10 @@ class WeightService {
   // Fails the open publish sessions of `model` instance `instance` (unload).
   void EndPublishesOf(uint64_t instance, const std::string& why) ABSL_LOCKS_EXCLUDED(publish_mu_);
   // Staging prepared ahead for a model's next publish
-  // (options_.publish_staging_ahead; publish.cc): per model instance, the
-  // size its last publish staged and, once the stager made it, a segment of
-  // that size, faulted in. A session of that size takes it (BeginPublish).
-  struct StagingAhead {
-    std::string model;
-    uint64_t bytes = 0;
-    std::unique_ptr<Segment> segment;
-    bool in_flight = false;  // the stager is allocating it now
-    absl::Time ready_at;     // when the segment was made
-  };
-  mutable absl::Mutex ahead_mu_;  // a leaf: nothing else is taken while it is held
-  absl::CondVar ahead_wanted_;  // an entry wants a segment, or stop
-  absl::CondVar ahead_ready_;   // an in-flight entry was made, dropped or failed
-  absl::flat_hash_map<uint64_t, StagingAhead> ahead_ ABSL_GUARDED_BY(ahead_mu_);
-  bool ahead_stop_ ABSL_GUARDED_BY(ahead_mu_) = false;
-  std::thread stager_;
-  uint64_t ahead_reclaimer_ = 0;
+  // (options_.publish_staging_ahead; BeginPublish takes it).
+  StagingReserve staging_;
   std::atomic<uint64_t> staging_prepared_{0};
   std::atomic<uint64_t> staging_allocated_{0};
-  uint64_t StagingAheadBytes() const ABSL_LOCKS_EXCLUDED(ahead_mu_);
-  // Asks the stager for a segment of `bytes` for `instance`'s next publish.
-  void WantStagingAhead(const std::string& model, uint64_t instance, uint64_t bytes)
-      ABSL_LOCKS_EXCLUDED(ahead_mu_);
-  // The prepared segment for `instance` if it is `bytes` long, else null.
-  std::unique_ptr<Segment> TakeStagingAhead(uint64_t instance, uint64_t bytes)
-      ABSL_LOCKS_EXCLUDED(ahead_mu_);
-  void DropStagingAhead(uint64_t instance) ABSL_LOCKS_EXCLUDED(ahead_mu_);
-  // Frees the prepared segments unused for `idle` or more (the memory
-  // manager's reclaimer: all of them; the reaper: those unused 10 minutes).
-  uint64_t ReclaimStagingAhead(absl::Duration idle = absl::ZeroDuration())
-      ABSL_LOCKS_EXCLUDED(ahead_mu_);
-  void StagerLoop() ABSL_LOCKS_EXCLUDED(ahead_mu_);
-  void StopStager() ABSL_LOCKS_EXCLUDED(ahead_mu_);
   std::atomic<uint64_t> publish_count_{0};
   std::atomic<uint64_t> publish_bytes_{0};
   std::atomic<uint64_t> publish_ns_{0};

@@ -8,8 +8,8 @@
 // when it ends (committed, failed, aborted, expired). Thread-safe; its lock
 // is a leaf (nothing else is taken under it), so slots may be given back
 // under a session's own lock.
-#ifndef WEIGHTD_SERVER_SERVICE_PUBLISH_SLOTS_H_
-#define WEIGHTD_SERVER_SERVICE_PUBLISH_SLOTS_H_
+#ifndef WEIGHTD_SERVER_PUBLISH_PUBLISH_SLOTS_H_
+#define WEIGHTD_SERVER_PUBLISH_PUBLISH_SLOTS_H_
 
 #include <cstddef>
 #include <string>
@@ -52,4 +52,4 @@ class PublishSlots {
 
 }  // namespace weightd
 
-#endif  // WEIGHTD_SERVER_SERVICE_PUBLISH_SLOTS_H_
+#endif  // WEIGHTD_SERVER_PUBLISH_PUBLISH_SLOTS_H_

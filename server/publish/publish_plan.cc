@@ -1,4 +1,4 @@
-#include "server/service/publish_plan.h"
+#include "server/publish/publish_plan.h"
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"

@@ -2,8 +2,8 @@
 // and friends) — where each published tensor lies in the staging segment,
 // which byte ranges of it have arrived, and how a served tensor's bytes
 // split into the checkpoint parts it replaces. No locks, no I/O.
-#ifndef WEIGHTD_SERVER_SERVICE_PUBLISH_PLAN_H_
-#define WEIGHTD_SERVER_SERVICE_PUBLISH_PLAN_H_
+#ifndef WEIGHTD_SERVER_PUBLISH_PUBLISH_PLAN_H_
+#define WEIGHTD_SERVER_PUBLISH_PUBLISH_PLAN_H_
 
 #include <cstdint>
 #include <map>
@@ -72,4 +72,4 @@ std::vector<PartBytes> SplitParts(absl::Span<const int64_t> shape, DType dtype,
 
 }  // namespace weightd
 
-#endif  // WEIGHTD_SERVER_SERVICE_PUBLISH_PLAN_H_
+#endif  // WEIGHTD_SERVER_PUBLISH_PUBLISH_PLAN_H_

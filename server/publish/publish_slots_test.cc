@@ -1,4 +1,4 @@
-#include "server/service/publish_slots.h"
+#include "server/publish/publish_slots.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "server/service/publish_plan.h"
+#include "server/publish/publish_plan.h"
 
 #include <gtest/gtest.h>
 

@@ -89,6 +89,60 @@ absl::StatusOr<std::vector<size_t>> SelectByName(absl::Span<const std::string> s
   return selected;
 }
 
+namespace {
+
+// A merged tensor sharded as a whole: each part gives the rows of `box`
+// that fall inside it (an empty shard: zero rows of the first part).
+template <typename Patches>
+void SlicesOfMergedBox(const std::vector<const StoredTensor*>& parts, const ShardBox& whole,
+                       const Patches& patches, MaterializeItem* out) {
+  const ShardBox* box = &whole;
+  MaterializeItem& item = *out;
+  int64_t begin = box->offset[0], end = begin + box->shape[0], part_start = 0;
+  for (const StoredTensor* p : parts) {
+    int64_t part_end = part_start + p->shape[0];
+    int64_t lo = std::max(begin, part_start), hi = std::min(end, part_end);
+    if (lo < hi) {
+      ShardBox pb = *box;
+      pb.offset[0] = lo - part_start;
+      pb.shape[0] = std::max<int64_t>(0, hi - lo);
+      item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(pb), patches(p->name)});
+    }
+    part_start = part_end;
+  }
+  if (item.slices.empty()) {  // an empty shard: zero rows of the first part
+    const StoredTensor* p = parts.front();
+    ShardBox pb = *box;
+    pb.offset[0] = 0;
+    pb.shape[0] = 0;
+    item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(pb), {}});
+  }
+}
+
+// The dtype `plan` is served as (an FP8 quantization records its scale in
+// `item`).
+absl::StatusOr<DType> OutDType(const ServedTensorPlan& plan, const FetchPlanOptions& options,
+                               size_t index, MaterializeItem* item) {
+  DType stored = plan.dtype;
+  DType out = stored;
+  if (plan.quantize_fp8) {
+    out = DType::kF8E4M3;
+    WD_ASSIGN_OR_RETURN(float scale, options.fp8_scale(index));
+    item->fp8_scale = scale;
+  } else if (plan.dtype_override.has_value()) {
+    out = *plan.dtype_override;
+  } else if (options.dtype.has_value() && IsFloating(stored)) {
+    if (!IsFloating(*options.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot serve float tensors as ",
+                                                     DTypeName(*options.dtype)));
+    }
+    out = *options.dtype;
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<FetchPlan> PlanFetch(absl::Span<const PlannedTensor> tensors,
                                     const FetchPlanOptions& options) {
   const size_t mesh_dims = options.mesh.shape.size();
@@ -139,44 +193,10 @@ absl::StatusOr<FetchPlan> PlanFetch(absl::Span<const PlannedTensor> tensors,
         const StoredTensor* p = s->parts[0];
         item.slices.push_back(PartSlice{p, p->dtype, p->shape, *box, patches(p->name)});
       } else {
-        // A merged tensor sharded as a whole: each part gives the rows of the
-        // box that fall inside it.
-        int64_t begin = box->offset[0], end = begin + box->shape[0], part_start = 0;
-        for (const StoredTensor* p : s->parts) {
-          int64_t part_end = part_start + p->shape[0];
-          int64_t lo = std::max(begin, part_start), hi = std::min(end, part_end);
-          if (lo < hi) {
-            ShardBox pb = *box;
-            pb.offset[0] = lo - part_start;
-            pb.shape[0] = std::max<int64_t>(0, hi - lo);
-            item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(pb), patches(p->name)});
-          }
-          part_start = part_end;
-        }
-        if (item.slices.empty()) {  // an empty shard: zero rows of the first part
-          const StoredTensor* p = s->parts.front();
-          ShardBox pb = *box;
-          pb.offset[0] = 0;
-          pb.shape[0] = 0;
-          item.slices.push_back(PartSlice{p, p->dtype, p->shape, std::move(pb), {}});
-        }
+        SlicesOfMergedBox(s->parts, *box, patches, &item);
       }
     }
-    DType stored = plan.dtype;
-    DType out = stored;
-    if (plan.quantize_fp8) {
-      out = DType::kF8E4M3;
-      WD_ASSIGN_OR_RETURN(float scale, options.fp8_scale(index));
-      item.fp8_scale = scale;
-    } else if (plan.dtype_override.has_value()) {
-      out = *plan.dtype_override;
-    } else if (options.dtype.has_value() && IsFloating(stored)) {
-      if (!IsFloating(*options.dtype)) {
-        return absl::InvalidArgumentError(absl::StrCat("cannot serve float tensors as ",
-                                                       DTypeName(*options.dtype)));
-      }
-      out = *options.dtype;
-    }
+    WD_ASSIGN_OR_RETURN(const DType out, OutDType(plan, options, index, &item));
     item.out_dtype = out;
     ft.dtype = out;
     std::optional<float> scale = item.fp8_scale;

@@ -1,10 +1,32 @@
 #include "server/service/model.h"
 
 #include <algorithm>
+#include <cctype>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
 namespace weightd {
+namespace {
+
+constexpr size_t kMaxModelName = 128;
+
+}  // namespace
+
+absl::Status ValidateModelName(const std::string& name) {
+  if (name.empty() || name.size() > kMaxModelName) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model name must be 1 to ", kMaxModelName, " characters, got ", name.size()));
+  }
+  for (unsigned char c : name) {
+    if (!(std::isalnum(c) || c == '.' || c == '_' || c == '-' || c == '/' || c == ':')) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model name \"", absl::CHexEscape(name),
+          "\" may hold only letters, digits and . _ - / :"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 std::vector<ReadGuard> ModelGuards(const Model& model) {
   std::vector<ReadGuard> guards;

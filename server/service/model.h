@@ -15,6 +15,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "common/digest.h"
 #include "server/adapter/adapter.h"
@@ -92,6 +93,16 @@ struct Model {
   // The next generation's number is at least this (SetGenerationFloor).
   uint64_t generation_floor = 0;
 };
+
+// What an adapter loaded with peers keeps of its weights file (Adapter::
+// fetched): the one-file checkpoint holding its bytes, and the budget
+// charge of a shared copy.
+using AdapterFileBytes =
+    std::pair<std::shared_ptr<const Checkpoint>, std::shared_ptr<MemoryCharge>>;
+
+// Names of models and adapters: 1 to 128 letters, digits and . _ - / :
+// (INVALID_ARGUMENT otherwise, the name escaped).
+absl::Status ValidateModelName(const std::string& name);
 
 // The served tensors at `gen`: the model's plus those the generation adds,
 // sorted by served name.

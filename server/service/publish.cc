@@ -1,9 +1,9 @@
-// WeightService: publishing new base weights (weight_service.h, "Publishing
-// new base weights"). A session stages the published tensors in one segment
-// of its own; the write that lands its last byte digests them and installs
-// the generation. Locks: a session's mu is taken alone or after publish_mu_
-// is released; CommitStaged takes state_mu_/mu_ (CommitState) with no
-// session lock held.
+// WeightService: the publish commit (weight_service.h, "Publishing new base
+// weights"): the phases of publish/publish_commit.h, run in order, and the
+// ones that read or change the catalog (FindResidentCopies, CommitState).
+// Sessions are publish/publish_service.h's. Locks: CommitStaged is called
+// with no lock held; it takes a session's mu alone, and committer -> mu_
+// (CommitState).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -29,465 +29,32 @@
 #include "server/service/weight_service.h"
 
 namespace weightd {
-namespace {
 
-// How long an ended session still answers CommitPublish with its result
-// (the other ranks of a sharded publish ask after the last byte landed).
-constexpr absl::Duration kEndedSessionLinger = absl::Seconds(60);
-
-std::string RandomHex(size_t bytes) {
-  std::string raw(bytes, '\0');
-  size_t done = 0;
-  while (done < bytes) {
-    ssize_t n = ::getrandom(raw.data() + done, bytes - done, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;  // getrandom does not fail for 16 bytes on Linux >= 3.17
-    done += static_cast<size_t>(n);
-  }
-  return absl::BytesToHexString(raw);
+// The publish calls, forwarded to the session service.
+absl::StatusOr<PublishSessionInfo> WeightService::BeginPublish(const PublishBeginParams& params) {
+  return publish_.Begin(params);
 }
 
-bool TokensEqual(absl::string_view a, absl::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
-std::string SpecString(DType dtype, absl::Span<const int64_t> shape) {
-  return absl::StrCat(DTypeName(dtype), " ", ShapeString(shape));
-}
-
-// What one recorded byte range of a session's coverage costs in memory (a
-// std::map node and its allocation), charged as the coverage grows.
-constexpr uint64_t kCoverageRangeBytes = 64;
-
-uint64_t SmallPageBytes() {
-  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  return page;
-}
-
-// The key a caller's open sessions are counted under (PublishSlots): its
-// uid on a Unix socket, its token name and certificate CN on TCP; "" for
-// the daemon itself.
-std::string CallerKey(const Principal& p) {
-  switch (p.via) {
-    case Principal::Via::kInternal:
-      return "";
-    case Principal::Via::kUnixSocket:
-      return absl::StrCat("uid:", p.peer.uid);
-    case Principal::Via::kTcp:
-      return absl::StrCat("tcp:token=", p.token_name, ",cn=", p.cert_cn);
-  }
-  return "";
-}
-
-}  // namespace
-
-absl::StatusOr<WeightService::PublishSessionInfo> WeightService::BeginPublish(
-    const PublishBeginParams& params) {
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(params.model));
-  const std::shared_ptr<const Generation> cur = model->current;
-  // Writing requires reading: nothing about the model (its generation,
-  // names, dtypes, shapes) is checked or said before the caller is known
-  // to be a reader, as Fetch does.
-  if (params.caller.has_value()) {
-    WD_RETURN_IF_ERROR(access_.CheckRead(*params.caller, GuardsOf(*model, *cur)));
-  }
-  if (params.expect_generation != 0 && params.expect_generation != cur->number) {
-    return absl::AbortedError(absl::StrCat("model \"", params.model, "\" is at generation ",
-                                           cur->number, ", not ", params.expect_generation));
-  }
-  if (params.timeout <= absl::ZeroDuration() || params.timeout > absl::Hours(24)) {
-    return absl::InvalidArgumentError("a publish session's timeout must be between 0 and 24 h");
-  }
-  WD_ASSIGN_OR_RETURN(PublishLayout layout, LayoutPublish(params.tensors));
-  // Each tensor must be one the model serves, as it stores it.
-  absl::flat_hash_map<absl::string_view, const Served*> by_name;
-  for (const Served* s : ServedAt(*model, *cur)) by_name.emplace(s->plan.name, s);
-  absl::flat_hash_set<absl::string_view> added;
-  for (const Served& s : cur->added) added.insert(s.plan.name);
-  uint64_t bytes = 0;
-  uint64_t metadata_bytes = sizeof(PublishSession);
-  std::vector<std::string> per_part;
-  for (const PublishTensorSpec& spec : params.tensors) {
-    if (added.contains(spec.name)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor \"", spec.name, "\" of model \"", params.model,
-          "\" is added by an adapter of its stack; only base weights are published"));
-    }
-    auto it = by_name.find(spec.name);
-    if (it == by_name.end()) {
-      return absl::NotFoundError(absl::StrCat("model \"", params.model, "\" has no tensor ",
-                                              QuoteForMessage(spec.name),
-                                              " (a new name must be allowed by its profile)"));
-    }
-    const ServedTensorPlan& plan = it->second->plan;
-    if (plan.parts.empty() && model->checkpoint->Find(plan.name) != nullptr) {
-      // Published parts are keyed by checkpoint name, and this allowed new
-      // tensor's name is another tensor's there.
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor \"", spec.name, "\" of model \"", params.model,
-          "\" is a new tensor whose name is also a checkpoint tensor's (mapped elsewhere by the "
-          "profile); it cannot be published"));
-    }
-    if (spec.dtype != plan.dtype || spec.shape != plan.shape) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor \"", spec.name, "\" of model \"", params.model, "\" is ",
-          SpecString(plan.dtype, plan.shape), "; the publish says ",
-          SpecString(spec.dtype, spec.shape)));
-    }
-    bytes += spec.bytes();
-    metadata_bytes += sizeof(PublishTensorSpec) + spec.name.size() +
-                      spec.shape.size() * sizeof(int64_t) + sizeof(RangeCoverage) +
-                      sizeof(uint64_t);
-    if (plan.per_part) per_part.push_back(spec.name);
-  }
-  // An open session holds a memfd and a mapping: capped per caller and in
-  // all, so that no caller can take the daemon's file descriptors.
-  const std::string caller_key = params.caller.has_value() ? CallerKey(*params.caller) : "";
-  WD_RETURN_IF_ERROR(publish_slots_.Acquire(
-      caller_key, params.caller.has_value() ? params.caller->Describe() : "the daemon"));
-  absl::Cleanup give_slot_back = [&] { publish_slots_.Release(caller_key); };
-  WD_ASSIGN_OR_RETURN(std::unique_ptr<MemoryCharge> metadata,
-                      memory_.Charge(metadata_bytes, absl::StrCat("publish session metadata for "
-                                                                  "model \"", params.model, "\"")));
-  const uint64_t staging_size = layout.total;
-  // Prepared after the model's last publish (StagerLoop) when this one is
-  // the same size; else allocated now.
-  std::unique_ptr<Segment> ahead = staging_.Take(model->instance, staging_size);
-  const bool took_ahead = ahead != nullptr;
-  HostMemoryManager::AllocateOptions alloc;
-  alloc.purpose = "publish";
-  // Faulted in at once: the writers' copies then run at memory speed
-  // instead of taking a page fault per 4 KiB.
-  alloc.prefault = true;
-  alloc.warm = true;  // a pre-faulted reserve chunk when the staging fits one
-  absl::StatusOr<std::unique_ptr<Segment>> staging = std::move(ahead);
-  if (!took_ahead) staging = memory_.Allocate(staging_size, alloc);
-  if (!staging.ok()) {
-    return Annotate(staging.status(),
-                    absl::StrCat("staging ", layout.total, " bytes to publish to model \"",
-                                 params.model, "\""));
-  }
-  (took_ahead ? staging_prepared_ : staging_allocated_).fetch_add(1);
-  auto session = std::make_shared<PublishSession>();
-  session->token = RandomHex(16);
-  session->model = params.model;
-  session->model_instance = model->instance;
-  session->model_guards = ModelGuards(*model);
-  session->expect_generation = params.expect_generation;
-  session->base_generation = cur->number;
-  session->specs = params.tensors;
-  session->layout = layout;
-  session->bytes_total = bytes;
-  session->start = absl::Now();
-  session->deadline = session->start + params.timeout;
-  session->idle_timeout = options_.publish_idle_timeout;
-  session->base = (*staging)->mutable_data();
-  session->staging_bytes = (*staging)->size();
-  session->page_bytes = (*staging)->pages() == PageKind::kSmall ? SmallPageBytes() : kHugePageBytes;
-  session->slots = &publish_slots_;
-  session->caller_key = caller_key;
-  session->account = memory_.account();
-  {
-    absl::MutexLock lock(&session->mu);
-    session->metadata = std::move(metadata);
-    session->staging = std::move(*staging);
-    for (const PublishTensorSpec& spec : params.tensors) {
-      session->coverage.emplace_back(spec.bytes());
-    }
-    session->last_active = session->start;
-    session->holds_slot = true;
-  }
-  std::move(give_slot_back).Cancel();
-  PublishSessionInfo info;
-  {
-    absl::MutexLock lock(&publish_mu_);
-    session->id = next_publish_id_++;
-    publishes_[session->id] = session;
-  }
-  info.id = session->id;
-  info.token = session->token;
-  info.base_generation = session->base_generation;
-  info.layout = std::move(layout);
-  info.staging_bytes = session->staging_bytes;
-  info.bytes = bytes;
-  info.deadline = session->deadline;
-  info.per_part = std::move(per_part);
-  LogEvent(LogLevel::kInfo, "publish_begin",
-           {{"model", params.model},
-            {"session", absl::StrCat(info.id)},
-            {"tensors", absl::StrCat(params.tensors.size())},
-            {"bytes", absl::StrCat(bytes)},
-            {"base_generation", absl::StrCat(info.base_generation)},
-            {"staging", took_ahead ? "prepared ahead" : "allocated"}});
-  return info;
-}
-
-absl::StatusOr<std::shared_ptr<PublishSession>> WeightService::FindPublish(
-    const std::optional<Principal>& caller, uint64_t id, absl::string_view token) {
-  std::shared_ptr<PublishSession> session;
-  {
-    absl::MutexLock lock(&publish_mu_);
-    auto it = publishes_.find(id);
-    if (it == publishes_.end()) {
-      return absl::NotFoundError(absl::StrCat("publish session ", id,
-                                              " is unknown (never opened, or ended over ",
-                                              absl::FormatDuration(kEndedSessionLinger), " ago)"));
-    }
-    if (!TokensEqual(token, it->second->token)) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("wrong token for publish session ", id));
-    }
-    session = it->second;
-  }
-  // A token is not enough: writing requires reading (model_guards is fixed
-  // for the session's life).
-  if (caller.has_value()) WD_RETURN_IF_ERROR(access_.CheckRead(*caller, session->model_guards));
-  return session;
+absl::StatusOr<PublishProgress> WeightService::WritePublish(
+    const std::optional<Principal>& caller, uint64_t id, absl::string_view token,
+    absl::Span<const PublishRun> runs, absl::string_view data, bool in_place) {
+  return publish_.Write(caller, id, token, runs, data, in_place);
 }
 
 absl::StatusOr<UniqueFd> WeightService::StagePublish(const std::optional<Principal>& caller,
                                                      uint64_t id, absl::string_view token) {
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(caller, id, token));
-  PublishSession& session = *s;
-  absl::MutexLock lock(&session.mu);
-  WD_RETURN_IF_ERROR(session.CheckOpenLocked());
-  if (session.staging == nullptr) return absl::InternalError("publish session has no staging");
-  const int fd = session.staging->fd();
-  const int seals = ::fcntl(fd, F_GET_SEALS);
-  if (seals < 0) return ErrnoStatus(errno, "reading the staging memfd's seals");
-  if ((seals & F_SEAL_SEAL) != 0) {
-    // A writer it was handed to sealed it: the commit cannot seal it
-    // against writes any more, so nothing of it can be published.
-    session.FailLocked(absl::FailedPreconditionError(kSealedByWriter));
-    return session.NotOpenLocked();
-  }
-  // The publisher may write, never resize: a shrink would take pages the
-  // daemon's mapping covers.
-  constexpr int kShape = F_SEAL_GROW | F_SEAL_SHRINK;
-  if ((seals & kShape) != kShape && ::fcntl(fd, F_ADD_SEALS, kShape) != 0) {
-    return ErrnoStatus(errno, "sealing the staging memfd's size");
-  }
-  if (!session.handed_out) {
-    // Every page allocated before anyone else holds the memfd: a page
-    // missing at the commit was then punched out by a writer
-    // (StagingLostPages).
-    struct stat st;
-    if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat on the staging memfd");
-    if (static_cast<uint64_t>(st.st_blocks) * 512 < session.staging->size() &&
-        ::fallocate(fd, 0, 0, static_cast<off_t>(session.staging->size())) != 0) {
-      return ErrnoStatus(errno, "allocating every page of the staging memfd");
-    }
-  }
-  UniqueFd dup(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
-  if (!dup.valid()) return ErrnoStatus(errno, "duplicating the staging memfd");
-  if (!session.handed_out) {
-    LogEvent(LogLevel::kInfo, "publish_staged",
-             {{"model", session.model}, {"session", absl::StrCat(id)},
-              {"bytes", absl::StrCat(session.staging->size())}});
-  }
-  session.handed_out = true;
-  session.last_active = absl::Now();
-  return dup;
+  return publish_.Stage(caller, id, token);
 }
 
-absl::StatusOr<WeightService::PublishProgress> WeightService::WritePublish(
-    const std::optional<Principal>& caller, uint64_t id, absl::string_view token,
-    absl::Span<const PublishRun> runs, absl::string_view data, bool in_place) {
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(caller, id, token));
-  PublishSession& session = *s;
-  uint64_t total = 0;
-  bool overflow = false;
-  for (const PublishRun& r : runs) {
-    overflow |= total + r.length < total;
-    total += r.length;
-  }
-  // The ranges the runs may add are charged before they are recorded.
-  const std::string charge_what = absl::StrCat("the byte ranges written to ", session.Describe());
-  for (bool reclaimed = false;; reclaimed = true) {
-    uint64_t short_by = 0;
-    {
-      absl::MutexLock lock(&session.mu);
-      WD_RETURN_IF_ERROR(session.CheckOpenLocked());
-      session.last_active = absl::Now();
-      const uint64_t want = (session.coverage_ranges + runs.size()) * kCoverageRangeBytes;
-      if (want > session.coverage_charged) {
-        absl::Status charged =
-            session.account->ReserveNoReclaim(want - session.coverage_charged, charge_what);
-        // The budget is short: what the reclaimers free (outside the
-        // session's lock), once; else this write is refused, the session
-        // still open.
-        if (!charged.ok() && reclaimed) return charged;
-        if (charged.ok()) {
-          session.coverage_charged = want;
-        } else {
-          short_by = want - session.coverage_charged;
-        }
-      }
-      if (short_by == 0) {
-        WD_RETURN_IF_ERROR(session.AddRunsLocked(runs, data.size(), total, overflow, in_place));
-        break;
-      }
-    }
-    session.account->ReclaimUpTo(std::numeric_limits<int>::max(), short_by);
-  }
-  // Disjoint ranges (the coverage says so): no lock while copying. Another
-  // process may map the staging writable too (StagePublish) and punch out
-  // the pages copied into: a page that cannot be faulted in ends this
-  // session, never the daemon.
-  std::optional<MemoryFault> fault;
-  if (!in_place) {
-    fault = RunFaultGuarded(session.base, session.staging_bytes, [&] {
-      uint64_t at = 0;
-      for (const PublishRun& r : runs) {
-        std::memcpy(session.base + session.layout.offsets[r.tensor] + r.offset, data.data() + at,
-                    r.length);
-        at += r.length;
-      }
-    });
-  }
-  PublishProgress progress;
-  progress.bytes_total = session.bytes_total;
-  bool commit = false;
-  {
-    absl::MutexLock lock(&session.mu);
-    --session.writers;
-    session.last_active = absl::Now();
-    if (fault.has_value()) session.FailLocked(session.StagingFault(fault->offset));
-    session.landed += total;
-    progress.bytes_done = session.landed;
-    if (session.state == PublishSession::State::kFailed) {
-      if (session.writers == 0) session.DropLocked();
-      return session.NotOpenLocked();
-    }
-    if (session.landed == session.bytes_total && session.writers == 0) {
-      session.state = PublishSession::State::kCommitting;
-      commit = true;
-    }
-  }
-  if (!commit) return progress;
-  WD_ASSIGN_OR_RETURN(progress.result, CommitAndRecord(session, caller));
-  return progress;
-}
-
-absl::StatusOr<WeightService::PublishResult> WeightService::CommitPublish(
-    const std::optional<Principal>& caller, uint64_t id, absl::string_view token,
-    absl::Duration wait) {
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(caller, id, token));
-  PublishSession& session = *s;
-  bool commit = false;
-  {
-    absl::MutexLock lock(&session.mu);
-    session.ExpireLocked(absl::Now());
-    if (session.state == PublishSession::State::kOpen) session.last_active = absl::Now();
-    // A caller waiting for the last byte keeps the session from idling out.
-    ++session.waiters;
-    const absl::Time until = std::min(absl::Now() + wait, session.deadline);
-    while (session.state == PublishSession::State::kOpen ||
-           session.state == PublishSession::State::kCommitting) {
-      // Nothing to write (every tensor empty): this call commits.
-      if (session.state == PublishSession::State::kOpen &&
-          session.landed == session.bytes_total && session.writers == 0) {
-        session.state = PublishSession::State::kCommitting;
-        commit = true;
-        break;
-      }
-      if (session.changed.WaitWithDeadline(&session.mu, until)) break;
-    }
-    --session.waiters;
-    if (session.state == PublishSession::State::kOpen) session.last_active = absl::Now();
-    if (!commit) {
-      if (session.state == PublishSession::State::kDone) {
-        // The generation it made may carry guards the model's own readers
-        // do not (a private adapter in its stack).
-        if (caller.has_value()) {
-          WD_RETURN_IF_ERROR(access_.CheckRead(*caller, session.result_guards));
-        }
-        return *session.result;
-      }
-      if (session.state != PublishSession::State::kOpen) return session.NotOpenLocked();
-      return absl::FailedPreconditionError(absl::StrCat(
-          session.Describe(), " is not complete: ", session.landed, " of ",
-          session.bytes_total, " bytes written; missing ", session.FirstMissingLocked()));
-    }
-  }
-  return CommitAndRecord(session, caller);
-}
-
-absl::StatusOr<WeightService::PublishResult> WeightService::CommitAndRecord(
-    PublishSession& session, const std::optional<Principal>& caller) {
-  auto result = CommitStaged(session, caller);
-  absl::MutexLock lock(&session.mu);
-  session.ended = absl::Now();
-  if (!result.ok()) {
-    session.FailLocked(result.status());
-    return result.status();
-  }
-  const uint64_t staging_size = session.layout.total;
-  session.state = PublishSession::State::kDone;
-  session.result = *result;
-  session.EndedLocked();
-  session.changed.SignalAll();
-  staging_.Want(session.model, session.model_instance, staging_size);
-  return result;
+absl::StatusOr<PublishResult> WeightService::CommitPublish(const std::optional<Principal>& caller,
+                                                           uint64_t id, absl::string_view token,
+                                                           absl::Duration wait) {
+  return publish_.Commit(caller, id, token, wait);
 }
 
 absl::Status WeightService::AbortPublish(const std::optional<Principal>& caller, uint64_t id,
-                                       absl::string_view token) {
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishSession> s, FindPublish(caller, id, token));
-  absl::MutexLock lock(&s->mu);
-  if (s->state != PublishSession::State::kOpen) return s->NotOpenLocked();
-  s->FailLocked(absl::AbortedError("aborted by the publisher; nothing was published"));
-  return absl::OkStatus();
-}
-
-std::vector<std::shared_ptr<PublishSession>> WeightService::PublishSessions()
-    const {
-  std::vector<std::shared_ptr<PublishSession>> out;
-  absl::MutexLock lock(&publish_mu_);
-  for (const auto& [id, s] : publishes_) out.push_back(s);
-  return out;
-}
-
-uint64_t WeightService::OpenPublishSessions() const {
-  const std::vector<std::shared_ptr<PublishSession>> sessions = PublishSessions();
-  uint64_t open = 0;
-  for (const auto& s : sessions) {
-    absl::MutexLock lock(&s->mu);
-    open += s->state == PublishSession::State::kOpen ||
-            s->state == PublishSession::State::kCommitting;
-  }
-  return open;
-}
-
-void WeightService::EndPublishesOf(uint64_t instance, const std::string& why) {
-  staging_.Drop(instance);
-  for (const auto& s : PublishSessions()) {
-    if (s->model_instance != instance) continue;
-    absl::MutexLock lock(&s->mu);
-    // A session committing now finds the model gone and fails itself.
-    if (s->state == PublishSession::State::kOpen) {
-      s->FailLocked(absl::AbortedError(absl::StrCat(why, "; nothing was published")));
-    }
-  }
-}
-
-void WeightService::ExpirePublishes() {
-  const absl::Time now = absl::Now();
-  const std::vector<std::shared_ptr<PublishSession>> sessions = PublishSessions();
-  std::vector<uint64_t> gone;
-  for (const auto& s : sessions) {
-    absl::MutexLock lock(&s->mu);
-    s->ExpireLocked(now);
-    if (s->ended != absl::InfiniteFuture() && now - s->ended > kEndedSessionLinger) {
-      gone.push_back(s->id);
-    }
-  }
-  if (gone.empty()) return;
-  absl::MutexLock lock(&publish_mu_);
-  for (uint64_t id : gone) publishes_.erase(id);
+                                         absl::string_view token) {
+  return publish_.Abort(caller, id, token);
 }
 
 absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
@@ -683,78 +250,192 @@ WeightService::PublishResult WeightService::FinishPublish(PublishSession& sessio
   return result;
 }
 
-std::vector<std::optional<WeightService::ResidentCopy>> WeightService::FindResidentCopies(
-    const std::string& own, const std::string& scope, absl::Span<const WantedBytes> wanted,
-    const absl::flat_hash_set<uint64_t>& held) const {
-  std::vector<std::optional<ResidentCopy>> found(wanted.size());
-  absl::flat_hash_map<Digest, std::vector<size_t>> by_digest;
-  for (size_t i = 0; i < wanted.size(); ++i) by_digest[wanted[i].digest].push_back(i);
-  std::vector<std::shared_ptr<const Model>> models;
-  {
-    absl::MutexLock lock(&mu_);
-    models.reserve(models_.size());
-    for (const auto& [name, m] : models_) models.push_back(m);
-  }
-  // The same answer whatever the map's order: the model's own bytes first,
-  // then the others' by name.
-  std::sort(models.begin(), models.end(), [&](const auto& l, const auto& r) {
-    const bool l_other = l->name != own, r_other = r->name != own;
-    return std::tie(l_other, l->name) < std::tie(r_other, r->name);
-  });
-  // Models are immutable: what each holds is read without the lock. A
-  // holder counts with every guard its generation has.
-  absl::flat_hash_set<const Checkpoint*> seen;
-  auto consider = [&](const StoredTensor& t, const std::string& owner) {
-    auto it = by_digest.find(t.digest);
-    if (it == by_digest.end() || t.buffer == nullptr) return;
-    const uint8_t* bytes = t.host_data();
-    if (bytes == nullptr) return;
-    for (size_t i : it->second) {
-      if (found[i].has_value() || t.length != wanted[i].length || wanted[i].data == nullptr) {
-        continue;
-      }
-      if (std::memcmp(bytes, wanted[i].data, t.length) != 0) continue;
-      found[i] = ResidentCopy{t.buffer, t.offset, owner};
-    }
+absl::StatusOr<std::shared_ptr<const StoredTensor>> WeightService::ChargedPublished(
+    StoredTensor t) {
+  struct Charged {
+    StoredTensor tensor;
+    std::unique_ptr<MemoryCharge> charge;
   };
-  for (const std::shared_ptr<const Model>& m : models) {
-    const std::string holder_scope = ReadScope(GuardsOf(*m, *m->current));
-    if (!holder_scope.empty() && holder_scope != scope) continue;
-    if (seen.insert(m->checkpoint.get()).second) {
-      for (const StoredTensor& t : m->checkpoint->tensors()) consider(t, m->name);
-    }
-    if (m->current->published != nullptr) {
-      for (const auto& [key, t] : *m->current->published) consider(*t, m->name);
-    }
-  }
-  DropCopiesUnderHalf(found, wanted, held);
-  return found;
+  WD_ASSIGN_OR_RETURN(std::unique_ptr<MemoryCharge> charge,
+                      memory_.Charge(TensorMetadataBytes(t.name, t.shape.size()),
+                                     absl::StrCat("metadata of published tensor \"", t.name, "\"")));
+  auto held = std::make_shared<Charged>(Charged{std::move(t), std::move(charge)});
+  return std::shared_ptr<const StoredTensor>(held, &held->tensor);
 }
 
-bool WeightService::DropCopiesUnderHalf(std::vector<std::optional<ResidentCopy>>& copies,
-                                        absl::Span<const WantedBytes> wanted,
-                                        const absl::flat_hash_set<uint64_t>& held) {
-  // Shared only where that pins no more than it saves: per segment, the
-  // distinct runs taken from it must make up half of it (or the new
-  // generation holds it anyway).
-  absl::flat_hash_map<uint64_t, uint64_t> taken;  // buffer id -> bytes of distinct runs
-  absl::flat_hash_set<std::pair<uint64_t, uint64_t>> counted;  // (buffer id, offset)
-  for (size_t i = 0; i < copies.size(); ++i) {
-    if (!copies[i].has_value()) continue;
-    const uint64_t id = copies[i]->buffer->id();
-    if (counted.insert({id, copies[i]->offset}).second) taken[id] += wanted[i].length;
+absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& model_name,
+                                                             const std::string& file_name,
+                                                             const std::vector<AdapterRef>& stack,
+                                                             uint64_t number,
+                                                             const Digest& expect_content) {
+  if (file_name.empty()) {
+    return absl::NotFoundError("its weights were not saved (no --state-dir when it was published)");
   }
-  bool dropped = false;
-  for (std::optional<ResidentCopy>& c : copies) {
-    if (!c.has_value()) continue;
-    const uint64_t id = c->buffer->id();
-    if (held.contains(id)) continue;
-    if (taken[id] * 2 < c->buffer->size()) {
-      c.reset();
-      dropped = true;
+  if (published_store_ == nullptr) {
+    return absl::FailedPreconditionError("published weights are restored with --state-dir only");
+  }
+  WD_ASSIGN_OR_RETURN(const std::string path, published_store_->PathOf(file_name));
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(model_name));
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> file, ReadPublishedFile(path));
+  const std::vector<StoredTensor>& saved = file->tensors();
+  for (const StoredTensor& t : saved) {
+    if (t.host_data() == nullptr) return absl::InternalError("a restored tensor is not in host memory");
+  }
+  const RestoredSharing sharing = ShareRestored(*model, saved);
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishedBase> published,
+                      RestoredBase(*model, path, saved, sharing));
+  PinPublished(model_name, published.get());
+  RestoredPublish restored{std::move(published), file_name, sharing.bytes_shared};
+  return ApplyImpl(model_name, stack, 0, number, &expect_content, &restored);
+}
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadPublishedFile(
+    const std::string& path) {
+  CheckpointLoadOptions load;
+  load.memory = &memory_;
+  load.read_threads = std::max(1, options_.worker_threads);
+  // Read relative to the state directory, never through a link.
+  auto reader = published_store_->Reader();
+  if (reader.ok()) load.files = reader->get();
+  auto file = reader.ok() ? LoadCheckpoint(path, load)
+                          : absl::StatusOr<std::shared_ptr<const Checkpoint>>(reader.status());
+  if (!file.ok()) {
+    if (absl::IsNotFound(file.status())) {
+      return absl::NotFoundError(absl::StrCat(
+          "its weights were not saved before the daemon stopped (", path, " is missing)"));
+    }
+    return file.status();
+  }
+  return file;
+}
+
+WeightService::RestoredSharing WeightService::ShareRestored(const Model& model,
+                                                             const std::vector<StoredTensor>& saved) {
+  // Bytes another model holds already (the same publish sent to it and
+  // restored before this one) are shared again, as at the publish; the rest
+  // moves to a segment of its size when that frees over 1/8 of the file's.
+  RestoredSharing out;
+  std::vector<std::optional<ResidentCopy>>& copies = out.copies;
+  std::vector<uint64_t>& packed_at = out.packed_at;
+  SegmentPtr& packed = out.packed;
+  uint64_t& bytes_shared = out.bytes_shared;
+  copies.resize(saved.size());
+  packed_at.assign(saved.size(), 0);
+  std::vector<WantedBytes> wanted;
+  uint64_t total = 0;
+  for (const StoredTensor& t : saved) {
+    wanted.push_back(WantedBytes{t.digest, t.host_data(), t.length});
+    total += t.length;
+  }
+  absl::flat_hash_set<uint64_t> held;
+  for (const StoredTensor& t : model.checkpoint->tensors()) {
+    if (t.buffer != nullptr) held.insert(t.buffer->id());
+  }
+  copies = FindResidentCopies(model.name, ReadScope(ModelGuards(model)), wanted, held);
+  uint64_t rest = 0;
+  size_t rest_count = 0;  // tensors to keep (some may be empty)
+  bool any_shared = false;
+  for (size_t i = 0; i < saved.size(); ++i) {
+    if (copies[i].has_value()) {
+      any_shared = true;
+    } else {
+      packed_at[i] = rest;
+      rest += (saved[i].length + 63) / 64 * 64;
+      ++rest_count;
     }
   }
-  return dropped;
+  if (any_shared && rest_count > 0 && rest + total / 8 < total) {
+    HostMemoryManager::AllocateOptions alloc;
+    alloc.purpose = "publish";
+    alloc.prefault = false;  // the copy faults the pages in (as CommitStaged's)
+    auto segment = memory_.Allocate(std::max<uint64_t>(rest, 64), alloc);
+    if (segment.ok()) {
+      std::vector<CopyRun> runs;
+      for (size_t i = 0; i < saved.size(); ++i) {
+        if (copies[i].has_value()) continue;
+        runs.push_back(CopyRun{(*segment)->mutable_data() + packed_at[i], saved[i].host_data(),
+                               saved[i].length});
+      }
+      if (ParallelCopy(runs, options_.worker_threads).ok() &&
+          (*segment)->Seal(/*populate=*/false).ok()) {
+        packed = SegmentPtr(std::move(*segment));
+      }
+    }
+    // No room for the copy: the file's segments are kept as they are.
+  }
+  if (packed == nullptr) {
+    // A file segment kept for an unshared tensor holds its neighbours'
+    // bytes too: sharing those from a segment this model would not hold
+    // otherwise saves nothing and keeps that segment alive.
+    // Dropping some copies can leave a holder segment with less than
+    // half of it taken (FindResidentCopies' rule), which frees more of
+    // the file's: repeated until nothing changes.
+    for (bool changed = true; changed;) {
+      changed = false;
+      absl::flat_hash_set<uint64_t> kept_segments;
+      for (size_t i = 0; i < saved.size(); ++i) {
+        if (!copies[i].has_value()) kept_segments.insert(saved[i].buffer->id());
+      }
+      for (size_t i = 0; i < saved.size(); ++i) {
+        if (copies[i].has_value() && !held.contains(copies[i]->buffer->id()) &&
+            kept_segments.contains(saved[i].buffer->id())) {
+          copies[i].reset();
+          changed = true;
+        }
+      }
+      if (DropCopiesUnderHalf(copies, wanted, held)) changed = true;
+    }
+  }
+  for (size_t i = 0; i < saved.size(); ++i) {
+    if (copies[i].has_value()) bytes_shared += saved[i].length;
+  }
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<PublishedBase>> WeightService::RestoredBase(
+    const Model& model, const std::string& path, const std::vector<StoredTensor>& saved,
+    const RestoredSharing& sharing) {
+  // Each saved tensor must stand where the model keeps one: a checkpoint
+  // part, or a profile's allow_new tensor, with its dtype and shape.
+  absl::flat_hash_map<absl::string_view, const ServedTensorPlan*> new_tensors;
+  for (const Served& s : *model.served) {
+    if (s.parts.empty()) new_tensors.emplace(s.plan.name, &s.plan);
+  }
+  const std::vector<std::optional<ResidentCopy>>& copies = sharing.copies;
+  auto published = std::make_shared<PublishedBase>();
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const StoredTensor& t = saved[i];
+    DType dtype;
+    std::vector<int64_t> shape;
+    if (const StoredTensor* original = model.checkpoint->Find(t.name)) {
+      dtype = original->dtype;
+      shape = original->shape;
+    } else if (auto it = new_tensors.find(t.name); it != new_tensors.end()) {
+      dtype = it->second->dtype;
+      shape = it->second->shape;
+    } else {
+      return absl::DataLossError(absl::StrCat(path, " holds tensor \"", t.name,
+                                              "\", which model \"", model.name, "\" does not have"));
+    }
+    if (t.dtype != dtype || t.shape != shape) {
+      return absl::DataLossError(absl::StrCat(path, ": tensor \"", t.name, "\" is ",
+                                              DTypeName(t.dtype), " ", ShapeString(t.shape),
+                                              "; the model stores ", DTypeName(dtype), " ",
+                                              ShapeString(shape)));
+    }
+    StoredTensor kept = t;  // shares the file's segments
+    kept.file = absl::StrCat("(published, restored from ", path, ")");
+    if (copies[i].has_value()) {
+      kept.buffer = copies[i]->buffer;
+      kept.offset = copies[i]->offset;
+      absl::StrAppend(&kept.file, "; bytes shared with model \"", copies[i]->holder, "\"");
+    } else if (sharing.packed != nullptr) {
+      kept.buffer = sharing.packed;
+      kept.offset = sharing.packed_at[i];
+    }
+    WD_ASSIGN_OR_RETURN((*published)[t.name], ChargedPublished(std::move(kept)));
+  }
+  return published;
 }
 
 }  // namespace weightd

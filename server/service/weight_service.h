@@ -1,9 +1,26 @@
-// WeightService: the daemon's domain core — models, fetches, leases — with
-// no gRPC in sight. server/grpc adapts it to weightd.v1; tests may drive it
-// directly.
+// WeightService: the daemon's domain core — models, fetches, leases,
+// publishes — with no gRPC in sight. server/grpc adapts it to weightd.v1;
+// tests may drive it directly.
+//
+// It is becoming a facade over single-job parts (issue 40): ChangeCommitter
+// (the journaled order of changes), Housekeeper (the periodic jobs),
+// StagingReserve and PublishService (server/publish/: sessions, staging
+// ahead, the commit's phases). The catalog, model, adapter, generation and
+// fetch methods are still its own, defined in files by concern:
+// weight_service.cc (models), generations.cc, fetch.cc, adapters.cc,
+// resident_copies.cc, service_stats.cc, publish.cc (the commit).
 //
 // Thread-safe. Loading and materialization run on the caller's thread (and
 // their own workers) without holding the registry lock.
+//
+// Lock order (each may be taken while holding those to its left, never the
+// other way):
+//   ChangeCommitter::mu_ -> WeightService::mu_ (the catalog) -> PublishService::mu_
+//   PublishSession::mu   taken alone, never with the three above
+//   leaves (nothing is taken while one is held): StagingReserve::mu_,
+//     PublishSlots::mu_, peer_counters_mu_, Generation::scale_mu,
+//     FetchTableCache, LeaseTable, HostMemoryManager internals,
+//     ResidentCheckpoints, DonatedCheckpoints
 #ifndef WEIGHTD_SERVER_SERVICE_WEIGHT_SERVICE_H_
 #define WEIGHTD_SERVER_SERVICE_WEIGHT_SERVICE_H_
 
@@ -12,10 +29,8 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -23,7 +38,6 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/dtype.h"
 #include "common/shard.h"
@@ -40,9 +54,12 @@
 #include "server/service/latency_histogram.h"
 #include "server/publish/publish_plan.h"
 #include "server/publish/publish_slots.h"
+#include "server/publish/publish_service.h"
 #include "server/publish/publish_session.h"
 #include "server/publish/publish_types.h"
 #include "server/publish/staging_reserve.h"
+#include "server/service/change_committer.h"
+#include "server/service/housekeeper.h"
 #include "server/service/model.h"
 #include "server/service/types.h"
 #include "server/state/published_store.h"
@@ -377,7 +394,7 @@ class WeightService {
       ABSL_LOCKS_EXCLUDED(mu_);
 
 
-  // Publishing new base weights (server/service/publish.cc). A publisher
+  // Publishing new base weights (server/publish/). A publisher
   // opens a session for the served tensors it will write (names, dtypes and
   // shapes of the model's current generation: NOT_FOUND for an unknown
   // name, INVALID_ARGUMENT naming the tensor for another dtype or shape, a
@@ -409,7 +426,7 @@ class WeightService {
   using PublishResult = ::weightd::PublishResult;
   using PublishProgress = ::weightd::PublishProgress;
   absl::StatusOr<PublishSessionInfo> BeginPublish(const PublishBeginParams& params)
-      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Copies `data` (the runs' bytes, concatenated) into the staging segment.
   // INVALID_ARGUMENT naming the tensor and bytes for a run past a tensor's
   // end or over bytes already written, or data of another length — and the
@@ -428,7 +445,7 @@ class WeightService {
                                                uint64_t id, absl::string_view token,
                                                absl::Span<const PublishRun> runs,
                                                absl::string_view data, bool in_place = false)
-      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Zero-copy staging: a writable fd of the open session's staging memfd
   // (sealed against growing and shrinking), for a publisher on this node to
   // map, write in place and unmap (common/data_protocol.h, StageRequest).
@@ -439,7 +456,7 @@ class WeightService {
   // `token` as BeginPublish gave it (hex).
   absl::StatusOr<UniqueFd> StagePublish(const std::optional<Principal>& caller, uint64_t id,
                                         absl::string_view token)
-      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The session's result: waits up to `wait` for its last byte and commit;
   // then FAILED_PRECONDITION naming the first tensor and bytes still
   // missing (the session stays open until its deadline), or the error that
@@ -447,10 +464,10 @@ class WeightService {
   absl::StatusOr<PublishResult> CommitPublish(const std::optional<Principal>& caller,
                                               uint64_t id, absl::string_view token,
                                               absl::Duration wait)
-      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status AbortPublish(const std::optional<Principal>& caller, uint64_t id,
                             absl::string_view token)
-      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   ServiceStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -472,19 +489,51 @@ class WeightService {
     std::string path;
     uint64_t bytes_shared = 0;  // held by another model already (FindResidentCopies)
   };
+  // RestorePublish's phases: the saved file, read from the state
+  // directory; where its bytes are shared from other models or packed;
+  // its tensors checked against the model and placed.
+  absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadPublishedFile(const std::string& path);
+  struct RestoredSharing {
+    std::vector<std::optional<HeldElsewhere>> copies;  // per saved tensor
+    std::vector<uint64_t> packed_at;                   // in `packed`, per saved tensor
+    SegmentPtr packed;  // the unshared tensors moved out of the file; null: kept there
+    uint64_t bytes_shared = 0;
+  };
+  RestoredSharing ShareRestored(const Model& model, const std::vector<StoredTensor>& saved)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::shared_ptr<PublishedBase>> RestoredBase(
+      const Model& model, const std::string& path, const std::vector<StoredTensor>& saved,
+      const RestoredSharing& sharing);
   absl::StatusOr<GenerationInfo> ApplyImpl(const std::string& model,
                                            const std::vector<AdapterRef>& stack,
                                            uint64_t expect_generation, uint64_t number_at_least,
                                            const Digest* expect_content,
                                            const RestoredPublish* restored = nullptr)
-      ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<ModelSummary> LoadModelImpl(const std::string& name, const std::string& path,
                                              const std::string& profile_json,
                                              const LoadProgressFn& progress,
                                              const std::vector<std::string>& readers,
                                              const RestoreExpect* expect,
                                              LoadSource source = LoadSource::kStorage)
-      ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // An adapter's weights file read as a one-file checkpoint from `source`
+  // (with peers: AdapterLoadOptions::fetch), kept resident with the adapter;
+  // empty when it is resident only as tensors shared with other models.
+  absl::StatusOr<AdapterLoadOptions::FetchedBytes> FetchAdapterFile(const std::string& file,
+                                                                    absl::string_view header,
+                                                                    LoadSource source);
+  // LoadModelImpl's model, before it is committed: its checkpoint read
+  // (opened and confined to the model roots by LoadCheckpoint, file by
+  // file), pinned, laid out and at generation 1. `shared`: the checkpoint
+  // is another model's (the same files).
+  absl::StatusOr<std::shared_ptr<Model>> BuildModel(const std::string& name,
+                                                    const std::string& path,
+                                                    std::shared_ptr<const Profile> profile,
+                                                    ReaderList readers,
+                                                    const LoadProgressFn& progress,
+                                                    LoadSource source, bool* shared)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Reads `path` as this daemon reads checkpoints (its memory, segment and
   // read sizes, threads, model roots, resident files and peers) from
   // `source`, and counts where the bytes came from. `shared_charge`,
@@ -505,12 +554,13 @@ class WeightService {
   // Whether a loaded model or adapter holding `c` admits `asker` as a reader.
   bool MayOfferToPeer(const Checkpoint& c, const Principal& asker) const ABSL_LOCKS_EXCLUDED(mu_);
   // One change of what is served, from its journal record to its
-  // publication, under state_mu_: `check` (under mu_) may refuse it, and
-  // then nothing is journaled; else the record gets the next seq and reaches
-  // options_.on_state_change (the journal: durable when it returns), and
-  // `publish` (under mu_; no other change ran meanwhile) makes it visible.
+  // publication (ChangeCommitter::Commit): `check` (under mu_) may refuse
+  // it, and then nothing is journaled; else the record gets the next seq
+  // and reaches options_.on_state_change (the journal: durable when it
+  // returns), and `publish` (under mu_; no other change ran meanwhile)
+  // makes it visible.
   absl::Status CommitState(StateRecord& record, absl::FunctionRef<absl::Status()> check,
-                           absl::FunctionRef<void()> publish) ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
+                           absl::FunctionRef<void()> publish) ABSL_LOCKS_EXCLUDED(mu_);
 
   WeightService(WeightServiceOptions options, ModelRoots roots);
   static ModelSummary Summarize(const Model& model);
@@ -532,16 +582,12 @@ class WeightService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What clients are told of generation `gen` of `model`.
   static GenerationInfo InfoOf(const Model& model, const Generation& gen);
-  // The session, for a caller with its token who may read its model.
-  absl::StatusOr<std::shared_ptr<PublishSession>> FindPublish(
-      const std::optional<Principal>& caller, uint64_t id, absl::string_view token)
-      ABSL_LOCKS_EXCLUDED(publish_mu_);
   // Digests the staged tensors and makes the generation (the write that
   // completed the session calls it).
   // `caller` made the call that committed it.
   absl::StatusOr<PublishResult> CommitStaged(PublishSession& session,
                                              const std::optional<Principal>& caller)
-      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
+      ABSL_LOCKS_EXCLUDED(mu_);
   // CommitStaged's phases beyond publish_commit.h's, those that read or
   // change the catalog. The commit's times, for its log line.
   struct CommitTimes {
@@ -565,14 +611,14 @@ class WeightService {
                               const std::shared_ptr<const Generation>& cur,
                               const SegmentPtr& segment, PublishDiff& diff,
                               PublishResult* result, bool* raced)
-      ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Builds the generation of `published` on `cur` and commits it
   // (CommitState): journaled, installed, pinned and saved for restarts.
   // ABORTED and `raced` when another change won (the caller builds on it).
   absl::Status InstallPublished(const PublishSession& session, const Model& model,
                                 const std::shared_ptr<const Generation>& cur,
                                 std::shared_ptr<PublishedBase> published, PublishResult* result,
-                                bool* raced) ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
+                                bool* raced) ABSL_LOCKS_EXCLUDED(mu_);
   // Records the result's guards on the session, counts and logs the publish.
   PublishResult FinishPublish(PublishSession& session, std::vector<ReadGuard> result_guards,
                               const CommitTimes& times, PublishResult result);
@@ -606,21 +652,10 @@ class WeightService {
   static bool DropCopiesUnderHalf(std::vector<std::optional<ResidentCopy>>& copies,
                                   absl::Span<const WantedBytes> wanted,
                                   const absl::flat_hash_set<uint64_t>& held);
-  // Runs CommitStaged for the session (kCommitting, every byte landed)
-  // and records its end: kDone with the result, or failed.
-  absl::StatusOr<PublishResult> CommitAndRecord(PublishSession& session,
-                                                const std::optional<Principal>& caller)
-      ABSL_LOCKS_EXCLUDED(mu_, publish_mu_);
-  // The sessions, open or ended, as a list the caller may lock one by one.
-  std::vector<std::shared_ptr<PublishSession>> PublishSessions() const
-      ABSL_LOCKS_EXCLUDED(publish_mu_);
-  // Sessions not yet committed or ended.
-  uint64_t OpenPublishSessions() const ABSL_LOCKS_EXCLUDED(publish_mu_);
-  // Fails the sessions past their deadline or idle past
-  // options_.publish_idle_timeout (the reaper calls it).
-  void ExpirePublishes() ABSL_LOCKS_EXCLUDED(publish_mu_);
   absl::StatusOr<float> Fp8Scale(const Served& served, const Generation& gen);
-  void ReapLoop();
+  // The housekeeper's jobs: lease expiry, pruning, publish expiry, the
+  // staging reclaim and the materializer's sweep.
+  std::vector<Housekeeper::Job> ReapJobs();
   // Drops generations that are neither current nor leased, and their cache.
   void PruneGenerations() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -641,11 +676,9 @@ class WeightService {
   LeaseTable leases_;
   const AccessPolicy access_;
 
-  // Serializes the changes of what is served (loads, unloads, applies,
-  // adapter loads and unloads, floors) from their journal record to their
-  // publication: the journal's order is the order clients saw them in, and
-  // no client sees a change that a crash could lose. Fetches never take it.
-  absl::Mutex state_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  // Serializes the changes of what is served from their journal record
+  // to their publication; its lock is taken before mu_.
+  ChangeCommitter committer_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<const Model>> models_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> loading_ ABSL_GUARDED_BY(mu_);
@@ -655,26 +688,16 @@ class WeightService {
   // The journal seq of each loaded adapter's load (apply records name it).
   absl::flat_hash_map<std::string, uint64_t> adapter_seq_ ABSL_GUARDED_BY(mu_);
   absl::CondVar generation_changed_;
-  // Open publish sessions (publish.cc).
-  mutable absl::Mutex publish_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  absl::flat_hash_map<uint64_t, std::shared_ptr<PublishSession>> publishes_
-      ABSL_GUARDED_BY(publish_mu_);
-  uint64_t next_publish_id_ ABSL_GUARDED_BY(publish_mu_) = 1;
-  // Open sessions per caller and in all (a leaf lock of its own).
-  PublishSlots publish_slots_;
   std::atomic<uint64_t> next_model_instance_{1};
-  // Fails the open publish sessions of `model` instance `instance` (unload).
-  void EndPublishesOf(uint64_t instance, const std::string& why) ABSL_LOCKS_EXCLUDED(publish_mu_);
   // Staging prepared ahead for a model's next publish
   // (options_.publish_staging_ahead; BeginPublish takes it).
   StagingReserve staging_;
-  std::atomic<uint64_t> staging_prepared_{0};
-  std::atomic<uint64_t> staging_allocated_{0};
+  // Open publish sessions (publish/publish_service.h); commits call
+  // CommitStaged.
+  PublishService publish_;
   std::atomic<uint64_t> publish_count_{0};
   std::atomic<uint64_t> publish_bytes_{0};
   std::atomic<uint64_t> publish_ns_{0};
-  // Orders the changes reported to options_.on_state_change.
-  uint64_t state_seq_ ABSL_GUARDED_BY(state_mu_) = 0;
 
   std::atomic<uint64_t> bytes_served_{0};
   std::atomic<uint64_t> bytes_read_{0};
@@ -696,6 +719,31 @@ class WeightService {
   LatencyHistogram fetch_latency_shm_;
   LatencyHistogram fetch_latency_grpc_;
   absl::StatusOr<FetchResult> FetchImpl(const FetchParams& params);
+  // FetchImpl's phases. The content of generation params.changed_since
+  // (null when 0): NOT_FOUND when it is not kept.
+  static absl::StatusOr<std::shared_ptr<const ContentMap>> ChangedSince(
+      const Model& model, const FetchParams& params);
+  // The served tensors of `gen` the request names (all when none), less
+  // those whose content is the same as in `since` (when not null).
+  static absl::StatusOr<std::vector<const Served*>> SelectServed(const Model& model,
+                                                                 const Generation& gen,
+                                                                 const ContentMap* since,
+                                                                 const FetchParams& params);
+  // For a push lease (defer_casts): a plain view but for its dtype is
+  // leased as its stored bytes, cast by the push (the output dtype kept in
+  // `cast_on_push`); with `defer_merges`, so is a patched tensor the push
+  // can merge element by element (its patches go with the lease then).
+  static void DeferToPush(bool defer_merges, std::vector<MaterializeItem>& items,
+                          std::vector<std::optional<DType>>& cast_on_push,
+                          std::vector<std::shared_ptr<const PushMerge>>& merge_on_push);
+  // The fetch table of the materialized `served` (one per item), its
+  // segments in `buffers`.
+  std::shared_ptr<FetchTable> BuildTable(
+      const Generation& gen, const std::vector<MaterializeItem>& items,
+      std::vector<FetchedTensor>& tables, const std::vector<MaterializedTensor>& served,
+      const std::vector<std::optional<DType>>& cast_on_push,
+      const std::vector<std::shared_ptr<const PushMerge>>& merge_on_push,
+      std::vector<BufferPtr>* buffers) const;
   // Counts one fetch (an error, or its latency by transport) since `start`.
   void RecordFetch(const FetchParams& params, bool ok, absl::Time start);
   // --pin-host-memory (pinner_): registers the segments of a loaded
@@ -719,8 +767,8 @@ class WeightService {
   static bool IsLeased(const Generation& gen) { return gen.lease_marker.use_count() > 1; }
   FetchTableCache fetch_cache_;
 
-  absl::Notification stop_;
-  std::thread reaper_;
+  // Runs the periodic jobs (ReapJobs); started last, stopped first.
+  Housekeeper housekeeper_;
 };
 
 }  // namespace weightd

@@ -71,6 +71,32 @@ absl::StatusOr<OpenedFile> OpenReadableChecked(
       absl::StrCat(path, " kept changing while it was being opened; try again"));
 }
 
+absl::Status FileOpener::ReadAt(const OpenedFile& file, uint64_t offset, uint64_t length,
+                                void* dest) const {
+  return PreadFull(file.fd.get(), dest, length, offset);
+}
+
+absl::StatusOr<struct stat> FileOpener::Stat(const OpenedFile& file) const {
+  struct stat st;
+  if (::fstat(file.fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", file.path));
+  return st;
+}
+
+absl::StatusOr<std::string> ReadWholeFile(const FileOpener& files, const OpenedFile& file,
+                                          uint64_t cap) {
+  WD_ASSIGN_OR_RETURN(struct stat st, files.Stat(file));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(file.path, " is not a regular file"));
+  }
+  if (static_cast<uint64_t>(st.st_size) > cap) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.path, " is ", st.st_size, " bytes, more than the limit of ", cap));
+  }
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  WD_RETURN_IF_ERROR_CTX(files.ReadAt(file, 0, out.size(), out.data()), "reading ", file.path);
+  return out;
+}
+
 absl::StatusOr<OpenedFile> UnconfinedFileOpener::Open(absl::string_view path) const {
   if (path.empty()) return absl::InvalidArgumentError("empty path");
   const std::string p(path);

@@ -1,6 +1,9 @@
-// Opening model files for reading: one fd per file, never a second open by
-// name. The daemon confines every file a load reads to its --model-root dirs
-// (server/store/model_roots.h); tests and tools open paths as named.
+// The file seam of a load (leveldb's Env for model files): opening files
+// for reading, one fd per file, never a second open by name; and reading
+// and stat'ing them through that fd. The daemon confines every file a load
+// reads to its --model-root dirs (server/store/model_roots.h); tests and
+// tools open paths as named, and inject faults through a FileOpenerWrapper
+// that overrides the one call they break.
 #ifndef WEIGHTD_COMMON_FILE_OPENER_H_
 #define WEIGHTD_COMMON_FILE_OPENER_H_
 
@@ -31,6 +34,9 @@ struct OpenedFile {
   bool is_directory() const { return S_ISDIR(st.st_mode); }
 };
 
+// Every implementation is safe for concurrent calls from many threads
+// without external synchronization (a load reads on several); all methods
+// are const.
 class FileOpener {
  public:
   virtual ~FileOpener() = default;
@@ -44,6 +50,50 @@ class FileOpener {
   // Opens `name` in the directory that holds `file` (as `file` was named).
   virtual absl::StatusOr<OpenedFile> OpenBeside(const OpenedFile& file,
                                                 absl::string_view name) const = 0;
+
+  // Reads exactly `length` bytes at `offset` of `file` into `dest`
+  // (pread(2) on file.fd, never mmap: a file truncated under the reader
+  // must not SIGBUS it). On success all of dest[0, length) is written.
+  // DATA_LOSS "file shrank: ..." when the file ends first; the errno's
+  // status ("pread: ...") on an I/O error. The message does not name the
+  // file: the caller adds its path.
+  virtual absl::Status ReadAt(const OpenedFile& file, uint64_t offset, uint64_t length,
+                              void* dest) const;
+  // The status of `file` now (fstat(2) of file.fd; file.st is the status
+  // when it was opened). An error names file.path.
+  virtual absl::StatusOr<struct stat> Stat(const OpenedFile& file) const;
+};
+
+// Forwards every call to `target` (which must outlive it): a test derives
+// from it and overrides only the call it breaks, as with leveldb's
+// EnvWrapper. Thread-safe as its target is.
+class FileOpenerWrapper : public FileOpener {
+ public:
+  explicit FileOpenerWrapper(const FileOpener* target) : target_(target) {}
+
+  const FileOpener* target() const { return target_; }
+
+  absl::StatusOr<OpenedFile> Open(absl::string_view path) const override {
+    return target_->Open(path);
+  }
+  absl::StatusOr<OpenedFile> OpenIn(const OpenedFile& dir, absl::string_view name) const override {
+    return target_->OpenIn(dir, name);
+  }
+  absl::StatusOr<OpenedFile> OpenBeside(const OpenedFile& file,
+                                        absl::string_view name) const override {
+    return target_->OpenBeside(file, name);
+  }
+  absl::Status ReadAt(const OpenedFile& file, uint64_t offset, uint64_t length,
+                      void* dest) const override {
+    return target_->ReadAt(file, offset, length, dest);
+  }
+  absl::StatusOr<struct stat> Stat(const OpenedFile& file) const override {
+    return target_->Stat(file);
+  }
+
+ private:
+  // Constant after construction.
+  const FileOpener* const target_;
 };
 
 // Opens paths as open(2) does, symlinks followed anywhere. For tests and
@@ -56,6 +106,13 @@ class UnconfinedFileOpener final : public FileOpener {
                                         absl::string_view name) const override;
 };
 
+// "dir/name" ("name" when dir is empty; no doubled '/').
+std::string JoinPath(absl::string_view dir, absl::string_view name);
+// "a/b" -> "a", "b" -> ".", "/b" -> "/".
+std::string Dirname(absl::string_view path);
+// "a/b" -> "b", "b" -> "b".
+std::string Basename(absl::string_view path);
+
 // The open protocol every FileOpener follows. `open(flags)` opens the
 // object (the same name each call) with `flags` and returns the fd or an
 // errno. First it is opened O_PATH and fstat'ed: a FIFO, socket or device is
@@ -64,15 +121,15 @@ class UnconfinedFileOpener final : public FileOpener {
 // inode, else the probe starts over (a few times, then UNAVAILABLE); an
 // UNAVAILABLE from `open` (the name changed under it) starts over too.
 // `path` names it in messages.
-// "dir/name" ("name" when dir is empty; no doubled '/').
-std::string JoinPath(absl::string_view dir, absl::string_view name);
-// "a/b" -> "a", "b" -> ".", "/b" -> "/".
-std::string Dirname(absl::string_view path);
-// "a/b" -> "b", "b" -> "b".
-std::string Basename(absl::string_view path);
-
 absl::StatusOr<OpenedFile> OpenReadableChecked(
     const std::function<absl::StatusOr<UniqueFd>(int flags)>& open, absl::string_view path);
+
+// Reads all of `file`, a regular file of at most `cap` bytes (an index, a
+// config), through `files` (Stat, then ReadAt): INVALID_ARGUMENT for a
+// non-regular or larger file; errors name file.path. ReadFdToString
+// (common/fd.h) through the seam, with its messages.
+absl::StatusOr<std::string> ReadWholeFile(const FileOpener& files, const OpenedFile& file,
+                                          uint64_t cap);
 
 }  // namespace weightd
 

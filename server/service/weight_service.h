@@ -47,7 +47,7 @@
 #include "server/lease/lease_table.h"
 #include "server/materialize/materializer.h"
 #include "server/profile/profile.h"
-#include "server/store/checkpoint.h"
+#include "server/store/checkpoint_loader.h"
 #include "server/store/model_roots.h"
 #include "server/service/fetch_plan.h"
 #include "server/service/fetch_table_cache.h"

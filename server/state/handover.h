@@ -65,7 +65,8 @@
 #include "absl/time/time.h"
 #include "common/fd.h"
 #include "server/state/state_dir.h"
-#include "server/store/checkpoint.h"
+#include "server/store/donated_checkpoints.h"
+#include "server/store/resident_checkpoints.h"
 
 namespace weightd {
 

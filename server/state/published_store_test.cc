@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include "server/store/checkpoint_loader.h"
+
 namespace weightd {
 namespace {
 

@@ -1,4 +1,4 @@
-#include "server/store/checkpoint.h"
+#include "server/store/checkpoint_loader.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -119,6 +119,36 @@ bool ModelRoots::Locate(absl::string_view path, size_t* root, std::string* benea
   return false;
 }
 
+bool ModelRoots::FollowLink(const UniqueFd& link, size_t* root, std::vector<UniqueFd>* dirs,
+                            std::vector<std::string>* todo, int* err) const {
+  // The link we opened, not whatever the name holds now.
+  std::string target(PATH_MAX, '\0');
+  ssize_t n = ::readlinkat(link.get(), "", target.data(), target.size());
+  if (n < 0) {
+    *err = errno;
+    return false;
+  }
+  target.resize(static_cast<size_t>(n));
+  if (target.empty()) {
+    *err = ENOENT;
+    return false;
+  }
+  if (target[0] != '/') {
+    PushComponents(target, todo);
+    return true;
+  }
+  size_t to_root;
+  std::string rest;
+  if (!Locate(target, &to_root, &rest)) {
+    *err = EXDEV;
+    return false;
+  }
+  *root = to_root;
+  dirs->clear();
+  PushComponents(rest, todo);
+  return true;
+}
+
 UniqueFd ModelRoots::Walk(size_t root, const std::string& beneath, int flags, int* err) const {
   std::vector<UniqueFd> dirs;     // opened beneath roots_[root]; back() is where we are
   std::vector<std::string> todo;  // components left; the next one at back()
@@ -155,31 +185,7 @@ UniqueFd ModelRoots::Walk(size_t root, const std::string& beneath, int flags, in
         *err = ELOOP;
         return UniqueFd();
       }
-      // The link we opened, not whatever the name holds now.
-      std::string target(PATH_MAX, '\0');
-      ssize_t n = ::readlinkat(fd.get(), "", target.data(), target.size());
-      if (n < 0) {
-        *err = errno;
-        return UniqueFd();
-      }
-      target.resize(static_cast<size_t>(n));
-      if (target.empty()) {
-        *err = ENOENT;
-        return UniqueFd();
-      }
-      if (target[0] == '/') {
-        size_t to_root;
-        std::string rest;
-        if (!Locate(target, &to_root, &rest)) {
-          *err = EXDEV;
-          return UniqueFd();
-        }
-        root = to_root;
-        dirs.clear();
-        PushComponents(rest, &todo);
-      } else {
-        PushComponents(target, &todo);
-      }
+      if (!FollowLink(fd, &root, &dirs, &todo, err)) return UniqueFd();
       continue;
     }
     bool last = true;

@@ -30,6 +30,8 @@
 
 namespace weightd {
 
+// The FileOpener the daemon loads through. Owns an O_PATH fd on each root.
+// Thread-safe: immutable after Create (moves aside), every method const.
 class ModelRoots final : public FileOpener {
  public:
   struct Options {
@@ -76,6 +78,12 @@ class ModelRoots final : public FileOpener {
   // One open of `beneath` with `flags` by the component walk; errno values
   // as open(2) gives them, EXDEV for a way out of the roots.
   UniqueFd Walk(size_t root, const std::string& beneath, int flags, int* err) const;
+  // Follows symlink `link`, met by the walk: its target's components go
+  // onto `todo`; an absolute target inside a root restarts the walk from
+  // that root (`root`, `dirs`). false with *err set for a link that cannot
+  // be read, an empty one (ENOENT), or one out of the roots (EXDEV).
+  bool FollowLink(const UniqueFd& link, size_t* root, std::vector<UniqueFd>* dirs,
+                  std::vector<std::string>* todo, int* err) const;
   // Opens with `flags`: openat2 beneath `dirfd` first (when `dirfd` >= 0 and
   // the kernel has it), else the walk from the root; the status names
   // `path`.
@@ -86,6 +94,7 @@ class ModelRoots final : public FileOpener {
   bool Locate(absl::string_view path, size_t* root, std::string* beneath) const;
   absl::Status Outside(absl::string_view path) const;
 
+  // Constant after construction.
   std::vector<Root> roots_;
   Options options_;
 };

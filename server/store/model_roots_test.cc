@@ -17,7 +17,7 @@
 #include "common/fd.h"
 #include "common/safetensors.h"
 #include "server/adapter/adapter.h"
-#include "server/store/checkpoint.h"
+#include "server/store/checkpoint_loader.h"
 
 namespace weightd {
 namespace {

@@ -38,6 +38,7 @@
 #include "server/publish/publish_types.h"
 #include "server/service/model.h"
 #include "server/store/checkpoint.h"
+#include "server/store/resident_checkpoints.h"
 
 namespace weightd {
 

@@ -290,9 +290,6 @@ class DataServer {
   std::thread thread_;
 };
 
-// The name the daemon and shm_server_test knew it by.
-using ShmDataServer = DataServer;
-
 }  // namespace weightd
 
 #endif  // WEIGHTD_SERVER_TRANSPORT_DATA_SERVER_H_

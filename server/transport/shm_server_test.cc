@@ -74,13 +74,13 @@ class ShmDataServerTest : public ::testing::Test {
     ::rmdir(dir_.c_str());
   }
 
-  void Start(ShmDataServer::Options options) {
+  void Start(DataServer::Options options) {
     options.path = dir_ + "/data.sock";
     options.on_push = [this](uint64_t bytes) {
       pushes_.fetch_add(1);
       push_bytes_.fetch_add(bytes);
     };
-    auto server = ShmDataServer::Start(std::move(options), &leases_);
+    auto server = DataServer::Start(std::move(options), &leases_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
   }
@@ -91,7 +91,7 @@ class ShmDataServerTest : public ::testing::Test {
   // (declared before the server, which must go first).
   std::atomic<uint64_t> pushes_{0};
   std::atomic<uint64_t> push_bytes_{0};
-  std::unique_ptr<ShmDataServer> server_;
+  std::unique_ptr<DataServer> server_;
 };
 
 
@@ -138,7 +138,7 @@ TEST_F(ShmDataServerTest, AClientThatDoesNotReadStallsOnlyItself) {
 }
 
 TEST_F(ShmDataServerTest, ConnectionsPastThePerUidCapAreRefused) {
-  ShmDataServer::Options options;
+  DataServer::Options options;
   options.max_connections = 10;
   options.max_connections_per_uid = 2;
   Start(std::move(options));
@@ -165,7 +165,7 @@ TEST_F(ShmDataServerTest, ConnectionsPastThePerUidCapAreRefused) {
 }
 
 TEST_F(ShmDataServerTest, ConnectionsPastTheTotalCapAreRefused) {
-  ShmDataServer::Options options;
+  DataServer::Options options;
   options.max_connections = 2;
   options.max_connections_per_uid = 10;
   Start(std::move(options));
@@ -263,7 +263,7 @@ TEST_F(ShmDataServerTest, PushWritesTheLeaseIntoTheClientsMemfd) {
 }
 
 TEST_F(ShmDataServerTest, PushesPastTheirUidsLimitAreRefusedTheRestServed) {
-  ShmDataServer::Options options;
+  DataServer::Options options;
   options.max_pushes_per_uid = 1;
   options.push_threads = 1;
   Start(std::move(options));
@@ -330,7 +330,7 @@ TEST_F(ShmDataServerTest, PushesPastTheirUidsLimitAreRefusedTheRestServed) {
 TEST_F(ShmDataServerTest, ACudaPushIsReadWholeAndAnsweredWhyNotWithoutAGpu) {
   GpuInventory none;
   none.unavailable = "no CUDA driver here";
-  ShmDataServer::Options options;
+  DataServer::Options options;
   options.push_writers = {std::make_shared<CudaPushWriter>(&none)};
   Start(std::move(options));
   auto tensors = std::make_shared<std::vector<LeaseTensor>>(

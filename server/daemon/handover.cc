@@ -1,4 +1,4 @@
-#include "server/state/handover.h"
+#include "server/daemon/handover.h"
 
 #include <errno.h>
 #include <fcntl.h>

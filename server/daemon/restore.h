@@ -1,7 +1,11 @@
 // Restoring what a daemon served before its restart (--state-dir), from the
-// plan its journal replays to (state_journal.h).
-#ifndef WEIGHTD_SERVER_STATE_RESTORE_H_
-#define WEIGHTD_SERVER_STATE_RESTORE_H_
+// plan its journal replays to (state_journal.h). Orchestration above the
+// service (it drives WeightService's public restore calls), so it lives
+// with the daemon's composition, not with the persistence in state/.
+// Runs on the calling thread; the service is thread-safe, and serves other
+// calls meanwhile.
+#ifndef WEIGHTD_SERVER_DAEMON_RESTORE_H_
+#define WEIGHTD_SERVER_DAEMON_RESTORE_H_
 
 #include <cstddef>
 #include <functional>
@@ -45,4 +49,4 @@ RestoreReport RestoreState(WeightService& service, const RestorePlan& plan,
 
 }  // namespace weightd
 
-#endif  // WEIGHTD_SERVER_STATE_RESTORE_H_
+#endif  // WEIGHTD_SERVER_DAEMON_RESTORE_H_

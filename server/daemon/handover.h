@@ -49,8 +49,8 @@
 // predecessor's, an attach of a predecessor's lease is UNAVAILABLE (the
 // client fetches again, from the successor) and its Release is OK; the
 // clients' mappings keep their bytes either way.
-#ifndef WEIGHTD_SERVER_STATE_HANDOVER_H_
-#define WEIGHTD_SERVER_STATE_HANDOVER_H_
+#ifndef WEIGHTD_SERVER_DAEMON_HANDOVER_H_
+#define WEIGHTD_SERVER_DAEMON_HANDOVER_H_
 
 #include <sys/types.h>
 
@@ -127,7 +127,10 @@ struct HandoverReceived {
 absl::StatusOr<HandoverReceived> ParseHandoverManifest(const std::string& manifest,
                                                        std::vector<UniqueFd> fds);
 
-// The predecessor's side: a thread serving the hand-over socket.
+// The predecessor's side: a thread serving the hand-over socket, one
+// successor's conversation at a time; the hooks run on that thread.
+// Thread-safe. Owns the listening socket, its wake-up eventfd and the
+// thread.
 class HandoverServer {
  public:
   struct Hooks {
@@ -177,19 +180,24 @@ class HandoverServer {
   // One successor's conversation; true when it completed (STARTED).
   bool Serve(int fd);
 
+  // Constant after construction (listen_fd_ is closed by Stop(), once the
+  // thread is joined).
   const HandoverSocket where_;
   UniqueFd listen_fd_;
   UniqueFd wake_fd_;
   const Hooks hooks_;
   const Timeouts timeouts_;
+
+  // Own synchronization.
   std::atomic<bool> stopped_{false};
   std::atomic<bool> handed_over_{false};
   std::atomic<bool> abandoned_{false};  // cut by Stop() after GO
   std::atomic<int> conn_fd_{-1};  // the conversation's socket (Stop() cuts it)
-  std::thread thread_;
+  std::thread thread_;  // started by Start(), joined by Stop()
 };
 
-// The successor's side.
+// The successor's side: one conversation with the predecessor, over the
+// connection it owns. Not thread-safe; owned by one thread.
 class HandoverClient {
  public:
   // Connects to the predecessor's hand-over socket: NOT_FOUND when nothing
@@ -217,4 +225,4 @@ class HandoverClient {
 
 }  // namespace weightd
 
-#endif  // WEIGHTD_SERVER_STATE_HANDOVER_H_
+#endif  // WEIGHTD_SERVER_DAEMON_HANDOVER_H_

@@ -7,9 +7,9 @@
 #include <random>
 #include <vector>
 
-#include "common/cast.h"
+#include "server/kernels/cast.h"
 #include "common/dtype.h"
-#include "common/merge.h"
+#include "server/kernels/merge.h"
 
 namespace weightd {
 namespace cast_internal {

@@ -64,7 +64,7 @@ def main():
     addrs = ["127.0.0.1:%d" % free_port() for _ in range(4)]
     socks = [os.path.join(tmp, "d%d.sock" % i) for i in range(4)]
     procs = []
-    # Fleet members of each other (README: Access control, Fleet members).
+    # Fleet members of each other (docs/access-control.md, Fleet members).
     token = "bench-fleet-0123456789abcdef"
     tokens = os.path.join(tmp, "fleet.tokens")
     with open(tokens, "w") as f:

@@ -1,5 +1,5 @@
 // The C++ client's side of the daemon's data socket (common/data_protocol.h,
-// DESIGN §5 and §6): the request frames, one request/reply exchange, and
+// docs/DESIGN.md §4.5 and §9.1, §4.5): the request frames, one request/reply exchange, and
 // the three things the client does there — attach a lease (shm), push a
 // shard into a memfd of its own (kPush), take a publish session's staging
 // memfd. The CUDA push (client/cuda/) uses the frames and the exchange too.

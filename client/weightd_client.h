@@ -182,7 +182,7 @@ struct DaemonStats {
 // kShm: the daemon's sealed segments, mapped read-only (zero-copy).
 // kGrpc: the tensors' bytes streamed over gRPC (remote clients).
 // kPush: the client allocates one memfd (its own memory, writable), the
-//   daemon writes the shard into it over the data socket (DESIGN §6, the
+//   daemon writes the shard into it over the data socket (docs/DESIGN.md §9.1, §4.5, the
 //   host twin of the CUDA push) and the lease ends once the bytes are in
 //   place; tensors lie at the default layout's offsets (common/push_layout.h).
 // kCuda: the same into GPU memory: the client allocates a CUDA VMM

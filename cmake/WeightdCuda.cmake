@@ -1,4 +1,4 @@
-# The CUDA path (common/cuda/): built when WEIGHTD_CUDA is ON, or AUTO and
+# The CUDA path (server/kernels/cuda/): built when WEIGHTD_CUDA is ON, or AUTO and
 # nvcc is found (/usr/local/cuda/bin/nvcc or CMAKE_CUDA_COMPILER). Sanitizer
 # builds leave it out (nvcc takes no -fsanitize). The binaries link the CUDA
 # runtime statically and never libcuda.so.1 itself: the runtime resolves the

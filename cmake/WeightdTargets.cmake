@@ -18,7 +18,7 @@ endif()
 # ours: GCC contracts by default in C++ (-ffp-contract=fast, ISO mode or
 # not) wherever the target ISA has FMA (-march=haswell and later,
 # -march=native, aarch64), and then the element functions that the CPU and
-# the GPU share (common/cast_elements.h, merge_elements.h) and the LoRA
+# the GPU share (server/kernels/cast_elements.h, merge_elements.h) and the LoRA
 # merges round differently from PyTorch and from the GPU. Explicit FMAs
 # (std::fma, _mm256_fmadd_ps) are unaffected. fp_contract_test checks it.
 set(WEIGHTD_FP_FLAGS -ffp-contract=off)

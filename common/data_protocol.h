@@ -1,4 +1,4 @@
-// The data-socket protocol of the shm transport (DESIGN §5).
+// The data-socket protocol of the shm transport (docs/DESIGN.md §4.5).
 //
 // After Fetch, a client connects to the daemon's data socket and sends an
 // AttachRequest naming its lease. The daemon answers with an AttachReply
@@ -13,7 +13,7 @@
 // any request, and closes the connection: a client whose send fails (EPIPE)
 // still reads that reply.
 //
-// Push (the client owns the memory, DESIGN §6): instead of an
+// Push (the client owns the memory, docs/DESIGN.md §4.5, §9.1): instead of an
 // AttachRequest the client sends a PushRequest naming its lease, with the
 // fd of a memfd it allocated riding on the request (SCM_RIGHTS), then
 // `num_offsets` u64 byte offsets (host order), one per tensor of the
@@ -36,7 +36,7 @@
 // following is answered and the connection closed; other refusals leave
 // the connection open for the next request.
 //
-// CUDA push (DESIGN §6): the same, into the client's GPU memory. The
+// CUDA push (docs/DESIGN.md §9.3): the same, into the client's GPU memory. The
 // request's magic is kCudaPushMagic; a CudaPushTarget follows the 32-byte
 // header (before the offsets) naming the GPU by UUID, the allocation's size
 // and how it is shared: kCudaVmmPosixFd — a CUDA VMM allocation
@@ -49,8 +49,8 @@
 // Offsets follow the same rules (kPushAlignment); the layout must fit in
 // `size` bytes.
 //
-// Publish staging (zero-copy publish, DESIGN §6 and the README's
-// "Publishing"): a publisher that opened a publish session (Models.
+// Publish staging (zero-copy publish, docs/DESIGN.md §6.2 and
+// docs/publish.md): a publisher that opened a publish session (Models.
 // BeginPublish) sends a StageRequest naming the session and its token (the
 // session's hex token decoded: 16 bytes). The daemon answers an AttachReply
 // carrying one fd: the session's staging memfd, writable, sealed against

@@ -1,4 +1,4 @@
-// Shard planning with torch DTensor semantics (DESIGN §2).
+// Shard planning with torch DTensor semantics (docs/DESIGN.md §2.1).
 //
 // Shard(d) over m ranks follows torch.chunk: c = ceil(n/m), rank r gets
 // [r*c, min(n, (r+1)*c)), empty when r*c >= n. Placements apply in mesh-dim

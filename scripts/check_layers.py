@@ -59,7 +59,7 @@ CLIENT_MAY = {"proto", "common", "common/grpc", "client"}
 GRPC_OK = {"proto", "common/grpc", "server/fleet", "client"}
 GRPC_ROW = 8
 # Where a CUDA header may be included.
-CUDA_OK_PREFIXES = ("server/gpu/plugin/", "server/kernels/cuda/", "common/cuda/", "client/cuda/")
+CUDA_OK_PREFIXES = ("server/gpu/plugin/", "server/kernels/cuda/", "client/cuda/")
 
 ROW = {u: r for u, r, _, _ in UNITS}
 SIDEWAYS = {u: set(s) for u, _, s, _ in UNITS}
@@ -98,8 +98,7 @@ def check_file(root, path, problems):
             continue
         quote, inc = m.groups()
         where = "%s:%d" % (path, n)
-        if CUDA_HEADER.match(inc) and not path.startswith(CUDA_OK_PREFIXES) \
-                and "cuda_plugin" not in path:
+        if CUDA_HEADER.match(inc) and not path.startswith(CUDA_OK_PREFIXES):
             problems.append("%s: CUDA header <%s> outside the CUDA units" % (where, inc))
             continue
         if GRPC_HEADER.match(inc) and not inc.startswith("proto/"):

@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
+# The layers (docs/architecture.md): every #include of the daemon and the
+# clients against the table; fails before anything is built.
+python3 scripts/check_layers.py
 
 sanitize=""
 ctest_args=()

@@ -10,8 +10,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
-#include "common/flag_table.h"
-#include "common/log.h"
+#include "server/base/flag_table.h"
+#include "server/base/log.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/daemon_flags.h"
 

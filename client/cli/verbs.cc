@@ -242,8 +242,8 @@ absl::Status CmdVerify(Client& c, const Args& a) {
   WD_RETURN_IF_ERROR(NeedPositional(a, 1, "verify NAME"));
   WD_ASSIGN_OR_RETURN(auto r, c.Verify(a.positional[0]));
   // What Verify checks: the bytes in memory against the digests recorded
-  // when they were loaded (from storage, or from peers: README "What a
-  // fleet trusts a peer for"), not storage itself.
+  // when they were loaded (from storage, or from peers: docs/DESIGN.md
+  // §8.4, what a fleet trusts a peer for), not storage itself.
   std::printf("verified %s: %llu tensors, %s match the digests recorded at load (memory "
               "checked, not storage)\n",
               a.positional[0].c_str(),

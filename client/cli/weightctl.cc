@@ -1,5 +1,5 @@
 // weightctl: the operator's and test-suite's command line for weightd
-// (DESIGN §3). Flags are parsed here and in verbs.cc, and only there. This
+// (docs/DESIGN.md §4.2). Flags are parsed here and in verbs.cc, and only there. This
 // file is the shell: the global flags, the verb table (each verb's flags,
 // handler and usage lines; the handlers are in verbs.cc), the usage text
 // built from it, and the exit code (0; 2 for INVALID_ARGUMENT; else 1).

@@ -1,4 +1,4 @@
-// kCuda fetches (DESIGN §6): the daemon pushes a shard into GPU memory the
+// kCuda fetches (docs/DESIGN.md §9.3): the daemon pushes a shard into GPU memory the
 // client allocated, and the client copies it back to host memory for its
 // views. With WEIGHTD_CLIENT_CUDA this is cuda_push.cc (the driver through
 // cuda_driver.h); without, no_cuda_push.cc, which refuses. No CUDA types

@@ -1,5 +1,5 @@
 // Adapters: LoRA (PEFT, kohya/diffusers) and dense patches parsed from files
-// into TensorPatches (DESIGN §2 "LoRA merge"; reference lora-formats.md).
+// into TensorPatches (docs/DESIGN.md §2.4, §2.5 "LoRA merge"; reference lora-formats.md).
 //
 // Formats:
 //  * PEFT: a directory with adapter_config.json + adapter_model.safetensors

@@ -10,7 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "common/cast.h"
+#include "server/kernels/cast.h"
 #include "common/dtype.h"
 #include "common/fd.h"
 #include "common/status_macros.h"

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/cast.h"
-#include "common/merge.h"
+#include "server/kernels/cast.h"
+#include "server/kernels/merge.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "server/adapter/lora_patch.h"
@@ -428,7 +428,7 @@ TEST(LoraPatchTest, FusedKernelMatchesAFixedOrderReferenceBitForBit) {
 }
 
 // A row range [r0, r0 + rows) of an [out, in] parameter, as a push merges
-// it element by element (common/merge.h, the GPU's MergeElement on the
+// it element by element (server/kernels/merge.h, the GPU's MergeElement on the
 // CPU), from F32 to F32, in pieces that start anywhere in a row.
 std::vector<float> MergeRowsByElements(const std::vector<float>& w, int64_t in, int64_t r0,
                                        int64_t rows, const std::vector<MergeTerm>& terms,

@@ -1,4 +1,4 @@
-// The TensorPatch implementations behind adapters (DESIGN §2 "LoRA merge"):
+// The TensorPatch implementations behind adapters (docs/DESIGN.md §2.5 "LoRA merge"):
 //
 //   LoraPatch   kAdd      ΔW = s · (B @ A)      (transposed: s · (B @ A)ᵀ)
 //   DoraPatch   kAdd*     W' = (m / ‖W + ΔW‖_row) ⊙ (W + ΔW)
@@ -148,7 +148,7 @@ class DoraPatch final : public TensorPatch {
 //                        FastVideo's `t + delta * strength`; PEFT
 //                        lora_B.bias: scale = the module's LoRA scaling)
 //   kSet:                acc = V[box] · strength   (.set_weight / .set_param:
-//                        FastVideo's `value * strength`; DESIGN §2)
+//                        FastVideo's `value * strength`; docs/DESIGN.md §2.5)
 //   kSetIgnoringStrength acc = V[box]              (PEFT modules_to_save and
 //                        bias="all"/"lora_only" tensors: trained values that
 //                        replace the base; PEFT has no strength for them)

@@ -3,7 +3,7 @@
 //   acc[box] = fp32(W[box]) on entry; Apply() adds strength * ΔW[box]
 //   (LoRA, dense .diff) or overwrites it (.set_weight, modules_to_save).
 // The materializer stacks patches in order on one fp32 accumulator and
-// rounds once to the output dtype (DESIGN §2 "LoRA merge").
+// rounds once to the output dtype (docs/DESIGN.md §2.5 "LoRA merge").
 //
 // Implementations are immutable and thread-safe.
 #ifndef WEIGHTD_SERVER_ADAPTER_PATCH_H_
@@ -16,7 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "common/merge_elements.h"
+#include "server/kernels/merge_elements.h"
 #include "common/shard.h"
 
 namespace weightd {
@@ -54,7 +54,7 @@ class TensorPatch {
                              float* acc) const = 0;
 
   // The patch at `strength` as a per-element term over the whole parameter
-  // (common/merge_elements.h; its arrays are this patch's, valid while it
+  // (server/kernels/merge_elements.h; its arrays are this patch's, valid while it
   // lives), for kernels that merge element by element (a push's merge on
   // the GPU). False for a patch that needs more than the element (DoRA's
   // row norms): such a parameter is merged by Apply.

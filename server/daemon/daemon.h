@@ -1,7 +1,7 @@
 // The daemon's composition root: builds the parts its flags ask for, in
 // dependency order, serves, and stops them in the reverse order.
 //
-// Start() runs the steps of a start (README "Restarts"): signals; GPUs and
+// Start() runs the steps of a start (docs/restarts.md): signals; GPUs and
 // host pages; the state directory; the take-over of a running daemon
 // (takeover.h) or the check that none serves on the sockets; the journal
 // and its restore plan; the fleet's peers; the service; what comes back
@@ -41,7 +41,7 @@
 #include "server/grpc/grpc_server.h"
 #include "server/fleet/fleet.h"
 #include "server/metrics/prometheus_exporter.h"
-#include "server/service/weight_service.h"
+#include "server/engine/weight_service.h"
 #include "server/state/state_dir.h"
 #include "server/state/state_journal.h"
 #include "server/transport/data_server.h"

@@ -13,7 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "common/fd.h"
 #include "common/file_opener.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "common/status_macros.h"
 #include "server/grpc/call_auth.h"
 #include "server/memory/huge_pages.h"
@@ -133,7 +133,7 @@ void AddModelFlags(FlagTable& t, DaemonFlags* f) {
 void AddStateFlags(FlagTable& t, DaemonFlags* f) {
   using K = FlagSpec::Kind;
   t.Add({"state-dir", "DIR",
-         "journal what is served there; restore it at start-up (README: Restarts)",
+         "journal what is served there; restore it at start-up (docs/restarts.md)",
          K::kValue, StringInto(&f->state_dir)})
       .Add({"serve-during-restore", "", "answer calls while the state is restored", K::kSwitch,
             [f](const std::string& v) {
@@ -142,7 +142,7 @@ void AddStateFlags(FlagTable& t, DaemonFlags* f) {
             }})
       .Add({"take-over", "",
             "take over the daemon running on these sockets (its memory, sockets and state; "
-            "README: Restarts); none running: start as usual",
+            "docs/restarts.md); none running: start as usual",
             K::kSwitch,
             [f](const std::string& v) {
               f->take_over = v == "true";
@@ -401,9 +401,9 @@ void AddTlsFlags(FlagTable& t, DaemonFlags* f) {
               return absl::OkStatus();
             }});
 }
-// Every daemon flag, once: name, value, help, where it goes (DESIGN §3).
+// Every daemon flag, once: name, value, help, where it goes (docs/DESIGN.md §4.1).
 // The usage text, WEIGHTD_<FLAG> variables and config-file keys come from
-// this table (common/flag_table.h).
+// this table (server/base/flag_table.h).
 FlagTable DaemonFlagTable(DaemonFlags* f) {
   FlagTable t("weightd", "WEIGHTD");
   AddListenerFlags(t, f);

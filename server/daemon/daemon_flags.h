@@ -1,5 +1,5 @@
-// The daemon's flags (DESIGN §3): declared here and only here, in one
-// FlagTable (common/flag_table.h: the usage text, WEIGHTD_<FLAG> variables
+// The daemon's flags (docs/DESIGN.md §4.1): declared here and only here, in one
+// FlagTable (server/base/flag_table.h: the usage text, WEIGHTD_<FLAG> variables
 // and config-file keys come from it), and parsed into the Options structs
 // of the parts they configure (DaemonFlags).
 //
@@ -22,10 +22,10 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "common/flag_table.h"
+#include "server/base/flag_table.h"
 #include "server/grpc/grpc_server.h"
 #include "server/fleet/peer_table.h"
-#include "server/service/weight_service.h"
+#include "server/engine/weight_service.h"
 #include "server/store/checkpoint.h"
 #include "server/transport/data_server.h"
 

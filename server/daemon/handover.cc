@@ -16,11 +16,11 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
 #include "nlohmann/json.hpp"
-#include "server/transport/peer_identity.h"
+#include "server/auth/peer_identity.h"
 
 namespace weightd {
 namespace {

@@ -1,4 +1,4 @@
-// Hand-over on upgrade (README "Restarts"): a new daemon started with
+// Hand-over on upgrade (docs/restarts.md): a new daemon started with
 // --take-over receives the running daemon's checkpoint segments and
 // listening sockets, restores the same state from the same --state-dir
 // without reading the checkpoints again, and takes over the sockets while

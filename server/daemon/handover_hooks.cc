@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/signals.h"
 #include "server/daemon/startup.h"

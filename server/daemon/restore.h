@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "server/service/weight_service.h"
+#include "server/engine/weight_service.h"
 #include "server/state/state_journal.h"
 
 namespace weightd {

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/fd.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
 #include "server/gpu/cuda_push_writer.h"

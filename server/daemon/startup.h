@@ -1,4 +1,4 @@
-// The rules a daemon's start follows (README "Restarts"), apart from the
+// The rules a daemon's start follows (docs/restarts.md), apart from the
 // order it builds its parts in (daemon.h): how it starts (fresh, restoring
 // its --state-dir, or taking over a running daemon), which --preload
 // entries it loads, which saved published weights it keeps, whether a
@@ -20,7 +20,7 @@
 #include "server/daemon/daemon_flags.h"
 #include "server/daemon/handover.h"
 #include "server/daemon/restore.h"
-#include "server/service/weight_service.h"
+#include "server/engine/weight_service.h"
 #include "server/state/state_journal.h"
 #include "server/transport/data_server.h"
 

@@ -23,7 +23,7 @@
 #include "server/daemon/daemon_flags.h"
 #include "server/daemon/handover.h"
 #include "server/daemon/restore.h"
-#include "server/service/weight_service.h"
+#include "server/engine/weight_service.h"
 #include "server/state/state_dir.h"
 #include "server/state/state_journal.h"
 #include "server/store/checkpoint.h"

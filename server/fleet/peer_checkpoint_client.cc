@@ -10,8 +10,8 @@
 #include "common/digest.h"
 #include "common/grpc/chunk_stream.h"
 #include "common/grpc/status_convert.h"
-#include "common/log.h"
-#include "common/thread_pool.h"
+#include "server/base/log.h"
+#include "server/base/thread_pool.h"
 
 namespace weightd {
 namespace {

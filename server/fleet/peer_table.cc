@@ -16,8 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/digest.h"
 #include "common/grpc/status_convert.h"
-#include "common/log.h"
-#include "common/thread_pool.h"
+#include "server/base/log.h"
+#include "server/base/thread_pool.h"
 
 namespace weightd {
 namespace {

@@ -16,7 +16,7 @@
 // a PushJob (server/push/push_job.h: host pointers, lengths, offsets, casts
 // and merges, planned by the daemon), never a lease or a layout, so the
 // plugin compiles nothing of the daemon's but its own sources
-// (server/gpu/plugin/) and the kernels (common/cuda/).
+// (server/gpu/plugin/) and the kernels (server/kernels/cuda/).
 #ifndef WEIGHTD_SERVER_GPU_CUDA_PLUGIN_H_
 #define WEIGHTD_SERVER_GPU_CUDA_PLUGIN_H_
 
@@ -29,7 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/data_protocol.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "server/gpu/gpu_devices.h"
 #include "server/push/push_job.h"
 
@@ -39,7 +39,7 @@ namespace weightd {
 // plugin and the daemon are built together; this catches a stale file).
 inline constexpr uint32_t kCudaPluginAbi = 6;
 
-// Where the plugin's events go: the daemon's LogEvent (common/log.h), so
+// Where the plugin's events go: the daemon's LogEvent (server/base/log.h), so
 // that they are written in its --log-format (the plugin's own copy of the
 // logger is never configured).
 using CudaPluginEventSink = void (*)(LogLevel level, absl::string_view event,

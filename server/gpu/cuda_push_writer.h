@@ -1,4 +1,4 @@
-// Push into a client's GPU memory (DESIGN §6; common/data_protocol.h
+// Push into a client's GPU memory (docs/DESIGN.md §9.3; common/data_protocol.h
 // CudaPushTarget): the client allocated it (a CUDA VMM allocation exported
 // as a POSIX fd, or a legacy cudaIpcMemHandle_t) on a GPU it names by
 // UUID; the daemon maps it, copies each tensor of the lease to its offset

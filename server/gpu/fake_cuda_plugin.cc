@@ -45,7 +45,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "common/cast.h"
+#include "server/kernels/cast.h"
 #include "common/dtype.h"
 #include "server/gpu/cuda_errors.h"
 #include "server/gpu/cuda_plugin.h"

@@ -3,7 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "server/gpu/cuda_errors.h"
 
 namespace weightd {

@@ -15,7 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "common/status_macros.h"
 
 namespace weightd {

@@ -1,4 +1,4 @@
-// Turns a gRPC call into a Principal (server/service/access_control.h) and
+// Turns a gRPC call into a Principal (server/auth/access_control.h) and
 // accepts the Unix-socket connections that make such calls possible.
 //
 // gRPC does not tell a handler the SO_PEERCRED of a Unix-socket caller, so
@@ -26,10 +26,10 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "common/accept_pause.h"
+#include "server/base/accept_pause.h"
 #include "common/fd.h"
 #include "server/grpc/call_drain.h"
-#include "server/service/access_control.h"
+#include "server/auth/access_control.h"
 
 namespace weightd {
 

@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/service/weight_service.h"
+#include "server/engine/weight_service.h"
 
 namespace weightd {
 
@@ -27,7 +27,7 @@ struct GrpcServerOptions {
   // Watch streams open at once (each holds a thread while it waits); the
   // excess is refused RESOURCE_EXHAUSTED.
   int max_watch_streams = 256;
-  // TCP listener security (README "Access control"). With a cert and key
+  // TCP listener security (docs/access-control.md). With a cert and key
   // the listener speaks TLS; with a client CA it also requires and verifies
   // client certificates. With a token file every call but Health needs
   // "authorization: Bearer <token>".

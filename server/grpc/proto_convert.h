@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
-#include "server/service/weight_service.h"
+#include "server/engine/weight_service.h"
 #include "weightd/v1/weightd.pb.h"
 
 namespace weightd {

@@ -17,14 +17,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc/status_convert.h"
-#include "common/thread_pool.h"
+#include "server/base/thread_pool.h"
 #include "server/grpc/call_drain.h"
-#include "server/service/weight_service.h"
+#include "server/engine/weight_service.h"
 #include "weightd/v1/weightd.pb.h"
 
 namespace weightd {
 
-inline constexpr size_t kReadChunkBytes = 4u << 20;  // DESIGN §5: chunks <= 4 MiB
+inline constexpr size_t kReadChunkBytes = 4u << 20;  // docs/DESIGN.md §4.3: chunks <= 4 MiB
 
 // A server stream fed by a producer thread. Push() queues a message (the
 // newest replaceable one supersedes a queued replaceable one, so a slow

@@ -10,10 +10,10 @@
 
 #include <grpcpp/impl/service_type.h>
 
-#include "common/thread_pool.h"
+#include "server/base/thread_pool.h"
 #include "server/grpc/call_auth.h"
 #include "server/grpc/call_drain.h"
-#include "server/service/weight_service.h"
+#include "server/engine/weight_service.h"
 
 namespace weightd {
 

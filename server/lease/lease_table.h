@@ -26,7 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/dtype.h"
-#include "common/merge_elements.h"
+#include "server/kernels/merge_elements.h"
 #include "server/memory/disposer.h"
 #include "server/memory/buffer.h"
 
@@ -36,7 +36,7 @@ using LeaseToken = std::array<uint8_t, 16>;
 
 // A merge a push makes as it writes (FetchParams::defer_merges): the
 // parameter's rows are `cols` elements long, the lease tensor's bytes start
-// at row `row_begin`, and `terms` (common/merge_elements.h) are applied to
+// at row `row_begin`, and `terms` (server/kernels/merge_elements.h) are applied to
 // each element, their arrays kept alive by `hold` (the patches).
 struct PushMerge {
   int64_t cols = 1;
@@ -69,7 +69,7 @@ inline uint64_t PushLength(const LeaseTensor& t) {
   return t.cast ? t.length / DTypeSize(t.src_dtype) * DTypeSize(t.dst_dtype) : t.length;
 }
 
-// Who fetched a lease and what it exposes (server/service/access_control.h;
+// Who fetched a lease and what it exposes (server/auth/access_control.h;
 // the table only keeps it).
 struct LeaseOwner;
 

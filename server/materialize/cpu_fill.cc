@@ -6,7 +6,7 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
-#include "common/cast.h"
+#include "server/kernels/cast.h"
 #include "common/status_macros.h"
 
 namespace weightd {

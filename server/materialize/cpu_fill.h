@@ -1,6 +1,6 @@
 // The CPU fill backend: computes materialized items into host memory —
 // slicing, casting with PyTorch's rounding, LoRA patches merged in fp32 with
-// one rounding at the end (DESIGN §2), FP8 quantization — and digests the
+// one rounding at the end (docs/DESIGN.md §2.5), FP8 quantization — and digests the
 // bytes while they are still in cache.
 //
 // This is the one place that reads stored tensors with the CPU; it needs
@@ -20,7 +20,7 @@
 #include "common/digest.h"
 #include "common/dtype.h"
 #include "common/shard.h"
-#include "common/thread_pool.h"
+#include "server/base/thread_pool.h"
 #include "server/materialize/item.h"
 
 namespace weightd {

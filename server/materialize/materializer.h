@@ -12,7 +12,7 @@
 // base segment (zero copy). Anything else — a cast, a non-contiguous slice,
 // several parts, LoRA patches, FP8 quantization — is computed into a new
 // sealed segment: patched slices in fp32 with one rounding at the end
-// (DESIGN §2). Results are cached by their inputs (part digests, boxes,
+// (docs/DESIGN.md §2.5). Results are cached by their inputs (part digests, boxes,
 // patches and strengths, output dtype, scale) so identical requests — HSDP
 // replicas, repeated fetches — share one copy. One Materialize() call packs
 // all its misses into one segment (or into chunks of the warm reserve, see

@@ -5,7 +5,7 @@
 
 #include <gtest/gtest.h>
 
-#include "common/cast.h"
+#include "server/kernels/cast.h"
 
 namespace weightd {
 namespace {

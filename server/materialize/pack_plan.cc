@@ -1,7 +1,7 @@
 #include "server/materialize/pack_plan.h"
 
 #include "absl/strings/str_cat.h"
-#include "common/cast.h"
+#include "server/kernels/cast.h"
 
 namespace weightd {
 namespace {

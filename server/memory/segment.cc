@@ -7,7 +7,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "common/status_macros.h"
 
 namespace weightd {

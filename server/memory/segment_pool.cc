@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/log.h"
+#include "server/base/log.h"
 
 namespace weightd {
 

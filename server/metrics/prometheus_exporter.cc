@@ -23,7 +23,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/fd.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "common/status_macros.h"
 
 namespace weightd {

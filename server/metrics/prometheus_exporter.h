@@ -17,7 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/service/weight_service.h"
+#include "server/engine/weight_service.h"
 
 namespace weightd {
 

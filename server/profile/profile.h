@@ -1,4 +1,4 @@
-// A model profile (DESIGN §4): how a checkpoint's tensors map onto the
+// A model profile (docs/DESIGN.md §3): how a checkpoint's tensors map onto the
 // tensors a model serves — renaming and dim-0 merging, per-tensor placements,
 // dtype rules, FP8 quantization, the expected parameter set and strictness.
 // Pure: no I/O, no knowledge of segments; the store and the materializer act

@@ -12,9 +12,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "common/fault_guard.h"
+#include "server/base/fault_guard.h"
 #include "common/status_macros.h"
-#include "common/thread_pool.h"
+#include "server/base/thread_pool.h"
 
 namespace weightd {
 namespace {

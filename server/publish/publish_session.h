@@ -35,7 +35,7 @@
 #include "server/publish/publish_plan.h"
 #include "server/publish/publish_slots.h"
 #include "server/publish/publish_types.h"
-#include "server/service/access_control.h"
+#include "server/auth/access_control.h"
 
 namespace weightd {
 

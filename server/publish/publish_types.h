@@ -11,7 +11,7 @@
 
 #include "absl/time/time.h"
 #include "server/publish/publish_plan.h"
-#include "server/service/access_control.h"
+#include "server/auth/access_control.h"
 #include "server/service/types.h"
 
 namespace weightd {

@@ -14,8 +14,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/cast.h"
-#include "common/merge.h"
+#include "server/kernels/cast.h"
+#include "server/kernels/merge.h"
 #include "common/status_macros.h"
 #include "server/memory/buffer.h"
 #include "server/push/push_plan.h"

@@ -1,4 +1,4 @@
-// Push into a client's host memory (DESIGN §6, common/data_protocol.h): the
+// Push into a client's host memory (docs/DESIGN.md §9.1, §4.5, common/data_protocol.h): the
 // client owns the destination, a memfd it passed over the data socket; the
 // daemon checks it and writes each tensor of a lease into it at the layout's
 // offsets. The host twin of the CUDA push: the same lease, layout, checks

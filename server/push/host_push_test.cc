@@ -12,7 +12,7 @@
 
 #include <gtest/gtest.h>
 
-#include "common/cast.h"
+#include "server/kernels/cast.h"
 #include "common/fd.h"
 #include "server/memory/segment.h"
 #include "server/memory/test_buffers.h"

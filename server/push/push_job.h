@@ -7,7 +7,7 @@
 //
 // This is the plugin's ABI, so it names no domain type: no lease, no
 // buffer, no layout — only pointers, lengths, offsets and the dtypes and
-// merge terms the kernels take (common/dtype.h, common/merge_elements.h).
+// merge terms the kernels take (common/dtype.h, server/kernels/merge_elements.h).
 // Changing a field here bumps kCudaPluginAbi; a field the lease table adds
 // changes nothing that crosses dlopen().
 //
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "common/merge_elements.h"
+#include "server/kernels/merge_elements.h"
 
 namespace weightd {
 

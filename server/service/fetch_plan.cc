@@ -58,7 +58,7 @@ absl::StatusOr<std::vector<size_t>> SelectByName(absl::Span<const std::string> s
   absl::flat_hash_map<absl::string_view, size_t> by_name;
   for (size_t i = 0; i < served_names.size(); ++i) by_name[served_names[i]] = i;
   // A name given twice would be materialized and listed twice: refused, so
-  // the table never holds a name twice (README "Hostile input").
+  // the table never holds a name twice (docs/limits.md).
   absl::flat_hash_set<absl::string_view> seen;
   std::vector<std::string> unknown, repeated;
   for (const std::string& n : names) {

@@ -1,6 +1,6 @@
 // Fetch planning: what one rank's fetch serves, as a pure function of the
 // selected served tensors and the request — per tensor the box of each part
-// it needs (DESIGN §2 sharding: torch.chunk per placement; per-part
+// it needs (docs/DESIGN.md §2.1, §2.2 sharding: torch.chunk per placement; per-part
 // tensor-parallel pieces; merged tensors sharded whole), the output dtype
 // (quantization, then profile dtype rules, then the request's dtype for
 // floating tensors), the adapter patches on each part, FP8 scale
@@ -91,7 +91,7 @@ struct FetchPlan {
 
 // The placements every tensor without its own profile placements gets: the
 // request's, else the profile's default_placements, else DefaultPlacements
-// (DESIGN §2). INVALID_ARGUMENT when they do not name one per mesh dim.
+// (docs/DESIGN.md §2.1). INVALID_ARGUMENT when they do not name one per mesh dim.
 absl::StatusOr<std::vector<Placement>> ResolveDefaultPlacements(
     const MeshCoord& mesh, const std::optional<std::vector<Placement>>& requested,
     const std::optional<std::vector<Placement>>& profile_default);

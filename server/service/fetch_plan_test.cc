@@ -67,7 +67,7 @@ TEST(FetchPlanTest, SelectByNameKeepsRequestOrderAndRefusesRepeatsAndUnknowns) {
 }
 
 TEST(FetchPlanTest, ShardsLikeTorchChunkAndKeepsTheStoredDtype) {
-  // 10 rows over 4 ranks: 3, 3, 3, 1 (DESIGN §2).
+  // 10 rows over 4 ranks: 3, 3, 3, 1 (docs/DESIGN.md §2.1).
   StoredTensor w = Stored("w", {10, 6});
   ServedTensorPlan p = Plan("w", {10, 6});
   const int64_t rows[] = {3, 3, 3, 1};

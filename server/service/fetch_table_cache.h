@@ -18,7 +18,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
-#include "server/service/access_control.h"
+#include "server/auth/access_control.h"
 #include "server/service/fetch_plan.h"
 #include "server/memory/buffer.h"
 

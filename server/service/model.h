@@ -22,7 +22,7 @@
 #include "server/materialize/item.h"
 #include "server/memory/host_memory.h"
 #include "server/profile/profile.h"
-#include "server/service/access_control.h"
+#include "server/auth/access_control.h"
 #include "server/service/types.h"
 #include "server/store/checkpoint.h"
 

@@ -12,7 +12,7 @@
 #include "common/digest.h"
 #include "common/dtype.h"
 #include "server/memory/segment.h"
-#include "server/service/access_control.h"
+#include "server/auth/access_control.h"
 
 namespace weightd {
 

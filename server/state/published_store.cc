@@ -14,7 +14,7 @@
 #include "absl/time/clock.h"
 #include "common/digest.h"
 #include "common/fd.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 

@@ -1,4 +1,4 @@
-// Published weights kept across restarts (--state-dir; README: Restarts).
+// Published weights kept across restarts (--state-dir; docs/restarts.md).
 //
 // A publish lives in the daemon's memory; its journal record (kPublish)
 // names the file its weights are saved to, `published/<model>-<G>.safetensors`

@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/digest.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "common/thread_pool.h"
+#include "server/base/thread_pool.h"
 
 namespace weightd {
 namespace {

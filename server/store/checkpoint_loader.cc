@@ -6,9 +6,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "common/status_macros.h"
-#include "common/thread_pool.h"
+#include "server/base/thread_pool.h"
 #include "server/store/storage_read.h"
 
 namespace weightd {

@@ -8,9 +8,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "common/status_macros.h"
-#include "common/thread_pool.h"
+#include "server/base/thread_pool.h"
 
 namespace weightd {
 namespace {

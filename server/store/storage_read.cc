@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "common/thread_pool.h"
+#include "server/base/thread_pool.h"
 
 namespace weightd {
 

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "server/transport/data_server.h"
 
 namespace weightd {

@@ -37,7 +37,7 @@
 #include "server/lease/lease_table.h"
 #include "server/memory/buffer.h"
 #include "server/push/export_cache.h"
-#include "server/transport/peer_identity.h"
+#include "server/auth/peer_identity.h"
 
 namespace weightd {
 

@@ -48,16 +48,16 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/accept_pause.h"
+#include "server/base/accept_pause.h"
 #include "common/data_protocol.h"
 #include "common/fd.h"
-#include "common/thread_pool.h"
+#include "server/base/thread_pool.h"
 #include "server/lease/lease_table.h"
 #include "server/memory/host_memory.h"
 #include "server/push/export_cache.h"
 #include "server/push/push_writer.h"
 #include "server/transport/connection.h"
-#include "server/transport/peer_identity.h"
+#include "server/auth/peer_identity.h"
 
 namespace weightd {
 

@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "common/status_macros.h"
 #include "server/push/push_plan.h"
 #include "server/transport/data_server.h"

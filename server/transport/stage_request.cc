@@ -2,7 +2,7 @@
 // memfd, writable, for the publisher to write its tensors in place. What
 // the session hands out and who may ask is Options::stage's business.
 #include "absl/strings/str_cat.h"
-#include "common/log.h"
+#include "server/base/log.h"
 #include "server/transport/data_server.h"
 
 namespace weightd {

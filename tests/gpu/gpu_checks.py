@@ -20,7 +20,7 @@ failure:
                lives while a tensor or view of it does, and is freed after.
   a push       fetch(device="cuda:0") for world 1/2/3, every rank, dtype
                keep/bf16/f32 == torch.chunk(t.cuda().to(dtype), W, 0)[r] bit
-               for bit (DESIGN §2), every tensor inside the one allocation.
+               for bit (docs/DESIGN.md §2.1, §2.3), every tensor inside the one allocation.
   b pull       mode="pull" (pinned, and pin=False), the same parity on a
                subset; no lease left.
   b' zero-copy mode="zero-copy": the same parity read by kernels from the
@@ -108,7 +108,7 @@ LORA_TOLERANCE = ("tests/parity/test_lora_parity.py: F32 allclose(rtol=1e-5, "
 
 
 def chunk_ref(t, world, rank, dtype):
-    """DESIGN §2: torch.chunk(t.to(dtype), world, 0)[rank]; an empty piece
+    """docs/DESIGN.md §2.1: torch.chunk(t.to(dtype), world, 0)[rank]; an empty piece
     (its dim 0 sized 0) where torch.chunk returns fewer pieces; 0-dim
     tensors whole; integer and bool tensors keep their dtype."""
     import torch
@@ -307,7 +307,7 @@ def _log_time(text):
 
 
 def log_events(path, events=None, start=0):
-    """The daemon's text log (common/log.cc: "TS LEVEL EVENT k=v ...") from
+    """The daemon's text log (server/base/log.cc: "TS LEVEL EVENT k=v ...") from
     byte `start` as dicts: ts (unix seconds), level, event, line and every
     field (quoted values unquoted); only `events` when given."""
     out = []

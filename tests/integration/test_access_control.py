@@ -1,4 +1,4 @@
-"""Access control (README "Access control"): every rule is tried once where it
+"""Access control (docs/access-control.md): every rule is tried once where it
 must refuse and once where it must allow.
 
 * socket files: --socket-mode (default 0660) holds for both sockets whatever

@@ -1,5 +1,5 @@
-"""Bad-input catalogue, adapters and apply requests (DESIGN §2 "LoRA merge",
-§3 adapter load / apply, STYLE.md rule 3; the checkpoint cases are in
+"""Bad-input catalogue, adapters and apply requests (docs/DESIGN.md §2.4, §2.5 "LoRA merge",
+§4.2 adapter load / apply, docs/style.md rule 3; the checkpoint cases are in
 test_bad_inputs_core.py, the profile cases in tests/parity/test_profile_parity.py).
 
 One daemon serves the module. Model "good" is loaded and adapter "ok" applied

@@ -1,4 +1,4 @@
-"""Bad-input catalogue for weightd (DESIGN.md §3, STYLE.md rule 3).
+"""Bad-input catalogue for weightd (docs/DESIGN.md §4.2, docs/style.md rule 3).
 
 One daemon serves the whole module. A good model is loaded first and a few
 ranks/dtypes are fetched as the baseline. Then every malformed checkpoint,
@@ -595,7 +595,7 @@ def test_index_nested_100k_is_invalid(ctx):
     assert ctx.listed_names() == ["good"]
 
 
-# The daemon caps every error message it sends (README "Limits"): a longer
+# The daemon caps every error message it sends (docs/limits.md): a longer
 # one would exceed gRPC's metadata limit and arrive as RESOURCE_EXHAUSTED.
 MAX_MESSAGE = 4096
 

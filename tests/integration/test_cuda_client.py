@@ -1064,7 +1064,7 @@ def test_gpu_checks_skips_without_a_gpu(tmp_path):
 
 def test_gpu_checks_helpers():
     gc_mod = _gpu_checks_module()
-    # torch.chunk reference: uneven, empty and 0-dim pieces (DESIGN §2).
+    # torch.chunk reference: uneven, empty and 0-dim pieces (docs/DESIGN.md §2.1).
     t = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3)
     assert [tuple(gc_mod.chunk_ref(t, 4, r, None).shape) for r in range(4)] == \
         [(3, 3), (3, 3), (3, 3), (1, 3)]
@@ -1144,7 +1144,7 @@ def test_gpu_checks_budget_skips_what_does_not_fit(tmp_path):
 
 
 def test_gpu_checks_reads_the_daemon_log(daemon):
-    """log_events parses the daemon's own text lines (common/log.cc):
+    """log_events parses the daemon's own text lines (server/base/log.cc):
     timestamp, level, event and fields, quoted ones unquoted."""
     gc_mod = _gpu_checks_module()
     lines = ('2025-03-04T05:06:07.250Z debug push connection=7 memory=cuda model=llama '

@@ -94,7 +94,7 @@ def test_memory_budget_refuses_oversized_load(tmp_path):
         assert r.error_code == "RESOURCE_EXHAUSTED", r.stderr
         assert "big" not in d.ctl_ok("list").stdout
         d.ctl_ok("load", "small", small)
-        # one page of data + the metadata of tensor "w" [4, 3] (README, Limits)
+        # one page of data + the metadata of tensor "w" [4, 3] (docs/limits.md)
         assert "bytes_resident: %d\n" % (4096 + 1024 + 24 * 1 + 16 * 2) in d.ctl_ok("stats").stdout
 
 

@@ -385,7 +385,7 @@ def test_daemonset_shape(overlay):
     pc = spec["priorityClassName"]
     assert pc == "system-node-critical" or one(objs, "PriorityClass", pc)["value"] >= 10**8
     assert ds["spec"]["updateStrategy"]["type"] in ("RollingUpdate", "OnDelete")
-    # Updates hand over (README "Restarts"): the new pod starts beside the
+    # Updates hand over (docs/restarts.md): the new pod starts beside the
     # old one and takes its memory and sockets through the state directory.
     if ds["spec"]["updateStrategy"]["type"] == "RollingUpdate":
         assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 1,
@@ -458,7 +458,7 @@ def test_fleet_overlay():
     """overlays/daemonset-fleet: the DaemonSet plus a headless Service of
     every daemon pod, --peer-dns on it at the gRPC port, --advertise from the
     pod IP, a NetworkPolicy that lets daemon pods, and only them, reach
-    each other's gRPC port (README: Peers), and the fleet's token from a
+    each other's gRPC port (docs/fleet.md), and the fleet's token from a
     Secret as --auth-token-file, --peer-token-file and --fleet-members."""
     base = weightd_container(one(render(OVERLAYS["daemonset"]), "DaemonSet"))
     objs = render(OVERLAYS["fleet"])

@@ -582,7 +582,7 @@ def _one_file_checkpoint(root, seed=21):
 
 
 class _LyingPeer:
-    """A peer that lies (README "What a fleet trusts a peer for"): a real
+    """A peer that lies (docs/DESIGN.md §8.4): a real
     gRPC server with the generated Models stubs, in front of a real holder
     whose answers it forwards, so that what it says about the question's
     samples is true. Then it sends other bytes and reports their digests:

@@ -1,4 +1,4 @@
-"""Huge-page segments (--huge-pages, README "Huge pages") against a real
+"""Huge-page segments (--huge-pages, docs/memory.md) against a real
 daemon and the host's real 2 MiB hugetlb pool, PyTorch as the reference.
 
 Needs free pages in the pool: scripts/test.sh reserves them when asked

@@ -1,5 +1,5 @@
-"""Live adapter swap (DESIGN §1 "model"/"lease", §2 "LoRA merge", §3 apply/watch/
-fetch --generation/--changed-since, §5 Watch).
+"""Live adapter swap (docs/DESIGN.md §1.4, §1.7 "model"/"lease", §2.5 "LoRA merge",
+§4.2 apply/watch/fetch --generation/--changed-since, §4.3 Watch).
 
 * Two holder processes (Python client) fetch generation N (= a:0.5) and keep their
   leases while `weightctl apply` makes N+1; a `weightctl watch --count 1`

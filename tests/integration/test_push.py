@@ -1,4 +1,4 @@
-"""Push into client-owned memory (DESIGN §6, common/data_protocol.h
+"""Push into client-owned memory (docs/DESIGN.md §9.1, §4.5, common/data_protocol.h
 PushRequest, common/push_layout.h) against a real daemon, with PyTorch as the
 reference.
 
@@ -460,7 +460,7 @@ def test_merges_deferred_to_the_push(daemon, client):
     """fetch(merge_on_push=True) into host memory: the LoRA-patched tensors
     are merged element by element as the daemon writes them (the GPU's
     merge, run by its host twin), nothing is materialized, and the bytes
-    are the merge DESIGN §2 defines (vs PyTorch; the materialized ones
+    are the merge docs/DESIGN.md §2.5 defines (vs PyTorch; the materialized ones
     agree within fp32 accumulation)."""
     client.apply("lora", [])
     try:

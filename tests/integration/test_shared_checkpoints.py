@@ -123,7 +123,7 @@ def test_a_shared_load_is_charged_the_metadata_it_builds(tmp_path):
     not: a shared load over the budget is refused RESOURCE_EXHAUSTED, and
     the model that holds the files keeps serving."""
     models, path, ref, data = _model_file(tmp_path)
-    metadata = 8 * (1024 + 24 * 2 + 16 * 2)  # README, Limits: per tensor
+    metadata = 8 * (1024 + 24 * 2 + 16 * 2)  # docs/limits.md: per tensor
     budget = data + metadata + 4096          # room for the first, not a second metadata
     with Daemon(model_root=str(models),
                 extra_args=["--host-memory-bytes", str(budget)]) as d, \

@@ -107,7 +107,7 @@ def shard_ref(t, mesh, coord, placements):
 
 
 def cast_shard_ref(t, world, rank, dtype=None):
-    """DESIGN §2 on a 1-D mesh: torch.chunk(t.to(dtype), world, 0)[rank] (an
+    """docs/DESIGN.md §2.1 on a 1-D mesh: torch.chunk(t.to(dtype), world, 0)[rank] (an
     empty piece where torch.chunk returns fewer pieces; 0-dim tensors whole).
     Integer and bool tensors keep their dtype; `dtype` is a torch dtype or
     None (keep)."""
@@ -122,7 +122,7 @@ _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: 
 
 def assert_matches_torch(got, ref, what):
     """{name: tensor} `got` equals `ref` bit for bit, except that NaN is
-    compared as NaN-ness (DESIGN §2)."""
+    compared as NaN-ness (docs/DESIGN.md §2.3)."""
     assert sorted(got) == sorted(ref), what
     for k, r in ref.items():
         g = got[k]

@@ -243,11 +243,11 @@ def _read(path):
 # Tests
 # --------------------------------------------------------------------------
 def test_reference_self_checks():
-    # DESIGN examples of the chunk rule
+    # docs/DESIGN.md §2.1 examples of the chunk rule
     assert [chunk_range(10, 4, r)[1] - chunk_range(10, 4, r)[0] for r in range(4)] == [3, 3, 3, 1]
     assert [chunk_range(5, 4, r)[1] - chunk_range(5, 4, r)[0] for r in range(4)] == [2, 2, 1, 0]
     assert [chunk_range(0, 4, r)[1] - chunk_range(0, 4, r)[0] for r in range(4)] == [0, 0, 0, 0]
-    # torch rounds F64 to F32 before F16/BF16 (the DESIGN example)
+    # torch rounds F64 to F32 before F16/BF16 (the docs/DESIGN.md §2.3 example)
     x = torch.tensor([1 + 2.0 ** -11 + 2.0 ** -40], dtype=torch.float64)
     assert x.to(torch.float16).item() == 1.0
     assert torch.tensor([2049 + 2.0 ** -30], dtype=torch.float64).to(torch.float16).item() == 2048.0

@@ -1,4 +1,4 @@
-"""LoRA merge parity (DESIGN §2 "LoRA merge", reference lora-formats.md §0,
+"""LoRA merge parity (docs/DESIGN.md §2.5, §2.4 "LoRA merge", reference lora-formats.md §0,
 §1.3-1.6, §2.1, §2.4.1) through the real weightd + weightctl.
 
 One daemon for the module. Base: a small Llama-shaped checkpoint (hidden 64,
@@ -561,7 +561,8 @@ def test_merge_parity(env, case, stack):
                     out_dt = _REQ[dt]
                 elif name in base:
                     out_dt = base[name].dtype
-                else:   # a parameter the base lacks: DESIGN does not fix its dtype
+                else:   # a parameter the base lacks (docs/DESIGN.md §2.4):
+                        # served in the dtype it arrives in
                     out_dt = _FROM_ST.get(raw[0], torch.float32)
                 exact = kinds[name] == "exact"
             else:

@@ -1,4 +1,4 @@
-"""Profile parity (DESIGN §4, issue [2/7]): a Python reference written from
+"""Profile parity (docs/DESIGN.md §3, issue [2/7]): a Python reference written from
 the seed loader's semantics — regex name mapping (first full match wins),
 merge by index along dim 0, distribute_tensor = torch.chunk on the merged
 full tensor (FSDP/HSDP), per-part tensor-parallel sharding as vLLM's

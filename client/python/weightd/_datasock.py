@@ -1,4 +1,4 @@
-"""The shm data-socket protocol (common/data_protocol.h, DESIGN §5).
+"""The shm data-socket protocol (common/data_protocol.h, docs/DESIGN.md §4.5).
 
 After Fetch the client connects to the daemon's data socket and sends a
 32-byte AttachRequest {magic "WDA1", u32 reserved, u64 lease_id, 16-byte
@@ -9,7 +9,7 @@ on the header and every further batch on one byte of its own. The lease
 lives as long as the connection stays open. A daemon past its connection caps
 answers RESOURCE_EXHAUSTED before any request and closes the connection.
 
-Push (DESIGN §6): instead of attaching, the client sends a 32-byte
+Push (docs/DESIGN.md §4.5): instead of attaching, the client sends a 32-byte
 PushRequest {magic "WDP1", u32 num_offsets, u64 lease_id, 16-byte token} with
 exactly one fd riding on it (SCM_RIGHTS): a memfd the client allocated
 (allocated whole with fallocate, writable, not write-sealed but sealed

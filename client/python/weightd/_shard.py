@@ -1,4 +1,4 @@
-"""Shard boxes (DESIGN §2, common/shard.h ChunkOf / PlanShard): which piece
+"""Shard boxes (docs/DESIGN.md §2.1, common/shard.h ChunkOf / PlanShard): which piece
 of a global tensor a rank of a device mesh holds under its placements
 (torch.chunk's rule), and that piece's contiguous byte runs in the global
 row-major tensor. Pure functions.
@@ -18,7 +18,7 @@ def chunk_of(n, parts, index):
 
 
 def local_box(shape, mesh, coord, placements):
-    """The (offset, shape) of this rank's local shard (DESIGN §2), and
+    """The (offset, shape) of this rank's local shard (docs/DESIGN.md §2.1), and
     whether this rank writes it: of the ranks that hold the same piece (they
     differ only on mesh dims that replicate it), the one at coordinate 0."""
     offset = [0] * len(shape)

@@ -28,7 +28,7 @@ garbage collected (or the process dies: the daemon sees the data
 connection close). Tensors you keep after release() stay valid (the
 mapping still holds the memory), but the daemon no longer accounts for them.
 
-Push (fetch(..., mode="push"), DESIGN §6): the client owns the memory. It
+Push (fetch(..., mode="push"), docs/DESIGN.md §4.5, §9.1): the client owns the memory. It
 allocates a memfd (fallocate'd, so the pages are its own), passes it to the
 daemon over the data socket, and the daemon writes the shard into it; the
 tensors are zero-copy views of one writable shared map of that memfd, every
@@ -37,7 +37,7 @@ are in place. handle.refresh() later has the daemon rewrite, in the same
 memory, only the tensors that changed in a newer generation (an adapter
 applied): tensors taken from the handle before see the new values.
 
-Into a GPU (fetch(..., device="cuda:N"), DESIGN §6; the daemon must be
+Into a GPU (fetch(..., device="cuda:N"), docs/DESIGN.md §9; the daemon must be
 local, transport "shm"):
   * mode="push" (the default with a device): the client allocates device
     memory with CUDA's VMM API (cuMemCreate, exported as a POSIX fd), sends
@@ -194,7 +194,7 @@ class Client:
     def load(self, name, path, profile=None, progress=None, timeout=None, readers=None,
              source="auto"):
         """Loads checkpoint `path` as model `name` and returns its ModelInfo.
-        profile: a dict, JSON text, or a path to a JSON file (DESIGN §4).
+        profile: a dict, JSON text, or a path to a JSON file (docs/DESIGN.md §3).
         progress: optional callable receiving LoadProgress updates (the
         last one with done=True, saying where the bytes came from).
         readers: makes the model private ("uid:N", "gid:N", "token:NAME",

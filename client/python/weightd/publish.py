@@ -1,7 +1,7 @@
 """Publishing new base weights (Client.begin_publish / publish /
 publish_sharded / commit_publish / abort_publish): the session values
 (PublishSession, PublishResult), a tensor's bytes as a flat source, the
-shard box math of a sharded publish (torch.chunk's rule, DESIGN §2), and the
+shard box math of a sharded publish (torch.chunk's rule, docs/DESIGN.md §2.1), and the
 two ways the bytes travel: in place into the session's staging memfd (a
 daemon on this node) or streamed in PublishChunk messages.
 

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/cuda/cuda_cast.h"
+#include "server/kernels/cuda/cuda_cast.h"
 #include "common/status_macros.h"
 #include "server/gpu/cuda_errors.h"
 #include "server/gpu/cuda_plugin.h"

@@ -1,4 +1,4 @@
-"""The client's GPU side (DESIGN §6): the CUDA driver through ctypes
+"""The client's GPU side (docs/DESIGN.md §9): the CUDA driver through ctypes
 (libcuda.py), device memory through the VMM API (vmm.py), read-only
 registrations of host pages (registration.py), devices and torch tensors
 over device memory (device.py), and the data socket's CUDA requests

@@ -1,4 +1,4 @@
-"""The CUDA driver through ctypes (DESIGN §6): cuda.h's constants and the
+"""The CUDA driver through ctypes (docs/DESIGN.md §9): cuda.h's constants and the
 structs the client passes, the typed entry points of libcuda.so.1 (loaded
 and initialized once, on first use: never by the CPU paths), CUresult to a
 status code, and the primary context every driver call runs under.

@@ -1,4 +1,4 @@
-"""CUDA push (mode "push" on a device, DESIGN §6): the client allocates
+"""CUDA push (mode "push" on a device, docs/DESIGN.md §9.3): the client allocates
 device memory with CUDA's VMM API at the default layout, exports it as a
 POSIX fd over the data socket, and the daemon copies (casts, merges) the
 shard into it and answers once its copies are synchronized. The tensors

@@ -1,4 +1,4 @@
-"""Host push (mode "push", DESIGN §6): the client allocates a memfd at the
+"""Host push (mode "push", docs/DESIGN.md §9.1, §4.5): the client allocates a memfd at the
 default layout, passes it over the data socket, and the daemon writes the
 shard into it (which ends the lease); the tensors are views of one shared
 writable map of it. PushDest keeps what refresh() needs to have the daemon

@@ -1,6 +1,7 @@
 """The Python client package's own units, without a daemon: its policy
-module generated from client/policy/client_policy.json (and the generator
-refusing a broken policy), the shard box math a sharded publish writes by
+module generated from client/policy/client_policy.json (the generator itself
+is tested with both clients in tests/conformance/test_client_policy.py), the
+shard box math a sharded publish writes by
 (PyTorch's torch.chunk as the reference), the health response decoder,
 imports that stay lazy (no torch, no CUDA driver on `import weightd`), and
 the package's size rules (no module over 420 lines, no function over 80)."""
@@ -21,7 +22,6 @@ import weightd  # noqa: E402  (build/python, put on sys.path by harness)
 from weightd import _channel, _health, _policy, _shard  # noqa: E402
 
 POLICY = os.path.join(REPO, "client", "policy", "client_policy.json")
-GENERATOR = os.path.join(REPO, "client", "policy", "gen_client_policy.py")
 PACKAGE = os.path.join(REPO, "client", "python", "weightd")
 
 
@@ -62,53 +62,6 @@ def test_channel_options_come_from_the_policy():
     assert opts["grpc.primary_user_agent"] == "x"
     off = dict(_channel.channel_options(0))
     assert off["grpc.enable_retries"] == 0 and "grpc.service_config" not in off
-
-
-def _generate(tmp_path, policy):
-    path = tmp_path / "policy.json"
-    path.write_text(json.dumps(policy))
-    out = tmp_path / "out" / "_policy.py"
-    r = subprocess.run([sys.executable, GENERATOR, "--policy", str(path), "--python", str(out)],
-                       capture_output=True, text=True)
-    return r, out
-
-
-def test_generator_writes_the_module_the_build_ships(tmp_path):
-    with open(POLICY) as f:
-        policy = json.load(f)
-    r, out = _generate(tmp_path, policy)
-    assert r.returncode == 0, r.stderr
-    with open(os.path.join(os.path.dirname(_policy.__file__), "_policy.py")) as f:
-        shipped = f.read()
-    assert out.read_text() == shipped
-    # A rerun with the same policy leaves the file alone (no rebuild downstream).
-    os.utime(out, ns=(1, 1))
-    r, _ = _generate(tmp_path, policy)
-    assert r.returncode == 0 and os.stat(out).st_mtime_ns == 1
-
-
-@pytest.mark.parametrize("path,value,field", [
-    (("retry", "codes"), None, "retry.codes"),
-    (("retry", "codes"), ["UNAVAILABLE", "SOMETIMES"], "retry.codes"),
-    (("retry", "jitter"), 1.5, "retry.jitter"),
-    (("retry", "initial_backoff_s"), "fast", "retry.initial_backoff_s"),
-    (("service_config", "read_only_methods"), [["weightd.v1.Models"]], "read_only_methods"),
-    (("service_config", "max_attempts"), True, "service_config.max_attempts"),
-    (("read_merge_gap_bytes",), None, "read_merge_gap_bytes"),
-])
-def test_generator_refuses_a_broken_policy(tmp_path, path, value, field):
-    with open(POLICY) as f:
-        policy = json.load(f)
-    node = policy
-    for key in path[:-1]:
-        node = node[key]
-    if value is None:
-        del node[path[-1]]
-    else:
-        node[path[-1]] = value
-    r, out = _generate(tmp_path, policy)
-    assert r.returncode == 1 and field in r.stderr, r.stderr
-    assert not out.exists()
 
 
 # ---------------------------------------------------------------- shard boxes

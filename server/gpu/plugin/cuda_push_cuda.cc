@@ -417,6 +417,18 @@ absl::StatusOr<CUmemGenericAllocationHandle> ImportVmm(const DriverApi& d,
   return handle;
 }
 
+// INVALID_ARGUMENT unless the device memory at `at` is on `gpu` (this
+// process's ordinal); `what` names it in the message.
+absl::Status CheckOnGpu(const DriverApi& d, CUdeviceptr at, const GpuDevice& gpu,
+                        absl::string_view what) {
+  int ordinal = -1;
+  const CUresult r = d.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, at);
+  if (r == CUDA_SUCCESS && ordinal == gpu.ordinal) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      what, " is not on ", gpu.uuid, " (",
+      r != CUDA_SUCCESS ? DriverError(d, r) : absl::StrCat("device ", ordinal, " here"), ")"));
+}
+
 // Maps the imported allocation into the daemon's address space on `gpu`,
 // readable and writable, and checks that it is on `gpu`.
 absl::StatusOr<uint8_t*> MapVmm(const DriverApi& d, CUmemGenericAllocationHandle handle,
@@ -444,14 +456,7 @@ absl::StatusOr<uint8_t*> MapVmm(const DriverApi& d, CUmemGenericAllocationHandle
     return absl::UnavailableError(absl::StrCat(
         "granting the daemon access to the push's allocation: ", DriverError(d, r)));
   }
-  int ordinal = -1;
-  if ((r = d.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, va)) !=
-          CUDA_SUCCESS ||
-      ordinal != gpu.ordinal) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the push's allocation is not on ", gpu.uuid, " (",
-        r != CUDA_SUCCESS ? DriverError(d, r) : absl::StrCat("device ", ordinal, " here"), ")"));
-  }
+  WD_RETURN_IF_ERROR(CheckOnGpu(d, va, gpu, "the push's allocation"));
   return reinterpret_cast<uint8_t*>(va);
 }
 
@@ -485,14 +490,7 @@ absl::StatusOr<uint8_t*> OpenLegacyIpc(const DriverApi& d, const CudaPushTarget&
         r == CUDA_SUCCESS ? absl::StrCat(range_size - (at - range_base)) : DriverError(d, r)));
   }
   // cudaIpcOpenMemHandle opens an allocation on whichever device it is.
-  int ordinal = -1;
-  if ((r = d.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, at)) !=
-          CUDA_SUCCESS ||
-      ordinal != gpu.ordinal) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the push's legacy handle is not on ", gpu.uuid, " (",
-        r != CUDA_SUCCESS ? DriverError(d, r) : absl::StrCat("device ", ordinal, " here"), ")"));
-  }
+  WD_RETURN_IF_ERROR(CheckOnGpu(d, at, gpu, "the push's legacy handle"));
   return static_cast<uint8_t*>(p);
 }
 

@@ -168,3 +168,36 @@ def test_servers_fault_proxy_https_upstream_and_hold(web):
         rule.release()
         t.join(10)
         assert got["r"].stdout == data[5:10]
+
+
+def test_servers_netsim_storage_namespace_and_cleanup():
+    """tests/netsim.py: s3rver inside the storage namespace, a node reads
+    from it over the bridge, the storage's link counters see the bytes, and
+    every namespace is gone afterwards, also when the body raised."""
+    import netsim
+    netsim.require()
+
+    def namespaces():
+        return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+    with pytest.raises(ZeroDivisionError):
+        with netsim.Net(nodes=2, storage_rate="200mbit") as net:
+            tag = net.tag
+            s3 = ss.S3Server(host=net.storage.addr, prefix=net.storage.prefix).start()
+            try:
+                s3.create_bucket(BUCKET, via=net.storage.prefix)
+                data = os.urandom(1 << 20)
+                s3.put(BUCKET, "n/x.bin", data, via=net.storage.prefix)
+                before = net.storage.tx_bytes()
+                status, _, body = s3.get(BUCKET, "n/x.bin", via=net.nodes[1].prefix)
+                assert status == 200 and body == data
+                assert net.storage.tx_bytes() - before >= len(data)
+                assert net.nodes[0].tx_bytes() < len(data) // 4  # node0 took no part
+                # node0 cannot reach the root namespace's loopback servers.
+                assert net.nodes[0].run(["curl", "-sS", "-m", "2", "http://127.0.0.1:%d/" %
+                                         s3.port]).returncode != 0
+            finally:
+                s3.stop()
+            assert tag in namespaces()
+            1 / 0
+    assert tag not in namespaces()

@@ -208,6 +208,7 @@ def test_servers_netsim_storage_namespace_and_cleanup():
 AWS_ENV = {"AWS_ACCESS_KEY_ID": ss.S3_KEY, "AWS_SECRET_ACCESS_KEY": ss.S3_SECRET,
            "AWS_REGION": ss.S3_REGION, "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials"}
 SECRET_PROBE = "wrong-secret-Zq9v7XkP3m"  # a wrong secret no log line or error may show
+CHUNK = 1 << 20  # --source-chunk-bytes' minimum: the fault cases' checkpoint spans 4 chunks
 MEMORY = ("models", "segments", "bytes_resident", "checkpoint_bytes_resident",
           "checkpoint_bytes_logical")
 
@@ -306,6 +307,8 @@ def files(s3, web, tmp_path_factory):
 
     single = _ckpt(1)
     save("single/m.safetensors", single)
+    big = _ckpt(9, n=5, rows=512, cols=512)              # 3.5 MiB: several ranges
+    save("big/m.safetensors", big)
     a, b = _ckpt(2, n=2), _ckpt(3, n=3)
     b = {k.replace("layer", "blk"): v for k, v in b.items() if k != "step"}
     save("shards/a.safetensors", a)
@@ -329,7 +332,7 @@ def files(s3, web, tmp_path_factory):
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             with open(full, "rb") as fs, open(dst, "wb") as fd:
                 fd.write(fs.read())
-    made.update(root=str(root), single=single, shards={**a, **b}, hf={**x, **y})
+    made.update(root=str(root), single=single, big=big, shards={**a, **b}, hf={**x, **y})
     return made
 
 
@@ -526,7 +529,7 @@ def test_https_bearer_token_file_reread_on_each_load(files, tmp_path):
 # ------------------------------------------------------------------ faults
 
 FAULT_FLAGS = ["--source-retries", "2", "--source-timeout-seconds", "2",
-               "--source-chunk-bytes", "65536", "--source-streams", "2"]
+               "--source-chunk-bytes", str(CHUNK), "--source-streams", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -540,19 +543,22 @@ def fd(front, tmp_path_factory):
         daemon.stop()
 
 
-def _single(files):
-    path = os.path.join(files["root"], "single", "m.safetensors")
+BIG = "s3://models/big/m.safetensors"
+
+
+def _big(files):
+    path = os.path.join(files["root"], "big", "m.safetensors")
     return path, _data_offset(path)
 
 
 @pytest.mark.parametrize("fault,times", [("reset", 1), ("status503", 2)])
 def test_fault_then_recover_succeeds_and_counts_retries(fd, files, fresh, fault, times):
-    _, off = _single(files)
+    _, off = _big(files)
     retries = _counter(fd, "source_retries")
     rule = fresh.add(fault, times=times, min_start=off)
-    fd.ctl_ok("load", "rec", "s3://models/single/m.safetensors")
+    fd.ctl_ok("load", "rec", BIG)
     assert rule.hits == times
-    _assert_serves(fd, "rec", files["single"])
+    _assert_serves(fd, "rec", files["big"])
     assert _counter(fd, "source_retries") - retries >= times
     fd.ctl_ok("unload", "rec")
 
@@ -560,11 +566,11 @@ def test_fault_then_recover_succeeds_and_counts_retries(fd, files, fresh, fault,
 @pytest.mark.parametrize("fault,code", [("reset", "UNAVAILABLE"), ("status503", "UNAVAILABLE"),
                                         ("wrong_range", "DATA_LOSS"), ("short", "DATA_LOSS")])
 def test_fault_fails_with_its_code_and_leaves_nothing(fd, files, fresh, fault, code):
-    _, off = _single(files)
+    _, off = _big(files)
     mem = _memory(fd)
     failures = _counter(fd, "source_failures")
     rule = fresh.add(fault, min_start=off)
-    got, msg = _error(fd.ctl("load", "bad", "s3://models/single/m.safetensors"))
+    got, msg = _error(fd.ctl("load", "bad", BIG))
     assert got == code, msg
     assert rule.hits >= 1
     if code == "UNAVAILABLE":
@@ -574,21 +580,21 @@ def test_fault_fails_with_its_code_and_leaves_nothing(fd, files, fresh, fault, c
     assert _counter(fd, "source_failures") > failures
     # The daemon keeps serving: the same URL loads once the fault is gone.
     fresh.clear()
-    fd.ctl_ok("load", "bad", "s3://models/single/m.safetensors")
-    _assert_serves(fd, "bad", files["single"])
+    fd.ctl_ok("load", "bad", BIG)
+    _assert_serves(fd, "bad", files["big"])
     fd.ctl_ok("unload", "bad")
 
 
 def test_drip_past_the_source_timeout_is_deadline_exceeded(front, files, fresh, tmp_path):
-    _, off = _single(files)
+    _, off = _big(files)
     d = _start(["--model-source", "s3://models/", "--s3-endpoint", front.endpoint,
                 "--source-retries", "0", "--source-timeout-seconds", "1",
-                "--source-chunk-bytes", "65536"], workdir=str(tmp_path / "d"))
+                "--source-chunk-bytes", str(CHUNK)], workdir=str(tmp_path / "d"))
     try:
         mem = _memory(d)
         fresh.add("drip", min_start=off, interval=2.5)
         t0 = time.time()
-        code, msg = _error(d.ctl("load", "slow", "s3://models/single/m.safetensors", timeout=60))
+        code, msg = _error(d.ctl("load", "slow", BIG, timeout=60))
         assert code == "DEADLINE_EXCEEDED", msg
         assert time.time() - t0 < 30
         _assert_nothing_left(d, "slow", mem)
@@ -609,15 +615,15 @@ def _wait_held(rule, timeout=20):
 
 
 def test_object_replaced_mid_load_is_aborted(fd, s3, files, fresh):
-    path, off = _single(files)
+    path, off = _big(files)
     key = "replaced/m.safetensors"
     old = s3.put(BUCKET, key, path=path)
     mem = _memory(fd)
-    rule = fresh.add("hold", times=1, min_start=off + 65536, path=key)
+    rule = fresh.add("hold", times=1, min_start=off + CHUNK, path=key)
     proc = _background_load(fd, "repl", "s3://models/" + key)
     try:
         _wait_held(rule)
-        other = {k: v * 2 if v.is_floating_point() else v for k, v in files["single"].items()}
+        other = {k: v * 2 if v.is_floating_point() else v for k, v in files["big"].items()}
         tmp = path + ".other"
         st_io.save(other, tmp)
         new = s3.put(BUCKET, key, path=tmp)
@@ -635,10 +641,10 @@ def test_object_replaced_mid_load_is_aborted(fd, s3, files, fresh):
 
 
 def test_unload_cancels_a_slow_load_promptly(fd, files, fresh):
-    _, off = _single(files)
+    _, off = _big(files)
     mem = _memory(fd)
     rule = fresh.add("hold", min_start=off)
-    proc = _background_load(fd, "slowload", "s3://models/single/m.safetensors")
+    proc = _background_load(fd, "slowload", BIG)
     try:
         _wait_held(rule)
         t0 = time.time()
@@ -686,7 +692,7 @@ def test_absurd_header_sizes_are_refused_without_absurd_reads(fd, s3, fresh, slu
 def test_https_503_then_recover_through_the_proxy(web, files, tmp_path):
     with ss.FaultProxy(web.host, web.port, upstream_ca=web.ca_file) as p:
         d = _start(["--model-source", p.endpoint + "/", "--source-retries", "3",
-                    "--source-chunk-bytes", "65536"], workdir=str(tmp_path / "d"))
+                    "--source-chunk-bytes", str(CHUNK)], workdir=str(tmp_path / "d"))
         try:
             off = _data_offset(os.path.join(files["root"], "hf", "model-00001-of-00002.safetensors"))
             rule = p.add("status503", times=2, min_start=off)
@@ -701,7 +707,7 @@ def test_https_503_then_recover_through_the_proxy(web, files, tmp_path):
 
 
 def test_restart_restores_an_s3_model_or_says_why_not(front, s3, files, tmp_path):
-    path, _ = _single(files)
+    path = os.path.join(files["root"], "single", "m.safetensors")
     key = "restart/m.safetensors"
     s3.put(BUCKET, key, path=path)
     state = str(tmp_path / "state")

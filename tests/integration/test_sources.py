@@ -744,6 +744,49 @@ def test_restart_restores_an_s3_model_or_says_why_not(front, s3, files, tmp_path
         d.stop()
 
 
+
+# ------------------------------------------------------------------ fleet
+
+
+def test_a_peer_supplies_a_url_load_storage_serves_it_once(front, files, tmp_path):
+    """Two peered daemons: A loads the S3 checkpoint, then B loads the same
+    URL and takes the bytes from A; what B reads from the object store
+    (through the counting proxy) is headers and samples, not the data."""
+    from harness import free_port
+    import weightd
+    tokens = tmp_path / "tokens"
+    tokens.write_text("fleet fleet-token-0123456789abcdef\n")
+    addrs = ["127.0.0.1:%d" % free_port() for _ in range(2)]
+    ds = []
+    try:
+        for i, addr in enumerate(addrs):
+            ds.append(_start(["--model-source", "s3://models/", "--s3-endpoint", front.endpoint,
+                              "--listen", addr, "--advertise", addr,
+                              "--peers", addrs[1 - i], "--peer-poll-seconds", "1",
+                              "--auth-token-file", str(tokens), "--fleet-members", "token:fleet",
+                              "--peer-token-file", str(tokens)], workdir=str(tmp_path / str(i))))
+        a, b = ds
+        path, off = _big(files)
+        size = os.path.getsize(path)
+        front.clear()
+        a.ctl_ok("load", "m", BIG)
+        assert front.sent_bytes() >= size - off
+        with weightd.Client(socket=b.socket) as cb:
+            deadline = time.time() + 15
+            while not any(p["models"] for p in cb.peers()):
+                assert time.time() < deadline, "b never saw a's model"
+                time.sleep(0.1)
+        front.clear()
+        b.ctl_ok("load", "m", BIG, "--source", "peers")
+        assert front.sent_bytes() < (size - off) // 2, \
+            "b read %d of %d bytes from storage" % (front.sent_bytes(), size)
+        _assert_serves(b, "m", files["big"])
+        assert _counter(b, "load_bytes_peers") >= size - off - 4096
+    finally:
+        for d in ds:
+            d.stop()
+
+
 # While the daemon side (branch sources-daemon) is not merged: its tests are
 # expected to fail, strictly (an unexpected pass fails the run).
 _PENDING = pytest.mark.xfail(strict=True, reason="sources-daemon not merged yet")

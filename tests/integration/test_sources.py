@@ -648,15 +648,38 @@ def test_unload_cancels_a_slow_load_promptly(fd, files, fresh):
     try:
         _wait_held(rule)
         t0 = time.time()
-        fd.ctl("unload", "slowload")
+        unload = fd.ctl("unload", "slowload")
         out, err = proc.communicate(timeout=10)
         took = time.time() - t0
     finally:
         rule.release()
     assert proc.returncode != 0
-    assert "error: CANCELLED" in err, err
+    assert "error: CANCELLED" in err, (err, unload.returncode, unload.stderr)
     assert took < 5, "the load took %.1f s to end after unload" % took
     _assert_nothing_left(fd, "slowload", mem)
+
+
+def test_client_cancel_abandons_a_slow_load_promptly(fd, files, fresh):
+    """Ctrl-C on weightctl load: the daemon drops the load (its requests
+    too) while the object store still holds the range."""
+    import signal
+    _, off = _big(files)
+    mem = _memory(fd)
+    rule = fresh.add("hold", min_start=off)
+    proc = _background_load(fd, "ctrlc", BIG)
+    try:
+        _wait_held(rule)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=10)
+        deadline = time.time() + 5
+        while _memory(fd) != mem or "ctrlc" in _listed(fd):
+            assert time.time() < deadline, "the load went on after its client cancelled"
+            time.sleep(0.05)
+        assert rule.waiting >= 1, "the proxy let the range go: the test proved nothing"
+    finally:
+        rule.release()
+    time.sleep(0.5)
+    _assert_nothing_left(fd, "ctrlc", mem)
 
 
 def _absurd(header_len=None, shape=None, offsets=None):

@@ -6,7 +6,7 @@ set -euo pipefail
 WEIGHTD_PACKAGES=(
   cmake ninja-build g++ clang pkg-config ccache
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libabsl-dev libre2-dev libxxhash-dev nlohmann-json3-dev
+  libabsl-dev libre2-dev libxxhash-dev nlohmann-json3-dev libcurl4-openssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev prometheus-cpp-dev
   python3 python3-torch python3-numpy python3-grpcio python3-protobuf python3-pytest python3-xxhash
   python3-venv python3-setuptools python3-wheel python3-pip dpkg-dev fakeroot lintian

@@ -21,6 +21,8 @@ namespace weightd {
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
 
 void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out);
+// The source_* counters of a StatsResponse.
+void FillSourceStats(const SourceCounters& c, v1::StatsResponse* out);
 void FillAdapterInfo(const AdapterSummary& a, v1::AdapterInfo* out);
 // INVALID_ARGUMENT for a bad placement, dtype or transport.
 absl::StatusOr<FetchParams> DecodeFetch(const v1::FetchRequest& req);

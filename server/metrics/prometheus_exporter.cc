@@ -198,6 +198,18 @@ class StatsCollectable {
                          "Checkpoint bytes peers sent that loads threw away (wrong, fetched "
                          "again elsewhere, or the load failed).",
                          MetricType::Counter, s.load_bytes_peers_discarded));
+    out.push_back(Scalar("weightd_source_bytes_total",
+                         "Bytes received from remote sources (--model-source).",
+                         MetricType::Counter, s.source.bytes));
+    out.push_back(Scalar("weightd_source_requests_total",
+                         "Requests sent to remote sources.", MetricType::Counter,
+                         s.source.requests));
+    out.push_back(Scalar("weightd_source_retries_total",
+                         "Requests to remote sources retried after a failure.",
+                         MetricType::Counter, s.source.retries));
+    out.push_back(Scalar("weightd_source_failures_total",
+                         "Remote source operations that failed after their retries.",
+                         MetricType::Counter, s.source.failures));
     out.push_back(Scalar("weightd_peer_sent_bytes_total",
                          "Checkpoint bytes this daemon sent to peers loading from it.",
                          MetricType::Counter, s.bytes_sent_to_peers));

@@ -619,7 +619,10 @@ def test_object_replaced_mid_load_is_aborted(fd, s3, files, fresh):
     key = "replaced/m.safetensors"
     old = s3.put(BUCKET, key, path=path)
     mem = _memory(fd)
-    rule = fresh.add("hold", times=1, min_start=off + CHUNK, path=key)
+    # Every data range waits in the proxy while the object is replaced: none
+    # is in flight during the upload (s3rver rewrites the object's file in
+    # place, so a read racing the upload sees a torn file or a 416).
+    rule = fresh.add("hold", min_start=off, path=key)
     proc = _background_load(fd, "repl", "s3://models/" + key)
     try:
         _wait_held(rule)
@@ -810,9 +813,12 @@ def test_a_peer_supplies_a_url_load_storage_serves_it_once(front, files, tmp_pat
             d.stop()
 
 
-# While the daemon side (branch sources-daemon) is not merged: its tests are
-# expected to fail, strictly (an unexpected pass fails the run).
-_PENDING = pytest.mark.xfail(strict=True, reason="sources-daemon not merged yet")
-for _name, _fn in list(globals().items()):
-    if _name.startswith("test_") and not _name.startswith("test_servers_"):
-        globals()[_name] = _PENDING(_fn)
+
+# Not built yet on sources-daemon (7164f66 cancels a URL load's requests only
+# at the daemon's shutdown): strict, so the fix makes them fail until this
+# mark goes.
+_NO_CANCEL = pytest.mark.xfail(strict=True, reason="unload / client cancel do not cancel a URL "
+                               "load yet (sources-contract-changes.md, 13:50)")
+test_unload_cancels_a_slow_load_promptly = _NO_CANCEL(test_unload_cancels_a_slow_load_promptly)
+test_client_cancel_abandons_a_slow_load_promptly = _NO_CANCEL(
+    test_client_cancel_abandons_a_slow_load_promptly)

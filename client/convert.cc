@@ -35,6 +35,10 @@ void CopyCounters(const v1::StatsResponse& r, DaemonStats* s) {
   s->load_bytes_storage = r.load_bytes_storage();
   s->load_bytes_peers = r.load_bytes_peers();
   s->bytes_sent_to_peers = r.bytes_sent_to_peers();
+  s->source_bytes = r.source_bytes();
+  s->source_requests = r.source_requests();
+  s->source_retries = r.source_retries();
+  s->source_failures = r.source_failures();
   s->push_bytes = r.push_bytes();
   s->pinned_bytes = r.pinned_bytes();
 }

@@ -162,6 +162,8 @@ struct DaemonStats {
   // Checkpoint bytes loads took from storage and from peers; per peer the
   // bytes received and ranges it failed; bytes sent to peers loading.
   uint64_t load_bytes_storage = 0, load_bytes_peers = 0, bytes_sent_to_peers = 0;
+  // Remote sources (--model-source): bytes, requests, retries, failures.
+  uint64_t source_bytes = 0, source_requests = 0, source_retries = 0, source_failures = 0;
   struct PeerTransfer {
     std::string peer;
     uint64_t bytes = 0, failures = 0;

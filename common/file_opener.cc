@@ -1,9 +1,13 @@
 #include "common/file_opener.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -80,6 +84,25 @@ absl::StatusOr<struct stat> FileOpener::Stat(const OpenedFile& file) const {
   struct stat st;
   if (::fstat(file.fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", file.path));
   return st;
+}
+
+absl::StatusOr<std::vector<std::string>> FileOpener::List(const OpenedFile& dir,
+                                                          absl::string_view suffix) const {
+  int listing = ::openat(dir.fd.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR* d = listing < 0 ? nullptr : ::fdopendir(listing);
+  if (d == nullptr) {
+    int err = errno;
+    if (listing >= 0) ::close(listing);
+    return ErrnoStatus(err, absl::StrCat("opening directory ", dir.path));
+  }
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    if (absl::EndsWith(name, suffix)) names.push_back(name);
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 absl::StatusOr<std::string> ReadWholeFile(const FileOpener& files, const OpenedFile& file,

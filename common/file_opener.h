@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -30,6 +31,9 @@ struct OpenedFile {
   // Where the opener found it, to open its neighbours (FileOpener only).
   size_t root = 0;
   std::string beneath;
+  // A remote object's version (its ETag, quoted as the server sent it);
+  // empty for a file. Part of the checkpoint's identity (FilesKey).
+  std::string version;
 
   bool is_directory() const { return S_ISDIR(st.st_mode); }
 };
@@ -62,6 +66,10 @@ class FileOpener {
   // The status of `file` now (fstat(2) of file.fd; file.st is the status
   // when it was opened). An error names file.path.
   virtual absl::StatusOr<struct stat> Stat(const OpenedFile& file) const;
+  // The names in directory `dir` that end with `suffix`, sorted (readdir
+  // on dir.fd; a remote opener lists its prefix). Errors name dir.path.
+  virtual absl::StatusOr<std::vector<std::string>> List(const OpenedFile& dir,
+                                                        absl::string_view suffix) const;
 };
 
 // Forwards every call to `target` (which must outlive it): a test derives
@@ -89,6 +97,10 @@ class FileOpenerWrapper : public FileOpener {
   }
   absl::StatusOr<struct stat> Stat(const OpenedFile& file) const override {
     return target_->Stat(file);
+  }
+  absl::StatusOr<std::vector<std::string>> List(const OpenedFile& dir,
+                                                absl::string_view suffix) const override {
+    return target_->List(dir, suffix);
   }
 
  private:

@@ -12,7 +12,7 @@ and the clients is checked against the table below:
     transport never includes the GPU code or the service);
   - nothing below server/grpc includes grpcpp/ or generated protos, except
     proto/, common/grpc/ and server/fleet/;
-  - CUDA headers only in the CUDA units.
+  - CUDA headers only in the CUDA units; libcurl's only in server/source.
 
 Tests (*_test.cc, tests/, bench/) are not checked: they may reach into any
 layer they test. Usage: scripts/check_layers.py [ROOT]; exit 1 lists every
@@ -31,6 +31,7 @@ UNITS = [
     ("server/kernels", 2, (), ()),
     ("server/auth", 2, (), ()),
     ("server/memory", 2, (), ()),
+    ("server/source", 2, (), ()),
     ("server/store", 3, (), ()),
     ("server/profile", 3, (), ()),
     ("server/adapter", 3, ("server/profile",), ()),
@@ -100,6 +101,9 @@ def check_file(root, path, problems):
         where = "%s:%d" % (path, n)
         if CUDA_HEADER.match(inc) and not path.startswith(CUDA_OK_PREFIXES):
             problems.append("%s: CUDA header <%s> outside the CUDA units" % (where, inc))
+            continue
+        if inc.startswith("curl/") and not path.startswith("server/source/"):
+            problems.append("%s: libcurl header <%s> outside server/source" % (where, inc))
             continue
         if GRPC_HEADER.match(inc) and not inc.startswith("proto/"):
             if src not in GRPC_OK and ROW[src] < GRPC_ROW:

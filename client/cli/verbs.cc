@@ -310,6 +310,10 @@ absl::Status CmdStats(Client& c, const Args& a) {
   std::printf("load_bytes_storage: %llu\nload_bytes_peers: %llu\nbytes_sent_to_peers: %llu\n",
               (unsigned long long)s.load_bytes_storage, (unsigned long long)s.load_bytes_peers,
               (unsigned long long)s.bytes_sent_to_peers);
+  std::printf("source_bytes: %llu\nsource_requests: %llu\nsource_retries: %llu\n"
+              "source_failures: %llu\n",
+              (unsigned long long)s.source_bytes, (unsigned long long)s.source_requests,
+              (unsigned long long)s.source_retries, (unsigned long long)s.source_failures);
   for (const DaemonStats::PeerTransfer& t : s.peer_transfers) {
     std::printf("peer_transfer: %s\tbytes=%llu\tfailures=%llu\n", t.peer.c_str(),
                 (unsigned long long)t.bytes, (unsigned long long)t.failures);

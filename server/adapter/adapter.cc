@@ -153,8 +153,7 @@ absl::StatusOr<PeftConfig> ReadPeftConfig(const FileOpener& opener, const Tensor
     }
   }
   if (!config) return PeftConfig{};
-  WD_ASSIGN_OR_RETURN(std::string text,
-                      ReadFdToString(config->fd.get(), config->path, kMaxConfigBytes));
+  WD_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(opener, *config, kMaxConfigBytes));
   WD_ASSIGN_OR_RETURN(PeftConfig cfg, adapter_internal::ParsePeftConfig(text, config->path));
   digest.Update(text.data(), text.size());
   return cfg;
@@ -291,7 +290,7 @@ absl::StatusOr<std::shared_ptr<const Adapter>> LoadAdapter(const std::string& pa
   const UnconfinedFileOpener unconfined;
   const FileOpener& opener = options.files != nullptr ? *options.files : unconfined;
   WD_ASSIGN_OR_RETURN(AdapterFiles files, OpenFiles(opener, path, &format));
-  WD_ASSIGN_OR_RETURN(TensorFile file, OpenTensorFile(std::move(files.weights)));
+  WD_ASSIGN_OR_RETURN(TensorFile file, OpenTensorFile(opener, std::move(files.weights)));
   const std::vector<KeyInfo> keys = ClassifyKeys(file.header);
   if (format == AdapterFormat::kAuto) {
     WD_ASSIGN_OR_RETURN(format, DetectFormat(keys, files.weights_path));

@@ -18,8 +18,9 @@
 
 namespace weightd::adapter_internal {
 
-absl::StatusOr<TensorFile> OpenTensorFile(OpenedFile file) {
+absl::StatusOr<TensorFile> OpenTensorFile(const FileOpener& files, OpenedFile file) {
   TensorFile f;
+  f.files = &files;
   f.path = file.path;
   f.file = std::move(file);
   const std::string& path = f.path;
@@ -33,11 +34,11 @@ absl::StatusOr<TensorFile> OpenTensorFile(OpenedFile file) {
         absl::StrCat(path, ": file is ", f.size, " bytes, too short for a safetensors header"));
   }
   char len8[8];
-  WD_RETURN_IF_ERROR_CTX(PreadFull(f.file.fd.get(), len8, 8, 0), path);
+  WD_RETURN_IF_ERROR_CTX(files.ReadAt(f.file, 0, 8, len8), path);
   auto header_len = ParseSafetensorsPrefix(absl::string_view(len8, 8), f.size);
   if (!header_len.ok()) return Annotate(header_len.status(), path);
   f.prefix.resize(8 + *header_len);
-  WD_RETURN_IF_ERROR_CTX(PreadFull(f.file.fd.get(), f.prefix.data(), f.prefix.size(), 0), path);
+  WD_RETURN_IF_ERROR_CTX(files.ReadAt(f.file, 0, f.prefix.size(), f.prefix.data()), path);
   auto header = ParseSafetensorsHeader(absl::string_view(f.prefix).substr(8), f.size);
   if (!header.ok()) return Annotate(header.status(), path);
   f.header = std::move(*header);
@@ -62,7 +63,7 @@ absl::StatusOr<TensorMap> ReadTensors(const TensorFile& f,
       if (length > 0) std::memcpy(buf.data(), fetched + e.begin, buf.size());
     } else {
       WD_RETURN_IF_ERROR_CTX(
-          PreadFull(f.file.fd.get(), buf.data(), buf.size(), f.header.data_offset + e.begin),
+          f.files->ReadAt(f.file, f.header.data_offset + e.begin, buf.size(), buf.data()),
           f.path, ": tensor \"", e.name, "\"");
     }
     digest->Update(buf.data(), buf.size());

@@ -86,7 +86,8 @@ bool HasKohyaPrefix(absl::string_view name);
 // The weights file, opened and its header parsed.
 struct TensorFile {
   std::string path;
-  OpenedFile file;  // read through file.fd
+  OpenedFile file;  // read through `files` (the seam: a file's fd, or a remote object)
+  const FileOpener* files = nullptr;
   uint64_t size = 0;
   std::string prefix;  // the 8-byte length and the header JSON, for the digest
   SafetensorsHeader header;
@@ -94,7 +95,7 @@ struct TensorFile {
 
 // `file` as a safetensors file: INVALID_ARGUMENT naming it when it is not a
 // regular file, too short, or its header is malformed.
-absl::StatusOr<TensorFile> OpenTensorFile(OpenedFile file);
+absl::StatusOr<TensorFile> OpenTensorFile(const FileOpener& files, OpenedFile file);
 
 struct LoadedTensor {
   std::vector<int64_t> shape;

@@ -38,6 +38,7 @@ absl::Status Daemon::Start() {
   flags_.grpc.changes_closed_at_start = start_.changes_closed_at_start;
   flags_.grpc.closed_at_start = start_.closed_at_start;
   WD_RETURN_IF_ERROR(StartPeers());
+  WD_RETURN_IF_ERROR(StartSources());
   WD_ASSIGN_OR_RETURN(service_, WeightService::Create(flags_.service));
   WD_ASSIGN_OR_RETURN(const bool serve, PrepareBeforeServing());
   if (!serve) return absl::OkStatus();
@@ -142,6 +143,18 @@ absl::Status Daemon::StartPeers() {
   WD_ASSIGN_OR_RETURN(fleet_, Fleet::Start(flags_.peers));
   flags_.grpc.peers = fleet_->table();
   flags_.service.peers = fleet_->checkpoint_peers();
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartSources() {
+  WD_ASSIGN_OR_RETURN(SourceAllowList allowed, SourceAllowList::Create(flags_.model_sources));
+  WD_ASSIGN_OR_RETURN(source_client_, SourceClient::Create(flags_.source));
+  sources_ = std::make_unique<RemoteFileOpener>(source_client_.get(), std::move(allowed));
+  flags_.service.sources = sources_.get();
+  if (!flags_.model_sources.empty()) {
+    LogEvent(LogLevel::kInfo, "model_sources",
+             {{"prefixes", absl::StrJoin(sources_->allowed().prefixes(), ", ")}});
+  }
   return absl::OkStatus();
 }
 
@@ -275,6 +288,8 @@ void Daemon::Shutdown(int signal) {
            {{"signal", strsignal(signal)},
             {"reason", handed_over_.load() ? "handed over to a successor" : "signal"}});
   if (!successor) UnlinkIfTeardownStuck(flags_.data.path.c_str());
+  // Loads reading remote objects stop at their next callback (CANCELLED).
+  if (source_client_ != nullptr) source_client_->Cancel();
   grpc_->Shutdown(flags_.shutdown_grace);
   StopMetrics();
   data_->Stop();

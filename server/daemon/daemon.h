@@ -42,6 +42,7 @@
 #include "server/fleet/fleet.h"
 #include "server/metrics/prometheus_exporter.h"
 #include "server/engine/weight_service.h"
+#include "server/source/source_opener.h"
 #include "server/state/state_dir.h"
 #include "server/state/state_journal.h"
 #include "server/transport/data_server.h"
@@ -84,6 +85,8 @@ class Daemon {
   absl::Status BeginTakeOver();
   absl::Status OpenJournal();
   absl::Status StartPeers();
+  // --model-source: the client and opener URL loads go through.
+  absl::Status StartSources();
   // What comes back before serving; false when a signal stopped a
   // take-over.
   absl::StatusOr<bool> PrepareBeforeServing();
@@ -120,6 +123,8 @@ class Daemon {
   RestoreReport restored_;
   bool serving_ = false;
   std::unique_ptr<Fleet> fleet_;
+  std::unique_ptr<SourceClient> source_client_;
+  std::unique_ptr<RemoteFileOpener> sources_;
   std::unique_ptr<WeightService> service_;
   std::unique_ptr<DataServer> data_;
   std::unique_ptr<GrpcServer> grpc_;

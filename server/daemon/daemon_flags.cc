@@ -130,6 +130,53 @@ void AddModelFlags(FlagTable& t, DaemonFlags* f) {
             }});
 }
 
+void AddSourceFlags(FlagTable& t, DaemonFlags* f) {
+  using K = FlagSpec::Kind;
+  t.Add({"model-source", "PREFIX",
+         "URLs that may be loaded (s3://bucket/prefix/, https://host/path/; http:// only when a "
+         "prefix says so); a load of a URL outside every one is refused before any request",
+         K::kList, AppendInto(&f->model_sources)})
+      .Add({"s3-endpoint", "URL",
+            "the S3 API's http(s)://host[:port] (default https://s3.REGION.amazonaws.com)",
+            K::kValue, StringInto(&f->source.s3_endpoint)})
+      .Add({"s3-region", "REGION",
+            "the region S3 requests are signed for (default AWS_REGION, AWS_DEFAULT_REGION, "
+            "else us-east-1)",
+            K::kValue, StringInto(&f->source.s3_region)})
+      .Add({"s3-path-style", "on|off",
+            "ENDPOINT/BUCKET/KEY instead of BUCKET.ENDPOINT/KEY (default on with --s3-endpoint)",
+            K::kValue, OneOf("s3-path-style", "on or off", [f](const std::string& v) {
+              if (v != "on" && v != "off") return false;
+              f->source.s3_path_style = v == "on";
+              return true;
+            })})
+      .Add({"source-streams", "N", "ranged GETs a URL load runs at once (1..256, default 8)",
+            K::kValue, NumberInto("source-streams", &f->service.source_streams, 1, 256)})
+      .Add({"source-chunk-bytes", "N",
+            "bytes per ranged GET of a URL load (1 MiB..1 GiB, default 16 MiB)", K::kValue,
+            Uint64Into("source-chunk-bytes", &f->service.source_chunk_bytes, 1ull << 20,
+                       1ull << 30)})
+      .Add({"source-retries", "N",
+            "retries of a failed request (5xx, reset, short body, stall), resuming where it "
+            "stopped, with backoff from 100 ms to 5 s, full jitter (0..100, default 5)",
+            K::kValue, NumberInto("source-retries", &f->source.retries, 0, 100)})
+      .Add({"source-timeout-seconds", "S",
+            "a request moving less than 1 KiB/s for S seconds is abandoned (1..3600, default "
+            "30)",
+            K::kValue,
+            [f](const std::string& v) -> absl::Status {
+              uint64_t n = 0;
+              WD_RETURN_IF_ERROR(Uint64Into("source-timeout-seconds", &n, 1, 3600)(v));
+              f->source.stall_timeout = absl::Seconds(static_cast<int64_t>(n));
+              return absl::OkStatus();
+            }})
+      .Add({"source-ca-file", "FILE", "extra CA certificates for https sources", K::kValue,
+            StringInto(&f->source.ca_file)})
+      .Add({"https-bearer-token-file", "FILE",
+            "Authorization: Bearer for https sources (read again for every request)",
+            K::kValue, StringInto(&f->source.bearer_token_file)});
+}
+
 void AddStateFlags(FlagTable& t, DaemonFlags* f) {
   using K = FlagSpec::Kind;
   t.Add({"state-dir", "DIR",
@@ -408,6 +455,7 @@ FlagTable DaemonFlagTable(DaemonFlags* f) {
   FlagTable t("weightd", "WEIGHTD");
   AddListenerFlags(t, f);
   AddModelFlags(t, f);
+  AddSourceFlags(t, f);
   AddStateFlags(t, f);
   AddPeerFlags(t, f);
   AddServingFlags(t, f);

@@ -25,6 +25,7 @@
 #include "server/base/flag_table.h"
 #include "server/grpc/grpc_server.h"
 #include "server/fleet/peer_table.h"
+#include "server/source/source_client.h"
 #include "server/engine/weight_service.h"
 #include "server/store/checkpoint.h"
 #include "server/transport/data_server.h"
@@ -60,6 +61,10 @@ struct DaemonFlags {
   bool handover_in_state_dir = false;  // the default: named relative to the state dir
   AdoptVerify take_over_verify = AdoptVerify::kFull;
   PeerOptions peers;
+  // --model-source prefixes and the client of remote sources (--s3-*,
+  // --source-*, --https-bearer-token-file).
+  std::vector<std::string> model_sources;
+  SourceClientOptions source;
 };
 
 // The sections of the table, in the usage text's order. Each writes into
@@ -68,6 +73,8 @@ struct DaemonFlags {
 void AddListenerFlags(FlagTable& t, DaemonFlags* f);
 // --model-root, --host-memory-bytes, --preload.
 void AddModelFlags(FlagTable& t, DaemonFlags* f);
+// --model-source, --s3-*, --source-*, --https-bearer-token-file.
+void AddSourceFlags(FlagTable& t, DaemonFlags* f);
 // --state-dir, --serve-during-restore and the hand-over's flags.
 void AddStateFlags(FlagTable& t, DaemonFlags* f);
 // The fleet: --peers ... --fleet-members.

@@ -156,6 +156,7 @@ void Restorer::RestoreModel(const RestorePlan::ModelEntry& e) {
   const uint64_t floor = max + 1 + std::min(floor_margin_, kMaxGeneration - max);
   WeightService::RestoreExpect expect;
   expect.generation_floor = floor;
+  expect.objects = e.load.objects;
   if (!ParseIdentity(e.load.content, &expect.content)) {
     Skip(e.load, "the record has no valid content identity");
     return;

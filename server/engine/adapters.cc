@@ -42,7 +42,7 @@ absl::StatusOr<AdapterSummary> WeightService::LoadAdapter(const std::string& nam
         "--source peers: this daemon has no peers (--peers, --peer-dns)");
   }
   AdapterLoadOptions load;
-  load.files = &roots_;
+  load.files = &files_;
   // The patches' fp32 factors count against --host-memory-bytes for as long
   // as the adapter lives (loaded, or kept by a generation that applied it).
   load.reserve = [this, &name](uint64_t bytes) -> absl::StatusOr<std::shared_ptr<const void>> {

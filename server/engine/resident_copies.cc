@@ -33,6 +33,12 @@ std::vector<std::shared_ptr<const Checkpoint>> WeightService::HeldCopies(const D
     for (size_t i = 0; i < c->file_info().size() && unchanged; ++i) {
       if (only_file >= 0 && static_cast<size_t>(only_file) != i) continue;
       const CheckpointFileInfo& f = c->file_info()[i];
+      if (!f.version.empty()) {  // a remote object: still at the version read (a HEAD)
+        absl::StatusOr<OpenedFile> now = files_.Open(f.path);
+        unchanged = now.ok() && now->version == f.version &&
+                    static_cast<uint64_t>(now->st.st_size) == f.id.size;
+        continue;
+      }
       struct stat st;
       unchanged = ::stat(f.path.c_str(), &st) == 0 &&
                   static_cast<uint64_t>(st.st_size) == f.id.size && st.st_dev == f.dev &&

@@ -111,6 +111,7 @@ ServiceStats WeightService::Stats() const {
     s.peer_transfers = peer_transfers_;
   }
   s.bytes_sent_to_peers = bytes_sent_to_peers_.load();
+  if (options_.sources != nullptr) s.source = options_.sources->client().counters();
   {
     absl::MutexLock lock(&mu_);
     s.adapters = adapters_.size();

@@ -198,6 +198,7 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
     if (!parsed.ok()) return Annotate(parsed.status(), "profile");
     profile = std::make_shared<const Profile>(std::move(*parsed));
   }
+  if (expect != nullptr) WD_RETURN_IF_ERROR(CheckSourceObjects(expect->objects));
   {
     absl::MutexLock lock(&mu_);
     if (models_.contains(name) || loading_.contains(name)) {
@@ -230,6 +231,26 @@ absl::StatusOr<ModelSummary> WeightService::LoadModelImpl(
   record.profile_json = profile_json;
   record.readers = readers;
   record.generation = 1;
+  if (LooksLikeUrl(path)) {
+    // The objects this load opened, at the versions it read. A checkpoint
+    // shared with another URL's identical bytes describes that URL's
+    // objects: then this load's own are asked for again (a restore checks
+    // the content identity as well, so a version that moved in between is
+    // caught there).
+    const Checkpoint& c = *(*built)->checkpoint;
+    if (c.files() == (*built)->files) {
+      for (const CheckpointFileInfo& f : c.file_info()) {
+        record.objects.push_back({f.path, f.version, f.id.size});
+      }
+    } else {
+      for (const std::string& url : (*built)->files) {
+        absl::StatusOr<OpenedFile> now = files_.Open(url);
+        if (now.ok()) {
+          record.objects.push_back({url, now->version, static_cast<uint64_t>(now->st.st_size)});
+        }
+      }
+    }
+  }
   record.content = summary.content.Hex();
   // Nothing to check: the name is reserved in loading_.
   (void)CommitState(
@@ -391,6 +412,24 @@ absl::StatusOr<WeightService::VerifyResult> WeightService::Verify(const std::str
   return r;
 }
 
+absl::Status WeightService::CheckSourceObjects(
+    const std::vector<StateRecord::SourceObject>& objects) const {
+  for (const StateRecord::SourceObject& o : objects) {
+    absl::StatusOr<OpenedFile> now = files_.Open(o.url);
+    if (!now.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "object ", QuoteForMessage(o.url), " cannot be checked against its journaled version: ",
+          now.status().ToString()));
+    }
+    if (now->version != o.version || static_cast<uint64_t>(now->st.st_size) != o.size) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "object ", QuoteForMessage(o.url), " changed since it was loaded (ETag ", o.version,
+          " -> ", now->version, ", size ", o.size, " -> ", now->st.st_size, "); not restored"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadCheckpoint(
     const std::string& path, LoadSource source, std::unique_ptr<MemoryCharge>* shared_charge,
     const LoadProgressFn& progress, DonatedCheckpoints* donated,
@@ -400,8 +439,12 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadCheckpoint(
   opts.segment_target_bytes = options_.checkpoint_segment_bytes;
   opts.read_threads = options_.worker_threads;
   opts.read_chunk_bytes = options_.read_chunk_bytes;
+  if (LooksLikeUrl(path)) {  // ranged GETs: more of them in flight than disk reads
+    opts.read_threads = options_.source_streams;
+    opts.read_chunk_bytes = options_.source_chunk_bytes;
+  }
   opts.progress = progress;
-  opts.files = &roots_;
+  opts.files = &files_;
   opts.resident = &resident_;
   opts.shared_charge = shared_charge;
   opts.donated = donated;

@@ -49,6 +49,7 @@
 #include "server/profile/profile.h"
 #include "server/store/checkpoint_loader.h"
 #include "server/store/model_roots.h"
+#include "server/source/source_opener.h"
 #include "server/service/fetch_plan.h"
 #include "server/service/fetch_table_cache.h"
 #include "server/service/latency_histogram.h"
@@ -120,6 +121,12 @@ struct WeightServiceOptions {
   PeerVerify peer_verify;
   // Bytes per read of a checkpoint, from storage or a peer (--read-chunk-bytes).
   uint64_t read_chunk_bytes = 16ull << 20;
+  // --model-source: loads of URLs (s3://, https://) go through it; null =
+  // none may be loaded (PERMISSION_DENIED). Borrowed. Their ranged GETs:
+  // --source-streams at once, of --source-chunk-bytes each.
+  const RemoteFileOpener* sources = nullptr;
+  int source_streams = 8;
+  uint64_t source_chunk_bytes = 16ull << 20;
   // --publish-staging-ahead: after a model's publish, its next publish's
   // staging (the same size) is allocated and faulted in the background,
   // while the budget has room for it without evicting anything; the
@@ -229,6 +236,9 @@ struct ServiceStats {
   };
   std::map<std::string, PeerCounters> peer_transfers;
   uint64_t bytes_sent_to_peers = 0;
+  // Remote sources (--model-source): bytes received, requests, retries,
+  // failed operations (server/source/source_client.h).
+  SourceCounters source;
 };
 
 class WeightService {
@@ -272,6 +282,9 @@ class WeightService {
   struct RestoreExpect {
     Digest content;
     uint64_t generation_floor = 0;
+    // A URL load's objects as journaled: checked before anything is read,
+    // FAILED_PRECONDITION when one changed (docs/sources.md).
+    std::vector<StateRecord::SourceObject> objects;
   };
   absl::StatusOr<ModelSummary> RestoreLoadModel(const std::string& name, const std::string& path,
                                                 const std::string& profile_json,
@@ -545,6 +558,9 @@ class WeightService {
       const LoadProgressFn& progress = nullptr, DonatedCheckpoints* donated = nullptr,
       std::vector<std::string>* opened_files = nullptr, bool share_held = false)
       ABSL_LOCKS_EXCLUDED(mu_, peer_counters_mu_);
+  // FAILED_PRECONDITION unless every object still has its journaled
+  // version and size (a restore of a URL load).
+  absl::Status CheckSourceObjects(const std::vector<StateRecord::SourceObject>& objects) const;
   void CountLoadSources(const LoadSourceReport& report) ABSL_LOCKS_EXCLUDED(peer_counters_mu_);
   // The resident checkpoints read from files whose CheckpointKey is `key`
   // and that are unchanged since (all of them, or file `only_file`), the
@@ -661,6 +677,8 @@ class WeightService {
 
   const WeightServiceOptions options_;
   const ModelRoots roots_;
+  // Paths to roots_, URLs to options_.sources.
+  const SourceRoutingOpener files_{&roots_, options_.sources};
   // --pin-host-memory; before memory_, whose segments keep writable
   // mappings where it registers those.
   HostPinner pinner_;

@@ -69,6 +69,7 @@ void FillStats(const ServiceStats& s, v1::StatsResponse* resp) {
   resp->set_load_bytes_storage(s.load_bytes_storage);
   resp->set_load_bytes_peers(s.load_bytes_peers);
   resp->set_bytes_sent_to_peers(s.bytes_sent_to_peers);
+  FillSourceStats(s.source, resp);
   for (const auto& [peer, c] : s.peer_transfers) {
     v1::PeerTransfer* t = resp->add_peer_transfers();
     t->set_peer(peer);

@@ -28,6 +28,13 @@ LoadSource FromProtoLoadSource(v1::LoadSource source) {
   }
 }
 
+void FillSourceStats(const SourceCounters& c, v1::StatsResponse* out) {
+  out->set_source_bytes(c.bytes);
+  out->set_source_requests(c.requests);
+  out->set_source_retries(c.retries);
+  out->set_source_failures(c.failures);
+}
+
 void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_name(s.name);
   out->set_path(s.path);

@@ -24,6 +24,8 @@ absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
 LoadSource FromProtoLoadSource(v1::LoadSource source);
 
 void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out);
+// The source_* counters of a StatsResponse.
+void FillSourceStats(const SourceCounters& c, v1::StatsResponse* out);
 void FillAdapterInfo(const AdapterSummary& a, v1::AdapterInfo* out);
 // INVALID_ARGUMENT for a bad placement, dtype or transport.
 absl::StatusOr<FetchParams> DecodeFetch(const v1::FetchRequest& req);

@@ -206,7 +206,8 @@ void CollectPublishes(const ServiceStats& s, Families& out) {
                        MetricType::Gauge, s.publish_staging_ahead_bytes));
 }
 
-// Checkpoint loads, and where their bytes came from.
+// Checkpoint loads, where their bytes came from, and the remote sources
+// (--model-source) they read.
 void CollectLoads(const ServiceStats& s, Families& out) {
   out.push_back(Scalar("weightd_loads_total", "Checkpoints loaded.", MetricType::Counter, s.loads));
   out.push_back(Scalar("weightd_load_bytes_total", "Checkpoint bytes loaded.", MetricType::Counter,
@@ -220,6 +221,17 @@ void CollectLoads(const ServiceStats& s, Families& out) {
   AddSeries(sources, "source", "storage", static_cast<double>(s.load_bytes_storage));
   AddSeries(sources, "source", "peers", static_cast<double>(s.load_bytes_peers));
   out.push_back(std::move(sources));
+  out.push_back(Scalar("weightd_source_bytes_total",
+                       "Bytes received from remote sources (--model-source).",
+                       MetricType::Counter, s.source.bytes));
+  out.push_back(Scalar("weightd_source_requests_total", "Requests sent to remote sources.",
+                       MetricType::Counter, s.source.requests));
+  out.push_back(Scalar("weightd_source_retries_total",
+                       "Requests to remote sources retried after a failure.",
+                       MetricType::Counter, s.source.retries));
+  out.push_back(Scalar("weightd_source_failures_total",
+                       "Remote source operations that failed after their retries.",
+                       MetricType::Counter, s.source.failures));
 }
 
 // Checkpoint bytes exchanged with peers, by peer.

@@ -78,6 +78,9 @@ std::string EncodeStateRecord(const StateRecord& r) {
   if (!r.readers.empty()) j["readers"] = r.readers;
   if (!r.format.empty()) j["format"] = r.format;
   if (r.strict) j["strict"] = true;
+  for (const StateRecord::SourceObject& o : r.objects) {
+    j["objects"].push_back({{"url", o.url}, {"version", o.version}, {"size", o.size}});
+  }
   if (r.kind == StateRecord::Kind::kApply || r.kind == StateRecord::Kind::kPublish) {
     nlohmann::json stack = nlohmann::json::array();
     for (size_t i = 0; i < r.stack.size(); ++i) {
@@ -119,6 +122,12 @@ absl::StatusOr<StateRecord> DecodeStatePayload(const std::string& payload) {
     r.readers = j.value("readers", std::vector<std::string>{});
     r.format = j.value("format", "");
     r.strict = j.value("strict", false);
+    if (j.contains("objects")) {
+      for (const auto& o : j.at("objects")) {
+        r.objects.push_back({o.at("url").get<std::string>(), o.at("version").get<std::string>(),
+                             o.at("size").get<uint64_t>()});
+      }
+    }
     if (j.contains("stack")) {
       for (const auto& e : j.at("stack")) {
         r.stack.emplace_back(e.at(0).get<std::string>(), e.at(1).get<float>());

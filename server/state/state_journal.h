@@ -72,6 +72,15 @@ struct StateRecord {
   uint64_t generation = 0;
   // kModelLoad/kApply: the served content's identity (hex), checked on restore.
   std::string content;
+  // kModelLoad of a URL (docs/sources.md): every object it read, with the
+  // version (ETag) and size it had; a restore loads the model only while
+  // they still match.
+  struct SourceObject {
+    std::string url;
+    std::string version;
+    uint64_t size = 0;
+  };
+  std::vector<SourceObject> objects;
 };
 
 const char* StateRecordKindName(StateRecord::Kind kind);

@@ -73,6 +73,9 @@ struct CheckpointFileInfo {
   int64_t mtime_nsec = 0;
   uint64_t dev = 0;
   uint64_t ino = 0;
+  // A remote object's version (its ETag; OpenedFile::version), "" for a
+  // file: `path` is then its URL.
+  std::string version;
 };
 
 // The checkpoint itself: its tensors, the segments behind them, its files'

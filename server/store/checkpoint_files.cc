@@ -1,6 +1,5 @@
 #include "server/store/checkpoint_files.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -40,26 +39,6 @@ absl::Status ReadIndex(const FileOpener& opener, const OpenedFile& index_file, O
   return absl::OkStatus();
 }
 
-// The *.safetensors names in directory `top`, sorted.
-absl::StatusOr<std::vector<std::string>> ListSafetensors(const OpenedFile& top,
-                                                         const std::string& path) {
-  int listing = ::openat(top.fd.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  DIR* d = listing < 0 ? nullptr : ::fdopendir(listing);
-  if (d == nullptr) {
-    int err = errno;
-    if (listing >= 0) ::close(listing);
-    return ErrnoStatus(err, absl::StrCat("opening directory ", path));
-  }
-  std::vector<std::string> names;
-  while (dirent* e = ::readdir(d)) {
-    std::string name = e->d_name;
-    if (absl::EndsWith(name, ".safetensors")) names.push_back(name);
-  }
-  ::closedir(d);
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
 absl::StatusOr<OpenedFiles> OpenFiles(const FileOpener& opener, const std::string& path) {
   OpenedFiles out;
   WD_ASSIGN_OR_RETURN(OpenedFile top, opener.Open(path));
@@ -80,7 +59,7 @@ absl::StatusOr<OpenedFiles> OpenFiles(const FileOpener& opener, const std::strin
     return out;
   }
   if (!absl::IsNotFound(index_file.status())) return index_file.status();
-  WD_ASSIGN_OR_RETURN(std::vector<std::string> names, ListSafetensors(top, path));
+  WD_ASSIGN_OR_RETURN(std::vector<std::string> names, opener.List(top, ".safetensors"));
   if (names.empty()) {
     return absl::NotFoundError(absl::StrCat(
         "directory ", path, " holds no .safetensors files and no ", kSafetensorsIndexName));
@@ -177,7 +156,7 @@ std::string FilesKey(const std::vector<CheckpointFile>& files) {
     const struct stat& st = f.st();
     absl::StrAppend(&key, f.path().size(), ":", f.path(), "|", st.st_dev, "|", st.st_ino, "|",
                     st.st_size, "|", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, "|",
-                    st.st_ctim.tv_sec, ".", st.st_ctim.tv_nsec, ";");
+                    st.st_ctim.tv_sec, ".", st.st_ctim.tv_nsec, "|", f.opened.version, ";");
   }
   return key;
 }

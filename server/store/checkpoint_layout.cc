@@ -23,6 +23,7 @@ std::vector<CheckpointFileInfo> DescribeFiles(const CheckpointFiles& files) {
     info.mtime_nsec = f.st().st_mtim.tv_nsec;
     info.dev = f.st().st_dev;
     info.ino = f.st().st_ino;
+    info.version = f.opened.version;
     out.push_back(std::move(info));
   }
   return out;

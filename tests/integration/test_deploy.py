@@ -41,6 +41,7 @@ OVERLAYS = {
     "large-model": "examples/daemonset-large-model",
     "hugepages": "overlays/daemonset-hugepages",
     "fleet": "overlays/daemonset-fleet",
+    "sources": "overlays/daemonset-sources",
 }
 GiB = 1 << 30
 MiB = 1 << 20
@@ -163,6 +164,7 @@ def test_overlay_renders_and_validates(overlay, validator):
         "sidecar": ["ConfigMap", "Deployment", "NetworkPolicy"],
         "fleet": ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "PriorityClass",
                   "Service"],
+        "sources": ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "PriorityClass"],
     }[overlay]
     assert kinds == expected
     # The image is set once, by the base component's `images:` entry.
@@ -501,6 +503,30 @@ def test_fleet_overlay():
     assert vol["secret"]["secretName"] == "weightd-fleet-token"
 
 
+def test_sources_overlay():
+    """[sources]: credentials only from Secrets (env AWS_* by secretKeyRef, the
+    HTTPS token as a read-only Secret file), and an allow-list of sources."""
+    base = weightd_container(one(render(OVERLAYS["daemonset"]), "DaemonSet"))
+    objs = render(OVERLAYS["sources"])
+    ds = one(objs, "DaemonSet")
+    c = weightd_container(ds)
+    f = flags(c)
+    assert f["--model-source"] == ["s3://models/", "https://artifacts.example.com/models/"]
+    assert c["args"][:len(base["args"])] == base["args"], "the daemon set's flags, then these"
+    env = {e["name"]: e for e in c["env"]}
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert env[k]["valueFrom"]["secretKeyRef"] == {"name": "weightd-s3-credentials", "key": k}
+        assert "value" not in env[k]
+    assert not any(k.startswith("AWS_") and "SECRET" in k for k in config_data(objs, c))
+    token = f["--https-bearer-token-file"][0]
+    mount = [m for m in c["volumeMounts"] if token.startswith(m["mountPath"] + "/")][0]
+    assert mount["readOnly"] is True
+    vol = [v for v in pod_spec(ds)["volumes"] if v["name"] == mount["name"]][0]
+    assert vol["secret"]["secretName"] == "weightd-https-token"
+    assert vol["secret"]["defaultMode"] == 0o400
+    assert not any(o["kind"] == "Secret" for o in objs), "Secrets are created by the operator"
+
+
 def test_sidecar_shape():
     objs = render(OVERLAYS["sidecar"])
     dep = one(objs, "Deployment")
@@ -633,6 +659,10 @@ def test_manifest_flags_start_the_daemon(overlay, tmp_path):
             (tmp_path / "fleet").mkdir(exist_ok=True)
             (tmp_path / "fleet" / "tokens").write_text("fleet %s\n" % ("f" * 64))
             a = a.replace("/etc/weightd/fleet", str(tmp_path / "fleet"))
+        if "/etc/weightd/sources/" in a:  # the HTTPS token's Secret
+            (tmp_path / "sources").mkdir(exist_ok=True)
+            (tmp_path / "sources" / "token").write_text("t" * 32 + "\n")
+            a = a.replace("/etc/weightd/sources", str(tmp_path / "sources"))
         if a.startswith("--listen="):
             a = f"--listen=127.0.0.1:{port}"
         argv.append(a)

@@ -84,6 +84,7 @@ class Daemon {
   absl::Status BeginTakeOver();
   absl::Status OpenJournal();
   absl::Status StartPeers();
+  absl::Status StartUcx();
   // What comes back before serving; false when a signal stopped a
   // take-over.
   absl::StatusOr<bool> PrepareBeforeServing();
@@ -119,6 +120,7 @@ class Daemon {
   StartPlan start_;
   RestoreReport restored_;
   bool serving_ = false;
+  std::unique_ptr<UcxPlane> ucx_;  // --peer-transport auto|ucx (the fleet and gRPC borrow it)
   std::unique_ptr<Fleet> fleet_;
   std::unique_ptr<WeightService> service_;
   std::unique_ptr<DataServer> data_;

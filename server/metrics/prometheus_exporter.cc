@@ -61,7 +61,8 @@ prometheus::ClientMetric HistogramMetric(const LatencyHistogram::Snapshot& s,
 // The daemon's metrics, read from WeightService::Stats() when scraped.
 class StatsCollectable {
  public:
-  explicit StatsCollectable(const WeightService* service) : service_(service) {}
+  StatsCollectable(const WeightService* service, const PeerCheckpointClient* peers)
+      : service_(service), peers_(peers) {}
 
   std::vector<prometheus::MetricFamily> Collect() const {
     using prometheus::MetricType;
@@ -194,6 +195,26 @@ class StatsCollectable {
     }
     out.push_back(std::move(received));
     out.push_back(std::move(failures));
+    if (peers_ != nullptr) {
+      prometheus::MetricFamily bytes, seconds;
+      bytes.name = "weightd_peer_bytes_total";
+      bytes.help = "Checkpoint bytes read from each peer, by transport (ucx, grpc), kept or not.";
+      bytes.type = MetricType::Counter;
+      seconds.name = "weightd_peer_read_seconds_total";
+      seconds.help = "Seconds spent in reads from each peer, by transport (rate: bytes/seconds).";
+      seconds.type = MetricType::Counter;
+      for (const auto& [key, t] : peers_->TransportStats()) {
+        prometheus::ClientMetric b, sec;
+        b.label = {{"peer", key.first}, {"transport", key.second}};
+        b.counter.value = static_cast<double>(t.bytes);
+        sec.label = b.label;
+        sec.counter.value = t.seconds;
+        bytes.metric.push_back(std::move(b));
+        seconds.metric.push_back(std::move(sec));
+      }
+      out.push_back(std::move(bytes));
+      out.push_back(std::move(seconds));
+    }
     out.push_back(Scalar("weightd_peer_discarded_bytes_total",
                          "Checkpoint bytes peers sent that loads threw away (wrong, fetched "
                          "again elsewhere, or the load failed).",
@@ -212,6 +233,7 @@ class StatsCollectable {
 
  private:
   const WeightService* service_;
+  const PeerCheckpointClient* peers_;  // null: no peers
 };
 
 }  // namespace
@@ -226,7 +248,7 @@ class MetricsServer::Impl {
   Impl(MetricsServer::Options options, const WeightService* service, UniqueFd listen,
        UniqueFd wake)
       : options_(std::move(options)),
-        collectable_(service),
+        collectable_(service, options_.peers),
         listen_(std::move(listen)),
         wake_(std::move(wake)) {}
   ~Impl() {
@@ -481,9 +503,9 @@ absl::StatusOr<UniqueFd> ListenTcp(const std::string& address) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& address,
-                                                                    const WeightService* service) {
-  return Start(Options{.address = address}, service);
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    const std::string& address, const WeightService* service, const PeerCheckpointClient* peers) {
+  return Start(Options{.address = address, .peers = peers}, service);
 }
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(Options options,

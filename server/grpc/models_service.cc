@@ -15,6 +15,7 @@
 #include "server/gpu/gpu_health.h"
 #include "server/grpc/proto_convert.h"
 #include "server/grpc/reactors.h"
+#include "server/grpc/ucx_offer.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {
@@ -383,7 +384,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
       sample_digests.push_back(*digest);
     }
     // Digests up to 4096 MiB of samples: on the pool.
-    return RunOnPool(ctx, pool_, drain_, [this, resp, key = *key, samples = std::move(samples),
+    return RunOnPool(ctx, pool_, drain_, [this, req, resp, key = *key, samples = std::move(samples),
                                           sample_digests = std::move(sample_digests),
                                           who = std::move(*who)] {
       WD_ASSIGN_OR_RETURN(PeerHolding held,
@@ -395,6 +396,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
         for (const Digest& d : file) out->append(d.View().data(), d.View().size());
       }
       for (const Digest& d : held.sample_digests) resp->add_sample_digests(std::string(d.View()));
+      OfferUcx(ucx_, *service_, *req, key, who, resp);
       return absl::OkStatus();
     });
   }
@@ -490,6 +492,9 @@ class ModelsImpl final : public v1::Models::CallbackService {
     return reactor;
   }
 
+ public:
+  UcxPlane* ucx_ = nullptr;  // FindCheckpoint's UCX grants (ucx_offer.h); set once at creation
+
  private:
   // Answers carry this daemon's instance id (PeerTable::instance_id), so
   // that a daemon that finds itself among its peers (--peer-dns naming it)
@@ -509,7 +514,9 @@ class ModelsImpl final : public v1::Models::CallbackService {
 }  // namespace
 
 std::unique_ptr<grpc::Service> MakeModelsService(const ServiceContext& c) {
-  return std::make_unique<ModelsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth, c.peers);
+  auto models = std::make_unique<ModelsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth, c.peers);
+  models->ucx_ = c.ucx;
+  return models;
 }
 
 }  // namespace weightd

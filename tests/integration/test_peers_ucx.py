@@ -299,3 +299,36 @@ def test_ucx_loader_refuses_a_holder_without_ucx(tmp_path, checkpoint):
             r = c.ctl("load", "m", str(path), "--source", "peers")
             assert r.returncode != 0 and "UNAVAILABLE" in r.stderr, r.stderr
             assert "offers no UCX data plane" in c.log()
+
+
+def test_a_lying_holder_is_caught_by_the_digests(tmp_path, checkpoint, ucx_tls):
+    """A holder whose answer swaps its two files' grants (the shards are of
+    equal length): every UCX read succeeds and brings another file's bytes,
+    from the real holder's memory. The tensor digests catch it: the holder
+    is dropped (peer_data_loss), nothing it sent is kept, and the ranges
+    come from the honest holder b. (Flipping bits in the holder's memory
+    through /proc/PID/mem is not possible: its checkpoint segments are
+    sealed memfds mapped read-only, and the write fails EIO.)"""
+    models, path, tensors = checkpoint
+    a, a_addr = _holder(tmp_path, models, "a")
+    b, b_addr = _holder(tmp_path, models, "b")
+
+    def swap(resp):
+        assert len(resp.ucx_files) == 2
+        assert resp.ucx_files[0].length == resp.ucx_files[1].length
+        first = pb.UcxRegion()
+        first.CopyFrom(resp.ucx_files[0])
+        resp.ucx_files[0].CopyFrom(resp.ucx_files[1])
+        resp.ucx_files[1].CopyFrom(first)
+
+    with _running(a, b):
+        a.ctl_ok("load", "m", str(path))
+        b.ctl_ok("load", "m", str(path))
+        with _FindProxy(a_addr, before=swap) as proxy:
+            c = _loader(tmp_path, models, [proxy.address, b_addr], "ucx")
+            with _running(c):
+                info, last, _ = _load(c, "m", path, source="peers")
+                assert list(last.peers) == [b_addr], last
+                assert "peer_data_loss" in c.log() and proxy.address in c.log()
+                wid = _check_bytes(c, "m", tensors)
+                assert wid == _check_bytes(b, "m", tensors)

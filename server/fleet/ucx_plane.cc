@@ -564,14 +564,15 @@ void UcxPlane::Impl::Unregister(uint64_t segment_id) {
 }
 
 absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Start() {
+  // TCP's PUT writes wherever a connected process says: off unless the
+  // operator set it. (ucp_config_modify does not reach the TCP transport's
+  // table in UCX 1.13: "invalid configuration"; the environment does. Set
+  // once, at start, before the threads that could read the environment.)
+  static const bool put_off = [] { return ::setenv("UCX_TCP_PUT_ENABLE", "n", 0) == 0; }();
+  (void)put_off;
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return absl::UnavailableError(absl::StrCat("UCX config: ", UcsError(s)));
-  // TCP's emulated PUT writes wherever a connected process says: off
-  // unless the operator asks for it.
-  if (std::getenv("UCX_TCP_PUT_ENABLE") == nullptr) {
-    (void)ucp_config_modify(config, "TCP_PUT_ENABLE", "n");
-  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;

@@ -12,7 +12,8 @@ and the clients is checked against the table below:
     transport never includes the GPU code or the service);
   - nothing below server/grpc includes grpcpp/ or generated protos, except
     proto/, common/grpc/ and server/fleet/;
-  - CUDA headers only in the CUDA units; libcurl's only in server/source.
+  - CUDA headers only in the CUDA units; libcurl's only in server/source;
+    UCX headers only in server/fleet/.
 
 Tests (*_test.cc, tests/, bench/) are not checked: they may reach into any
 layer they test. Usage: scripts/check_layers.py [ROOT]; exit 1 lists every
@@ -61,6 +62,9 @@ GRPC_OK = {"proto", "common/grpc", "server/fleet", "client"}
 GRPC_ROW = 8
 # Where a CUDA header may be included.
 CUDA_OK_PREFIXES = ("server/gpu/plugin/", "server/kernels/cuda/", "client/cuda/")
+# Where a UCX header may be included (the data plane between daemons).
+UCX_OK_PREFIXES = ("server/fleet/",)
+UCX_HEADER = re.compile(r"^(ucp|uct|ucs|ucm)/")
 
 ROW = {u: r for u, r, _, _ in UNITS}
 SIDEWAYS = {u: set(s) for u, _, s, _ in UNITS}
@@ -104,6 +108,9 @@ def check_file(root, path, problems):
             continue
         if inc.startswith("curl/") and not path.startswith("server/source/"):
             problems.append("%s: libcurl header <%s> outside server/source" % (where, inc))
+            continue
+        if UCX_HEADER.match(inc) and not path.startswith(UCX_OK_PREFIXES):
+            problems.append("%s: UCX header <%s> outside server/fleet/" % (where, inc))
             continue
         if GRPC_HEADER.match(inc) and not inc.startswith("proto/"):
             if src not in GRPC_OK and ROW[src] < GRPC_ROW:

@@ -11,6 +11,7 @@ WEIGHTD_PACKAGES=(
   python3 python3-torch python3-numpy python3-grpcio python3-protobuf python3-pytest python3-xxhash
   python3-venv python3-setuptools python3-wheel python3-pip dpkg-dev fakeroot lintian
   podman runc containernetworking-plugins iptables debootstrap
+  libucx-dev ucx-utils iperf3
 )
 
 missing=()

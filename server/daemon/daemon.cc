@@ -134,13 +134,14 @@ absl::Status Daemon::OpenJournal() {
 // Before the service, which borrows it (loads ask peers for bytes), and
 // destroyed after it.
 absl::Status Daemon::StartPeers() {
+  WD_RETURN_IF_ERROR(StartUcx());
   if (flags_.peers.addresses.empty() && flags_.peers.dns.empty()) return absl::OkStatus();
   flags_.peers.tls_cert_file = flags_.grpc.tls_cert_file;
   flags_.peers.tls_key_file = flags_.grpc.tls_key_file;
   // Room for a true answer and every stream's ranges in flight.
   flags_.peers.receive_budget_bytes =
       (32ull << 20) + static_cast<uint64_t>(flags_.service.peer_streams) * (8ull << 20);
-  WD_ASSIGN_OR_RETURN(fleet_, Fleet::Start(flags_.peers));
+  WD_ASSIGN_OR_RETURN(fleet_, Fleet::Start(flags_.peers, ucx_.get()));
   flags_.grpc.peers = fleet_->table();
   flags_.service.peers = fleet_->checkpoint_peers();
   return absl::OkStatus();
@@ -155,6 +156,35 @@ absl::Status Daemon::StartSources() {
     LogEvent(LogLevel::kInfo, "model_sources",
              {{"prefixes", absl::StrJoin(sources_->allowed().prefixes(), ", ")}});
   }
+  return absl::OkStatus();
+}
+
+// The UCX data plane (--peer-transport auto|ucx): a holder grants reads
+// over it, a loader reads over it. Said at start: the transports UCX found,
+// or why none (auto then serves and reads over gRPC; ucx fails the start).
+absl::Status Daemon::StartUcx() {
+  const PeerTransport want = flags_.peers.transport;
+  if (want == PeerTransport::kGrpc) {
+    LogEvent(LogLevel::kInfo, "ucx", {{"state", "off"}, {"why", "--peer-transport grpc"}});
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<UcxPlane>> plane = UcxPlane::Start();
+  if (!plane.ok()) {
+    if (want == PeerTransport::kUcx) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--peer-transport ucx: ", plane.status().message()));
+    }
+    LogEvent(LogLevel::kWarning, "ucx",
+             {{"state", "off"}, {"why", plane.status().ToString()},
+              {"action", "peers are read and served over gRPC"}});
+    flags_.peers.transport = PeerTransport::kGrpc;
+    return absl::OkStatus();
+  }
+  ucx_ = std::move(*plane);
+  flags_.grpc.ucx = ucx_.get();
+  LogEvent(LogLevel::kInfo, "ucx",
+           {{"state", "on"}, {"peer_transport", PeerTransportName(want)},
+            {"transports", ucx_->transports()}});
   return absl::OkStatus();
 }
 
@@ -205,7 +235,8 @@ absl::Status Daemon::StartServers() {
   if (take_over_ != nullptr) grpc_->KeepSocketFile(true);
   if (!flags_.metrics_listen.empty()) {
     WD_ASSIGN_OR_RETURN(std::unique_ptr<MetricsServer> metrics,
-                        MetricsServer::Start(flags_.metrics_listen, service_.get()));
+                        MetricsServer::Start(flags_.metrics_listen, service_.get(),
+                                             fleet_ ? fleet_->checkpoint_client() : nullptr));
     absl::MutexLock lock(&mu_);
     metrics_ = std::move(metrics);
   }

@@ -87,6 +87,7 @@ class Daemon {
   absl::Status StartPeers();
   // --model-source: the client and opener URL loads go through.
   absl::Status StartSources();
+  absl::Status StartUcx();
   // What comes back before serving; false when a signal stopped a
   // take-over.
   absl::StatusOr<bool> PrepareBeforeServing();
@@ -122,6 +123,7 @@ class Daemon {
   StartPlan start_;
   RestoreReport restored_;
   bool serving_ = false;
+  std::unique_ptr<UcxPlane> ucx_;  // --peer-transport auto|ucx (the fleet and gRPC borrow it)
   std::unique_ptr<Fleet> fleet_;
   std::unique_ptr<SourceClient> source_client_;
   std::unique_ptr<RemoteFileOpener> sources_;

@@ -260,6 +260,15 @@ void AddPeerFlags(FlagTable& t, DaemonFlags* f) {
             "the most peers considered and connections kept (1..4096, default 64); past it, "
             "--peers first, then a per-daemon choice of --peer-dns's (logged)",
             K::kValue, NumberInto("peer-max", &f->peers.max_peers, 1, 4096)})
+      .Add({"peer-transport", "auto|ucx|grpc",
+            "how a load reads ranges from peers, and whether this daemon offers UCX to them: "
+            "grpc (ReadCheckpoint streams, default), auto (UCX where the holder offers it), "
+            "ucx (UCX only); UCX trusts its fabric: README, Fleets",
+            K::kValue,
+            [f](const std::string& v) -> absl::Status {
+              WD_ASSIGN_OR_RETURN(f->peers.transport, ParsePeerTransport(v));
+              return absl::OkStatus();
+            }})
       .Add({"peer-verify", "samples|all|N%",
             "how much of what peers send a load compares with storage, at places the peers are "
             "never told: 8 pieces per file (default), that share of the bytes, or every byte",

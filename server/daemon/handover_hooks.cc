@@ -96,7 +96,8 @@ void Daemon::RestartMetrics() {
     absl::MutexLock lock(&mu_);
     if (metrics_ != nullptr) return;
   }
-  auto again = MetricsServer::Start(flags_.metrics_listen, service_.get());
+  auto again = MetricsServer::Start(flags_.metrics_listen, service_.get(),
+                                    fleet_ ? fleet_->checkpoint_client() : nullptr);
   if (!again.ok()) {
     LogEvent(LogLevel::kError, "metrics_restart_failed", {{"error", again.status().ToString()}});
     return;

@@ -116,6 +116,19 @@ absl::StatusOr<ReadRange> WeightService::ReadHeld(const Digest& key, const Diges
                                           key.Hex().substr(0, 12), " is not resident (any more)"));
 }
 
+absl::StatusOr<std::vector<WeightService::HeldSection>> WeightService::HeldSections(
+    const Digest& key, const Digest& copy, const Principal& asker) const {
+  for (const std::shared_ptr<const Checkpoint>& c : HeldCopies(key)) {
+    if (c->copy_id() != copy || !MayOfferToPeer(*c, asker)) continue;
+    std::vector<HeldSection> out;
+    for (const CheckpointFileInfo& f : c->file_info()) {
+      out.push_back({c->host_segments()[f.segment], f.segment_offset, f.data_length});
+    }
+    return out;
+  }
+  return absl::NotFoundError(absl::StrCat("copy ", copy.Hex().substr(0, 12), " of checkpoint ",
+                                          key.Hex().substr(0, 12), " is not resident (any more)"));
+}
 
 std::vector<std::optional<WeightService::ResidentCopy>> WeightService::FindResidentCopies(
     const std::string& own, const std::string& scope, absl::Span<const WantedBytes> wanted,

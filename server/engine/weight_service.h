@@ -275,6 +275,17 @@ class WeightService {
   absl::StatusOr<ReadRange> ReadHeld(const Digest& key, const Digest& copy,
                                      const CheckpointRange& range, const Principal& asker)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Where copy `copy` of `key` keeps each file's data section (its segment,
+  // the offset in it, the length), for a UCX grant: the same filter as
+  // ReadHeld (NOT_FOUND otherwise).
+  struct HeldSection {
+    SegmentPtr segment;
+    uint64_t offset = 0;
+    uint64_t length = 0;
+  };
+  absl::StatusOr<std::vector<HeldSection>> HeldSections(const Digest& key, const Digest& copy,
+                                                        const Principal& asker) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // For a restore (--state-dir): LoadModel that publishes the model only if
   // its served content is `content` (DATA_LOSS otherwise: nothing served,
   // nothing journaled), with its next generation numbered at least

@@ -46,7 +46,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> PeerCredentials(
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Fleet>> Fleet::Start(PeerOptions options) {
+absl::StatusOr<std::unique_ptr<Fleet>> Fleet::Start(PeerOptions options, UcxPlane* ucx) {
   options.max_peers = std::max<size_t>(1, options.max_peers);
   options.call_threads = std::max(1, options.call_threads);
   WD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds, PeerCredentials(options));
@@ -62,9 +62,10 @@ absl::StatusOr<std::unique_ptr<Fleet>> Fleet::Start(PeerOptions options) {
   fleet->channels_ = std::make_unique<PeerChannels>(options.max_peers,
                                                     options.receive_budget_bytes,
                                                     std::move(creds), std::move(token));
+  const PeerTransport transport = options.transport;
   fleet->table_ = PeerTable::Start(std::move(options), fleet->channels_.get(), RandomInstanceId());
-  fleet->checkpoints_ =
-      std::make_unique<PeerCheckpointClient>(fleet->table_.get(), fleet->channels_.get());
+  fleet->checkpoints_ = std::make_unique<PeerCheckpointClient>(
+      fleet->table_.get(), fleet->channels_.get(), ucx, transport);
   return fleet;
 }
 

@@ -24,12 +24,16 @@ class Fleet {
   // INVALID_ARGUMENT for an address that is not HOST:PORT, or credentials
   // that cannot be read (the file's own error). Polls at once, then every
   // poll_interval.
-  static absl::StatusOr<std::unique_ptr<Fleet>> Start(PeerOptions options);
+  // `ucx` (null: none; borrowed, outlives the fleet): the data plane
+  // loads read over, as options.transport says.
+  static absl::StatusOr<std::unique_ptr<Fleet>> Start(PeerOptions options,
+                                                      UcxPlane* ucx = nullptr);
   Fleet(const Fleet&) = delete;
   Fleet& operator=(const Fleet&) = delete;
 
   PeerTable* table() const { return table_.get(); }
   CheckpointPeers* checkpoint_peers() const { return checkpoints_.get(); }
+  const PeerCheckpointClient* checkpoint_client() const { return checkpoints_.get(); }
 
  private:
   Fleet() = default;

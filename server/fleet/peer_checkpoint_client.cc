@@ -64,8 +64,14 @@ PeerHolding ToHolding(const std::string& peer, const v1::FindCheckpointResponse&
   return h;
 }
 
-v1::FindCheckpointRequest FindRequest(const PeerQuery& query) {
+// The key of a holder's UCX offer for (peer, key, copy).
+std::string OfferKey(const std::string& peer, const Digest& key, const Digest& copy) {
+  return absl::StrCat(peer, "|", key.View(), copy.View());
+}
+
+v1::FindCheckpointRequest FindRequest(const PeerQuery& query, bool ucx) {
   v1::FindCheckpointRequest req;
+  req.set_ucx(ucx);
   req.set_key(std::string(query.key.View()));
   for (const CheckpointRange& r : query.samples) {
     v1::CheckpointRange* out = req.add_samples();
@@ -79,8 +85,12 @@ v1::FindCheckpointRequest FindRequest(const PeerQuery& query) {
 
 }  // namespace
 
-PeerCheckpointClient::PeerCheckpointClient(PeerTable* table, PeerChannels* channels)
-    : table_(table), channels_(channels) {}
+PeerCheckpointClient::PeerCheckpointClient(PeerTable* table, PeerChannels* channels,
+                                           UcxPlane* ucx, PeerTransport transport)
+    : table_(table),
+      channels_(channels),
+      ucx_(transport == PeerTransport::kGrpc ? nullptr : ucx),
+      transport_(transport) {}
 
 std::optional<PeerHolding> PeerCheckpointClient::AskOne(const std::string& peer,
                                                         absl::Duration deadline,
@@ -108,7 +118,31 @@ std::optional<PeerHolding> PeerCheckpointClient::AskOne(const std::string& peer,
     Refuse(peer, key_hex, why);
     return std::nullopt;
   }
-  return ToHolding(peer, resp);
+  PeerHolding held = ToHolding(peer, resp);
+  if (ucx_ != nullptr) {
+    // Its UCX offer, if whole: a worker and a grant of 16-byte token per file.
+    bool whole = !resp.ucx_worker().empty() && resp.ucx_worker().size() <= 64 * 1024 &&
+                 static_cast<size_t>(resp.ucx_files_size()) == query.tensors_per_file.size();
+    UcxOffer offer;
+    offer.worker = resp.ucx_worker();
+    for (const v1::UcxRegion& r : resp.ucx_files()) {
+      whole = whole && r.token().size() == 16;
+      offer.files.push_back(UcxGrant{r.grant(), r.token(), r.length()});
+    }
+    if (!whole && transport_ == PeerTransport::kUcx) {
+      Refuse(peer, key_hex, "it offers no UCX data plane (--peer-transport ucx)");
+      return std::nullopt;
+    }
+    absl::MutexLock lock(&mu_);
+    const std::string k = OfferKey(peer, query.key, held.copy);
+    if (whole) {
+      if (offers_.size() >= 4096) offers_.clear();  // answers of long ago
+      offers_[k] = std::move(offer);
+    } else {
+      offers_.erase(k);
+    }
+  }
+  return held;
 }
 
 std::vector<PeerHolding> PeerCheckpointClient::FindHolders(const PeerQuery& query) {
@@ -134,7 +168,7 @@ std::vector<PeerHolding> PeerCheckpointClient::FindHolders(const PeerQuery& quer
     return {};
   }
   const int parallel = static_cast<int>(std::min<uint64_t>(fit, options.call_threads));
-  const v1::FindCheckpointRequest req = FindRequest(query);
+  const v1::FindCheckpointRequest req = FindRequest(query, ucx_ != nullptr);
   std::vector<std::optional<PeerHolding>> answers(ask.size());
   (void)ParallelFor(nullptr, ask.size(), parallel, [&](size_t i) {
     answers[i] = AskOne(ask[i], deadline[i], req, query);
@@ -147,13 +181,62 @@ std::vector<PeerHolding> PeerCheckpointClient::FindHolders(const PeerQuery& quer
   return out;
 }
 
+void PeerCheckpointClient::Count(const std::string& peer, const char* transport, uint64_t bytes,
+                                 absl::Duration took, bool ok) {
+  absl::MutexLock lock(&mu_);
+  TransportTally& t = tally_[{peer, transport}];
+  if (ok) {
+    t.bytes += bytes;
+    t.seconds += absl::ToDoubleSeconds(took);
+  } else {
+    ++t.failures;
+  }
+}
+
+std::map<std::pair<std::string, std::string>, PeerCheckpointClient::TransportTally>
+PeerCheckpointClient::TransportStats() const {
+  absl::MutexLock lock(&mu_);
+  return tally_;
+}
+
 absl::Status PeerCheckpointClient::ReadRange(const std::string& peer, const Digest& key,
                                              const Digest& copy, const CheckpointRange& range,
                                              uint8_t* dest) {
-  std::shared_ptr<v1::Models::Stub> stub = channels_->StubFor(peer);
-  grpc::ClientContext ctx;
   const absl::Duration deadline = 2 * table_->options().call_timeout +
                                   absl::Seconds(static_cast<double>(range.length) / (32 << 20));
+  const absl::Time start = absl::Now();
+  if (ucx_ != nullptr) {
+    std::optional<UcxOffer> offer;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = offers_.find(OfferKey(peer, key, copy));
+      if (it != offers_.end()) offer = it->second;
+    }
+    if (offer.has_value()) {
+      if (range.file >= offer->files.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("file ", range.file, " of a UCX offer of ", offer->files.size()));
+      }
+      absl::Status s = ucx_->Read(peer, offer->worker, offer->files[range.file], range.offset,
+                                  range.length, dest, deadline);
+      Count(peer, "ucx", range.length, absl::Now() - start, s.ok());
+      return s;
+    }
+    if (transport_ == PeerTransport::kUcx) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("peer ", peer, " offered no UCX grant for this copy (--peer-transport ucx)"));
+    }
+  }
+  absl::Status s = ReadRangeGrpc(peer, key, copy, range, dest, deadline);
+  Count(peer, "grpc", range.length, absl::Now() - start, s.ok());
+  return s;
+}
+
+absl::Status PeerCheckpointClient::ReadRangeGrpc(const std::string& peer, const Digest& key,
+                                                 const Digest& copy, const CheckpointRange& range,
+                                                 uint8_t* dest, absl::Duration deadline) {
+  std::shared_ptr<v1::Models::Stub> stub = channels_->StubFor(peer);
+  grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline));
   v1::ReadCheckpointRequest req;
   req.set_key(std::string(key.View()));

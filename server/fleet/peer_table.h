@@ -36,6 +36,7 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "server/fleet/ucx_plane.h"
 #include "absl/time/time.h"
 #include "server/fleet/peer_channels.h"
 
@@ -64,6 +65,8 @@ struct PeerOptions {
   // What every peer connection together may buffer (answers, ranges in
   // flight); a larger answer is cancelled RESOURCE_EXHAUSTED.
   uint64_t receive_budget_bytes = 64ull << 20;
+  // --peer-transport: how ranges are read (ucx_plane.h).
+  PeerTransport transport = PeerTransport::kGrpc;
 };
 
 struct PeerModelState {

@@ -14,6 +14,7 @@
 #include "server/fleet/peer_table.h"
 #include "server/grpc/models_service_impl.h"
 #include "server/grpc/reactors.h"
+#include "server/grpc/ucx_offer.h"
 
 namespace weightd {
 namespace {
@@ -102,11 +103,14 @@ grpc::ServerUnaryReactor* ModelsImpl::FindCheckpoint(grpc::CallbackServerContext
   }
   // Digests up to 4096 MiB of samples: on the pool.
   return RunOnPool(ctx, pool_, drain_,
-                   [this, resp, key = *key, samples = std::move(samples),
+                   [this, req, resp, key = *key, samples = std::move(samples),
                     sample_digests = std::move(sample_digests), who = std::move(*who)] {
                      WD_ASSIGN_OR_RETURN(PeerHolding held,
                                          service_->FindHeld(key, samples, sample_digests, who));
                      FillHolding(held, resp);
+                     // Over UCX too, when the asker reads over it (same
+                     // checks as above: the grants are for this copy only).
+                     OfferUcx(ucx_, *service_, *req, key, who, resp);
                      return absl::OkStatus();
                    });
 }

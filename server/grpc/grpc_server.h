@@ -18,6 +18,7 @@
 namespace weightd {
 
 class PeerTable;
+class UcxPlane;
 
 struct GrpcServerOptions {
   std::string unix_socket;  // required
@@ -48,6 +49,9 @@ struct GrpcServerOptions {
   // The fleet's other daemons (--peers), for Models.Peers; borrowed, may be
   // null.
   const PeerTable* peers = nullptr;
+  // The UCX data plane FindCheckpoint grants reads of (ucx_offer.h);
+  // borrowed, may be null.
+  UcxPlane* ucx = nullptr;
 };
 
 class GrpcServer {

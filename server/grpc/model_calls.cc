@@ -224,7 +224,8 @@ grpc::ServerUnaryReactor* ModelsImpl::Stats(grpc::CallbackServerContext* ctx,
 }
 
 std::unique_ptr<grpc::Service> MakeModelsService(const ServiceContext& c) {
-  return std::make_unique<ModelsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth, c.peers);
+  return std::make_unique<ModelsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth, c.peers,
+                                      c.ucx);
 }
 
 }  // namespace weightd

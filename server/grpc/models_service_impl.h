@@ -30,16 +30,19 @@
 
 namespace weightd {
 
+class UcxPlane;
+
 class ModelsImpl final : public v1::Models::CallbackService {
  public:
   ModelsImpl(WeightService* service, ThreadPool* pool, TaskThreads* long_calls, CallDrain* drain,
-             const CallAuthenticator* auth, const PeerTable* peers)
+             const CallAuthenticator* auth, const PeerTable* peers, UcxPlane* ucx)
       : service_(service),
         pool_(pool),
         long_calls_(long_calls),
         drain_(drain),
         auth_(auth),
-        peers_(peers) {}
+        peers_(peers),
+        ucx_(ucx) {}
 
   // --- Model administration and reads (model_calls.cc). ---
 
@@ -105,6 +108,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
   CallDrain* const drain_;
   const CallAuthenticator* const auth_;
   const PeerTable* const peers_;  // --peers; null: none
+  UcxPlane* const ucx_;            // FindCheckpoint's UCX grants (ucx_offer.h); null: none
 };
 
 }  // namespace weightd

@@ -20,6 +20,7 @@
 namespace weightd {
 
 class PeerTable;
+class UcxPlane;
 
 // What every service borrows from the server (all outlive the services).
 struct ServiceContext {
@@ -29,6 +30,7 @@ struct ServiceContext {
   CallDrain* drain;
   const CallAuthenticator* auth;
   const PeerTable* peers = nullptr;  // --peers; null: none
+  UcxPlane* ucx = nullptr;  // --peer-transport auto|ucx; null: none
 };
 
 std::unique_ptr<grpc::Service> MakeModelsService(const ServiceContext& c);

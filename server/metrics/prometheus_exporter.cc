@@ -258,6 +258,30 @@ void CollectPeers(const ServiceStats& s, Families& out) {
                        MetricType::Counter, s.bytes_sent_to_peers));
 }
 
+// Checkpoint bytes read from each peer and the time the reads took, by
+// transport (ucx, grpc): the fleet's checkpoint client counts them.
+void CollectPeerTransports(const PeerCheckpointClient& peers, Families& out) {
+  prometheus::MetricFamily bytes =
+      Family("weightd_peer_bytes_total",
+             "Checkpoint bytes read from each peer, by transport (ucx, grpc), kept or not.",
+             MetricType::Counter);
+  prometheus::MetricFamily seconds =
+      Family("weightd_peer_read_seconds_total",
+             "Seconds spent in reads from each peer, by transport (rate: bytes/seconds).",
+             MetricType::Counter);
+  for (const auto& [key, t] : peers.TransportStats()) {
+    prometheus::ClientMetric b, sec;
+    b.label = {{"peer", key.first}, {"transport", key.second}};
+    b.counter.value = static_cast<double>(t.bytes);
+    sec.label = b.label;
+    sec.counter.value = t.seconds;
+    bytes.metric.push_back(std::move(b));
+    seconds.metric.push_back(std::move(sec));
+  }
+  out.push_back(std::move(bytes));
+  out.push_back(std::move(seconds));
+}
+
 // The GPUs found at start-up.
 void CollectGpus(const GpuInventory& gpus, Families& out) {
   out.push_back(Scalar("weightd_gpus", "GPUs the daemon found at start-up.", MetricType::Gauge,
@@ -269,7 +293,8 @@ void CollectGpus(const GpuInventory& gpus, Families& out) {
 // Thread-safe (reads only; WeightService::Stats() is).
 class StatsCollectable {
  public:
-  explicit StatsCollectable(const WeightService* service) : service_(service) {}
+  StatsCollectable(const WeightService* service, const PeerCheckpointClient* peers)
+      : service_(service), peers_(peers) {}
 
   Families Collect() const {
     const ServiceStats s = service_->Stats();
@@ -283,6 +308,7 @@ class StatsCollectable {
     CollectPublishes(s, out);
     CollectLoads(s, out);
     CollectPeers(s, out);
+    if (peers_ != nullptr) CollectPeerTransports(*peers_, out);
     CollectGpus(service_->gpus(), out);
     return out;
   }
@@ -290,6 +316,7 @@ class StatsCollectable {
  private:
   // Constant after construction (borrowed; outlives the server).
   const WeightService* const service_;
+  const PeerCheckpointClient* const peers_;  // null: no peers
 };
 
 }  // namespace
@@ -304,7 +331,7 @@ class MetricsServer::Impl {
   Impl(MetricsServer::Options options, const WeightService* service, UniqueFd listen,
        UniqueFd wake)
       : options_(std::move(options)),
-        collectable_(service),
+        collectable_(service, options_.peers),
         listen_(std::move(listen)),
         wake_(std::move(wake)) {}
   ~Impl() {
@@ -559,9 +586,9 @@ absl::StatusOr<UniqueFd> ListenTcp(const std::string& address) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& address,
-                                                                    const WeightService* service) {
-  return Start(Options{.address = address}, service);
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    const std::string& address, const WeightService* service, const PeerCheckpointClient* peers) {
+  return Start(Options{.address = address, .peers = peers}, service);
 }
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(Options options,

@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/engine/weight_service.h"
+#include "server/fleet/peer_checkpoint_client.h"
 
 namespace weightd {
 
@@ -28,12 +29,16 @@ class MetricsServer {
     size_t max_connections = 64;
     absl::Duration request_timeout = absl::Seconds(5);
     size_t max_request_bytes = 8192;  // past it: 431
+    // The fleet's checkpoint client (null: no peers): bytes and time by
+    // peer and transport (weightd_peer_bytes_total{peer,transport}).
+    const PeerCheckpointClient* peers = nullptr;
   };
 
   // Starts an HTTP listener on `address` serving /metrics (UNAVAILABLE when
   // it cannot bind). `service` must outlive the server.
-  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& address,
-                                                              const WeightService* service);
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
+      const std::string& address, const WeightService* service,
+      const PeerCheckpointClient* peers = nullptr);
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(Options options,
                                                               const WeightService* service);
   // Closes the listener and every connection.

@@ -447,6 +447,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
       t->set_bytes(c.bytes);
       t->set_failures(c.failures);
     }
+    if (peer_client_ != nullptr) FillPeerTransports(*peer_client_, resp);
     resp->set_materializations(s.materializer.entries);
     resp->set_materialization_bytes(s.materializer.packed_bytes);
     resp->set_cache_hits(s.materializer.hits);
@@ -494,6 +495,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
 
  public:
   UcxPlane* ucx_ = nullptr;  // FindCheckpoint's UCX grants (ucx_offer.h); set once at creation
+  const PeerCheckpointClient* peer_client_ = nullptr;  // Stats.peer_transports
 
  private:
   // Answers carry this daemon's instance id (PeerTable::instance_id), so
@@ -516,6 +518,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
 std::unique_ptr<grpc::Service> MakeModelsService(const ServiceContext& c) {
   auto models = std::make_unique<ModelsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth, c.peers);
   models->ucx_ = c.ucx;
+  models->peer_client_ = c.peer_client;
   return models;
 }
 

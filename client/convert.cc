@@ -132,6 +132,9 @@ PublishOutcome ToPublishOutcome(const v1::PublishResult& r) {
 DaemonStats ToDaemonStats(const v1::StatsResponse& r) {
   DaemonStats s;
   CopyCounters(r, &s);
+  for (const v1::PeerTransportStats& t : r.peer_transports()) {
+    s.peer_transports.push_back({t.peer(), t.transport(), t.bytes(), t.failures(), t.seconds()});
+  }
   for (const v1::PeerTransfer& t : r.peer_transfers()) {
     s.peer_transfers.push_back({t.peer(), t.bytes(), t.failures()});
   }

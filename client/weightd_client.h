@@ -169,6 +169,12 @@ struct DaemonStats {
     uint64_t bytes = 0, failures = 0;
   };
   std::vector<PeerTransfer> peer_transfers;
+  struct PeerTransportStats {  // reads by peer and transport (--peer-transport)
+    std::string peer, transport;
+    uint64_t bytes = 0, failures = 0;
+    double seconds = 0;
+  };
+  std::vector<PeerTransportStats> peer_transports;
   uint64_t pinned_bytes = 0;            // host memory registered with CUDA
   // Live segments' bytes by pages (--huge-pages), and the host's 2 MiB pool.
   uint64_t segment_bytes_4k = 0, segment_bytes_thp = 0, segment_bytes_hugetlb = 0;

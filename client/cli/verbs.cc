@@ -318,6 +318,11 @@ absl::Status CmdStats(Client& c, const Args& a) {
     std::printf("peer_transfer: %s\tbytes=%llu\tfailures=%llu\n", t.peer.c_str(),
                 (unsigned long long)t.bytes, (unsigned long long)t.failures);
   }
+  for (const DaemonStats::PeerTransportStats& t : s.peer_transports) {
+    std::printf("peer_transport: %s\t%s\tbytes=%llu\tseconds=%.3f\tGB/s=%.2f\tfailures=%llu\n",
+                t.peer.c_str(), t.transport.c_str(), (unsigned long long)t.bytes, t.seconds,
+                t.seconds > 0 ? t.bytes / t.seconds / 1e9 : 0.0, (unsigned long long)t.failures);
+  }
   std::printf("pushes: %llu\npush_bytes: %llu\npinned_bytes: %llu\ngpus: %zu\n",
               (unsigned long long)s.pushes, (unsigned long long)s.push_bytes,
               (unsigned long long)s.pinned_bytes, s.gpus.size());

@@ -143,6 +143,7 @@ absl::Status Daemon::StartPeers() {
       (32ull << 20) + static_cast<uint64_t>(flags_.service.peer_streams) * (8ull << 20);
   WD_ASSIGN_OR_RETURN(fleet_, Fleet::Start(flags_.peers, ucx_.get()));
   flags_.grpc.peers = fleet_->table();
+  flags_.grpc.peer_client = fleet_->checkpoint_client();
   flags_.service.peers = fleet_->checkpoint_peers();
   return absl::OkStatus();
 }

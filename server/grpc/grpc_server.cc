@@ -38,7 +38,7 @@ class GrpcServer::Impl {
         pool_(options_.worker_threads),
         auth_(&service->access(), &peers_, std::move(tokens), &drain_),
         models_(MakeModelsService({service, &pool_, &long_calls_, &drain_, &auth_,
-                                   options_.peers, options_.ucx})),
+                                   options_.peers, options_.ucx, options_.peer_client})),
         shards_(MakeShardsService({service, &pool_, &long_calls_, &drain_, &auth_}, options_.max_watch_streams)),
         adapters_(MakeAdaptersService({service, &pool_, &long_calls_, &drain_, &auth_})) {}
 

@@ -19,6 +19,7 @@ namespace weightd {
 
 class PeerTable;
 class UcxPlane;
+class PeerCheckpointClient;
 
 struct GrpcServerOptions {
   std::string unix_socket;  // required
@@ -52,6 +53,9 @@ struct GrpcServerOptions {
   // The UCX data plane FindCheckpoint grants reads of (ucx_offer.h);
   // borrowed, may be null.
   UcxPlane* ucx = nullptr;
+  // The loads' reads from peers by transport (Stats.peer_transports);
+  // borrowed, may be null.
+  const PeerCheckpointClient* peer_client = nullptr;
 };
 
 class GrpcServer {

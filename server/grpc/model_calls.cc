@@ -15,6 +15,7 @@
 #include "server/grpc/models_service_impl.h"
 #include "server/grpc/proto_convert.h"
 #include "server/grpc/reactors.h"
+#include "server/grpc/ucx_offer.h"
 #include "server/grpc/services.h"
 
 namespace weightd {
@@ -217,6 +218,7 @@ grpc::ServerUnaryReactor* ModelsImpl::Stats(grpc::CallbackServerContext* ctx,
   auto who = auth_->Authenticate(ctx);
   if (!who.ok()) return Refuse(ctx, who.status());
   FillStats(service_->Stats(), resp);
+  if (peer_client_ != nullptr) FillPeerTransports(*peer_client_, resp);
   FillGpus(service_->gpus(), resp);
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
@@ -225,7 +227,7 @@ grpc::ServerUnaryReactor* ModelsImpl::Stats(grpc::CallbackServerContext* ctx,
 
 std::unique_ptr<grpc::Service> MakeModelsService(const ServiceContext& c) {
   return std::make_unique<ModelsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth, c.peers,
-                                      c.ucx);
+                                      c.ucx, c.peer_client);
 }
 
 }  // namespace weightd

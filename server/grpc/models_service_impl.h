@@ -30,19 +30,22 @@
 
 namespace weightd {
 
+class PeerCheckpointClient;
 class UcxPlane;
 
 class ModelsImpl final : public v1::Models::CallbackService {
  public:
   ModelsImpl(WeightService* service, ThreadPool* pool, TaskThreads* long_calls, CallDrain* drain,
-             const CallAuthenticator* auth, const PeerTable* peers, UcxPlane* ucx)
+             const CallAuthenticator* auth, const PeerTable* peers, UcxPlane* ucx,
+             const PeerCheckpointClient* peer_client)
       : service_(service),
         pool_(pool),
         long_calls_(long_calls),
         drain_(drain),
         auth_(auth),
         peers_(peers),
-        ucx_(ucx) {}
+        ucx_(ucx),
+        peer_client_(peer_client) {}
 
   // --- Model administration and reads (model_calls.cc). ---
 
@@ -109,6 +112,7 @@ class ModelsImpl final : public v1::Models::CallbackService {
   const CallAuthenticator* const auth_;
   const PeerTable* const peers_;  // --peers; null: none
   UcxPlane* const ucx_;            // FindCheckpoint's UCX grants (ucx_offer.h); null: none
+  const PeerCheckpointClient* const peer_client_;  // Stats.peer_transports; null: no peers
 };
 
 }  // namespace weightd

@@ -21,6 +21,7 @@ namespace weightd {
 
 class PeerTable;
 class UcxPlane;
+class PeerCheckpointClient;
 
 // What every service borrows from the server (all outlive the services).
 struct ServiceContext {
@@ -31,6 +32,7 @@ struct ServiceContext {
   const CallAuthenticator* auth;
   const PeerTable* peers = nullptr;  // --peers; null: none
   UcxPlane* ucx = nullptr;  // --peer-transport auto|ucx; null: none
+  const PeerCheckpointClient* peer_client = nullptr;  // per-transport reads; null: no peers
 };
 
 std::unique_ptr<grpc::Service> MakeModelsService(const ServiceContext& c);

@@ -40,4 +40,15 @@ void OfferUcx(UcxPlane* ucx, const WeightService& service, const v1::FindCheckpo
   }
 }
 
+void FillPeerTransports(const PeerCheckpointClient& peers, v1::StatsResponse* resp) {
+  for (const auto& [key, t] : peers.TransportStats()) {
+    v1::PeerTransportStats* out = resp->add_peer_transports();
+    out->set_peer(key.first);
+    out->set_transport(key.second);
+    out->set_bytes(t.bytes);
+    out->set_seconds(t.seconds);
+    out->set_failures(t.failures);
+  }
+}
+
 }  // namespace weightd

@@ -14,6 +14,7 @@
 #include "common/digest.h"
 #include "server/auth/access_control.h"
 #include "server/engine/weight_service.h"
+#include "server/fleet/peer_checkpoint_client.h"
 #include "server/fleet/ucx_plane.h"
 #include "weightd/v1/weightd.pb.h"
 
@@ -25,6 +26,9 @@ namespace weightd {
 // logged. Never fails the call.
 void OfferUcx(UcxPlane* ucx, const WeightService& service, const v1::FindCheckpointRequest& req,
               const Digest& key, const Principal& asker, v1::FindCheckpointResponse* resp);
+
+// Stats.peer_transports: the loads' reads by peer and transport.
+void FillPeerTransports(const PeerCheckpointClient& peers, v1::StatsResponse* resp);
 
 }  // namespace weightd
 

@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 
-from harness import Daemon, free_port
+from harness import Daemon, free_port, scrape_metrics
 import peer_protocol as pp
 
 import weightd  # noqa: E402  (harness puts the build's package on the path)
@@ -96,9 +96,23 @@ def test_loads_over_ucx_equal_pytorchs_reading(tmp_path, checkpoint, ucx_tls):
     a, a_addr = _holder(tmp_path, models, "a")
     with _running(a):
         a.ctl_ok("load", "m", str(path))
-        c = _loader(tmp_path, models, [a_addr])
+        metrics = free_port()
+        c = _loader(tmp_path, models, [a_addr], "ucx", "--metrics-listen",
+                    "127.0.0.1:%d" % metrics)
         with _running(c):
             info, last, _ = _load(c, "m", path, source="peers")
+            # Stats, weightctl stats and the metrics say the bytes came
+            # over UCX, and at what rate.
+            with weightd.Client(socket=c.socket) as cl:
+                by = cl.stats()["peer_transports"]
+            assert set(by) == {a_addr} and set(by[a_addr]) == {"ucx"}, by
+            assert by[a_addr]["ucx"]["bytes"] >= last.bytes_from_peers > 0, by
+            assert by[a_addr]["ucx"]["seconds"] > 0 and by[a_addr]["ucx"]["failures"] == 0
+            out = c.ctl_ok("stats").stdout
+            assert "peer_transport: %s\tucx\tbytes=%d" % (a_addr, by[a_addr]["ucx"]["bytes"]) in out
+            m = scrape_metrics(metrics)
+            key = 'weightd_peer_bytes_total{peer="%s",transport="ucx"}' % a_addr
+            assert m[key] == by[a_addr]["ucx"]["bytes"], m
             assert last.bytes_from_peers > 0 and list(last.peers) == [a_addr], last
             # Only the samples (and secret pieces) came from storage.
             assert last.bytes_from_storage == 0, last
@@ -282,6 +296,9 @@ def test_a_side_without_ucx_is_served_over_grpc(tmp_path, checkpoint, holder, lo
             info, last, _ = _load(c, "m", path, source="peers")
             assert list(last.peers) == [a_addr] and last.bytes_from_storage == 0, last
             assert not _endpoint_transports(c.log())
+            with weightd.Client(socket=c.socket) as cl:
+                by = cl.stats()["peer_transports"]
+            assert set(by[a_addr]) == {"grpc"} and by[a_addr]["grpc"]["bytes"] > 0, by
             _check_bytes(c, "m", tensors)
             with weightd.Client(socket=a.socket) as cl:
                 assert cl.stats()["bytes_sent_to_peers"] > 0  # ReadCheckpoint's counter

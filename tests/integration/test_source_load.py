@@ -21,51 +21,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import Daemon, free_port  # noqa: E402
 import st_io  # noqa: E402  (harness puts tests/parity on sys.path)
 import weightd  # noqa: E402
+import sources_servers  # noqa: E402
 
 KEY, SECRET = "S3RVER", "S3RVER"  # s3rver's defaults
 BUCKET = "models"
 
 
-def _s3rver():
-    for p in (os.environ.get("WEIGHTD_S3RVER", ""),
-              "/opt/weightd-test/node_modules/.bin/s3rver", shutil.which("s3rver") or ""):
-        if p and os.access(p, os.X_OK):
-            return p
-    pytest.skip("s3rver is not installed (npm install s3rver@3.7.1; WEIGHTD_S3RVER=its bin)")
-
-
 class S3:
+    """The suite's S3 server (tests/sources_servers.S3Server: @20minutes/s3rver,
+    which checks SigV4 signatures) with the bucket BUCKET."""
+
     def __init__(self, tmp):
-        self.port = free_port()
-        self.endpoint = "http://127.0.0.1:%d" % self.port
-        self.log = open(os.path.join(tmp, "s3rver.log"), "wb")
-        self.proc = subprocess.Popen(
-            [_s3rver(), "-d", os.path.join(tmp, "s3data"), "-a", "127.0.0.1",
-             "-p", str(self.port), "--configure-bucket", BUCKET],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(self.endpoint + "/", timeout=1)
-                break
-            except urllib.error.HTTPError:
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError("s3rver did not start")
+        if not sources_servers.have_s3rver():
+            pytest.skip("s3rver is not installed (scripts/deps.sh installs it)")
+        self.server = sources_servers.S3Server(workdir=tmp).start()
+        self.endpoint = self.server.endpoint
+        self.server.create_bucket(BUCKET)
 
     def put(self, key, path, secret=SECRET):
-        subprocess.run(["curl", "-sSf", "--aws-sigv4", "aws:amz:us-east-1:s3",
-                        "--user", "%s:%s" % (KEY, secret),
-                        "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD", "-T", path,
-                        "%s/%s/%s" % (self.endpoint, BUCKET, key)],
-                       check=True, capture_output=True)
+        self.server.curl("PUT", "/%s/%s" % (BUCKET, key), "-T", path, secret=secret,
+                         body_sha="UNSIGNED-PAYLOAD")
 
     def stop(self):
-        self.proc.terminate()
-        self.proc.wait(10)
-        self.log.close()
+        self.server.stop()
 
 
 @pytest.fixture(scope="module")

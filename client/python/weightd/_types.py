@@ -151,4 +151,10 @@ def stats(resp):
     out = {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
     out["peer_transfers"] = {t.peer: {"bytes": t.bytes, "failures": t.failures}
                              for t in resp.peer_transfers}
+    # {peer: {transport: {bytes, seconds, failures}}} (--peer-transport)
+    transports = {}
+    for t in resp.peer_transports:
+        transports.setdefault(t.peer, {})[t.transport] = {
+            "bytes": t.bytes, "seconds": t.seconds, "failures": t.failures}
+    out["peer_transports"] = transports
     return out

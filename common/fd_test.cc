@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/testing/maps.h"
 #include "common/unix_socket.h"
 
 namespace weightd {
@@ -37,27 +38,12 @@ TEST(MemfdSegmentTest, SealForbidsWritesGrowAndShrink) {
   EXPECT_EQ(seg->data()[0], 0xAB);
 }
 
-// The permissions /proc/self/maps shows for the mapping holding `addr`.
-std::string MapPerms(const void* addr) {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  const auto a = reinterpret_cast<uintptr_t>(addr);
-  while (std::getline(maps, line)) {
-    unsigned long lo = 0, hi = 0;
-    char perms[5] = {};
-    if (std::sscanf(line.c_str(), "%lx-%lx %4s", &lo, &hi, perms) == 3 && a >= lo && a < hi) {
-      return perms;
-    }
-  }
-  return "";
-}
-
 TEST(MemfdSegmentTest, SealedSegmentCannotBeChangedThroughAnyHolderOfTheFd) {
   auto seg = MemfdSegment::Create("test", 3 * 4096, /*prefault=*/false);
   ASSERT_TRUE(seg.ok()) << seg.status();
   std::memset(seg->mutable_data(), 0x5A, 3 * 4096);
   ASSERT_TRUE(seg->Truncate(2 * 4096).ok());
-  EXPECT_EQ(MapPerms(seg->data()), "rw-s");
+  EXPECT_EQ(MappingPerms(seg->data()), "rw-s");
   const uint8_t* before = seg->data();
   ASSERT_TRUE(seg->Seal(/*populate=*/true).ok());
   // Linux 5.10+: sealed in place (F_SEAL_FUTURE_WRITE), nothing remapped.
@@ -65,7 +51,7 @@ TEST(MemfdSegmentTest, SealedSegmentCannotBeChangedThroughAnyHolderOfTheFd) {
     EXPECT_EQ(seg->data(), before);
   }
   // The daemon's own mapping is read-only now, with the same bytes.
-  EXPECT_EQ(MapPerms(seg->data()), "r--s");
+  EXPECT_EQ(MappingPerms(seg->data()), "r--s");
   EXPECT_EQ(seg->data()[2 * 4096 - 1], 0x5A);
   const int seals = ::fcntl(seg->fd(), F_GET_SEALS);
   EXPECT_TRUE(seals & F_SEAL_GROW) << seals;
@@ -106,7 +92,7 @@ TEST(MemfdSegmentTest, SealKeepingTheMappingWritableStillShutsOutEveryOtherWrite
   }
   EXPECT_EQ(seg->data(), before);
   EXPECT_EQ(seg->writable_mapping(), before);
-  EXPECT_EQ(MapPerms(seg->data()), "rw-s");
+  EXPECT_EQ(MappingPerms(seg->data()), "rw-s");
   const int seals = ::fcntl(seg->fd(), F_GET_SEALS);
   constexpr int kFutureWrite = 0x0010;  // F_SEAL_FUTURE_WRITE
   EXPECT_EQ(seals & (F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL | kFutureWrite),
@@ -156,7 +142,7 @@ TEST(MemfdSegmentTest, SealExclusiveRefusesWhileAnotherMappingMayWrite) {
   ASSERT_TRUE(seg->SealExclusive().ok());
   EXPECT_TRUE(seg->sealed());
   EXPECT_EQ(seg->mutable_data(), nullptr);
-  EXPECT_EQ(MapPerms(seg->data()), "r--s");
+  EXPECT_EQ(MappingPerms(seg->data()), "r--s");
   EXPECT_EQ(seg->data()[0], 0x33);
   EXPECT_EQ(seg->data()[4096], 0x22);
   EXPECT_TRUE(::fcntl(seg->fd(), F_GET_SEALS) & F_SEAL_WRITE);

@@ -34,7 +34,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -47,6 +46,7 @@
 #include "absl/strings/str_split.h"
 #include "server/kernels/cast.h"
 #include "common/dtype.h"
+#include "common/testing/maps.h"
 #include "server/gpu/cuda_errors.h"
 #include "server/gpu/cuda_plugin.h"
 #include "server/push/push_job.h"
@@ -71,27 +71,6 @@ void Record(const std::string& line) {
   if (st.dir.empty()) return;
   std::lock_guard<std::mutex> lock(st.mu);
   std::ofstream(st.dir + "/calls.log", std::ios::app) << line << "\n";
-}
-
-// The permissions of the mappings covering [addr, addr + size) as
-// /proc/self/maps shows them ("rw-s"), "" where a byte is not mapped, or
-// "mixed" where they differ.
-std::string Perms(const void* addr, size_t size) {
-  const auto lo = reinterpret_cast<uintptr_t>(addr);
-  const uintptr_t hi = lo + size;
-  std::ifstream maps("/proc/self/maps");
-  std::string line, perms;
-  uintptr_t covered = lo;
-  while (std::getline(maps, line) && covered < hi) {
-    unsigned long a = 0, b = 0;
-    char p[5] = {};
-    if (std::sscanf(line.c_str(), "%lx-%lx %4s", &a, &b, p) != 3) continue;
-    if (b <= covered || a > covered) continue;
-    if (!perms.empty() && perms != p) return "mixed";
-    perms = p;
-    covered = b;
-  }
-  return covered >= hi ? perms : "";
 }
 
 absl::Status CudaError(int code, absl::string_view name, absl::string_view what) {
@@ -153,7 +132,7 @@ GpuInventory Discover() {
 
 absl::Status Pin(const void* data, size_t size, bool read_only, int ordinal) {
   const GpuDevice* gpu = Find(ordinal);
-  const std::string perms = Perms(data, size);
+  const std::string perms = MappingPerms(data, size);
   absl::Status s;
   if (gpu == nullptr) {
     s = CudaError(101, "cudaErrorInvalidDevice", "selecting the device to pin host memory");
@@ -198,7 +177,7 @@ absl::Status Unpin(const void* data, int ordinal) {
   }
   // Still mapped, as it must be until unregistered.
   Record(absl::StrCat("unpin addr=", reinterpret_cast<uintptr_t>(data), " size=", size,
-                      " device=", ordinal, " perms=", size > 0 ? Perms(data, size) : "",
+                      " device=", ordinal, " perms=", size > 0 ? MappingPerms(data, size) : "",
                       " ", s.ok() ? "ok" : s.ToString()));
   return s;
 }

@@ -3,15 +3,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/testing/maps.h"
 #include "server/gpu/cuda_errors.h"
 #include "server/gpu/gpu_health.h"
 #include "server/memory/host_memory.h"
@@ -68,21 +67,6 @@ TEST(ChoosePinPlanTest, NoneSaysWhyWhenItMatters) {
   EXPECT_EQ(ChoosePinPlan(PinMode::kOff, Gpus({Gpu(0, true)})).method, PinMethod::kNone);
 }
 
-// The /proc/self/maps permissions of the mapping at `addr` ("" unmapped).
-std::string Perms(const void* addr) {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  const auto a = reinterpret_cast<uintptr_t>(addr);
-  while (std::getline(maps, line)) {
-    unsigned long lo = 0, hi = 0;
-    char perms[5] = {};
-    if (std::sscanf(line.c_str(), "%lx-%lx %4s", &lo, &hi, perms) == 3 && a >= lo && a < hi) {
-      return perms;
-    }
-  }
-  return "";
-}
-
 // A registrar standing in for the CUDA plugin's, with the driver's rules
 // that matter here: a plain registration needs a writable mapping, the
 // read-only flag needs the attribute (the test says whether it holds).
@@ -99,7 +83,7 @@ bool read_only_supported = false;
 bool fail_next_pin = false;
 
 absl::Status FakePin(const void* data, size_t size, bool read_only, int ordinal) {
-  const std::string perms = Perms(data);
+  const std::string perms = MappingPerms(data);
   calls.push_back({"pin", data, size, read_only, ordinal, perms});
   if (fail_next_pin) {
     fail_next_pin = false;
@@ -113,7 +97,7 @@ absl::Status FakePin(const void* data, size_t size, bool read_only, int ordinal)
 }
 
 absl::Status FakeUnpin(const void* data, int ordinal) {
-  calls.push_back({"unpin", data, 0, false, ordinal, Perms(data)});
+  calls.push_back({"unpin", data, 0, false, ordinal, MappingPerms(data)});
   return absl::OkStatus();
 }
 
@@ -155,7 +139,7 @@ TEST_F(HostPinnerTest, WritableMappingsWhereReadOnlyRegistrationIsUnsupported) {
   HostMemoryManager memory({.keep_writable_mappings = pinner.wants_writable_mappings()});
   SegmentPtr a = Filled(memory, 8192), b = Filled(memory, 3 * 4096);
   if (a->registrable_mapping() == nullptr) GTEST_SKIP() << "kernel before 5.10";
-  EXPECT_EQ(Perms(a->data()), "rw-s");
+  EXPECT_EQ(MappingPerms(a->data()), "rw-s");
   pinner.Pin("m", "checkpoint", {a, b, a});
   pinner.Pin("other", "checkpoint", {b});  // shared (dedupe): pinned already
   ASSERT_EQ(calls.size(), 2u);
@@ -192,7 +176,7 @@ TEST_F(HostPinnerTest, ReadOnlyRegistrationWhereEveryGpuTakesIt) {
   HostMemoryManager memory({.keep_writable_mappings = pinner.wants_writable_mappings()});
   SegmentPtr a = Filled(memory, 4096);
   EXPECT_EQ(a->registrable_mapping(), nullptr);
-  EXPECT_EQ(Perms(a->data()), "r--s");
+  EXPECT_EQ(MappingPerms(a->data()), "r--s");
   pinner.Pin("m", "publish", {a});
   ASSERT_EQ(calls.size(), 1u);
   EXPECT_TRUE(calls[0].read_only);

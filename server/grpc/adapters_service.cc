@@ -30,11 +30,8 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
     if (!who.ok()) return Refuse(ctx, who.status());
     return RunOnPool(ctx, pool_, drain_, [this, req, resp]() -> absl::Status {
       std::vector<std::string> readers(req->readers().begin(), req->readers().end());
-      LoadSource source = LoadSource::kAuto;
-      if (req->source() == v1::LOAD_SOURCE_STORAGE) source = LoadSource::kStorage;
-      if (req->source() == v1::LOAD_SOURCE_PEERS) source = LoadSource::kPeers;
       auto info = service_->LoadAdapter(req->name(), req->path(), req->format(), req->strict(),
-                                        readers, source);
+                                        readers, FromProtoLoadSource(req->source()));
       if (!info.ok()) return info.status();
       FillAdapterInfo(*info, resp);
       return absl::OkStatus();

@@ -20,6 +20,14 @@ absl::StatusOr<DType> FromProtoDType(v1::DType dtype) {
   return *d;
 }
 
+LoadSource FromProtoLoadSource(v1::LoadSource source) {
+  switch (source) {
+    case v1::LOAD_SOURCE_STORAGE: return LoadSource::kStorage;
+    case v1::LOAD_SOURCE_PEERS: return LoadSource::kPeers;
+    default: return LoadSource::kAuto;
+  }
+}
+
 void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out) {
   out->set_name(s.name);
   out->set_path(s.path);

@@ -19,6 +19,9 @@ namespace weightd {
 // proto enum -> DType (DTYPE_UNSPECIFIED has no DType): INVALID_ARGUMENT
 // for values without one. The other way: ToProtoDType (dtype_convert.h).
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
+// Where a load of a model or adapter may read from; LOAD_SOURCE_UNSPECIFIED
+// (and any unknown value) is kAuto.
+LoadSource FromProtoLoadSource(v1::LoadSource source);
 
 void FillModelInfo(const ModelSummary& s, v1::ModelInfo* out);
 void FillAdapterInfo(const AdapterSummary& a, v1::AdapterInfo* out);

@@ -1,8 +1,10 @@
-// The weightd.v1 services on gRPC's callback API, one file each
-// (models_service.cc, shards_service.cc, adapters_service.cc): thin — every
-// call is authenticated (call_auth.h), translated (proto_convert.h) and
-// handed to WeightService; blocking work runs on the worker pool or a capped
-// thread (reactors.h), never on gRPC's own threads. GrpcServer owns them.
+// The weightd.v1 services on gRPC's callback API: Models (declared in
+// models_service_impl.h, defined by concern in model_calls.cc,
+// publish_calls.cc and fleet_calls.cc), Shards (shards_service.cc) and
+// Adapters (adapters_service.cc). Thin: every call is authenticated
+// (call_auth.h), translated (proto_convert.h) and handed to WeightService;
+// blocking work runs on the worker pool or a capped thread (reactors.h),
+// never on gRPC's own threads. GrpcServer owns them.
 #ifndef WEIGHTD_SERVER_GRPC_SERVICES_H_
 #define WEIGHTD_SERVER_GRPC_SERVICES_H_
 

@@ -219,9 +219,10 @@ class DataServer {
   // The push's request is complete: hands it to a push thread, or answers
   // why not (an export goes to StartExport).
   void StartPush(Connection& c);
-  // Counts the push against its uid and starts the push threads if needed;
-  // false when refused (answered, `fds` discarded).
-  bool AdmitPush(Connection& c, std::vector<UniqueFd>& fds);
+  // Counts the push against its uid, starts the push threads if needed and
+  // runs `run` (RunPush, RunExport) with the push's task on one; refused:
+  // answered, the push's fds discarded.
+  void QueuePush(Connection& c, PendingPush push, void (DataServer::*run)(PushTask));
   // Runs on a push thread: writes, then queues the answer.
   void RunPush(PushTask task) ABSL_LOCKS_EXCLUDED(done_mu_, closer_mu_);
   // export_request.cc: WDC1 with handle kind kCudaDaemonExport.

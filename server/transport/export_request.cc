@@ -28,13 +28,7 @@ void DataServer::StartExport(Connection& c, PendingPush push) {
     Discard(std::move(push.fds));
     return;
   }
-  if (!AdmitPush(c, push.fds)) return;
-  PushTask task{.conn_fd = c.fd(),
-                .connection = c.id(),
-                .uid = c.peer().uid,
-                .lease = std::move(push.lease),
-                .cuda = push.cuda};
-  push_pool_->Schedule([this, task = std::move(task)]() mutable { RunExport(std::move(task)); });
+  QueuePush(c, std::move(push), &DataServer::RunExport);
 }
 
 void DataServer::RunExport(PushTask task) {

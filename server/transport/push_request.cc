@@ -71,22 +71,14 @@ void DataServer::StartPush(Connection& c) {
     Discard(std::move(push.fds));
     return;
   }
-  if (!AdmitPush(c, push.fds)) return;
-  PushTask task{.conn_fd = c.fd(),
-                .connection = c.id(),
-                .uid = c.peer().uid,
-                .lease = std::move(push.lease),
-                .offsets = std::move(push.offsets),
-                .cuda = push.cuda,
-                .dest = push.fds.empty() ? -1 : push.fds[0].release()};
-  push_pool_->Schedule([this, task = std::move(task)]() mutable { RunPush(std::move(task)); });
+  QueuePush(c, std::move(push), &DataServer::RunPush);
 }
 
-bool DataServer::AdmitPush(Connection& c, std::vector<UniqueFd>& fds) {
+void DataServer::QueuePush(Connection& c, PendingPush push, void (DataServer::*run)(PushTask)) {
   if (absl::Status limited = limits_.StartPush(c.peer().uid); !limited.ok()) {
     c.QueueReply(limited);
-    Discard(std::move(fds));
-    return false;
+    Discard(std::move(push.fds));
+    return;
   }
   if (push_pool_ == nullptr) {
     try {
@@ -97,12 +89,20 @@ bool DataServer::AdmitPush(Connection& c, std::vector<UniqueFd>& fds) {
           absl::StrCat("cannot start the push threads (", e.what(),
                        "): the daemon is at its thread limit (pids cgroup, TasksMax, "
                        "RLIMIT_NPROC)")));
-      Discard(std::move(fds));
-      return false;
+      Discard(std::move(push.fds));
+      return;
     }
   }
   c.set_pushing(true);
-  return true;
+  PushTask task{.conn_fd = c.fd(),
+                .connection = c.id(),
+                .uid = c.peer().uid,
+                .lease = std::move(push.lease),
+                .offsets = std::move(push.offsets),
+                .cuda = push.cuda,
+                .dest = push.fds.empty() ? -1 : push.fds[0].release()};
+  push_pool_->Schedule(
+      [this, run, task = std::move(task)]() mutable { (this->*run)(std::move(task)); });
 }
 
 void DataServer::RunPush(PushTask task) {

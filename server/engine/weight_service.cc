@@ -40,6 +40,7 @@ WeightService::WeightService(WeightServiceOptions options, ModelRoots roots)
           .catalog = &catalog_, .resident = &resident_, .access = &access_}),
       models_(ModelService::Options{
           .catalog = &catalog_,
+          .access = &access_,
           .roots = &roots_,
           .memory = &memory_,
           .resident = &resident_,
@@ -135,8 +136,7 @@ void WeightService::PinPublished(const std::string& model, const PublishedBase* 
 
 absl::Status WeightService::CheckCanRead(const std::string& model_name,
                                          const Principal& caller) const {
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, catalog_.FindModel(model_name));
-  return access_.CheckRead(caller, GuardsOf(*model, *model->current));
+  return models_.CheckCanRead(model_name, caller);
 }
 
 // Models (ModelService).
@@ -241,7 +241,7 @@ absl::Status WeightService::SetGenerationFloor(const std::string& model, uint64_
 
 absl::StatusOr<std::optional<GenerationInfo>> WeightService::WaitForGeneration(
     const std::string& model, uint64_t after, absl::Duration timeout) {
-  return catalog_.WaitForGeneration(model, after, timeout);
+  return models_.WaitForGeneration(model, after, timeout);
 }
 
 }  // namespace weightd

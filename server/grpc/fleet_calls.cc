@@ -105,7 +105,7 @@ grpc::ServerUnaryReactor* ModelsImpl::FindCheckpoint(grpc::CallbackServerContext
                    [this, resp, key = *key, samples = std::move(samples),
                     sample_digests = std::move(sample_digests), who = std::move(*who)] {
                      WD_ASSIGN_OR_RETURN(PeerHolding held,
-                                         service_->FindHeld(key, samples, sample_digests, who));
+                                         copies_->FindHeld(key, samples, sample_digests, who));
                      FillHolding(held, resp);
                      return absl::OkStatus();
                    });
@@ -124,7 +124,7 @@ grpc::ServerWriteReactor<v1::ReadChunk>* ModelsImpl::ReadCheckpoint(
   auto copy = KeyOf(req->copy());
   if (!copy.ok()) return RefuseStream<v1::ReadChunk>(copy.status());
   const v1::CheckpointRange& r = req->range();
-  auto range = service_->ReadHeld(*key, *copy, {r.file(), r.offset(), r.length()}, *who);
+  auto range = copies_->ReadHeld(*key, *copy, {r.file(), r.offset(), r.length()}, *who);
   if (!range.ok()) return RefuseStream<v1::ReadChunk>(range.status());
   return new ReadReactor(std::move(*range), std::move(*hold));  // deletes itself in OnDone
 }

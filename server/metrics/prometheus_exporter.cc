@@ -257,7 +257,7 @@ void CollectGpus(const GpuInventory& gpus, Families& out) {
 // Thread-safe (reads only; WeightService::Stats() is).
 class StatsCollectable {
  public:
-  explicit StatsCollectable(const WeightService* service) : service_(service) {}
+  explicit StatsCollectable(const ServiceStatsSource* service) : service_(service) {}
 
   Families Collect() const {
     const ServiceStats s = service_->Stats();
@@ -277,7 +277,7 @@ class StatsCollectable {
 
  private:
   // Constant after construction (borrowed; outlives the server).
-  const WeightService* const service_;
+  const ServiceStatsSource* const service_;
 };
 
 }  // namespace
@@ -289,7 +289,7 @@ class StatsCollectable {
 // idle connections held them all).
 class MetricsServer::Impl {
  public:
-  Impl(MetricsServer::Options options, const WeightService* service, UniqueFd listen,
+  Impl(MetricsServer::Options options, const ServiceStatsSource* service, UniqueFd listen,
        UniqueFd wake)
       : options_(std::move(options)),
         collectable_(service),
@@ -548,12 +548,12 @@ absl::StatusOr<UniqueFd> ListenTcp(const std::string& address) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& address,
-                                                                    const WeightService* service) {
+                                                                    const ServiceStatsSource* service) {
   return Start(Options{.address = address}, service);
 }
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(Options options,
-                                                                    const WeightService* service) {
+                                                                    const ServiceStatsSource* service) {
   WD_ASSIGN_OR_RETURN(UniqueFd listen, ListenTcp(options.address));
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return ErrnoStatus(errno, "eventfd");

@@ -110,7 +110,7 @@ class FetchService {
     pushes_.fetch_add(1);
     push_bytes_.fetch_add(bytes);
   }
-  // The counters; the latency histograms are taken (reset).
+  // The counters and the latency histograms now.
   FetchStats Stats() const;
 
  private:

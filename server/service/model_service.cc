@@ -297,6 +297,17 @@ void ModelService::CountLoadSources(const LoadSourceReport& report) {
   for (const auto& [peer, n] : report.peer_failures) peer_transfers_[peer].failures += n;
 }
 
+absl::Status ModelService::CheckCanRead(const std::string& model_name,
+                                        const Principal& caller) const {
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, options_.catalog->FindModel(model_name));
+  return options_.access->CheckRead(caller, GuardsOf(*model, *model->current));
+}
+
+absl::StatusOr<std::optional<GenerationInfo>> ModelService::WaitForGeneration(
+    const std::string& model, uint64_t after, absl::Duration timeout) {
+  return options_.catalog->WaitForGeneration(model, after, timeout);
+}
+
 LoadStats ModelService::Stats() const {
   LoadStats s;
   s.loads = loads_.load();

@@ -8,7 +8,7 @@
 // Catalog::Commit. Its one mutex, mu_, is a leaf guarding the load-source
 // counters (was WeightService::peer_counters_mu_).
 //
-// Borrows: the catalog, model roots, memory manager, resident checkpoints,
+// Borrows: the catalog, access policy, model roots, memory manager, resident checkpoints,
 // resident copies, materializer, donated checkpoints and peers. Owns: its
 // counters (LoadStats).
 #ifndef WEIGHTD_SERVER_SERVICE_MODEL_SERVICE_H_
@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +27,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/digest.h"
+#include "absl/time/time.h"
+#include "server/auth/access_control.h"
 #include "server/materialize/materializer.h"
 #include "server/memory/host_memory.h"
 #include "server/profile/profile.h"
@@ -64,6 +67,7 @@ class ModelService {
  public:
   struct Options {
     Catalog* catalog = nullptr;
+    const AccessPolicy* access = nullptr;
     const ModelRoots* roots = nullptr;
     HostMemoryManager* memory = nullptr;
     ResidentCheckpoints* resident = nullptr;
@@ -110,6 +114,13 @@ class ModelService {
   };
   // Recomputes every stored tensor's digest: DATA_LOSS naming mismatches.
   absl::StatusOr<VerifyResult> Verify(const std::string& name) const;
+  // May `caller` read `model` at its current generation? NOT_FOUND when
+  // it is not loaded.
+  absl::Status CheckCanRead(const std::string& model, const Principal& caller) const;
+  // Catalog::WaitForGeneration.
+  absl::StatusOr<std::optional<GenerationInfo>> WaitForGeneration(const std::string& model,
+                                                                  uint64_t after,
+                                                                  absl::Duration timeout);
 
   // Reads `path` as this daemon reads checkpoints from `source`, and
   // counts where the bytes came from. `shared_charge`, `progress`,

@@ -1,9 +1,9 @@
 // WeightService: the publish commit (weight_service.h, "Publishing new base
 // weights"): the phases of publish/publish_commit.h, run in order, and the
-// ones that read or change the catalog (FindResidentCopies, CommitState).
+// ones that read or change the catalog (ResidentCopies::Find, Catalog::Commit).
 // Sessions are publish/publish_service.h's. Locks: CommitStaged is called
-// with no lock held; it takes a session's mu alone, and committer -> mu_
-// (CommitState).
+// with no lock held; it takes a session's mu alone, and committer ->
+// Catalog::mu_ (Catalog::Commit).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -27,6 +27,7 @@
 #include "common/untrusted_text.h"
 #include "server/publish/publish_commit.h"
 #include "server/engine/weight_service.h"
+#include "server/service/generations.h"
 
 namespace weightd {
 
@@ -107,7 +108,7 @@ absl::StatusOr<WeightService::PublishResult> WeightService::CommitStaged(
 
 absl::StatusOr<std::shared_ptr<const Model>> WeightService::FindSessionModel(
     const PublishSession& session) const {
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(session.model));
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, catalog_.FindModel(session.model));
   if (model->instance != session.model_instance) {
     return absl::AbortedError(absl::StrCat("model \"", session.model,
                                            "\" was unloaded during the publish; nothing published"));
@@ -119,14 +120,13 @@ absl::Status WeightService::CurrentAsResult(const PublishSession& session,
                                             const std::shared_ptr<const Generation>& cur,
                                             PublishResult* result, bool* raced) {
   // Nothing differs: no new generation.
-  absl::MutexLock lock(&mu_);
-  auto it = models_.find(session.model);
-  if (it == models_.end() || it->second->current != cur) {
+  auto now = catalog_.FindModel(session.model);
+  if (!now.ok() || (*now)->current != cur) {
     *raced = true;
     return absl::AbortedError(
         absl::StrCat("model \"", session.model, "\" kept changing during the publish; retry"));
   }
-  result->generation = InfoOf(*it->second, *cur);
+  result->generation = InfoOf(**now, *cur);
   return absl::OkStatus();
 }
 
@@ -148,7 +148,7 @@ absl::Status WeightService::StorePublished(PublishSession& session, const Model&
     for (const StagedPiece* p : fresh) {
       wanted.push_back(WantedBytes{p->digest, segment->data() + p->offset, p->length});
     }
-    resident = FindResidentCopies(model.name, ReadScope(ModelGuards(model)), wanted, held);
+    resident = copies_.Find(model.name, ReadScope(ModelGuards(model)), wanted, held);
   }
   const StorePlan plan = PlanStore(fresh, resident, segment->data());
   const StoredRuns stored = CompactStored(fresh, resident, plan, segment, session.bytes_total,
@@ -180,15 +180,15 @@ absl::Status WeightService::InstallPublished(const PublishSession& session, cons
   std::vector<uint64_t> retired;
   // Another apply or publish winning the race is built on (`raced`; a
   // publish with expect_generation is refused by the caller instead).
-  WD_RETURN_IF_ERROR(CommitState(
+  WD_RETURN_IF_ERROR(catalog_.Commit(
       record,
-      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        auto it = models_.find(session.model);
-        if (it == models_.end() || it->second->instance != session.model_instance) {
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(catalog_.mu()) {
+        std::shared_ptr<const Model> now = catalog_.ModelLocked(session.model);
+        if (now == nullptr || now->instance != session.model_instance) {
           return absl::AbortedError(absl::StrCat("model \"", session.model,
                                                  "\" was unloaded during the publish"));
         }
-        if (it->second->current != cur || number < it->second->generation_floor) {
+        if (now->current != cur || number < now->generation_floor) {
           *raced = true;
           return absl::AbortedError(absl::StrCat(
               "model \"", session.model, "\" changed while the publish was committed"));
@@ -197,13 +197,12 @@ absl::Status WeightService::InstallPublished(const PublishSession& session, cons
         // restore loads those again).
         record.stack_seqs.clear();
         for (const AdapterRef& r : cur->stack) {
-          auto seq = adapter_seq_.find(r.name);
-          record.stack_seqs.push_back(seq == adapter_seq_.end() ? 0 : seq->second);
+          record.stack_seqs.push_back(catalog_.AdapterSeqLocked(r.name));
         }
         return absl::OkStatus();
       },
-      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        result->generation = InstallGeneration(session.model, gen, &retired);
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(catalog_.mu()) {
+        result->generation = catalog_.InstallGenerationLocked(session.model, gen, &retired);
       }));
   for (uint64_t g : retired) materializer_.RetireTag(absl::StrCat(session.model, "#", g));
   PinPublished(session.model, gen->published.get());
@@ -275,7 +274,7 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
     return absl::FailedPreconditionError("published weights are restored with --state-dir only");
   }
   WD_ASSIGN_OR_RETURN(const std::string path, published_store_->PathOf(file_name));
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(model_name));
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, catalog_.FindModel(model_name));
   WD_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> file, ReadPublishedFile(path));
   const std::vector<StoredTensor>& saved = file->tensors();
   for (const StoredTensor& t : saved) {
@@ -285,8 +284,9 @@ absl::StatusOr<GenerationInfo> WeightService::RestorePublish(const std::string& 
   WD_ASSIGN_OR_RETURN(std::shared_ptr<PublishedBase> published,
                       RestoredBase(*model, path, saved, sharing));
   PinPublished(model_name, published.get());
-  RestoredPublish restored{std::move(published), file_name, sharing.bytes_shared};
-  return ApplyImpl(model_name, stack, 0, number, &expect_content, &restored);
+  AdapterService::RestoredPublish restored{std::move(published), file_name,
+                                           sharing.bytes_shared, published_store_->dir()};
+  return adapters_.RestorePublished(model_name, stack, number, expect_content, restored);
 }
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadPublishedFile(
@@ -308,6 +308,37 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> WeightService::ReadPublishedFi
   }
   return file;
 }
+
+namespace {
+
+// ShareRestored without a packed segment: a file segment kept for an
+// unshared tensor holds its neighbours' bytes too: sharing those from a
+// segment this model would not hold otherwise saves nothing and keeps that
+// segment alive. Dropping some copies can leave a holder segment with less
+// than half of it taken (ResidentCopies' rule), which frees more of the
+// file's: repeated until nothing changes.
+void KeepFileSegmentsWhole(const std::vector<StoredTensor>& saved,
+                           absl::Span<const ResidentCopies::WantedBytes> wanted,
+                           const absl::flat_hash_set<uint64_t>& held,
+                           std::vector<std::optional<HeldElsewhere>>& copies) {
+  for (bool changed = true; changed;) {
+    changed = false;
+    absl::flat_hash_set<uint64_t> kept_segments;
+    for (size_t i = 0; i < saved.size(); ++i) {
+      if (!copies[i].has_value()) kept_segments.insert(saved[i].buffer->id());
+    }
+    for (size_t i = 0; i < saved.size(); ++i) {
+      if (copies[i].has_value() && !held.contains(copies[i]->buffer->id()) &&
+          kept_segments.contains(saved[i].buffer->id())) {
+        copies[i].reset();
+        changed = true;
+      }
+    }
+    if (ResidentCopies::DropCopiesUnderHalf(copies, wanted, held)) changed = true;
+  }
+}
+
+}  // namespace
 
 WeightService::RestoredSharing WeightService::ShareRestored(const Model& model,
                                                              const std::vector<StoredTensor>& saved) {
@@ -331,7 +362,7 @@ WeightService::RestoredSharing WeightService::ShareRestored(const Model& model,
   for (const StoredTensor& t : model.checkpoint->tensors()) {
     if (t.buffer != nullptr) held.insert(t.buffer->id());
   }
-  copies = FindResidentCopies(model.name, ReadScope(ModelGuards(model)), wanted, held);
+  copies = copies_.Find(model.name, ReadScope(ModelGuards(model)), wanted, held);
   uint64_t rest = 0;
   size_t rest_count = 0;  // tensors to keep (some may be empty)
   bool any_shared = false;
@@ -363,29 +394,7 @@ WeightService::RestoredSharing WeightService::ShareRestored(const Model& model,
     }
     // No room for the copy: the file's segments are kept as they are.
   }
-  if (packed == nullptr) {
-    // A file segment kept for an unshared tensor holds its neighbours'
-    // bytes too: sharing those from a segment this model would not hold
-    // otherwise saves nothing and keeps that segment alive.
-    // Dropping some copies can leave a holder segment with less than
-    // half of it taken (FindResidentCopies' rule), which frees more of
-    // the file's: repeated until nothing changes.
-    for (bool changed = true; changed;) {
-      changed = false;
-      absl::flat_hash_set<uint64_t> kept_segments;
-      for (size_t i = 0; i < saved.size(); ++i) {
-        if (!copies[i].has_value()) kept_segments.insert(saved[i].buffer->id());
-      }
-      for (size_t i = 0; i < saved.size(); ++i) {
-        if (copies[i].has_value() && !held.contains(copies[i]->buffer->id()) &&
-            kept_segments.contains(saved[i].buffer->id())) {
-          copies[i].reset();
-          changed = true;
-        }
-      }
-      if (DropCopiesUnderHalf(copies, wanted, held)) changed = true;
-    }
-  }
+  if (packed == nullptr) KeepFileSegmentsWhole(saved, wanted, held, copies);
   for (size_t i = 0; i < saved.size(); ++i) {
     if (copies[i].has_value()) bytes_shared += saved[i].length;
   }

@@ -19,9 +19,9 @@ namespace {
 
 class AdaptersImpl final : public v1::Adapters::CallbackService {
  public:
-  AdaptersImpl(WeightService* service, ThreadPool* pool, CallDrain* drain,
+  AdaptersImpl(AdapterService* adapters, ThreadPool* pool, CallDrain* drain,
                const CallAuthenticator* auth)
-      : service_(service), pool_(pool), drain_(drain), auth_(auth) {}
+      : adapters_(adapters), pool_(pool), drain_(drain), auth_(auth) {}
 
   grpc::ServerUnaryReactor* Load(grpc::CallbackServerContext* ctx,
                                  const v1::LoadAdapterRequest* req,
@@ -30,8 +30,8 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
     if (!who.ok()) return Refuse(ctx, who.status());
     return RunOnPool(ctx, pool_, drain_, [this, req, resp]() -> absl::Status {
       std::vector<std::string> readers(req->readers().begin(), req->readers().end());
-      auto info = service_->LoadAdapter(req->name(), req->path(), req->format(), req->strict(),
-                                        readers, FromProtoLoadSource(req->source()));
+      auto info = adapters_->Load(req->name(), req->path(), req->format(), req->strict(),
+                                  readers, FromProtoLoadSource(req->source()));
       if (!info.ok()) return info.status();
       FillAdapterInfo(*info, resp);
       return absl::OkStatus();
@@ -44,7 +44,7 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
     auto who = auth_->AuthenticateAdmin(ctx, "unload adapters");
     if (!who.ok()) return Refuse(ctx, who.status());
     return RunOnPool(
-        ctx, pool_, drain_, [this, req] { return service_->UnloadAdapter(req->name()); },
+        ctx, pool_, drain_, [this, req] { return adapters_->Unload(req->name()); },
         /*change=*/true);
   }
 
@@ -54,7 +54,7 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return Refuse(ctx, who.status());
     // Only the adapters the caller may read.
-    for (const AdapterSummary& a : service_->ListAdapters()) {
+    for (const AdapterSummary& a : adapters_->List()) {
       auto readers = ReaderList::Parse(a.readers);
       std::vector<ReadGuard> guard;
       if (readers.ok()) guard.push_back(ReadGuard{a.name, std::move(*readers)});
@@ -74,7 +74,7 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
     return RunOnPool(ctx, pool_, drain_, [this, req, resp]() -> absl::Status {
       std::vector<AdapterRef> stack;
       for (const v1::AdapterRef& r : req->adapters()) stack.push_back(AdapterRef{r.name(), r.strength()});
-      auto info = service_->Apply(req->model(), stack, req->expect_generation());
+      auto info = adapters_->Apply(req->model(), stack, req->expect_generation());
       if (!info.ok()) return info.status();
       resp->set_generation(info->generation);
       for (const std::string& a : info->adapters) resp->add_adapters(a);
@@ -84,7 +84,7 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
   }
 
  private:
-  WeightService* service_;
+  AdapterService* adapters_;
   ThreadPool* pool_;
   CallDrain* drain_;
   const CallAuthenticator* auth_;
@@ -93,7 +93,7 @@ class AdaptersImpl final : public v1::Adapters::CallbackService {
 }  // namespace
 
 std::unique_ptr<grpc::Service> MakeAdaptersService(const ServiceContext& c) {
-  return std::make_unique<AdaptersImpl>(c.service, c.pool, c.drain, c.auth);
+  return std::make_unique<AdaptersImpl>(c.engine.adapters, c.pool, c.drain, c.auth);
 }
 
 }  // namespace weightd

@@ -106,11 +106,11 @@ grpc::ServerUnaryReactor* ModelsImpl::FindCheckpoint(grpc::CallbackServerContext
                    [this, req, resp, key = *key, samples = std::move(samples),
                     sample_digests = std::move(sample_digests), who = std::move(*who)] {
                      WD_ASSIGN_OR_RETURN(PeerHolding held,
-                                         service_->FindHeld(key, samples, sample_digests, who));
+                                         copies_->FindHeld(key, samples, sample_digests, who));
                      FillHolding(held, resp);
                      // Over UCX too, when the asker reads over it (same
                      // checks as above: the grants are for this copy only).
-                     OfferUcx(ucx_, *service_, *req, key, who, resp);
+                     OfferUcx(ucx_, *copies_, *req, key, who, resp);
                      return absl::OkStatus();
                    });
 }
@@ -128,7 +128,7 @@ grpc::ServerWriteReactor<v1::ReadChunk>* ModelsImpl::ReadCheckpoint(
   auto copy = KeyOf(req->copy());
   if (!copy.ok()) return RefuseStream<v1::ReadChunk>(copy.status());
   const v1::CheckpointRange& r = req->range();
-  auto range = service_->ReadHeld(*key, *copy, {r.file(), r.offset(), r.length()}, *who);
+  auto range = copies_->ReadHeld(*key, *copy, {r.file(), r.offset(), r.length()}, *who);
   if (!range.ok()) return RefuseStream<v1::ReadChunk>(range.status());
   return new ReadReactor(std::move(*range), std::move(*hold));  // deletes itself in OnDone
 }

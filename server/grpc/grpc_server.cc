@@ -37,10 +37,11 @@ class GrpcServer::Impl {
       : options_(std::move(options)),
         pool_(options_.worker_threads),
         auth_(&service->access(), &peers_, std::move(tokens), &drain_),
-        models_(MakeModelsService({service, &pool_, &long_calls_, &drain_, &auth_,
+        models_(MakeModelsService({PartsOf(service), &pool_, &long_calls_, &drain_, &auth_,
                                    options_.peers, options_.ucx, options_.peer_client})),
-        shards_(MakeShardsService({service, &pool_, &long_calls_, &drain_, &auth_}, options_.max_watch_streams)),
-        adapters_(MakeAdaptersService({service, &pool_, &long_calls_, &drain_, &auth_})) {}
+        shards_(MakeShardsService({PartsOf(service), &pool_, &long_calls_, &drain_, &auth_},
+                                  options_.max_watch_streams)),
+        adapters_(MakeAdaptersService({PartsOf(service), &pool_, &long_calls_, &drain_, &auth_})) {}
 
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials() {
     if (options_.tls_cert_file.empty()) return grpc::InsecureServerCredentials();

@@ -138,13 +138,13 @@ grpc::ServerWriteReactor<v1::LoadProgress>* ModelsImpl::Load(grpc::CallbackServe
     std::vector<std::string> readers(copy.readers().begin(), copy.readers().end());
     // The last report's sources go into the final message.
     auto last = std::make_shared<LoadProgressInfo>();
-    auto result = service_->LoadModel(
+    auto result = models_->Load(
         copy.name(), copy.path(), copy.profile_json(),
         [writer, last](const LoadProgressInfo& p) {
           *last = p;
           writer->Push(ProgressMessage(p), /*replaceable=*/true);
         },
-        readers, FromProtoLoadSource(copy.source()));
+        readers, /*expect=*/nullptr, FromProtoLoadSource(copy.source()));
     if (result.ok()) writer->Push(DoneMessage(*last, *result), /*replaceable=*/false);
     writer->Close(ToGrpcStatus(result.status()));
   });
@@ -157,7 +157,7 @@ grpc::ServerUnaryReactor* ModelsImpl::Unload(grpc::CallbackServerContext* ctx,
   auto who = auth_->AuthenticateAdmin(ctx, "unload models");
   if (!who.ok()) return Refuse(ctx, who.status());
   return RunOnPool(
-      ctx, pool_, drain_, [this, req] { return service_->UnloadModel(req->name()); },
+      ctx, pool_, drain_, [this, req] { return models_->Unload(req->name()); },
       /*change=*/true);
 }
 
@@ -168,7 +168,7 @@ grpc::ServerUnaryReactor* ModelsImpl::List(grpc::CallbackServerContext* ctx,
   auto who = auth_->Authenticate(ctx);
   if (!who.ok()) return Refuse(ctx, who.status());
   // Only the models the caller may read.
-  for (const ModelSummary& s : service_->ListModels()) {
+  for (const ModelSummary& s : models_->List()) {
     if (auth_->policy().CheckRead(*who, s.guards).ok()) FillModelInfo(s, resp->add_models());
   }
   auto* reactor = ctx->DefaultReactor();
@@ -181,7 +181,7 @@ grpc::ServerUnaryReactor* ModelsImpl::Get(grpc::CallbackServerContext* ctx,
   auto who = auth_->Authenticate(ctx);
   if (!who.ok()) return Refuse(ctx, who.status());
   return RunOnPool(ctx, pool_, drain_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
-    auto detail = service_->GetModel(req->name());
+    auto detail = models_->Get(req->name());
     if (!detail.ok()) return detail.status();
     WD_RETURN_IF_ERROR(auth_->policy().CheckRead(who, detail->summary.guards));
     FillModelInfo(detail->summary, resp);
@@ -204,8 +204,8 @@ grpc::ServerUnaryReactor* ModelsImpl::Verify(grpc::CallbackServerContext* ctx,
   auto who = auth_->Authenticate(ctx);
   if (!who.ok()) return Refuse(ctx, who.status());
   return RunOnPool(ctx, pool_, drain_, [this, req, resp, who = std::move(*who)]() -> absl::Status {
-    WD_RETURN_IF_ERROR(service_->CheckCanRead(req->name(), who));
-    auto r = service_->Verify(req->name());
+    WD_RETURN_IF_ERROR(models_->CheckCanRead(req->name(), who));
+    auto r = models_->Verify(req->name());
     if (!r.ok()) return r.status();
     resp->set_tensors(r->tensors);
     resp->set_bytes(r->bytes);
@@ -217,16 +217,16 @@ grpc::ServerUnaryReactor* ModelsImpl::Stats(grpc::CallbackServerContext* ctx,
                                             const v1::StatsRequest*, v1::StatsResponse* resp) {
   auto who = auth_->Authenticate(ctx);
   if (!who.ok()) return Refuse(ctx, who.status());
-  FillStats(service_->Stats(), resp);
+  FillStats(stats_->Stats(), resp);
   if (peer_client_ != nullptr) FillPeerTransports(*peer_client_, resp);
-  FillGpus(service_->gpus(), resp);
+  FillGpus(stats_->gpus(), resp);
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
 
 std::unique_ptr<grpc::Service> MakeModelsService(const ServiceContext& c) {
-  return std::make_unique<ModelsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth, c.peers,
+  return std::make_unique<ModelsImpl>(c.engine, c.pool, c.long_calls, c.drain, c.auth, c.peers,
                                       c.ucx, c.peer_client);
 }
 

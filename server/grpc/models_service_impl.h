@@ -14,15 +14,16 @@
 // token); what it then sees is still cut to what it may read.
 //
 // Thread-safe: gRPC calls the methods on its threads; blocking work runs on
-// the worker pool or a long-call thread (reactors.h). Owns nothing; every
-// pointer is borrowed from GrpcServer and outlives the service.
+// the worker pool or a long-call thread (reactors.h). Owns nothing but
+// the data socket's names; every pointer is borrowed (the engine's parts
+// from WeightService, the rest from GrpcServer) and outlives the service.
 #ifndef WEIGHTD_SERVER_GRPC_MODELS_SERVICE_IMPL_H_
 #define WEIGHTD_SERVER_GRPC_MODELS_SERVICE_IMPL_H_
 
 #include <grpcpp/grpcpp.h>
 
 #include "server/base/thread_pool.h"
-#include "server/engine/weight_service.h"
+#include "server/grpc/services.h"
 #include "server/fleet/peer_table.h"
 #include "server/grpc/call_auth.h"
 #include "server/grpc/call_drain.h"
@@ -35,10 +36,15 @@ class UcxPlane;
 
 class ModelsImpl final : public v1::Models::CallbackService {
  public:
-  ModelsImpl(WeightService* service, ThreadPool* pool, TaskThreads* long_calls, CallDrain* drain,
-             const CallAuthenticator* auth, const PeerTable* peers, UcxPlane* ucx,
-             const PeerCheckpointClient* peer_client)
-      : service_(service),
+  ModelsImpl(const EngineParts& engine, ThreadPool* pool, TaskThreads* long_calls,
+             CallDrain* drain, const CallAuthenticator* auth, const PeerTable* peers,
+             UcxPlane* ucx, const PeerCheckpointClient* peer_client)
+      : models_(engine.models),
+        publishes_(engine.publishes),
+        copies_(engine.copies),
+        stats_(engine.stats),
+        data_socket_path_(engine.data_socket_path),
+        data_socket_name_(engine.data_socket_name),
         pool_(pool),
         long_calls_(long_calls),
         drain_(drain),
@@ -104,8 +110,13 @@ class ModelsImpl final : public v1::Models::CallbackService {
     if (peers_ != nullptr) ctx->AddInitialMetadata(kInstanceMetadata, peers_->instance_id());
   }
 
-  // Constant after construction (borrowed).
-  WeightService* const service_;
+  // Constant after construction (borrowed but the two names).
+  ModelService* const models_;
+  PublishService* const publishes_;
+  ResidentCopies* const copies_;  // what peers find and read here
+  const ServiceStatsSource* const stats_;
+  const std::string data_socket_path_;  // told to publishers (BeginPublish)
+  const std::string data_socket_name_;
   ThreadPool* const pool_;
   TaskThreads* const long_calls_;
   CallDrain* const drain_;

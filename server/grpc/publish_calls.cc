@@ -18,7 +18,7 @@
 namespace weightd {
 namespace {
 
-void FillPublishResult(const WeightService::PublishResult& r, v1::PublishResult* out) {
+void FillPublishResult(const PublishResult& r, v1::PublishResult* out) {
   out->set_model(r.generation.model);
   out->set_generation(r.generation.generation);
   out->set_weights_id(r.generation.content.Hex());
@@ -36,9 +36,9 @@ void FillPublishResult(const WeightService::PublishResult& r, v1::PublishResult*
 // commits it there), then the next one is read.
 class PublishWriteReactor : public grpc::ServerReadReactor<v1::PublishChunk> {
  public:
-  PublishWriteReactor(WeightService* service, ThreadPool* pool, CallDrain::Hold hold,
+  PublishWriteReactor(PublishService* publishes, ThreadPool* pool, CallDrain::Hold hold,
                       Principal caller, v1::PublishWriteResponse* resp)
-      : service_(service),
+      : publishes_(publishes),
         pool_(pool),
         caller_(std::move(caller)),
         resp_(resp),
@@ -69,13 +69,13 @@ class PublishWriteReactor : public grpc::ServerReadReactor<v1::PublishChunk> {
           "the first message of a PublishWrite stream must name its session")));
       return;
     }
-    std::vector<WeightService::PublishRun> runs;
+    std::vector<PublishRun> runs;
     runs.reserve(chunk_.runs_size());
     for (const v1::PublishRun& r : chunk_.runs()) {
-      runs.push_back(WeightService::PublishRun{r.tensor(), r.offset(), r.length()});
+      runs.push_back(PublishRun{r.tensor(), r.offset(), r.length()});
     }
     auto progress =
-        service_->WritePublish(caller_, session_, token_, runs, chunk_.data(), chunk_.in_place());
+        publishes_->Write(caller_, session_, token_, runs, chunk_.data(), chunk_.in_place());
     if (!progress.ok()) {
       Finish(ToGrpcStatus(progress.status()));
       return;
@@ -89,7 +89,7 @@ class PublishWriteReactor : public grpc::ServerReadReactor<v1::PublishChunk> {
   void OnDone() override { delete this; }  // gRPC reactor idiom
 
   // Constant after construction.
-  WeightService* const service_;
+  PublishService* const publishes_;
   ThreadPool* const pool_;
   const Principal caller_;
   v1::PublishWriteResponse* const resp_;
@@ -109,9 +109,9 @@ class RefusedPublishWrite : public grpc::ServerReadReactor<v1::PublishChunk> {
 
 // BeginPublish's parameters from its request: INVALID_ARGUMENT for a tensor
 // without a dtype.
-absl::StatusOr<WeightService::PublishBeginParams> BeginParams(const v1::BeginPublishRequest& req,
+absl::StatusOr<PublishBeginParams> BeginParams(const v1::BeginPublishRequest& req,
                                                               Principal who) {
-  WeightService::PublishBeginParams params;
+  PublishBeginParams params;
   params.caller = std::move(who);
   params.model = req.model();
   params.expect_generation = req.expect_generation();
@@ -143,7 +143,7 @@ grpc::ServerUnaryReactor* ModelsImpl::BeginPublish(grpc::CallbackServerContext* 
       [this, req, resp, who = std::move(*who)]() -> absl::Status {
         auto params = BeginParams(*req, who);
         if (!params.ok()) return params.status();
-        auto info = service_->BeginPublish(*params);
+        auto info = publishes_->Begin(*params);
         if (!info.ok()) return info.status();
         resp->set_session(info->id);
         resp->set_token(info->token);
@@ -153,8 +153,8 @@ grpc::ServerUnaryReactor* ModelsImpl::BeginPublish(grpc::CallbackServerContext* 
         for (const std::string& n : info->per_part) resp->add_per_part(n);
         for (uint64_t o : info->layout.offsets) resp->add_offsets(o);
         resp->set_staging_bytes(info->staging_bytes);
-        resp->set_data_socket(service_->options().data_socket_path);
-        resp->set_data_socket_name(service_->options().data_socket_name);
+        resp->set_data_socket(data_socket_path_);
+        resp->set_data_socket_name(data_socket_name_);
         return absl::OkStatus();
       },
       /*change=*/true);
@@ -167,7 +167,7 @@ grpc::ServerReadReactor<v1::PublishChunk>* ModelsImpl::PublishWrite(
       who.ok() ? drain_->Enter(/*change=*/true) : absl::StatusOr<CallDrain::Hold>(who.status());
   if (!hold.ok()) return new RefusedPublishWrite(hold.status());  // deletes itself in OnDone
   // Deletes itself in OnDone.
-  return new PublishWriteReactor(service_, pool_, std::move(*hold), std::move(*who), resp);
+  return new PublishWriteReactor(publishes_, pool_, std::move(*hold), std::move(*who), resp);
 }
 
 grpc::ServerUnaryReactor* ModelsImpl::CommitPublish(grpc::CallbackServerContext* ctx,
@@ -180,8 +180,8 @@ grpc::ServerUnaryReactor* ModelsImpl::CommitPublish(grpc::CallbackServerContext*
   auto* reactor = new HeldUnaryReactor(std::move(*hold));  // deletes itself in OnDone
   // It may wait: a thread of its own, not a pool worker.
   absl::Status started = long_calls_->Start([this, reactor, req, resp, who = std::move(*who)] {
-    auto r = service_->CommitPublish(who, req->session(), req->token(),
-                                     absl::Seconds(std::min<uint32_t>(req->wait_seconds(), 3600)));
+    auto r = publishes_->Commit(who, req->session(), req->token(),
+                                absl::Seconds(std::min<uint32_t>(req->wait_seconds(), 3600)));
     if (r.ok()) FillPublishResult(*r, resp);
     reactor->Finish(ToGrpcStatus(r.status()));
   });
@@ -197,7 +197,7 @@ grpc::ServerUnaryReactor* ModelsImpl::AbortPublish(grpc::CallbackServerContext* 
   return RunOnPool(
       ctx, pool_, drain_,
       [this, req, who = std::move(*who)] {
-        return service_->AbortPublish(who, req->session(), req->token());
+        return publishes_->Abort(who, req->session(), req->token());
       },
       /*change=*/true);
 }

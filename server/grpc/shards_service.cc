@@ -24,9 +24,11 @@ using ShardsBase = v1::Shards::WithRawCallbackMethod_Fetch<v1::Shards::WithCallb
 
 class ShardsImpl final : public ShardsBase {
  public:
-  ShardsImpl(WeightService* service, ThreadPool* pool, TaskThreads* long_calls, CallDrain* drain,
-             const CallAuthenticator* auth, int max_watch_streams)
-      : service_(service),
+  ShardsImpl(FetchService* fetches, ModelService* models, ThreadPool* pool,
+             TaskThreads* long_calls, CallDrain* drain, const CallAuthenticator* auth,
+             int max_watch_streams)
+      : fetches_(fetches),
+        models_(models),
         pool_(pool),
         long_calls_(long_calls),
         drain_(drain),
@@ -46,13 +48,13 @@ class ShardsImpl final : public ShardsBase {
     // materialization, a cast, a merge) goes to the worker pool.
     // (Draining is checked first so that no lease is granted for a refusal.)
     if (absl::Status open = drain_->CheckOpen(); !open.ok()) return Refuse(ctx, open);
-    if (auto cached = service_->TryFetchCached(*params); cached.has_value()) {
+    if (auto cached = fetches_->TryFetchCached(*params); cached.has_value()) {
       return RunOnPool(ctx, nullptr, drain_, [resp, result = *std::move(cached)]() {
         return EncodeFetchResponse(result, resp);
       });
     }
     return RunOnPool(ctx, pool_, drain_, [this, resp, params = std::move(*params)]() {
-      return EncodeFetchResponse(service_->Fetch(params), resp);
+      return EncodeFetchResponse(fetches_->Fetch(params), resp);
     });
   }
 
@@ -60,7 +62,7 @@ class ShardsImpl final : public ShardsBase {
                                                 const v1::ReadRequest* req) override {
     auto who = auth_->Authenticate(ctx);
     if (!who.ok()) return RefuseStream<v1::ReadChunk>(who.status());
-    auto range = service_->Read(req->lease_id(), req->token(), req->segment(), req->offset(),
+    auto range = fetches_->Read(req->lease_id(), req->token(), req->segment(), req->offset(),
                                 req->length(), &*who);
     if (!range.ok()) {
       auto* writer = new QueuedWriter<v1::ReadChunk>();  // deletes itself in OnDone
@@ -79,7 +81,7 @@ class ShardsImpl final : public ShardsBase {
     if (!who.ok()) return Refuse(ctx, who.status());
     // Microseconds: on this thread.
     return RunOnPool(ctx, nullptr, drain_, [this, req, who = std::move(*who)] {
-      return service_->Release(req->lease_id(), req->token(), &who);
+      return fetches_->Release(req->lease_id(), req->token(), &who);
     });
   }
 
@@ -107,13 +109,13 @@ class ShardsImpl final : public ShardsBase {
       };
       // Not a reader of the current generation: refused now, not on the
       // next event.
-      if (absl::Status s = service_->CheckCanRead(copy.model(), who); !s.ok()) {
+      if (absl::Status s = models_->CheckCanRead(copy.model(), who); !s.ok()) {
         close(ToGrpcStatus(s));
         return;
       }
       uint64_t after = copy.after();
       if (after == 0) {
-        auto current = service_->WaitForGeneration(copy.model(), 0, absl::ZeroDuration());
+        auto current = models_->WaitForGeneration(copy.model(), 0, absl::ZeroDuration());
         if (!current.ok()) {
           close(ToGrpcStatus(current.status()));
           return;
@@ -128,7 +130,7 @@ class ShardsImpl final : public ShardsBase {
           close(ToGrpcStatus(CallDrain::DrainingError()));
           return;
         }
-        auto event = service_->WaitForGeneration(copy.model(), after, absl::Milliseconds(500));
+        auto event = models_->WaitForGeneration(copy.model(), after, absl::Milliseconds(500));
         if (!event.ok()) {
           close(ToGrpcStatus(event.status()));
           return;
@@ -155,7 +157,9 @@ class ShardsImpl final : public ShardsBase {
   }
 
  private:
-  WeightService* service_;
+  // Constant after construction (borrowed).
+  FetchService* fetches_;
+  ModelService* models_;  // who may read a model; generation waits (Watch)
   ThreadPool* pool_;
   TaskThreads* long_calls_;
   CallDrain* drain_;
@@ -166,7 +170,8 @@ class ShardsImpl final : public ShardsBase {
 }  // namespace
 
 std::unique_ptr<grpc::Service> MakeShardsService(const ServiceContext& c, int max_watch_streams) {
-  return std::make_unique<ShardsImpl>(c.service, c.pool, c.long_calls, c.drain, c.auth, max_watch_streams);
+  return std::make_unique<ShardsImpl>(c.engine.fetches, c.engine.models, c.pool, c.long_calls,
+                                      c.drain, c.auth, max_watch_streams);
 }
 
 }  // namespace weightd

@@ -7,16 +7,16 @@
 
 namespace weightd {
 
-void OfferUcx(UcxPlane* ucx, const WeightService& service, const v1::FindCheckpointRequest& req,
+void OfferUcx(UcxPlane* ucx, const ResidentCopies& copies, const v1::FindCheckpointRequest& req,
               const Digest& key, const Principal& asker, v1::FindCheckpointResponse* resp) {
   if (ucx == nullptr || !req.ucx()) return;
   std::optional<Digest> copy = DigestFromBytes(resp->copy());
   if (!copy) return;
-  auto sections = service.HeldSections(key, *copy, asker);
+  auto sections = copies.HeldSections(key, *copy, asker);
   absl::Status why = sections.status();
   std::vector<UcxGrant> grants;
   if (sections.ok()) {
-    for (const WeightService::HeldSection& s : *sections) {
+    for (const ResidentCopies::HeldSection& s : *sections) {
       auto g = ucx->Grant(s.segment, s.offset, s.length);
       if (!g.ok()) {
         why = g.status();

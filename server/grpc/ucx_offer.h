@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "common/digest.h"
 #include "server/auth/access_control.h"
-#include "server/engine/weight_service.h"
+#include "server/service/resident_copies.h"
 #include "server/fleet/peer_checkpoint_client.h"
 #include "server/fleet/ucx_plane.h"
 #include "weightd/v1/weightd.pb.h"
@@ -24,7 +24,7 @@ namespace weightd {
 // (null: none) and `req.ucx()`. A copy gone meanwhile, or a grant UCX
 // refuses, leaves the answer without it (the asker reads over gRPC);
 // logged. Never fails the call.
-void OfferUcx(UcxPlane* ucx, const WeightService& service, const v1::FindCheckpointRequest& req,
+void OfferUcx(UcxPlane* ucx, const ResidentCopies& copies, const v1::FindCheckpointRequest& req,
               const Digest& key, const Principal& asker, v1::FindCheckpointResponse* resp);
 
 // Stats.peer_transports: the loads' reads by peer and transport.

@@ -293,7 +293,7 @@ void CollectGpus(const GpuInventory& gpus, Families& out) {
 // Thread-safe (reads only; WeightService::Stats() is).
 class StatsCollectable {
  public:
-  StatsCollectable(const WeightService* service, const PeerCheckpointClient* peers)
+  StatsCollectable(const ServiceStatsSource* service, const PeerCheckpointClient* peers)
       : service_(service), peers_(peers) {}
 
   Families Collect() const {
@@ -315,7 +315,7 @@ class StatsCollectable {
 
  private:
   // Constant after construction (borrowed; outlives the server).
-  const WeightService* const service_;
+  const ServiceStatsSource* const service_;
   const PeerCheckpointClient* const peers_;  // null: no peers
 };
 
@@ -328,7 +328,7 @@ class StatsCollectable {
 // idle connections held them all).
 class MetricsServer::Impl {
  public:
-  Impl(MetricsServer::Options options, const WeightService* service, UniqueFd listen,
+  Impl(MetricsServer::Options options, const ServiceStatsSource* service, UniqueFd listen,
        UniqueFd wake)
       : options_(std::move(options)),
         collectable_(service, options_.peers),
@@ -587,12 +587,13 @@ absl::StatusOr<UniqueFd> ListenTcp(const std::string& address) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
-    const std::string& address, const WeightService* service, const PeerCheckpointClient* peers) {
+    const std::string& address, const ServiceStatsSource* service,
+    const PeerCheckpointClient* peers) {
   return Start(Options{.address = address, .peers = peers}, service);
 }
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(Options options,
-                                                                    const WeightService* service) {
+                                                                    const ServiceStatsSource* service) {
   WD_ASSIGN_OR_RETURN(UniqueFd listen, ListenTcp(options.address));
   UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return ErrnoStatus(errno, "eventfd");

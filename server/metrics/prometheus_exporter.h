@@ -17,7 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/engine/weight_service.h"
+#include "server/engine/service_stats.h"
 #include "server/fleet/peer_checkpoint_client.h"
 
 namespace weightd {
@@ -37,10 +37,10 @@ class MetricsServer {
   // Starts an HTTP listener on `address` serving /metrics (UNAVAILABLE when
   // it cannot bind). `service` must outlive the server.
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
-      const std::string& address, const WeightService* service,
+      const std::string& address, const ServiceStatsSource* service,
       const PeerCheckpointClient* peers = nullptr);
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(Options options,
-                                                              const WeightService* service);
+                                                              const ServiceStatsSource* service);
   // Closes the listener and every connection.
   ~MetricsServer();
 

@@ -5,7 +5,7 @@
 // unloaded. The commit itself — digests, diff, install — is the service's
 // (Options::commit; publish_commit.h holds its phases).
 //
-// Thread-safe. Lock order: the catalog's lock (WeightService::mu_) ->
+// Thread-safe. Lock order: the catalog's lock (Catalog::mu_) ->
 // PublishService::mu_; a session's own lock (PublishSession::mu) is taken
 // alone, never with either, and Options::commit is called with none held.
 //

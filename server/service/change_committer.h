@@ -4,7 +4,7 @@
 // clients saw the changes in, and no client sees a change that a crash
 // could lose. Fetches never take its lock.
 //
-// Thread-safe. Its lock is taken before the catalog's (WeightService::mu_,
+// Thread-safe. Its lock is taken before the catalog's (Catalog::mu_,
 // which it borrows): ChangeCommitter::mu_ -> catalog mu -> publish sessions'.
 //
 // Owns: the journal sequence number and the sink records go to.

@@ -1,7 +1,7 @@
 // The immutable snapshots of what the service serves: a loaded Model, its
 // Generations (the adapter stack and published weights on top of the
 // checkpoint), and each Served tensor's plan and stored parts. A change
-// builds new ones and swaps them in (Catalog, under WeightService::mu_);
+// builds new ones and swaps them in (Catalog, under Catalog::mu_);
 // readers hold them by shared_ptr and read them without a lock, except
 // Generation::fp8_scales (its own leaf lock, scale_mu).
 #ifndef WEIGHTD_SERVER_SERVICE_MODEL_H_

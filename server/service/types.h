@@ -65,6 +65,13 @@ struct AdapterRef {
   float strength = 1.0f;
 };
 
+// The bytes a grpc-transport Read (or a peer's ReadCheckpoint) streams.
+struct ReadRange {
+  BufferPtr buffer;  // host memory (Read refuses other kinds)
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
 struct GenerationInfo {
   std::string model;
   uint64_t generation = 0;

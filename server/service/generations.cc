@@ -1,28 +1,21 @@
-// WeightService: the generations of a model: building one (an adapter stack and published
+// The generations of a model: building one (an adapter stack and published
 // weights on the checkpoint), installing, pruning and describing them,
-// content identities and FP8 scales.
-#include "server/engine/weight_service.h"
-
-#include <sys/stat.h>
+// content identities and FP8 scales (generations.h).
+#include "server/service/generations.h"
 
 #include <algorithm>
-#include <tuple>
 #include <cmath>
+#include <utility>
 
-#include "absl/container/flat_hash_set.h"
-#include "absl/strings/escaping.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "server/base/log.h"
-#include "common/untrusted_text.h"
-#include "server/adapter/lora_patch.h"
-#include "server/profile/name_summary.h"
 #include "common/status_macros.h"
-#include "server/base/thread_pool.h"
+#include "server/adapter/lora_patch.h"
+#include "server/materialize/cpu_fill.h"
 
 namespace weightd {
 
-Digest WeightService::ContentIdentity(const ContentMap& content) {
+Digest ContentIdentity(const ContentMap& content) {
   std::vector<std::pair<absl::string_view, const Digest*>> entries;
   entries.reserve(content.size());
   for (const auto& [name, digest] : content) entries.emplace_back(name, &digest);
@@ -169,7 +162,7 @@ std::shared_ptr<ContentMap> ContentOf(const Model& model, const Generation& gen)
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<Generation>> WeightService::BuildGeneration(
+absl::StatusOr<std::shared_ptr<Generation>> BuildGeneration(
     const Model& model, uint64_t number, const std::vector<AdapterRef>& stack,
     std::vector<std::shared_ptr<const Adapter>> adapters,
     std::shared_ptr<const PublishedBase> published) {
@@ -190,7 +183,7 @@ absl::StatusOr<std::shared_ptr<Generation>> WeightService::BuildGeneration(
   return gen;
 }
 
-absl::StatusOr<float> WeightService::Fp8Scale(const Served& served, const Generation& gen) {
+absl::StatusOr<float> Fp8Scale(const Served& served, const Generation& gen) {
   {
     absl::MutexLock lock(&gen.scale_mu);
     auto it = gen.fp8_scales.find(served.plan.name);
@@ -217,8 +210,7 @@ absl::StatusOr<float> WeightService::Fp8Scale(const Served& served, const Genera
   return scale;
 }
 
-std::shared_ptr<const Generation> WeightService::GenerationOf(const Model& model,
-                                                                             uint64_t number) {
+std::shared_ptr<const Generation> GenerationOf(const Model& model, uint64_t number) {
   if (number == 0) return model.current;
   for (const auto& g : model.history) {
     if (g->number == number) return g;
@@ -226,15 +218,12 @@ std::shared_ptr<const Generation> WeightService::GenerationOf(const Model& model
   return nullptr;
 }
 
-GenerationInfo WeightService::InstallGeneration(const std::string& model_name,
-                                                std::shared_ptr<Generation> gen,
-                                                std::vector<uint64_t>* retired) {
-  auto it = models_.find(model_name);
-  const std::shared_ptr<const Model> model = it->second;
-  auto next = std::make_shared<Model>(*model);
+std::shared_ptr<Model> WithGeneration(const Model& model, std::shared_ptr<Generation> gen,
+                                      std::vector<uint64_t>* retired) {
+  auto next = std::make_shared<Model>(model);
   next->current = gen;
   next->history.clear();
-  for (const auto& g : model->history) {
+  for (const auto& g : model.history) {
     if (IsLeased(*g)) {
       next->history.push_back(g);
     } else {
@@ -244,12 +233,28 @@ GenerationInfo WeightService::InstallGeneration(const std::string& model_name,
   next->history.push_back(gen);
   next->digests.emplace_back(gen->number, gen->content);
   if (next->digests.size() > kDigestHistory) next->digests.erase(next->digests.begin());
-  it->second = next;
-  generation_changed_.SignalAll();
-  return InfoOf(*next, *gen);
+  return next;
 }
 
-GenerationInfo WeightService::InfoOf(const Model& model, const Generation& gen) {
+std::shared_ptr<Model> WithoutUnleased(const Model& model, std::vector<std::string>* retired) {
+  bool prune = false;
+  for (const auto& g : model.history) {
+    if (g != model.current && !IsLeased(*g)) prune = true;
+  }
+  if (!prune) return nullptr;
+  auto next = std::make_shared<Model>(model);
+  next->history.clear();
+  for (const auto& g : model.history) {
+    if (g == model.current || IsLeased(*g)) {
+      next->history.push_back(g);
+    } else {
+      retired->push_back(absl::StrCat(model.name, "#", g->number));
+    }
+  }
+  return next;
+}
+
+GenerationInfo InfoOf(const Model& model, const Generation& gen) {
   GenerationInfo info;
   info.model = model.name;
   info.generation = gen.number;
@@ -259,48 +264,6 @@ GenerationInfo WeightService::InfoOf(const Model& model, const Generation& gen) 
   info.guards = GuardsOf(model, gen);
   info.content = gen.identity;
   return info;
-}
-
-void WeightService::PruneGenerations() {
-  std::vector<std::string> retired;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [name, model] : models_) {
-      bool prune = false;
-      for (const auto& g : model->history) {
-        if (g != model->current && !IsLeased(*g)) prune = true;
-      }
-      if (!prune) continue;
-      auto next = std::make_shared<Model>(*model);
-      next->history.clear();
-      for (const auto& g : model->history) {
-        if (g == model->current || IsLeased(*g)) {
-          next->history.push_back(g);
-        } else {
-          retired.push_back(absl::StrCat(name, "#", g->number));
-        }
-      }
-      model = next;
-    }
-  }
-  for (const std::string& tag : retired) materializer_.RetireTag(tag);
-}
-
-absl::StatusOr<std::optional<GenerationInfo>> WeightService::WaitForGeneration(
-    const std::string& model_name, uint64_t after, absl::Duration timeout) {
-  absl::Time deadline = absl::Now() + timeout;
-  absl::MutexLock lock(&mu_);
-  while (true) {
-    auto it = models_.find(model_name);
-    if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model ", QuoteForMessage(model_name), " is not loaded"));
-    }
-    const Generation& gen = *it->second->current;
-    if (gen.number > after) return std::optional<GenerationInfo>(InfoOf(*it->second, gen));
-    if (generation_changed_.WaitWithDeadline(&mu_, deadline)) {
-      return std::optional<GenerationInfo>();
-    }
-  }
 }
 
 }  // namespace weightd

@@ -1,40 +1,32 @@
-// WeightService: resident copies: bytes that loaded models already hold, found for
-// sharing, and offered to peers that load the same files.
-#include "server/engine/weight_service.h"
+// ResidentCopies (resident_copies.h): bytes that loaded models already
+// hold, found for sharing, and offered to peers that load the same files.
+#include "server/service/resident_copies.h"
 
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <cstring>
 #include <tuple>
-#include <cmath>
 
-#include "absl/container/flat_hash_set.h"
-#include "absl/strings/escaping.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "server/base/log.h"
-#include "common/untrusted_text.h"
-#include "server/adapter/lora_patch.h"
-#include "server/profile/name_summary.h"
 #include "common/status_macros.h"
-#include "server/base/thread_pool.h"
 
 namespace weightd {
 
-std::vector<std::shared_ptr<const Checkpoint>> WeightService::HeldCopies(const Digest& key,
+std::vector<std::shared_ptr<const Checkpoint>> ResidentCopies::HeldCopies(const Digest& key,
                                                                          int only_file) const {
   // Only copies whose files are as they were when read: a file rewritten
   // since (the same names, sizes and headers: a fine-tune saved in place)
   // would offer peers stale bytes that agree with their digests.
   std::vector<std::shared_ptr<const Checkpoint>> out;
-  for (std::shared_ptr<const Checkpoint>& c : resident_.FindByContent(key)) {
+  for (std::shared_ptr<const Checkpoint>& c : options_.resident->FindByContent(key)) {
     bool unchanged = !c->file_info().empty();
     for (size_t i = 0; i < c->file_info().size() && unchanged; ++i) {
       if (only_file >= 0 && static_cast<size_t>(only_file) != i) continue;
       const CheckpointFileInfo& f = c->file_info()[i];
       if (!f.version.empty()) {  // a remote object: still at the version read (a HEAD)
-        absl::StatusOr<OpenedFile> now = files_.Open(f.path);
+        absl::StatusOr<OpenedFile> now = options_.files->Open(f.path);
         unchanged = now.ok() && now->version == f.version &&
                     static_cast<uint64_t>(now->st.st_size) == f.id.size;
         continue;
@@ -50,34 +42,16 @@ std::vector<std::shared_ptr<const Checkpoint>> WeightService::HeldCopies(const D
   return out;
 }
 
-bool WeightService::MayOfferToPeer(const Checkpoint& c, const Principal& asker) const {
-  // The same bytes under several holders: readable if any holder admits
-  // the asker (a public one admits everyone). Only the loaded models and
-  // adapters count: a copy kept alive by leases alone is not offered.
-  absl::MutexLock lock(&mu_);
-  for (const auto& [name, m] : models_) {
-    if (m->checkpoint.get() != &c) continue;
-    if (access_.CheckRead(asker, {ReadGuard{"", m->readers}}).ok()) return true;
-  }
-  for (const auto& [name, a] : adapters_) {
-    const auto* kept = static_cast<const AdapterFileBytes*>(a->fetched.get());
-    if (kept == nullptr || kept->first.get() != &c) continue;
-    auto readers = adapter_readers_.find(name);
-    const ReaderList none;
-    if (access_.CheckRead(asker, {ReadGuard{"", readers != adapter_readers_.end()
-                                                     ? readers->second
-                                                     : none}})
-            .ok()) {
-      return true;
-    }
-  }
-  return false;
+bool ResidentCopies::MayOfferToPeer(const Checkpoint& c, const Principal& asker) const {
+  return options_.catalog->AnyHolderAdmits(c, [&](const ReaderList& readers) {
+    return options_.access->CheckRead(asker, {ReadGuard{"", readers}}).ok();
+  });
 }
 
-absl::StatusOr<PeerHolding> WeightService::FindHeld(const Digest& key,
-                                                    const std::vector<CheckpointRange>& samples,
-                                                    const std::vector<Digest>& sample_digests,
-                                                    const Principal& asker) const {
+absl::StatusOr<PeerHolding> ResidentCopies::FindHeld(const Digest& key,
+                                                     const std::vector<CheckpointRange>& samples,
+                                                     const std::vector<Digest>& sample_digests,
+                                                     const Principal& asker) const {
   if (samples.size() != sample_digests.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         samples.size(), " samples but ", sample_digests.size(), " sample digests"));
@@ -98,9 +72,23 @@ absl::StatusOr<PeerHolding> WeightService::FindHeld(const Digest& key,
                                           " with the asker's bytes at its samples is held here"));
 }
 
-absl::StatusOr<ReadRange> WeightService::ReadHeld(const Digest& key, const Digest& copy,
-                                                  const CheckpointRange& r,
-                                                  const Principal& asker) {
+absl::StatusOr<std::vector<ResidentCopies::HeldSection>> ResidentCopies::HeldSections(
+    const Digest& key, const Digest& copy, const Principal& asker) const {
+  for (const std::shared_ptr<const Checkpoint>& c : HeldCopies(key)) {
+    if (c->copy_id() != copy || !MayOfferToPeer(*c, asker)) continue;
+    std::vector<HeldSection> out;
+    for (const CheckpointFileInfo& f : c->file_info()) {
+      out.push_back({c->host_segments()[f.segment], f.segment_offset, f.data_length});
+    }
+    return out;
+  }
+  return absl::NotFoundError(absl::StrCat("copy ", copy.Hex().substr(0, 12), " of checkpoint ",
+                                          key.Hex().substr(0, 12), " is not resident (any more)"));
+}
+
+absl::StatusOr<ReadRange> ResidentCopies::ReadHeld(const Digest& key, const Digest& copy,
+                                                   const CheckpointRange& r,
+                                                   const Principal& asker) {
   for (const std::shared_ptr<const Checkpoint>& c :
        HeldCopies(key, static_cast<int>(std::min<uint64_t>(r.file, INT32_MAX)))) {
     if (c->copy_id() != copy || !MayOfferToPeer(*c, asker)) continue;
@@ -116,32 +104,13 @@ absl::StatusOr<ReadRange> WeightService::ReadHeld(const Digest& key, const Diges
                                           key.Hex().substr(0, 12), " is not resident (any more)"));
 }
 
-absl::StatusOr<std::vector<WeightService::HeldSection>> WeightService::HeldSections(
-    const Digest& key, const Digest& copy, const Principal& asker) const {
-  for (const std::shared_ptr<const Checkpoint>& c : HeldCopies(key)) {
-    if (c->copy_id() != copy || !MayOfferToPeer(*c, asker)) continue;
-    std::vector<HeldSection> out;
-    for (const CheckpointFileInfo& f : c->file_info()) {
-      out.push_back({c->host_segments()[f.segment], f.segment_offset, f.data_length});
-    }
-    return out;
-  }
-  return absl::NotFoundError(absl::StrCat("copy ", copy.Hex().substr(0, 12), " of checkpoint ",
-                                          key.Hex().substr(0, 12), " is not resident (any more)"));
-}
-
-std::vector<std::optional<WeightService::ResidentCopy>> WeightService::FindResidentCopies(
+std::vector<std::optional<ResidentCopies::ResidentCopy>> ResidentCopies::Find(
     const std::string& own, const std::string& scope, absl::Span<const WantedBytes> wanted,
     const absl::flat_hash_set<uint64_t>& held) const {
   std::vector<std::optional<ResidentCopy>> found(wanted.size());
   absl::flat_hash_map<Digest, std::vector<size_t>> by_digest;
   for (size_t i = 0; i < wanted.size(); ++i) by_digest[wanted[i].digest].push_back(i);
-  std::vector<std::shared_ptr<const Model>> models;
-  {
-    absl::MutexLock lock(&mu_);
-    models.reserve(models_.size());
-    for (const auto& [name, m] : models_) models.push_back(m);
-  }
+  std::vector<std::shared_ptr<const Model>> models = options_.catalog->Models();
   // The same answer whatever the map's order: the model's own bytes first,
   // then the others' by name.
   std::sort(models.begin(), models.end(), [&](const auto& l, const auto& r) {
@@ -178,7 +147,7 @@ std::vector<std::optional<WeightService::ResidentCopy>> WeightService::FindResid
   return found;
 }
 
-bool WeightService::DropCopiesUnderHalf(std::vector<std::optional<ResidentCopy>>& copies,
+bool ResidentCopies::DropCopiesUnderHalf(std::vector<std::optional<ResidentCopy>>& copies,
                                         absl::Span<const WantedBytes> wanted,
                                         const absl::flat_hash_set<uint64_t>& held) {
   // Shared only where that pins no more than it saves: per segment, the

@@ -1,27 +1,20 @@
-// WeightService: fetches, from a request to a lease on a materialized table (cached
-// tables first), the grpc-transport Read, Release and their counters.
-#include "server/engine/weight_service.h"
-
-#include <sys/stat.h>
+// FetchService (fetch_service.h): fetches, from a request to a lease on a
+// materialized table (cached tables first), the grpc-transport Read,
+// Release and their counters.
+#include "server/service/fetch_service.h"
 
 #include <algorithm>
-#include <tuple>
-#include <cmath>
+#include <utility>
 
-#include "absl/container/flat_hash_set.h"
-#include "absl/strings/escaping.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "server/base/log.h"
-#include "common/untrusted_text.h"
-#include "server/adapter/lora_patch.h"
-#include "server/profile/name_summary.h"
 #include "common/status_macros.h"
-#include "server/base/thread_pool.h"
+#include "server/base/log.h"
+#include "server/service/generations.h"
 
 namespace weightd {
 
-void WeightService::RecordFetch(const FetchParams& params, bool ok, absl::Time start) {
+void FetchService::RecordFetch(const FetchParams& params, bool ok, absl::Time start) {
   double secs = absl::ToDoubleSeconds(absl::Now() - start);
   if (!ok) {
     fetch_errors_.fetch_add(1);
@@ -32,22 +25,22 @@ void WeightService::RecordFetch(const FetchParams& params, bool ok, absl::Time s
   }
 }
 
-absl::StatusOr<FetchResult> WeightService::Fetch(const FetchParams& params) {
+absl::StatusOr<FetchResult> FetchService::Fetch(const FetchParams& params) {
   absl::Time start = absl::Now();
   auto result = FetchImpl(params);
   RecordFetch(params, result.ok(), start);
   return result;
 }
 
-absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) {
+absl::StatusOr<FetchResult> FetchService::FetchImpl(const FetchParams& params) {
   if (params.transport == TransportKind::kCuda) {
     return absl::UnimplementedError("the cuda transport is not built into this daemon");
   }
-  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindModel(params.model));
+  WD_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, options_.catalog->FindModel(params.model));
   // Nothing about a model, not even its current generation, is said to a
   // caller who may not read it.
   if (params.caller.has_value()) {
-    WD_RETURN_IF_ERROR(access_.CheckRead(*params.caller, ModelGuards(*model)));
+    WD_RETURN_IF_ERROR(options_.access->CheckRead(*params.caller, ModelGuards(*model)));
   }
   std::shared_ptr<const Generation> gen = GenerationOf(*model, params.generation);
   if (gen == nullptr) {
@@ -64,8 +57,16 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   }
   std::vector<ReadGuard> guards = GuardsOf(*model, *gen);
   if (params.caller.has_value()) {
-    WD_RETURN_IF_ERROR(access_.CheckRead(*params.caller, guards));
+    WD_RETURN_IF_ERROR(options_.access->CheckRead(*params.caller, guards));
   }
+  return PlanAndMaterialize(params, *model, gen, std::move(cache_key), std::move(guards));
+}
+
+absl::StatusOr<FetchResult> FetchService::PlanAndMaterialize(
+    const FetchParams& params, const Model& model_ref,
+    const std::shared_ptr<const Generation>& gen, std::string cache_key,
+    std::vector<ReadGuard> guards) {
+  const Model* model = &model_ref;
   WD_ASSIGN_OR_RETURN(std::shared_ptr<const ContentMap> since, ChangedSince(*model, params));
   WD_RETURN_IF_ERROR(params.mesh.Validate());
   FetchPlanOptions plan_options;
@@ -94,8 +95,8 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   std::vector<std::shared_ptr<const PushMerge>> merge_on_push(items.size());
   if (params.defer_casts) DeferToPush(params.defer_merges, items, cast_on_push, merge_on_push);
   WD_ASSIGN_OR_RETURN(std::vector<MaterializedTensor> served,
-                      materializer_.Materialize(items, absl::StrCat(params.model, "#", gen->number),
-                                                  ReadScope(guards)));
+                      options_.materializer->Materialize(
+                          items, absl::StrCat(params.model, "#", gen->number), ReadScope(guards)));
 
   std::vector<BufferPtr> buffers;
   std::shared_ptr<FetchTable> table =
@@ -110,7 +111,7 @@ absl::StatusOr<FetchResult> WeightService::FetchImpl(const FetchParams& params) 
   return GrantFetch(params, *gen, std::move(table), std::move(buffers), std::move(guards));
 }
 
-absl::StatusOr<std::shared_ptr<const ContentMap>> WeightService::ChangedSince(
+absl::StatusOr<std::shared_ptr<const ContentMap>> FetchService::ChangedSince(
     const Model& model, const FetchParams& params) {
   std::shared_ptr<const ContentMap> since;
   if (params.changed_since != 0) {
@@ -126,7 +127,7 @@ absl::StatusOr<std::shared_ptr<const ContentMap>> WeightService::ChangedSince(
   return since;
 }
 
-absl::StatusOr<std::vector<const Served*>> WeightService::SelectServed(
+absl::StatusOr<std::vector<const Served*>> FetchService::SelectServed(
     const Model& model, const Generation& gen, const ContentMap* since, const FetchParams& params) {
   // Select the served tensors: by name, then what changed since.
   std::vector<const Served*> all = ServedAt(model, gen);
@@ -151,7 +152,7 @@ absl::StatusOr<std::vector<const Served*>> WeightService::SelectServed(
   return selected;
 }
 
-void WeightService::DeferToPush(bool defer_merges, std::vector<MaterializeItem>& items,
+void FetchService::DeferToPush(bool defer_merges, std::vector<MaterializeItem>& items,
                                 std::vector<std::optional<DType>>& cast_on_push,
                                 std::vector<std::shared_ptr<const PushMerge>>& merge_on_push) {
   // A lease for a push: a plain view but for its dtype is leased as its
@@ -167,7 +168,7 @@ void WeightService::DeferToPush(bool defer_merges, std::vector<MaterializeItem>&
   }
 }
 
-std::shared_ptr<FetchTable> WeightService::BuildTable(
+std::shared_ptr<FetchTable> FetchService::BuildTable(
     const Generation& gen, const std::vector<MaterializeItem>& items,
     std::vector<FetchedTensor>& tables, const std::vector<MaterializedTensor>& served,
     const std::vector<std::optional<DType>>& cast_on_push,
@@ -210,23 +211,25 @@ std::shared_ptr<FetchTable> WeightService::BuildTable(
   return table;
 }
 
-std::optional<absl::StatusOr<FetchResult>> WeightService::FetchFromCache(
+std::optional<absl::StatusOr<FetchResult>> FetchService::FetchFromCache(
     const FetchParams& params, const std::string& key,
     const std::shared_ptr<const Generation>& gen) {
   std::optional<FetchTableCache::Hit> hit = fetch_cache_.Lookup(key, gen);
   if (!hit.has_value()) return std::nullopt;
   if (params.caller.has_value()) {
-    if (absl::Status s = access_.CheckRead(*params.caller, hit->guards); !s.ok()) return s;
+    if (absl::Status s = options_.access->CheckRead(*params.caller, hit->guards); !s.ok()) {
+      return s;
+    }
   }
   return GrantFetch(params, *gen, std::move(hit->table), std::move(hit->buffers),
                     std::move(hit->guards));
 }
 
-std::optional<absl::StatusOr<FetchResult>> WeightService::TryFetchCached(
+std::optional<absl::StatusOr<FetchResult>> FetchService::TryFetchCached(
     const FetchParams& params) {
   if (params.transport == TransportKind::kCuda) return std::nullopt;
   absl::Time start = absl::Now();
-  auto model = FindModel(params.model);
+  auto model = options_.catalog->FindModel(params.model);
   if (!model.ok()) return std::nullopt;  // Fetch gives the error
   std::shared_ptr<const Generation> gen = GenerationOf(**model, params.generation);
   if (gen == nullptr) return std::nullopt;
@@ -236,7 +239,7 @@ std::optional<absl::StatusOr<FetchResult>> WeightService::TryFetchCached(
   return result;
 }
 
-std::string WeightService::FetchCacheKey(const FetchParams& params, uint64_t generation) {
+std::string FetchService::FetchCacheKey(const FetchParams& params, uint64_t generation) {
   // Length-prefixed, so no two requests share a key.
   std::string key;
   auto put = [&key](uint64_t v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
@@ -264,7 +267,7 @@ std::string WeightService::FetchCacheKey(const FetchParams& params, uint64_t gen
   return key;
 }
 
-FetchResult WeightService::GrantFetch(const FetchParams& params, const Generation& gen,
+FetchResult FetchService::GrantFetch(const FetchParams& params, const Generation& gen,
                                       std::shared_ptr<const FetchTable> table,
                                       std::vector<BufferPtr> buffers,
                                       std::vector<ReadGuard> guards) {
@@ -282,7 +285,7 @@ FetchResult WeightService::GrantFetch(const FetchParams& params, const Generatio
   }
   bytes_served_.fetch_add(table->bytes);
   fetches_.fetch_add(1);
-  result.lease = leases_.Grant(std::move(lease));
+  result.lease = options_.leases->Grant(std::move(lease));
   if (LogEnabled(LogLevel::kDebug)) {
     LogEvent(LogLevel::kDebug, "lease_grant",
              {{"lease", absl::StrCat(result.lease.id)}, {"model", params.model},
@@ -294,11 +297,11 @@ FetchResult WeightService::GrantFetch(const FetchParams& params, const Generatio
   return result;
 }
 
-absl::StatusOr<ReadRange> WeightService::Read(uint64_t lease_id, absl::string_view token,
+absl::StatusOr<ReadRange> FetchService::Read(uint64_t lease_id, absl::string_view token,
                                               uint32_t segment, uint64_t offset,
                                               uint64_t length, const Principal* caller) {
   if (caller != nullptr) WD_RETURN_IF_ERROR(CheckLeaseUse(lease_id, *caller));
-  WD_ASSIGN_OR_RETURN(auto contents, leases_.Use(lease_id, token));
+  WD_ASSIGN_OR_RETURN(auto contents, options_.leases->Use(lease_id, token));
   if (contents->push_only) {
     return absl::FailedPreconditionError(absl::StrCat(
         "lease ", lease_id, " was fetched for a push (defer_casts): its tensors are cast as "
@@ -325,14 +328,41 @@ absl::StatusOr<ReadRange> WeightService::Read(uint64_t lease_id, absl::string_vi
   return ReadRange{seg, offset, length};
 }
 
-absl::Status WeightService::Release(uint64_t lease_id, absl::string_view token,
+absl::Status FetchService::Release(uint64_t lease_id, absl::string_view token,
                                     const Principal* caller) {
   if (caller != nullptr) WD_RETURN_IF_ERROR(CheckLeaseUse(lease_id, *caller));
-  WD_RETURN_IF_ERROR(leases_.Release(lease_id, token));
+  WD_RETURN_IF_ERROR(options_.leases->Release(lease_id, token));
   LogEvent(LogLevel::kDebug, "lease_release", {{"lease", absl::StrCat(lease_id)}});
   PruneGenerations();
-  materializer_.Sweep();
+  options_.materializer->Sweep();
   return absl::OkStatus();
+}
+
+absl::Status FetchService::CheckLeaseUse(uint64_t lease_id, const Principal& caller) const {
+  auto contents = options_.leases->Peek(lease_id);
+  // An unknown lease is the use's own NOT_FOUND, after the token check.
+  if (!contents.ok() || (*contents)->owner == nullptr) return absl::OkStatus();
+  return options_.access->CheckLeaseUse(caller, lease_id, *(*contents)->owner);
+}
+
+void FetchService::PruneGenerations() {
+  // The tags retire outside the catalog's lock.
+  for (const std::string& tag : options_.catalog->PruneUnleased()) {
+    options_.materializer->RetireTag(tag);
+  }
+}
+
+FetchStats FetchService::Stats() const {
+  FetchStats s;
+  s.bytes_served = bytes_served_.load();
+  s.bytes_read = bytes_read_.load();
+  s.fetches = fetches_.load();
+  s.fetch_errors = fetch_errors_.load();
+  s.pushes = pushes_.load();
+  s.push_bytes = push_bytes_.load();
+  s.fetch_latency_shm = fetch_latency_shm_.Take();
+  s.fetch_latency_grpc = fetch_latency_grpc_.Take();
+  return s;
 }
 
 }  // namespace weightd

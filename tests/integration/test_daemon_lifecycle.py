@@ -15,6 +15,18 @@ import harness
 import st_io
 
 
+
+def _fd_targets(pid):
+    """What the process's fds point at now; an fd closed between the listing
+    and its readlink is left out (the daemon keeps opening and closing)."""
+    out = []
+    for n in os.listdir("/proc/%d/fd" % pid):
+        try:
+            out.append(os.readlink("/proc/%d/fd/%s" % (pid, n)))
+        except FileNotFoundError:
+            pass
+    return out
+
 def _write_model(root):
     path = os.path.join(root, "m.safetensors")
     st_io.save({"w": torch.arange(12, dtype=torch.float32).reshape(4, 3)}, path)
@@ -220,8 +232,7 @@ def test_idle_connections_do_not_stop_metrics(tmp_path):
             m = harness.scrape_metrics(port)  # 5 s timeout
             assert m["weightd_models"] == 0 and time.monotonic() - t < 5
             # The daemon keeps at most its cap of them (64), not 300.
-            sockets = sum(1 for n in os.listdir("/proc/%d/fd" % d.proc.pid)
-                          if os.readlink("/proc/%d/fd/%s" % (d.proc.pid, n)).startswith("socket:"))
+            sockets = sum(1 for t in _fd_targets(d.proc.pid) if t.startswith("socket:"))
             assert sockets < 100, sockets
             idle[0].settimeout(5)
             assert idle[0].recv(1) == b""  # the oldest was closed for a newer one
@@ -558,7 +569,7 @@ time.sleep(600)
 
 
 def _fds(pid):
-    return sorted(os.readlink("/proc/%d/fd/%s" % (pid, n)) for n in os.listdir("/proc/%d/fd" % pid))
+    return sorted(_fd_targets(pid))
 
 
 def test_cancelled_watch_streams_leave_no_fds_or_threads_behind(tmp_path):

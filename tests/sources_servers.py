@@ -107,10 +107,33 @@ def proc_io(pid):
     return out
 
 
+class _ServerProcess:
+    """A server process the tests start (self.proc, its output in
+    self._log) with its own temp directory (self._tmp, when it made one):
+    stop() ends the process and removes the directory; a context manager."""
+    proc = None
+    _tmp = None
+
+    def stop(self):
+        _stop_proc(self.proc)
+        if self.proc is not None:
+            self._log.close()
+            self.proc = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
 # ------------------------------------------------------------------ S3
 
 
-class S3Server:
+class S3Server(_ServerProcess):
     """@20minutes/s3rver on HOST:port with a temp data directory.
 
     prefix: a command prefix for node (e.g. netsim's `ip netns exec NS`)."""
@@ -153,21 +176,6 @@ class S3Server:
         else:
             _wait_port(self.host, self.port, self.proc, timeout, "s3rver", self.log_path)
         return self
-
-    def stop(self):
-        _stop_proc(self.proc)
-        if self.proc is not None:
-            self._log.close()
-            self.proc = None
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
 
     def io(self):
         """/proc/PID/io of the node process (wchar: bytes it sent)."""
@@ -275,7 +283,7 @@ def make_ca(directory, hosts=("127.0.0.1", "localhost")):
     return ca, crt, key
 
 
-class NginxServer:
+class NginxServer(_ServerProcess):
     """nginx serving `root` over https://HOST:port/ (HTTP/2, ranges, ETags).
 
     bearer_token: when set, every request must carry `Authorization: Bearer
@@ -348,19 +356,6 @@ http {
         else:
             _wait_port(self.host, self.port, self.proc, timeout, "nginx", self.error_log)
         return self
-
-    def stop(self):
-        _stop_proc(self.proc)
-        if self.proc is not None:
-            self._log.close()
-            self.proc = None
-        shutil.rmtree(self._tmp, ignore_errors=True)
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
 
     def requests(self):
         """[(method, uri, status, bytes_sent, range)] from the access log."""

@@ -169,16 +169,7 @@ absl::Status Daemon::StartUcx() {
     LogEvent(LogLevel::kInfo, "ucx", {{"state", "off"}, {"why", "--peer-transport grpc"}});
     return absl::OkStatus();
   }
-  // Its TCP transport lists the host's interfaces; one that goes away
-  // meanwhile (a CNI plugin or a veth being moved) fails the worker with
-  // "No such device": tried again twice before giving up.
   absl::StatusOr<std::unique_ptr<UcxPlane>> plane = UcxPlane::Start();
-  for (int retry = 0; !plane.ok() && retry < 2; ++retry) {
-    LogEvent(LogLevel::kWarning, "ucx",
-             {{"state", "retry"}, {"why", plane.status().ToString()}});
-    absl::SleepFor(absl::Milliseconds(250));
-    plane = UcxPlane::Start();
-  }
   if (!plane.ok()) {
     if (want == PeerTransport::kUcx) {
       return absl::FailedPreconditionError(

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "server/base/log.h"
 
 namespace weightd {
@@ -585,7 +586,15 @@ absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Start() {
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS;
   wp.thread_mode = UCS_THREAD_MODE_MULTI;
   wp.events = UCP_WAKEUP_RX | UCP_WAKEUP_TX;
+  // The TCP transport lists the host's interfaces while the worker is
+  // made; one that goes away meanwhile (a CNI plugin or a veth being moved)
+  // fails it with "No such device": that alone is tried twice more.
   s = ucp_worker_create(impl->context, &wp, &impl->worker);
+  for (int retry = 0; s == UCS_ERR_NO_DEVICE && retry < 2; ++retry) {
+    LogEvent(LogLevel::kWarning, "ucx", {{"state", "retry"}, {"why", UcsError(s)}});
+    absl::SleepFor(absl::Milliseconds(250));
+    s = ucp_worker_create(impl->context, &wp, &impl->worker);
+  }
   if (s != UCS_OK) {
     ucp_cleanup(impl->context);
     return absl::UnavailableError(absl::StrCat("UCX worker: ", UcsError(s)));

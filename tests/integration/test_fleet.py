@@ -25,15 +25,16 @@ import time
 from concurrent import futures
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
 from harness import Daemon, free_port, scrape_metrics
+import peer_protocol as pp
 import st_io
 
 import weightd  # noqa: E402  (harness puts the build's package on the path)
 from weightd.v1 import weightd_pb2 as pb
-from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 CHUNK = 1 << 20  # --read-chunk-bytes: many ranges, so every holder gets some
 # The fleet's identity: holders list it in --fleet-members (by its name in
@@ -294,46 +295,24 @@ def test_holder_killed_mid_transfer(tmp_path, checkpoint):
             _check_bytes(c, "m", tensors)
 
 
-class _Proxy:
-    """A peer in front of a real daemon: forwards Models.List and
-    FindCheckpoint, and ReadCheckpoint with a bit flipped ("flip"), never
-    answering it ("stall"), or SIGKILLing the daemon (`victim`, a Popen) as
-    the third range is asked for and forwarding what that leaves ("kill")."""
+class _Proxy(pp.HolderProxy):
+    """A peer in front of a real daemon (peer_protocol.HolderProxy) that
+    forwards ReadCheckpoint with a bit flipped ("flip"), never answering it
+    ("stall"), or SIGKILLing the daemon (`victim`, a Popen) as the third
+    range is asked for and forwarding what that leaves ("kill")."""
 
     def __init__(self, upstream, mode, victim=None):
         self.mode = mode
         self.victim = victim
         self.reads = 0
         self.lock = threading.Lock()
-        self.channel = grpc.insecure_channel(
-            upstream, options=[("grpc.max_receive_message_length", -1)])
-        self.stub = pb_grpc.ModelsStub(self.channel)
         self.stop_stalling = threading.Event()
-        self.server = grpc.server(futures.ThreadPoolExecutor(8),
-                                  options=[("grpc.max_send_message_length", -1)])
-        handlers = {
-            "List": grpc.unary_unary_rpc_method_handler(
-                lambda req, ctx: self.stub.List(req, metadata=FLEET_AUTH),
-                request_deserializer=pb.ListModelsRequest.FromString,
-                response_serializer=pb.ListModelsResponse.SerializeToString),
-            "FindCheckpoint": grpc.unary_unary_rpc_method_handler(
-                self._find, request_deserializer=pb.FindCheckpointRequest.FromString,
-                response_serializer=pb.FindCheckpointResponse.SerializeToString),
-            "ReadCheckpoint": grpc.unary_stream_rpc_method_handler(
-                self._read, request_deserializer=pb.ReadCheckpointRequest.FromString,
-                response_serializer=pb.ReadChunk.SerializeToString),
-        }
-        self.server.add_generic_rpc_handlers(
-            [grpc.method_handlers_generic_handler("weightd.v1.Models", handlers)])
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.address = "127.0.0.1:%d" % self.port
-        self.server.start()
+        super().__init__(upstream, FLEET_AUTH, workers=8)
 
-    def _find(self, req, ctx):
-        try:
-            return self.stub.FindCheckpoint(req, metadata=FLEET_AUTH)
-        except grpc.RpcError as e:
-            ctx.abort(e.code(), e.details())
+    def handlers(self):
+        return {"ReadCheckpoint": self.grpc.unary_stream_rpc_method_handler(
+            self._read, request_deserializer=pb.ReadCheckpointRequest.FromString,
+            response_serializer=pb.ReadChunk.SerializeToString)}
 
     def _read(self, req, ctx):
         if self.mode == "stall":
@@ -354,16 +333,9 @@ class _Proxy:
         except grpc.RpcError as e:
             ctx.abort(e.code(), e.details())
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def close(self):
         self.stop_stalling.set()
-        self.server.stop(0)
-        self.channel.close()
+        super().close()
 
 
 @pytest.mark.parametrize("mode", ["flip", "stall"])
@@ -581,48 +553,26 @@ def _one_file_checkpoint(root, seed=21):
     return path, tensors
 
 
-class _LyingPeer:
-    """A peer that lies (docs/DESIGN.md §8.4): a real
-    gRPC server with the generated Models stubs, in front of a real holder
-    whose answers it forwards, so that what it says about the question's
+class _LyingPeer(pp.HolderProxy):
+    """A peer that lies (docs/DESIGN.md §8.4): a real holder's control plane
+    (peer_protocol.HolderProxy), so what it says about the question's
     samples is true. Then it sends other bytes and reports their digests:
     everywhere the samples are not ("outside"), or in the smallest tensor
     no sample touches ("one_tensor"). `lied` counts the bytes it changed."""
 
     def __init__(self, upstream, path, mode):
-        import numpy as np
-        import peer_protocol as pp
-        self.np, self.pp = np, pp
         self.file = pp.StFile(str(path))
         self.mode = mode
         self.lie = None
         self.lied = 0
-        self.channel = grpc.insecure_channel(upstream)
-        self.stub = pb_grpc.ModelsStub(self.channel)
-        self.server = grpc.server(futures.ThreadPoolExecutor(8))
-        handlers = {
-            "List": grpc.unary_unary_rpc_method_handler(
-                lambda req, ctx: self.stub.List(req, metadata=FLEET_AUTH),
-                request_deserializer=pb.ListModelsRequest.FromString,
-                response_serializer=pb.ListModelsResponse.SerializeToString),
-            "FindCheckpoint": grpc.unary_unary_rpc_method_handler(
-                self._find, request_deserializer=pb.FindCheckpointRequest.FromString,
-                response_serializer=pb.FindCheckpointResponse.SerializeToString),
-            "ReadCheckpoint": grpc.unary_stream_rpc_method_handler(
-                self._read, request_deserializer=pb.ReadCheckpointRequest.FromString,
-                response_serializer=pb.ReadChunk.SerializeToString),
-        }
-        self.server.add_generic_rpc_handlers(
-            [grpc.method_handlers_generic_handler("weightd.v1.Models", handlers)])
-        self.address = "127.0.0.1:%d" % self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
+        super().__init__(upstream, FLEET_AUTH, workers=8)
 
-    def _find(self, req, ctx):
-        np = self.np
-        try:
-            resp = self.stub.FindCheckpoint(req, metadata=FLEET_AUTH)
-        except grpc.RpcError as e:
-            ctx.abort(e.code(), e.details())
+    def handlers(self):
+        return {"ReadCheckpoint": self.grpc.unary_stream_rpc_method_handler(
+            self._read, request_deserializer=pb.ReadCheckpointRequest.FromString,
+            response_serializer=pb.ReadChunk.SerializeToString)}
+
+    def on_find(self, req, resp):
         data = np.frombuffer(self.file.data, dtype=np.uint8).copy()
         sampled = np.zeros(len(data), dtype=bool)
         for r in req.samples:
@@ -646,13 +596,6 @@ class _LyingPeer:
         for at in range(0, r.length, 1 << 20):
             n = min(1 << 20, r.length - at)
             yield pb.ReadChunk(offset=at, data=self.lie[r.offset + at:r.offset + at + n])
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.server.stop(0)
-        self.channel.close()
 
 
 def test_a_peer_lying_where_the_samples_are_not_is_caught_by_storage(tmp_path):

@@ -15,11 +15,9 @@ import signal
 import subprocess
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import pytest
-import torch
 
 from harness import Daemon, free_port, scrape_metrics
 import peer_protocol as pp
@@ -130,38 +128,18 @@ def test_loads_over_ucx_equal_pytorchs_reading(tmp_path, checkpoint, ucx_tls):
             assert "peer_read_failed" not in c.log()
 
 
-class _FindProxy:
-    """A holder's control plane in front of a real daemon: forwards List and
-    FindCheckpoint (so the grants are the holder's own) and runs `after`
-    once, in a thread, when the first FindCheckpoint answer is on its way
-    (or `before`, in line, before it is sent). The bytes go over UCX to the
-    holder itself, not through here."""
+class _FindProxy(pp.HolderProxy):
+    """A holder's control plane in front of a real daemon (so the grants are
+    the holder's own) that runs `after` once, in a thread, when the first
+    FindCheckpoint answer is on its way (or `before`, in line, before it is
+    sent). The bytes go over UCX to the holder itself, not through here."""
 
     def __init__(self, upstream, before=None, after=None):
         self.before, self.after = before, after
         self.done = threading.Event()
-        self.channel = grpc.insecure_channel(upstream)
-        self.stub = pb_grpc.ModelsStub(self.channel)
-        self.server = grpc.server(futures.ThreadPoolExecutor(4))
-        handlers = {
-            "List": grpc.unary_unary_rpc_method_handler(
-                lambda req, ctx: self.stub.List(req, metadata=FLEET_AUTH),
-                request_deserializer=pb.ListModelsRequest.FromString,
-                response_serializer=pb.ListModelsResponse.SerializeToString),
-            "FindCheckpoint": grpc.unary_unary_rpc_method_handler(
-                self._find, request_deserializer=pb.FindCheckpointRequest.FromString,
-                response_serializer=pb.FindCheckpointResponse.SerializeToString),
-        }
-        self.server.add_generic_rpc_handlers(
-            [grpc.method_handlers_generic_handler("weightd.v1.Models", handlers)])
-        self.address = "127.0.0.1:%d" % self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
+        super().__init__(upstream, FLEET_AUTH)
 
-    def _find(self, req, ctx):
-        try:
-            resp = self.stub.FindCheckpoint(req, metadata=FLEET_AUTH)
-        except grpc.RpcError as e:
-            ctx.abort(e.code(), e.details())
+    def on_find(self, req, resp):
         if not self.done.is_set():
             self.done.set()
             if self.before:
@@ -169,13 +147,6 @@ class _FindProxy:
             if self.after:
                 threading.Thread(target=self.after, daemon=True).start()
         return resp
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.server.stop(0)
-        self.channel.close()
 
 
 def test_holder_killed_with_reads_in_flight(tmp_path, checkpoint, ucx_tls):

@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/cancel.h"
 #include "common/fd.h"
 
 namespace weightd {
@@ -34,6 +35,10 @@ struct OpenedFile {
   // A remote object's version (its ETag, quoted as the server sent it);
   // empty for a file. Part of the checkpoint's identity (FilesKey).
   std::string version;
+  // The load this file is read for may be cancelled (Cancellation; borrowed,
+  // outlives the reads; null: never): the loader checks it between reads,
+  // and a remote opener ends a request in flight with its status.
+  const Cancellation* cancel = nullptr;
 
   bool is_directory() const { return S_ISDIR(st.st_mode); }
 };

@@ -162,7 +162,9 @@ class WeightService : public ServiceStatsSource {
   // the name is taken or being loaded; errors from the store otherwise,
   // with nothing left allocated.
   // `readers` (ReaderList syntax) makes the model private; INVALID_ARGUMENT
-  // when malformed.
+  // when malformed. A load ends CANCELLED, having freed what it allocated,
+  // when it is unloaded meanwhile or its caller cancels it
+  // (ModelService::Load's `cancel`).
   absl::StatusOr<ModelSummary> LoadModel(const std::string& name, const std::string& path,
                                          const std::string& profile_json,
                                          const LoadProgressFn& progress,
@@ -195,7 +197,10 @@ class WeightService : public ServiceStatsSource {
                                                 const std::vector<std::string>& readers,
                                                 const RestoreExpect& expect,
                                                 const LoadProgressFn& progress = nullptr);
-  // Leased bytes stay readable until their leases end.
+  // Leased bytes stay readable until their leases end. A load of `name`
+  // still running is cancelled (it ends CANCELLED for its caller) and
+  // waited for, so that what it allocated is freed when this returns; then
+  // OK, or the model is unloaded if that load had finished meanwhile.
   absl::Status UnloadModel(const std::string& name);
   std::vector<ModelSummary> ListModels() const;
   absl::StatusOr<ModelDetail> GetModel(const std::string& name) const;

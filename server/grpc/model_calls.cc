@@ -132,9 +132,11 @@ grpc::ServerWriteReactor<v1::LoadProgress>* ModelsImpl::Load(grpc::CallbackServe
   if (!hold.ok()) return RefuseStream<v1::LoadProgress>(hold.status());
   // Deletes itself in OnDone, which is after the thread's Close(). The
   // thread is joined at shutdown, before this service is destroyed.
-  auto* writer = new QueuedWriter<v1::LoadProgress>(std::move(*hold));
+  // The client cancelling the call (weightctl's Ctrl-C) cancels the load.
+  auto cancel = std::make_shared<Cancellation>();
+  auto* writer = new QueuedWriter<v1::LoadProgress>(std::move(*hold), cancel);
   v1::LoadRequest copy = *req;
-  absl::Status started = long_calls_->Start([this, writer, copy = std::move(copy)] {
+  absl::Status started = long_calls_->Start([this, writer, cancel, copy = std::move(copy)] {
     std::vector<std::string> readers(copy.readers().begin(), copy.readers().end());
     // The last report's sources go into the final message.
     auto last = std::make_shared<LoadProgressInfo>();
@@ -144,7 +146,7 @@ grpc::ServerWriteReactor<v1::LoadProgress>* ModelsImpl::Load(grpc::CallbackServe
           *last = p;
           writer->Push(ProgressMessage(p), /*replaceable=*/true);
         },
-        readers, /*expect=*/nullptr, FromProtoLoadSource(copy.source()));
+        readers, /*expect=*/nullptr, FromProtoLoadSource(copy.source()), cancel);
     if (result.ok()) writer->Push(DoneMessage(*last, *result), /*replaceable=*/false);
     writer->Close(ToGrpcStatus(result.status()));
   });

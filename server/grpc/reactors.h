@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -16,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/cancel.h"
 #include "common/grpc/status_convert.h"
 #include "server/base/thread_pool.h"
 #include "server/grpc/call_drain.h"
@@ -36,6 +38,11 @@ class QueuedWriter : public grpc::ServerWriteReactor<T> {
   QueuedWriter() = default;
   // Counts as a call in flight (CallDrain) until the stream is done.
   explicit QueuedWriter(CallDrain::Hold hold) : hold_(std::move(hold)) {}
+  // `on_cancel` is cancelled when the client cancels the call or goes away
+  // (the work behind the stream ends early). Set before the reactor is
+  // returned to gRPC.
+  QueuedWriter(CallDrain::Hold hold, std::shared_ptr<Cancellation> on_cancel)
+      : hold_(std::move(hold)), on_cancel_(std::move(on_cancel)) {}
 
   void Push(T msg, bool replaceable) {
     {
@@ -97,12 +104,16 @@ class QueuedWriter : public grpc::ServerWriteReactor<T> {
     }
   }
   void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    cancelled_ = true;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+    }
+    if (on_cancel_) on_cancel_->Cancel("the client cancelled the call");
   }
   void OnDone() override { delete this; }  // gRPC reactor idiom
 
   CallDrain::Hold hold_;
+  const std::shared_ptr<Cancellation> on_cancel_;  // may be null
   absl::Mutex mu_;
   std::deque<std::pair<T, bool>> queue_ ABSL_GUARDED_BY(mu_);
   // The message in flight: written under mu_ while writing_ is false, then

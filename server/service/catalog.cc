@@ -54,18 +54,42 @@ std::vector<AdapterSummary> Catalog::ListAdapters() const {
   return out;
 }
 
-absl::Status Catalog::ReserveLoad(const std::string& name) {
+absl::Status Catalog::ReserveLoad(const std::string& name,
+                                  std::shared_ptr<Cancellation> cancel) {
   absl::MutexLock lock(&mu_);
   if (models_.contains(name) || loading_.contains(name)) {
     return absl::AlreadyExistsError(absl::StrCat("model \"", name, "\" is already loaded"));
   }
-  loading_.insert(name);
+  loading_.emplace(name, std::move(cancel));
   return absl::OkStatus();
 }
 
 void Catalog::CancelLoad(const std::string& name) {
   absl::MutexLock lock(&mu_);
   loading_.erase(name);
+  load_ended_.SignalAll();
+}
+
+absl::StatusOr<bool> Catalog::CancelLoading(const std::string& name, const std::string& why,
+                                            absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto it = loading_.find(name);
+  if (it == loading_.end()) return false;
+  const std::shared_ptr<Cancellation> load = it->second;
+  load->Cancel(why);
+  const absl::Time deadline = absl::Now() + timeout;
+  // Until this load's name is given back or published (a later load of
+  // the same name has another cancellation).
+  while (true) {
+    auto now = loading_.find(name);
+    if (now == loading_.end() || now->second != load) return true;
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the load of model \"", name, "\" was cancelled but has not ended after ",
+          absl::FormatDuration(timeout)));
+    }
+    load_ended_.WaitWithDeadline(&mu_, deadline);
+  }
 }
 
 absl::StatusOr<Catalog::StackOf> Catalog::ResolveStack(const std::string& model_name,
@@ -160,6 +184,7 @@ bool Catalog::HasAdapterLocked(const std::string& name) const { return adapters_
 
 void Catalog::PublishLoadedLocked(const std::string& name, std::shared_ptr<const Model> model) {
   loading_.erase(name);
+  load_ended_.SignalAll();
   models_[name] = std::move(model);
 }
 

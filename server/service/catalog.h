@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/cancel.h"
 #include "server/adapter/adapter.h"
 #include "server/auth/access_control.h"
 #include "server/service/change_committer.h"
@@ -56,10 +57,18 @@ class Catalog {
   std::vector<AdapterSummary> ListAdapters() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Loads: a name is reserved while its model loads (ALREADY_EXISTS "model
-  // \"x\" is already loaded" when it is loaded or being loaded), then
-  // either published (PublishLoadedLocked, in a Commit) or given back.
-  absl::Status ReserveLoad(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  // \"x\" is already loaded" when it is loaded or being loaded), with the
+  // load's cancellation, then either published (PublishLoadedLocked, in a
+  // Commit) or given back (CancelLoad, once the load freed what it had).
+  absl::Status ReserveLoad(const std::string& name, std::shared_ptr<Cancellation> cancel)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void CancelLoad(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  // If `name` is being loaded: cancels that load (`why`) and waits up to
+  // `timeout` for it to end (its name given back or published); false when
+  // no load of `name` was running. DEADLINE_EXCEEDED when it has not
+  // ended in time.
+  absl::StatusOr<bool> CancelLoading(const std::string& name, const std::string& why,
+                                     absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
 
   // What an apply of `stack` on `model_name` starts from, read at once:
   // the model, the adapters (NOT_FOUND for an unknown model or adapter),
@@ -134,7 +143,8 @@ class Catalog {
   // Protected by mu_.
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<const Model>> models_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::string> loading_ ABSL_GUARDED_BY(mu_);
+  // The names being loaded, with their loads' cancellations.
+  absl::flat_hash_map<std::string, std::shared_ptr<Cancellation>> loading_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<const Adapter>> adapters_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, AdapterSummary> adapter_info_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, ReaderList> adapter_readers_ ABSL_GUARDED_BY(mu_);
@@ -142,6 +152,8 @@ class Catalog {
   absl::flat_hash_map<std::string, uint64_t> adapter_seq_ ABSL_GUARDED_BY(mu_);
   // Signalled whenever a model's current generation changes or it unloads.
   absl::CondVar generation_changed_;
+  // Signalled whenever a load ends (its name published or given back).
+  absl::CondVar load_ended_;
 };
 
 }  // namespace weightd

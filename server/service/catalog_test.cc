@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/time/clock.h"
 #include "server/service/generations.h"
 
 namespace weightd {
@@ -38,7 +39,7 @@ std::shared_ptr<Generation> NextGeneration(uint64_t number) {
 
 // Loads `name` as the model service does: reserve, then publish in a change.
 void Load(Catalog& catalog, const std::string& name) {
-  ASSERT_TRUE(catalog.ReserveLoad(name).ok());
+  ASSERT_TRUE(catalog.ReserveLoad(name, std::make_shared<Cancellation>()).ok());
   StateRecord record;
   ASSERT_TRUE(catalog
                   .Commit(
@@ -63,17 +64,55 @@ void Install(Catalog& catalog, const std::string& name, uint64_t number) {
 
 TEST(CatalogTest, ANameIsReservedOnceWhileItLoadsAndWhenLoaded) {
   Catalog catalog(nullptr);
-  ASSERT_TRUE(catalog.ReserveLoad("m").ok());
-  absl::Status again = catalog.ReserveLoad("m");
+  ASSERT_TRUE(catalog.ReserveLoad("m", std::make_shared<Cancellation>()).ok());
+  absl::Status again = catalog.ReserveLoad("m", std::make_shared<Cancellation>());
   EXPECT_EQ(again.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(again.message(), "model \"m\" is already loaded");
   // Not visible while it loads.
   EXPECT_EQ(catalog.FindModel("m").status().code(), absl::StatusCode::kNotFound);
   catalog.CancelLoad("m");  // the load failed: the name is free again
   Load(catalog, "m");
-  EXPECT_EQ(catalog.ReserveLoad("m").code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(catalog.ReserveLoad("m", std::make_shared<Cancellation>()).code(),
+            absl::StatusCode::kAlreadyExists);
   ASSERT_TRUE(catalog.FindModel("m").ok());
   EXPECT_EQ((*catalog.FindModel("m"))->name, "m");
+}
+
+TEST(CatalogTest, CancellingALoadCancelsItAndWaitsForItsEnd) {
+  Catalog catalog(nullptr);
+  EXPECT_FALSE(*catalog.CancelLoading("m", "unloaded", absl::Seconds(1)));  // none running
+  auto cancel = std::make_shared<Cancellation>();
+  ASSERT_TRUE(catalog.ReserveLoad("m", cancel).ok());
+  std::atomic<bool> gave_back{false};
+  // The load: sees its cancellation between two reads, frees what it had,
+  // then gives its name back.
+  std::thread load([&] {
+    while (!cancel->cancelled()) absl::SleepFor(absl::Milliseconds(1));
+    absl::SleepFor(absl::Milliseconds(50));
+    gave_back = true;
+    catalog.CancelLoad("m");
+  });
+  absl::StatusOr<bool> cancelled = catalog.CancelLoading("m", "unloaded", absl::Seconds(30));
+  EXPECT_TRUE(gave_back.load());  // returned only after the load ended
+  load.join();
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  EXPECT_TRUE(*cancelled);
+  EXPECT_EQ(cancel->status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(cancel->status().message(), "cancelled: unloaded");
+  EXPECT_TRUE(catalog.ReserveLoad("m", std::make_shared<Cancellation>()).ok());
+}
+
+TEST(CatalogTest, ALoadThatDoesNotEndInTimeIsDeadlineExceeded) {
+  Catalog catalog(nullptr);
+  auto cancel = std::make_shared<Cancellation>();
+  ASSERT_TRUE(catalog.ReserveLoad("m", cancel).ok());
+  absl::StatusOr<bool> r = catalog.CancelLoading("m", "unloaded", absl::Milliseconds(50));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(cancel->cancelled());
+  // A second cancel keeps the first reason.
+  EXPECT_FALSE(cancel->Cancel("other"));
+  EXPECT_EQ(cancel->status().message(), "cancelled: unloaded");
+  catalog.CancelLoad("m");
 }
 
 TEST(CatalogTest, OneOfManyRacingReservationsWins) {
@@ -82,7 +121,7 @@ TEST(CatalogTest, OneOfManyRacingReservationsWins) {
   std::vector<std::thread> threads;
   for (int i = 0; i < 8; ++i) {
     threads.emplace_back([&] {
-      absl::Status s = catalog.ReserveLoad("m");
+      absl::Status s = catalog.ReserveLoad("m", std::make_shared<Cancellation>());
       if (s.ok()) {
         ++won;
       } else if (s.code() == absl::StatusCode::kAlreadyExists) {

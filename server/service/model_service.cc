@@ -39,6 +39,11 @@ ModelSummary ModelService::Summarize(const Model& model) {
 
 namespace {
 
+// How long an unload waits for the load it cancelled to end (the reads in
+// flight end within a second: chunk boundaries, the sources' transfer
+// callback).
+constexpr absl::Duration kLoadCancelWait = absl::Seconds(30);
+
 // The served layout of `checkpoint`: the profile's mapping, or identity.
 absl::StatusOr<ServedLayout> LayoutOf(const Profile* profile, const Checkpoint& checkpoint) {
   std::vector<SourceTensorInfo> sources;
@@ -75,7 +80,7 @@ absl::StatusOr<std::shared_ptr<std::vector<Served>>> ServedOf(const Checkpoint& 
 absl::StatusOr<ModelSummary> ModelService::Load(
     const std::string& name, const std::string& path, const std::string& profile_json,
     const LoadProgressFn& progress, const std::vector<std::string>& readers,
-    const RestoreExpect* expect, LoadSource source) {
+    const RestoreExpect* expect, LoadSource source, std::shared_ptr<Cancellation> cancel) {
   WD_RETURN_IF_ERROR(ValidateModelName(name));
   WD_ASSIGN_OR_RETURN(ReaderList reader_list, ReaderList::Parse(readers));
   std::shared_ptr<const Profile> profile;
@@ -85,10 +90,13 @@ absl::StatusOr<ModelSummary> ModelService::Load(
     profile = std::make_shared<const Profile>(std::move(*parsed));
   }
   if (expect != nullptr) WD_RETURN_IF_ERROR(CheckSourceObjects(expect->objects));
-  WD_RETURN_IF_ERROR(options_.catalog->ReserveLoad(name));
+  if (cancel == nullptr) cancel = std::make_shared<Cancellation>();
+  WD_RETURN_IF_ERROR(options_.catalog->ReserveLoad(name, cancel));
   absl::Time start = absl::Now();
   bool shared = false;  // the checkpoint is another model's (the same files)
-  auto built = BuildModel(name, path, profile, reader_list, progress, source, &shared);
+  auto built = BuildModel(name, path, profile, reader_list, progress, source, *cancel, &shared);
+  // The last point a cancel ends it; one after this sees it loaded.
+  if (built.ok() && cancel->cancelled()) built = cancel->status();
   if (built.ok() && expect != nullptr && (*built)->current->identity != expect->content) {
     built = absl::DataLossError(
         "its files changed since it was loaded (the served content differs); not served");
@@ -138,7 +146,8 @@ absl::StatusOr<ModelSummary> ModelService::Load(
 
 absl::StatusOr<std::shared_ptr<Model>> ModelService::BuildModel(
     const std::string& name, const std::string& path, std::shared_ptr<const Profile> profile,
-    ReaderList readers, const LoadProgressFn& progress, LoadSource source, bool* shared) {
+    ReaderList readers, const LoadProgressFn& progress, LoadSource source,
+    const Cancellation& cancel, bool* shared) {
   std::unique_ptr<MemoryCharge> shared_charge;
   auto model = std::make_shared<Model>();
   model->name = name;
@@ -150,7 +159,7 @@ absl::StatusOr<std::shared_ptr<Model>> ModelService::BuildModel(
   // merges; rebuilt on demand) make room first: they are in the memory
   // manager's reclaimer chain.
   auto checkpoint = ReadCheckpoint(path, source, &shared_charge, progress, options_.donated,
-                                   &model->files, /*share_held=*/true);
+                                   &model->files, /*share_held=*/true, &cancel);
   if (!checkpoint.ok()) return checkpoint.status();
   model->checkpoint = std::move(*checkpoint);
   *shared = shared_charge != nullptr;
@@ -168,6 +177,16 @@ absl::StatusOr<std::shared_ptr<Model>> ModelService::BuildModel(
 }
 
 absl::Status ModelService::Unload(const std::string& name) {
+  // A load of the name still running ends first (CANCELLED for its
+  // caller), with what it allocated freed; one that finished meanwhile is
+  // unloaded as any other.
+  WD_ASSIGN_OR_RETURN(bool was_loading,
+                      options_.catalog->CancelLoading(name, "the model was unloaded while loading",
+                                                      kLoadCancelWait));
+  if (was_loading && !options_.catalog->FindModel(name).ok()) {
+    LogEvent(LogLevel::kInfo, "unload", {{"model", name}, {"what", "its load was cancelled"}});
+    return absl::OkStatus();
+  }
   std::shared_ptr<const Model> dropped;
   StateRecord unload_record;
   unload_record.kind = StateRecord::Kind::kModelUnload;
@@ -256,7 +275,7 @@ absl::StatusOr<ModelService::VerifyResult> ModelService::Verify(const std::strin
 absl::StatusOr<std::shared_ptr<const Checkpoint>> ModelService::ReadCheckpoint(
     const std::string& path, LoadSource source, std::unique_ptr<MemoryCharge>* shared_charge,
     const LoadProgressFn& progress, DonatedCheckpoints* donated,
-    std::vector<std::string>* opened_files, bool share_held) {
+    std::vector<std::string>* opened_files, bool share_held, const Cancellation* cancel) {
   CheckpointLoadOptions opts;
   opts.memory = options_.memory;
   opts.segment_target_bytes = options_.checkpoint_segment_bytes;
@@ -276,6 +295,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ModelService::ReadCheckpoint(
   opts.peer_streams = options_.peer_streams;
   opts.peer_verify = options_.peer_verify;
   opts.opened_files = opened_files;
+  opts.cancel = cancel;
   if (share_held) {
     // A checkpoint is shared by every model that loads its files, whatever
     // their readers: only public holders' bytes may stand in its tensors.

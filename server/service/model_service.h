@@ -107,13 +107,17 @@ class ModelService {
     std::vector<StateRecord::SourceObject> objects;
   };
   // WeightService::LoadModel and RestoreLoadModel (`expect` non-null)
-  // state the contract.
+  // state the contract. `cancel` (null: one of its own) ends the load
+  // CANCELLED when cancelled (the caller went away); Unload of the name
+  // cancels it too.
   absl::StatusOr<ModelSummary> Load(const std::string& name, const std::string& path,
                                     const std::string& profile_json,
                                     const LoadProgressFn& progress,
                                     const std::vector<std::string>& readers,
                                     const RestoreExpect* expect,
-                                    LoadSource source = LoadSource::kStorage);
+                                    LoadSource source = LoadSource::kStorage,
+                                    std::shared_ptr<Cancellation> cancel = nullptr);
+  // WeightService::UnloadModel states the contract.
   absl::Status Unload(const std::string& name);
   std::vector<ModelSummary> List() const;
   absl::StatusOr<ModelDetail> Get(const std::string& name) const;
@@ -139,8 +143,8 @@ class ModelService {
   absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadCheckpoint(
       const std::string& path, LoadSource source, std::unique_ptr<MemoryCharge>* shared_charge,
       const LoadProgressFn& progress = nullptr, DonatedCheckpoints* donated = nullptr,
-      std::vector<std::string>* opened_files = nullptr, bool share_held = false)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      std::vector<std::string>* opened_files = nullptr, bool share_held = false,
+      const Cancellation* cancel = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
 
   static ModelSummary Summarize(const Model& model);
   LoadStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -155,7 +159,8 @@ class ModelService {
                                                     std::shared_ptr<const Profile> profile,
                                                     ReaderList readers,
                                                     const LoadProgressFn& progress,
-                                                    LoadSource source, bool* shared);
+                                                    LoadSource source, const Cancellation& cancel,
+                                                    bool* shared);
   // FAILED_PRECONDITION unless every object still has its journaled
   // version and size (a restore of a URL load).
   absl::Status CheckSourceObjects(const std::vector<StateRecord::SourceObject>& objects) const;

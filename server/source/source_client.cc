@@ -135,7 +135,8 @@ struct SourceClient::Request {
   bool checked = false;   // the response's range checked
   bool overflow = false;
   std::string credentials;  // which, for messages
-  const std::atomic<bool>* cancelled = nullptr;
+  const std::atomic<bool>* cancelled = nullptr;  // the daemon is stopping
+  const Cancellation* load_cancel = nullptr;     // the load it is for ended
   std::atomic<uint64_t>* bytes = nullptr;
   char curl_error[CURL_ERROR_SIZE] = {0};
 
@@ -240,7 +241,16 @@ struct SourceClient::Request {
   }
 
   static int OnProgress(void* self, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
-    return static_cast<Request*>(self)->cancelled->load(std::memory_order_relaxed) ? 1 : 0;
+    return static_cast<Request*>(self)->Cancelled() ? 1 : 0;
+  }
+  bool Cancelled() const {
+    return cancelled->load(std::memory_order_relaxed) ||
+           (load_cancel != nullptr && load_cancel->cancelled());
+  }
+  // CANCELLED saying who ended it, or OK.
+  absl::Status CancelStatus() const {
+    if (cancelled->load()) return absl::CancelledError("the daemon is stopping");
+    return CancelledStatus(load_cancel);
   }
 };
 
@@ -348,14 +358,12 @@ void SourceClient::GiveHandle(void* handle) const {
   idle_.push_back(handle);
 }
 
-absl::Status SourceClient::Sleep(absl::Duration d) const {
+absl::Status SourceClient::Sleep(const Request& req, absl::Duration d) const {
   const absl::Time until = absl::Now() + d;
-  while (absl::Now() < until) {
-    if (cancelled_.load()) break;
+  while (absl::Now() < until && !req.Cancelled()) {
     absl::SleepFor(std::min(absl::Milliseconds(20), until - absl::Now()));
   }
-  if (cancelled_.load()) return absl::CancelledError("the daemon is stopping");
-  return absl::OkStatus();
+  return req.CancelStatus();
 }
 
 absl::Status SourceClient::RunOnce(Request& req, void* handle, bool* retry) const {
@@ -436,7 +444,7 @@ absl::Status SourceClient::RunOnce(Request& req, void* handle, bool* retry) cons
   curl_easy_setopt(h, CURLOPT_HTTPHEADER, nullptr);
   curl_easy_setopt(h, CURLOPT_ERRORBUFFER, nullptr);
   const std::string& what = req.what;
-  if (cancelled_.load()) return absl::CancelledError("the daemon is stopping");
+  if (req.Cancelled()) return req.CancelStatus();
   if (!req.bad_range.empty()) {
     if (absl::StartsWith(req.bad_range, "changed:")) {
       return absl::AbortedError(absl::StrCat("object ", what, " changed while loading (size ",
@@ -519,8 +527,11 @@ absl::Status SourceClient::Run(Request& req) const {
     GiveHandle(h);
     if (s.ok()) return s;
     if (!retry || attempt >= options_.retries) {
-      // An answer (no such object: a directory's index probe) is no failure.
-      if (!absl::IsNotFound(s)) failures_.fetch_add(1, std::memory_order_relaxed);
+      // An answer (no such object: a directory's index probe) is no
+      // failure, and neither is the load's end.
+      if (!absl::IsNotFound(s) && !absl::IsCancelled(s)) {
+        failures_.fetch_add(1, std::memory_order_relaxed);
+      }
       if (attempt == 0) return s;
       return absl::Status(s.code(), absl::StrCat(s.message(), " (after ", attempt + 1,
                                                  " attempts)"));
@@ -530,10 +541,7 @@ absl::Status SourceClient::Run(Request& req) const {
     const absl::Duration ceiling =
         std::min(options_.backoff_cap, options_.backoff_base * (1ull << std::min(attempt, 20)));
     std::uniform_real_distribution<double> share(0.0, 1.0);
-    if (absl::Status slept = Sleep(ceiling * share(rng)); !slept.ok()) {
-      failures_.fetch_add(1, std::memory_order_relaxed);
-      return slept;
-    }
+    if (absl::Status slept = Sleep(req, ceiling * share(rng)); !slept.ok()) return slept;
   }
 }
 
@@ -556,7 +564,8 @@ absl::StatusOr<ObjectInfo> SourceClient::Head(const SourceUrl& url) const {
 }
 
 absl::Status SourceClient::ReadRange(const SourceUrl& url, const ObjectInfo& pinned,
-                                     uint64_t offset, uint64_t length, void* dest) const {
+                                     uint64_t offset, uint64_t length, void* dest,
+                                     const Cancellation* cancel) const {
   if (length == 0) return absl::OkStatus();
   if (offset > pinned.size || length > pinned.size - offset) {
     return absl::OutOfRangeError(absl::StrCat(UrlForMessage(url.normalized), ": bytes ", offset,
@@ -572,6 +581,7 @@ absl::Status SourceClient::ReadRange(const SourceUrl& url, const ObjectInfo& pin
   req.offset = offset;
   req.length = length;
   req.dest = static_cast<uint8_t*>(dest);
+  req.load_cancel = cancel;
   absl::Status s = Run(req);
   if (absl::IsAborted(s)) {
     // Name the version it changed to, where the object still answers.

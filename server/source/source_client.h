@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/cancel.h"
 #include "server/source/credentials.h"
 #include "server/source/source_url.h"
 
@@ -96,9 +97,11 @@ class SourceClient {
   // longer than the range is DATA_LOSS. ABORTED "object U changed while
   // loading (ETag A -> B)" on 412 or a Content-Range of another size;
   // DATA_LOSS for a Content-Range other than the range asked for, or a body
-  // still short when retries are spent; otherwise as Head.
+  // still short when retries are spent; otherwise as Head. `cancel` (null:
+  // none) ends the request in flight, and the retries, with its status.
   absl::Status ReadRange(const SourceUrl& url, const ObjectInfo& pinned, uint64_t offset,
-                         uint64_t length, void* dest) const;
+                         uint64_t length, void* dest,
+                         const Cancellation* cancel = nullptr) const;
 
   // The names directly under S3 prefix `dir` (a directory URL) that end
   // with `suffix`, sorted (ListObjectsV2, every page). INVALID_ARGUMENT for
@@ -128,7 +131,8 @@ class SourceClient {
   void* TakeHandle() const;
   void GiveHandle(void* handle) const;
   std::string Region() const;
-  absl::Status Sleep(absl::Duration d) const;
+  // Sleeps `d`, or less when `req` is cancelled (then its CANCELLED).
+  absl::Status Sleep(const Request& req, absl::Duration d) const;
 
   // Constant after Create.
   const SourceClientOptions options_;

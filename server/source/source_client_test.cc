@@ -360,5 +360,37 @@ TEST(SourceClient, CancelStopsARequestInFlight) {
   EXPECT_EQ(server.requests().size(), 1u);
 }
 
+TEST(SourceClient, ALoadsCancellationEndsItsRequestAndNoOther) {
+  const std::string obj = Object(1000);
+  ScriptedServer server([&](const HttpRequest& r) {
+    auto [a, b] = RangeOf(r);
+    return Reply{Partial(obj, a, b, kEtag, 10), absl::Seconds(4)};
+  });
+  auto client = Client(5, /*stall_seconds=*/30);
+  Cancellation load;
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    load.Cancel("the model was unloaded while loading");
+  });
+  std::string dest(100, '\0');
+  const absl::Time start = absl::Now();
+  absl::Status s = client->ReadRange(Url(server, "x"), ObjectInfo{obj.size(), kEtag, ""}, 0, 100,
+                                     dest.data(), &load);
+  canceller.join();
+  EXPECT_TRUE(absl::IsCancelled(s)) << s;
+  EXPECT_EQ(s.message(), "cancelled: the model was unloaded while loading");
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));  // not the server's 4 s
+  EXPECT_EQ(server.requests().size(), 1u);           // and not retried
+  EXPECT_EQ(client->counters().failures, 0u);        // an end, not a failure
+  // The client serves other loads on.
+  ScriptedServer whole([&](const HttpRequest& r) {
+    auto [a, b] = RangeOf(r);
+    return Reply{Partial(obj, a, b, kEtag), absl::ZeroDuration()};
+  });
+  EXPECT_TRUE(client->ReadRange(Url(whole, "x"), ObjectInfo{obj.size(), kEtag, ""}, 0, 100,
+                                dest.data()).ok());
+  EXPECT_EQ(dest, obj.substr(0, 100));
+}
+
 }  // namespace
 }  // namespace weightd

@@ -63,7 +63,7 @@ absl::Status RemoteFileOpener::ReadAt(const OpenedFile& file, uint64_t offset, u
   ObjectInfo pinned;
   pinned.size = static_cast<uint64_t>(file.st.st_size);
   if (!absl::StartsWith(file.version, "last-modified:")) pinned.etag = file.version;
-  return client_->ReadRange(url, pinned, offset, length, dest);
+  return client_->ReadRange(url, pinned, offset, length, dest, file.cancel);
 }
 
 absl::StatusOr<struct stat> RemoteFileOpener::Stat(const OpenedFile& file) const {

@@ -77,6 +77,11 @@ struct CheckpointLoadOptions {
   // its tensors point at them and the rest moves to a segment of its size
   // (the files' segments are freed): see ShareHeldTensors.
   FindHeldFn find_held;
+  // Optional: the load ends CANCELLED once this is cancelled (an unload of
+  // its name, its client gone), between its phases and chunks, and with
+  // the source requests it has in flight (OpenedFile::cancel); everything
+  // it allocated is freed as for any failure.
+  const Cancellation* cancel = nullptr;
 };
 
 }  // namespace weightd

@@ -39,11 +39,13 @@ CheckpointLoader::CheckpointLoader(std::string path, const CheckpointLoadOptions
       tally_(options.progress, options.report != nullptr ? options.report : &local_report_) {}
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> CheckpointLoader::Load() {
+  const Cancellation* cancel = options_.cancel;
   WD_RETURN_IF_ERROR_CTX(Open(), "open");
   WD_RETURN_IF_ERROR_CTX(Charge(), "charge");
   if (std::shared_ptr<const Checkpoint> resident = ShareResident()) return resident;
   Layout();
   if (std::shared_ptr<const Checkpoint> adopted = AdoptDonated()) return adopted;
+  WD_RETURN_IF_ERROR_CTX(CancelledStatus(cancel), "plan sources");
   WD_RETURN_IF_ERROR_CTX(PlanSources(), "plan sources");
   WD_RETURN_IF_ERROR_CTX(Allocate(), "allocate");
   if (plan_.holders.empty()) {
@@ -51,6 +53,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> CheckpointLoader::Load() {
   } else {
     WD_RETURN_IF_ERROR_CTX(ReadFromPeers(), "read from peers");
   }
+  WD_RETURN_IF_ERROR_CTX(CancelledStatus(cancel), "recheck");
   WD_RETURN_IF_ERROR_CTX(Recheck(), "recheck");
   WD_RETURN_IF_ERROR_CTX(Seal(), "seal");
   absl::StatusOr<std::shared_ptr<const Checkpoint>> checkpoint = Dedupe();
@@ -60,7 +63,9 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> CheckpointLoader::Load() {
 
 absl::Status CheckpointLoader::Open() {
   WD_ASSIGN_OR_RETURN(files_, OpenCheckpointFiles(opener_, path_, options_.opened_files));
-  return absl::OkStatus();
+  // Every read of them from now on ends when the load is cancelled.
+  for (CheckpointFile& f : files_.files) f.opened.cancel = options_.cancel;
+  return CancelledStatus(options_.cancel);
 }
 
 absl::Status CheckpointLoader::Charge() {

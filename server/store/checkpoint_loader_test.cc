@@ -219,6 +219,34 @@ TEST_F(CheckpointLoaderTest, FileTruncatedWhileReadIsDataLossAndFreesAll) {
   EXPECT_EQ(used(), 0u);
 }
 
+TEST_F(CheckpointLoaderTest, ACancelledLoadStopsBetweenReadsAndFreesAll) {
+  const std::string path = WriteModel();
+  // Cancelled (an unload, the client gone) as its first data read lands:
+  // every file it reads carries the cancellation, no further chunk is read.
+  Cancellation cancel;
+  class CancelOnFirstRead final : public DataReadHook {
+   public:
+    CancelOnFirstRead(uint64_t data_offset, Cancellation* cancel)
+        : DataReadHook(data_offset), cancel_(cancel) {}
+    absl::Status OnDataRead(const OpenedFile& file, uint64_t, uint64_t, void*,
+                            int n) const override {
+      EXPECT_EQ(file.cancel, cancel_);
+      if (n == 0) cancel_->Cancel("the model was unloaded while loading");
+      return absl::OkStatus();
+    }
+    Cancellation* const cancel_;
+  } files(DataOffset(path), &cancel);
+  CheckpointLoadOptions options = Options(&files);
+  options.read_threads = 1;
+  options.cancel = &cancel;
+  auto loaded = LoadCheckpoint(path, options);
+  ASSERT_EQ(loaded.status().code(), absl::StatusCode::kCancelled) << loaded.status();
+  EXPECT_EQ(loaded.status().message(),
+            "read from storage: cancelled: the model was unloaded while loading");
+  EXPECT_EQ(files.data_reads(), 1);
+  EXPECT_EQ(used(), 0u);
+}
+
 TEST_F(CheckpointLoaderTest, FileGrownWhileReadIsDataLossAtTheRecheck) {
   const std::string path = WriteModel();
   // Bytes appended while the load reads: every read succeeds; the recheck

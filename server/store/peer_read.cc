@@ -344,6 +344,7 @@ absl::Status PeerRead::Fill(const std::vector<size_t>& todo, bool count) {
 absl::Status PeerRead::FillChunk(size_t ci, bool count) {
   const Chunk& c = chunks_.chunks[ci];
   const CheckpointFile& f = files_[c.file];
+  WD_RETURN_IF_ERROR(CancelledStatus(options_.cancel));
   WD_RETURN_IF_ERROR_CTX(PopulateForWrite(c.dest, c.length), "loading ", f.path());
   absl::Status last;
   for (size_t h : RendezvousOrder(plan_.holders, plan_.key, c.group)) {

@@ -39,6 +39,7 @@ void PopulateForRead(const uint8_t* data, uint64_t length) {
 
 absl::Status StorageReader::ReadChunk(const Chunk& c, bool count) const {
   const CheckpointFile& f = files_[c.file];
+  WD_RETURN_IF_ERROR(CancelledStatus(f.opened.cancel));
   WD_RETURN_IF_ERROR_CTX(PopulateForWrite(c.dest, c.length), "reading ", f.path());
   WD_RETURN_IF_ERROR_CTX(opener_.ReadAt(f.opened, c.file_offset, c.length, c.dest), "reading ",
                          f.path());

@@ -644,6 +644,9 @@ def test_object_replaced_mid_load_is_aborted(fd, s3, files, fresh):
 
 
 def test_unload_cancels_a_slow_load_promptly(fd, files, fresh):
+    """unload while the object store holds a range: the load ends CANCELLED
+    within seconds (its request in flight ended, not waited out), and
+    nothing of it stays listed or charged."""
     _, off = _big(files)
     mem = _memory(fd)
     rule = fresh.add("hold", min_start=off)
@@ -815,14 +818,3 @@ def test_a_peer_supplies_a_url_load_storage_serves_it_once(front, files, tmp_pat
     finally:
         for d in ds:
             d.stop()
-
-
-
-# Not built yet on sources-daemon (7164f66 cancels a URL load's requests only
-# at the daemon's shutdown): strict, so the fix makes them fail until this
-# mark goes.
-_NO_CANCEL = pytest.mark.xfail(strict=True, reason="unload / client cancel do not cancel a URL "
-                               "load yet (sources-contract-changes.md, 13:50)")
-test_unload_cancels_a_slow_load_promptly = _NO_CANCEL(test_unload_cancels_a_slow_load_promptly)
-test_client_cancel_abandons_a_slow_load_promptly = _NO_CANCEL(
-    test_client_cancel_abandons_a_slow_load_promptly)

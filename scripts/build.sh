@@ -15,6 +15,14 @@ while (($#)); do
   shift
 done
 BUILD_DIR=${BUILD_DIR:-build}
+if [[ "$sanitize" == *thread* ]]; then
+  # UCX's memory hooks (libucm's madvise, on the thread-exit path) call
+  # into TSan's interceptors after TSan has let go of the exiting thread:
+  # the daemon segfaults (even `weightd --help`, which the man page runs).
+  # The hooks only feed UCX's registration cache; the daemon maps its
+  # segments itself. Off in TSan builds, here and in what runs them.
+  export UCX_MEM_EVENTS=no
+fi
 # ccache (installed by deps.sh) shares compiled units between build
 # directories and runs: paths relative to the checkout, cwd not hashed.
 launcher=()

@@ -41,6 +41,7 @@ if [[ "$sanitize" == *thread* ]]; then
   # any report fails the run, also from a daemon whose test passed.
   tsan_reports="$PWD/$BUILD_DIR/tsan-reports"
   rm -rf "$tsan_reports" && mkdir -p "$tsan_reports"
+  export UCX_MEM_EVENTS=no  # see scripts/build.sh
   export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp log_path=$tsan_reports/report ${TSAN_OPTIONS:-}"
 fi
 # Huge pages: WEIGHTD_TEST_HUGEPAGES=N (root, a writable vm.nr_hugepages)

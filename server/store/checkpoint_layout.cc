@@ -123,6 +123,34 @@ std::vector<size_t> ChunkPlan::Under(size_t file, uint64_t begin, uint64_t lengt
   return out;
 }
 
+DigestAsRead::DigestAsRead(LoadLayout& layout, const ChunkPlan& plan)
+    : layout_(layout),
+      plan_(plan),
+      tensors_of_chunk_(plan.chunks.size()),
+      pending_(new std::atomic<uint32_t>[layout.tensors.size()]) {
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const std::vector<size_t> under =
+        plan.Under(layout.tensor_file[i], layout.tensor_begin[i], layout.tensors[i].length);
+    pending_[i].store(static_cast<uint32_t>(under.size()), std::memory_order_relaxed);
+    for (size_t c : under) tensors_of_chunk_[c].push_back(i);
+    if (under.empty()) Digest(i);  // no bytes to wait for
+  }
+}
+
+void DigestAsRead::ChunkDone(size_t chunk) {
+  for (size_t i : tensors_of_chunk_[chunk]) {
+    // acq_rel: the last chunk's thread sees every other chunk's bytes.
+    if (pending_[i].fetch_sub(1, std::memory_order_acq_rel) == 1) Digest(i);
+  }
+}
+
+void DigestAsRead::Digest(size_t i) {
+  StoredTensor& t = layout_.tensors[i];
+  t.digest = DigestBytes(plan_.file_data[layout_.tensor_file[i]] + layout_.tensor_begin[i],
+                         t.length);
+  digested_.fetch_add(1);
+}
+
 absl::Status DigestTensors(LoadLayout& layout, const ChunkPlan& plan, int threads) {
   return ParallelFor(nullptr, layout.tensors.size(), threads, [&](size_t i) {
     StoredTensor& t = layout.tensors[i];

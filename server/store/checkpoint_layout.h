@@ -6,7 +6,9 @@
 #define WEIGHTD_SERVER_STORE_CHECKPOINT_LAYOUT_H_
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -74,6 +76,34 @@ ChunkPlan PlanChunks(const std::vector<CheckpointFile>& files, const LoadLayout&
 // Sets each tensor's digest to that of its bytes where `plan` put them, on
 // `threads` threads.
 absl::Status DigestTensors(LoadLayout& layout, const ChunkPlan& plan, int threads);
+
+// Digests each tensor as its bytes arrive: once every chunk under it has
+// landed (ChunkDone), on the thread that landed the last one, so that
+// digesting overlaps the reads still in flight instead of following them.
+// Thread-safe: ChunkDone may be called from the reader threads at once,
+// once per chunk. Borrows `layout` (whose digests it sets) and `plan`.
+class DigestAsRead {
+ public:
+  DigestAsRead(LoadLayout& layout, const ChunkPlan& plan);
+  DigestAsRead(const DigestAsRead&) = delete;
+  DigestAsRead& operator=(const DigestAsRead&) = delete;
+
+  // Chunk `chunk` of the plan holds its bytes (written before the call).
+  void ChunkDone(size_t chunk);
+  // Tensors digested so far.
+  size_t digested() const { return digested_.load(); }
+
+ private:
+  void Digest(size_t tensor);
+
+  // Constant after construction.
+  LoadLayout& layout_;
+  const ChunkPlan& plan_;
+  std::vector<std::vector<size_t>> tensors_of_chunk_;
+  // Own synchronization: per tensor, the chunks under it still to land.
+  std::unique_ptr<std::atomic<uint32_t>[]> pending_;
+  std::atomic<size_t> digested_{0};
+};
 
 }  // namespace weightd
 

@@ -168,10 +168,15 @@ absl::Status CheckpointLoader::Allocate() {
 }
 
 absl::Status CheckpointLoader::ReadFromStorage() {
-  // Every data section in chunks, in parallel.
+  // Every data section in chunks, in parallel, each tensor digested as
+  // soon as its last chunk lands.
   const StorageReader storage(opener_, files_.files, tally_);
-  WD_RETURN_IF_ERROR(storage.ReadAll(chunks_, options_.read_threads));
-  WD_RETURN_IF_ERROR(DigestTensors(layout_, chunks_, options_.read_threads));
+  DigestAsRead digest(layout_, chunks_);
+  WD_RETURN_IF_ERROR(storage.ReadAll(chunks_, options_.read_threads, &digest));
+  if (digest.digested() != layout_.tensors.size()) {
+    return absl::InternalError(absl::StrCat("digested ", digest.digested(), " of ",
+                                            layout_.tensors.size(), " tensors"));
+  }
   sources_.bytes_from_storage = layout_.bytes_total;
   return absl::OkStatus();
 }

@@ -24,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/digest.h"
 #include "common/fd.h"
 #include "common/safetensors.h"
 
@@ -217,6 +218,41 @@ TEST_F(CheckpointLoaderTest, FileTruncatedWhileReadIsDataLossAndFreesAll) {
                                             ": file shrank: expected ")))
       << loaded.status();
   EXPECT_EQ(used(), 0u);
+}
+
+TEST_F(CheckpointLoaderTest, EachTensorIsDigestedWhenItsLastChunkLands) {
+  const std::string path = WriteModel();
+  const UnconfinedFileOpener opener;
+  auto files = OpenCheckpointFiles(opener, path, nullptr);
+  ASSERT_TRUE(files.ok()) << files.status();
+  LoadLayout layout = LayOut(*files, 1 << 20);
+  const CheckpointFile& f = files->files[0];
+  std::string data(f.data_length(), '\0');
+  ASSERT_TRUE(opener.ReadAt(f.opened, f.header.data_offset, data.size(), data.data()).ok());
+  std::vector<uint8_t*> file_data = {reinterpret_cast<uint8_t*>(data.data())};
+  const ChunkPlan plan = PlanChunks(files->files, layout, file_data, kChunk);
+  ASSERT_GT(plan.chunks.size(), 30u);
+  DigestAsRead digest(layout, plan);
+  // "d" has no bytes: digested before any chunk lands.
+  EXPECT_EQ(digest.digested(), 1u);
+  // The chunks land last to first: a tensor is digested exactly when the
+  // first of its chunks (the last to land) does, with its bytes' digest.
+  for (size_t c = plan.chunks.size(); c-- > 0;) {
+    digest.ChunkDone(c);
+    size_t complete = 0;
+    for (size_t i = 0; i < layout.tensors.size(); ++i) {
+      const std::vector<size_t> under =
+          plan.Under(0, layout.tensor_begin[i], layout.tensors[i].length);
+      if (under.empty() || under.front() >= c) {
+        ++complete;
+        EXPECT_EQ(layout.tensors[i].digest,
+                  DigestBytes(file_data[0] + layout.tensor_begin[i], layout.tensors[i].length))
+            << layout.tensors[i].name;
+      }
+    }
+    EXPECT_EQ(digest.digested(), complete) << "after chunk " << c;
+  }
+  EXPECT_EQ(digest.digested(), layout.tensors.size());
 }
 
 TEST_F(CheckpointLoaderTest, ACancelledLoadStopsBetweenReadsAndFreesAll) {

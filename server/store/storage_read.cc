@@ -47,9 +47,13 @@ absl::Status StorageReader::ReadChunk(const Chunk& c, bool count) const {
   return absl::OkStatus();
 }
 
-absl::Status StorageReader::ReadAll(const ChunkPlan& plan, int threads) const {
-  return ParallelFor(nullptr, plan.chunks.size(), threads,
-                     [&](size_t i) { return ReadChunk(plan.chunks[i], /*count=*/true); });
+absl::Status StorageReader::ReadAll(const ChunkPlan& plan, int threads,
+                                    DigestAsRead* digest) const {
+  return ParallelFor(nullptr, plan.chunks.size(), threads, [&](size_t i) {
+    WD_RETURN_IF_ERROR(ReadChunk(plan.chunks[i], /*count=*/true));
+    if (digest != nullptr) digest->ChunkDone(i);
+    return absl::OkStatus();
+  });
 }
 
 absl::Status StorageReader::ReadData(size_t file, uint64_t offset, uint64_t length,

@@ -36,8 +36,11 @@ class StorageReader {
   // Reads chunk `c` into its place (its pages populated first); with
   // `count`, as progress too. Errors name the file ("reading PATH: ...").
   absl::Status ReadChunk(const Chunk& c, bool count) const;
-  // Reads every chunk of `plan`, `threads` at once, as progress.
-  absl::Status ReadAll(const ChunkPlan& plan, int threads) const;
+  // Reads every chunk of `plan`, `threads` at once, as progress; each
+  // chunk read is told to `digest` (if any), which digests the tensors it
+  // completes.
+  absl::Status ReadAll(const ChunkPlan& plan, int threads,
+                       DigestAsRead* digest = nullptr) const;
   // Reads `length` bytes at `offset` of file `file`'s data section into
   // `dest` (a sample, a check). Errors name the file.
   absl::Status ReadData(size_t file, uint64_t offset, uint64_t length, void* dest) const;

@@ -18,10 +18,15 @@ egress (--rate); node namespaces run weightd. In the same run:
             auto); the storage namespace's link counter (read from outside)
             says how many bytes left storage in all
 
+With --flow-rate R each storage connection is also paced to R (netsim's
+per-connection HTB classes), as object stores serve one connection well
+below a node's link (S3: tens of MB/s each); the link is then iperf3 with
+--streams connections, and the baseline's one curl stream gets R.
+
 Goals (issue 42): daemon >= 0.8x link; daemon >= 1.5x faster than baseline;
 fleet storage bytes ~= 1x the checkpoint.
 
-  bench/source_bench.py [--size-mib 512] [--rate 1gbit] [--repeats 3]
+  bench/source_bench.py [--size-mib 512] [--rate 1gbit] [--flow-rate R] [--repeats 3]
                         [--streams 8] [--no-fleet] [--build build]
                         [--out bench/source_results.json]
 """
@@ -90,16 +95,17 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
-def iperf(net, seconds):
-    """Bytes/s from the storage namespace to node0 (iperf3 -R), through the
-    same shaped link the object store's bytes take."""
+def iperf(net, seconds, streams=1):
+    """Bytes/s from the storage namespace to node0 (iperf3 -R, `streams`
+    connections), through the same shaped link the object store's bytes
+    take."""
     srv = net.storage.popen(["iperf3", "-s", "-1", "-B", net.storage.addr],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 30
         while time.time() < deadline:
             r = net.nodes[0].run(["iperf3", "-c", net.storage.addr, "-R", "-t", str(seconds),
-                                  "-J"])
+                                  "-P", str(streams), "-J"])
             if r.returncode == 0:
                 break
             time.sleep(0.2)
@@ -124,6 +130,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-mib", type=int, default=512)
     ap.add_argument("--rate", default="1gbit", help="tc rate of the storage's egress")
+    ap.add_argument("--flow-rate", default=None,
+                    help="also pace each storage connection to this rate (an object store's "
+                         "per-connection limit); the link is then iperf3 with --streams "
+                         "connections")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--iperf-seconds", type=int, default=3)
@@ -141,21 +151,30 @@ def main():
     log("writing a %d MiB checkpoint" % args.size_mib)
     write_checkpoint(ckpt, args.size_mib)
     nbytes = os.path.getsize(ckpt)
-    result = {"checkpoint_bytes": nbytes, "rate": args.rate, "streams": args.streams,
+    result = {"checkpoint_bytes": nbytes, "rate": args.rate, "flow_rate": args.flow_rate,
+              "streams": args.streams,
               "repeats": args.repeats, "s3_server": "@20minutes/s3rver 5.0.0 (node %s)" %
               subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip(),
               "nproc": os.cpu_count()}
     daemons = []
-    net = netsim.Net(nodes=3 if not args.no_fleet else 1, storage_rate=args.rate)
+    net = netsim.Net(nodes=3 if not args.no_fleet else 1, storage_rate=args.rate,
+                     storage_flow_rate=args.flow_rate)
     s3 = None
     try:
         s3 = ss.S3Server(host=net.storage.addr, prefix=net.storage.prefix).start(timeout=60)
         s3.create_bucket(BUCKET, via=net.storage.prefix)
         etag = s3.put(BUCKET, KEY, path=ckpt, via=net.storage.prefix)
         log("uploaded %d bytes to s3://%s/%s (ETag %s)" % (nbytes, BUCKET, KEY, etag))
-        link = iperf(net, args.iperf_seconds)
+        # The link: what as many connections as the daemon opens get (one
+        # is all of it when connections are not paced).
+        link_streams = args.streams if args.flow_rate else 1
+        link = iperf(net, args.iperf_seconds, link_streams)
         result["link_bytes_per_s"] = link
-        log("link (iperf3 -R, %s): %.1f MB/s" % (args.rate, link / 1e6))
+        result["link_iperf3_streams"] = link_streams
+        if args.flow_rate:
+            result["one_connection_bytes_per_s"] = iperf(net, args.iperf_seconds, 1)
+        log("link (iperf3 -R -P %d, %s, per connection %s): %.1f MB/s"
+            % (link_streams, args.rate, args.flow_rate or "-", link / 1e6))
 
         src = ["--model-source", "s3://%s/" % BUCKET, "--s3-endpoint", s3.endpoint,
                "--source-streams", str(args.streams)]

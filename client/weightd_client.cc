@@ -185,7 +185,8 @@ absl::StatusOr<ModelInfo> Client::Load(
       progress(LoadProgressUpdate{msg.bytes_done(), msg.bytes_total(), msg.tensors_done(),
                                   msg.tensors_total(), msg.current_file(),
                                   msg.bytes_from_storage(), msg.bytes_from_peers(),
-                                  {msg.peers().begin(), msg.peers().end()}, msg.done()});
+                                  {msg.peers().begin(), msg.peers().end()}, msg.done(),
+                                  {msg.peer_transports().begin(), msg.peer_transports().end()}});
     }
   }
   WD_RETURN_IF_ERROR(FromGrpc(reader->Finish()));

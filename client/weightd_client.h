@@ -107,6 +107,8 @@ struct LoadProgressUpdate {
   uint64_t bytes_from_storage = 0, bytes_from_peers = 0;
   std::vector<std::string> peers;
   bool done = false;  // the last update, once the model is loaded
+  // Per entry of `peers`: what carried its bytes ("grpc", "ucx", "grpc+ucx").
+  std::vector<std::string> peer_transports;
 };
 
 // A GPU the daemon found (named by UUID on the wire).

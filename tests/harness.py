@@ -139,7 +139,9 @@ class Daemon:
             self.prefix + [WEIGHTD, "--socket", self.socket, "--model-root", self.model_root] + self.extra_args,
             stdout=self._log, stderr=subprocess.STDOUT,
             preexec_fn=None if umask is None else (lambda: os.umask(umask)))
-        deadline = time.time() + timeout
+        # (a restore at start reads its checkpoints first: several times
+        # slower under a sanitizer)
+        deadline = time.time() + timeout * (3 if SANITIZE else 1)
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError("weightd exited early: " + self.log())

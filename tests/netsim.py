@@ -112,6 +112,34 @@ class Node:
         return "Node(%s, %s)" % (self.ns, self.addr)
 
 
+# A storage_flow_rate Net gives the nodes' connections these local ports,
+# one HTB class each on the storage's egress.
+FLOW_PORTS = (40000, 40255)
+
+
+def _shape_per_flow(ns, dev, rate, flow_rate):
+    """Each connection to a node (by the node's port, FLOW_PORTS) paced to
+    flow_rate under `rate` in all: HTB classes 1:<k> under 1:1, selected by
+    u32 on the destination port (this kernel has neither fq nor netem)."""
+    tc = ["ip", "netns", "exec", ns, "tc"]
+    total = rate or "100gbit"
+    cmds = [["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "2"],
+            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+             "rate", total, "ceil", total],
+            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:2", "htb",
+             "rate", flow_rate, "ceil", flow_rate]]
+    lo, hi = FLOW_PORTS
+    for k, port in enumerate(range(lo, hi + 1)):
+        cls = "1:%x" % (0x100 + k)
+        cmds.append(["class", "add", "dev", dev, "parent", "1:1", "classid", cls, "htb",
+                     "rate", flow_rate, "ceil", flow_rate])
+        cmds.append(["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                     "u32", "match", "ip", "dport", str(port), "0xffff", "flowid", cls])
+    batch = "\n".join(" ".join(c) for c in cmds) + "\n"
+    subprocess.run(tc + ["-batch", "-"], input=batch, text=True, check=True,
+                   capture_output=True)
+
+
 def _shape(ns, dev, rate, delay):
     base = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
     if delay and rate:
@@ -129,9 +157,15 @@ def _shape(ns, dev, rate, delay):
 class Net:
     """nodes: how many node namespaces; storage: add the storage namespace;
     storage_rate / node_rate: tc rates ("400mbit", None = unshaped) of the
-    storage's and each node's egress; delay: netem delay on every link."""
+    storage's and each node's egress; delay: netem delay on every link
+    (kernels with sch_netem); storage_flow_rate: each connection from
+    storage also paced to this rate, as an object store serves one
+    connection well below a node's link (the nodes' local ports are then
+    FLOW_PORTS)."""
 
-    def __init__(self, nodes=2, storage=True, storage_rate=None, node_rate=None, delay=None):
+    def __init__(self, nodes=2, storage=True, storage_rate=None, node_rate=None, delay=None,
+                 storage_flow_rate=None):
+        self._flow_rate = storage_flow_rate
         ok, why = available()
         if not ok:
             raise RuntimeError(why)
@@ -174,7 +208,15 @@ class Net:
         _ip("-n", self.hub, "link", "set", port, "up")
         _ip("-n", ns, "addr", "add", addr + "/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
-        _shape(ns, "eth0", rate, delay)
+        if role == "storage" and self._flow_rate:
+            if delay:
+                raise ValueError("storage_flow_rate with delay is not built")
+            _shape_per_flow(ns, "eth0", rate, self._flow_rate)
+        else:
+            _shape(ns, "eth0", rate, delay)
+        if self._flow_rate and role != "storage":
+            _ip("netns", "exec", ns, "sysctl", "-q", "-w",
+                "net.ipv4.ip_local_port_range=%d %d" % FLOW_PORTS)
         return Node(self, ns, addr, role)
 
     @property

@@ -185,6 +185,14 @@ absl::Status CmdLoad(Client& c, const Args& a) {
     std::printf("from peers %s: %s; from storage: %s\n", absl::StrJoin(last.peers, ",").c_str(),
                 HumanBytes(last.bytes_from_peers).c_str(),
                 HumanBytes(last.bytes_from_storage).c_str());
+    // What carried each peer's bytes: "peer transports: A=ucx B=grpc".
+    std::vector<std::string> by;
+    for (size_t i = 0; i < last.peers.size() && i < last.peer_transports.size(); ++i) {
+      if (!last.peer_transports[i].empty()) {
+        by.push_back(absl::StrCat(last.peers[i], "=", last.peer_transports[i]));
+      }
+    }
+    if (!by.empty()) std::printf("peer transports: %s\n", absl::StrJoin(by, " ").c_str());
   }
   for (const std::string& line : info->report) std::printf("%s\n", line.c_str());
   return absl::OkStatus();

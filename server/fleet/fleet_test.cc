@@ -217,13 +217,16 @@ TEST_F(FleetTest, ReadRangeTakesOnlyTheRangeInOrder) {
   ASSERT_NE(fleet, nullptr);
   const Digest key = DigestBytes("key", 3), copy = DigestBytes("copy", 4);
   std::string dest(6, '\0');
+  const char* transport = "";
   auto read = [&] {
     return fleet->checkpoint_peers()->ReadRange(address_, key, copy, {0, 10, 6},
-                                                reinterpret_cast<uint8_t*>(dest.data()));
+                                                reinterpret_cast<uint8_t*>(dest.data()),
+                                                &transport);
   };
   peer_.Set({.chunks = {Chunk(0, "abc"), Chunk(3, "def")}});
   ASSERT_TRUE(read().ok());
   EXPECT_EQ(dest, "abcdef");
+  EXPECT_STREQ(transport, "grpc");  // no UCX plane: over gRPC
 
   peer_.Set({.chunks = {Chunk(0, "abc"), Chunk(4, "ef")}});
   EXPECT_EQ(read(), absl::DataLossError(absl::StrCat(

@@ -201,7 +201,7 @@ PeerCheckpointClient::TransportStats() const {
 
 absl::Status PeerCheckpointClient::ReadRange(const std::string& peer, const Digest& key,
                                              const Digest& copy, const CheckpointRange& range,
-                                             uint8_t* dest) {
+                                             uint8_t* dest, const char** transport) {
   const absl::Duration deadline = 2 * table_->options().call_timeout +
                                   absl::Seconds(static_cast<double>(range.length) / (32 << 20));
   const absl::Time start = absl::Now();
@@ -220,6 +220,7 @@ absl::Status PeerCheckpointClient::ReadRange(const std::string& peer, const Dige
       absl::Status s = ucx_->Read(peer, offer->worker, offer->files[range.file], range.offset,
                                   range.length, dest, deadline);
       Count(peer, "ucx", range.length, absl::Now() - start, s.ok());
+      if (transport != nullptr) *transport = "ucx";
       return s;
     }
     if (transport_ == PeerTransport::kUcx) {
@@ -229,6 +230,7 @@ absl::Status PeerCheckpointClient::ReadRange(const std::string& peer, const Dige
   }
   absl::Status s = ReadRangeGrpc(peer, key, copy, range, dest, deadline);
   Count(peer, "grpc", range.length, absl::Now() - start, s.ok());
+  if (transport != nullptr) *transport = "grpc";
   return s;
 }
 

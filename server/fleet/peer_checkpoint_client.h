@@ -50,7 +50,8 @@ class PeerCheckpointClient : public CheckpointPeers {
 
   std::vector<PeerHolding> FindHolders(const PeerQuery& query) override;
   absl::Status ReadRange(const std::string& peer, const Digest& key, const Digest& copy,
-                         const CheckpointRange& range, uint8_t* dest) override;
+                         const CheckpointRange& range, uint8_t* dest,
+                         const char** transport) override;
 
   // Bytes read and seconds spent reading, by (peer, transport: "ucx" or
   // "grpc"), since start.

@@ -32,6 +32,7 @@ v1::LoadProgress ProgressMessage(const LoadProgressInfo& p) {
   msg.set_bytes_from_storage(p.bytes_from_storage);
   msg.set_bytes_from_peers(p.bytes_from_peers);
   for (const std::string& peer : p.peers) msg.add_peers(peer);
+  for (const std::string& t : p.peer_transports) msg.add_peer_transports(t);
   return msg;
 }
 
@@ -42,6 +43,7 @@ v1::LoadProgress DoneMessage(const LoadProgressInfo& last, const ModelSummary& m
   done.set_bytes_from_storage(last.bytes_from_storage);
   done.set_bytes_from_peers(last.bytes_from_peers);
   for (const std::string& peer : last.peers) done.add_peers(peer);
+  for (const std::string& t : last.peer_transports) done.add_peer_transports(t);
   done.set_done(true);
   done.set_bytes_done(model.total_bytes);
   done.set_bytes_total(model.total_bytes);

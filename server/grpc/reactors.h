@@ -104,13 +104,18 @@ class QueuedWriter : public grpc::ServerWriteReactor<T> {
     }
   }
   void OnCancel() override {
-    {
-      absl::MutexLock lock(&mu_);
-      cancelled_ = true;
-    }
-    if (on_cancel_) on_cancel_->Cancel("the client cancelled the call");
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    if (on_cancel_) on_cancel_->Cancel("the client cancelled the call");  // a leaf lock
   }
-  void OnDone() override { delete this; }  // gRPC reactor idiom
+  void OnDone() override {
+    // gRPC calls this after every other reaction and after Finish; taking
+    // mu_ first orders the last Push, Close and OnCancel (each under mu_)
+    // before the delete where TSan can see it (gRPC's own ordering is
+    // inside libgrpc).
+    { absl::MutexLock lock(&mu_); }
+    delete this;  // gRPC reactor idiom
+  }
 
   CallDrain::Hold hold_;
   const std::shared_ptr<Cancellation> on_cancel_;  // may be null

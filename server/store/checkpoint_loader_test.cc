@@ -481,7 +481,7 @@ class OneHolder final : public CheckpointPeers {
     return {std::move(*h)};
   }
   absl::Status ReadRange(const std::string&, const Digest&, const Digest&,
-                         const CheckpointRange& range, uint8_t* dest) override {
+                         const CheckpointRange& range, uint8_t* dest, const char**) override {
     auto held = FindHeldBytes(*held_, range, kMaxPeerRangeBytes);
     if (!held.ok()) return held.status();
     std::memcpy(dest, held->buffer->host_data() + held->offset, range.length);

@@ -405,7 +405,9 @@ class MemoryPeers : public CheckpointPeers {
     return out;
   }
   absl::Status ReadRange(const std::string& address, const Digest& key, const Digest& copy,
-                         const CheckpointRange& range, uint8_t* dest) override {
+                         const CheckpointRange& range, uint8_t* dest,
+                         const char** transport) override {
+    if (transport != nullptr) *transport = "memory";
     {
       absl::MutexLock lock(&mu_);
       reads_[address]++;

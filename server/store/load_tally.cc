@@ -1,6 +1,11 @@
 #include "server/store/load_tally.h"
 
 #include <algorithm>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 namespace weightd {
 
@@ -24,14 +29,14 @@ void LoadTally::SetTotals(uint64_t bytes, uint64_t tensors) {
 void LoadTally::StorageRead(uint64_t bytes, const std::string& file, bool count) {
   absl::MutexLock lock(&mu_);
   report_->storage_bytes += bytes;
-  if (count) Progress(bytes, file, "");
+  if (count) Progress(bytes, file, "", "");
 }
 
 void LoadTally::PeerSent(uint64_t bytes, const std::string& file, const std::string& peer,
-                         bool count) {
+                         const std::string& transport, bool count) {
   absl::MutexLock lock(&mu_);
   report_->peer_bytes_discarded += bytes;
-  if (count) Progress(bytes, file, peer);
+  if (count) Progress(bytes, file, peer, transport);
 }
 
 void LoadTally::PeerFailed(const std::string& peer) {
@@ -46,7 +51,8 @@ void LoadTally::KeepPeerBytes(const std::string& peer, uint64_t bytes) {
   report_->peer_bytes_discarded -= bytes;
 }
 
-void LoadTally::Progress(uint64_t bytes, const std::string& file, const std::string& peer) {
+void LoadTally::Progress(uint64_t bytes, const std::string& file, const std::string& peer,
+                         const std::string& transport) {
   if (!fn_) return;
   info_.bytes_done += bytes;
   info_.current_file = file;
@@ -54,8 +60,20 @@ void LoadTally::Progress(uint64_t bytes, const std::string& file, const std::str
     info_.bytes_from_storage += bytes;
   } else {
     info_.bytes_from_peers += bytes;
-    if (std::find(info_.peers.begin(), info_.peers.end(), peer) == info_.peers.end()) {
+    auto it = std::find(info_.peers.begin(), info_.peers.end(), peer);
+    const size_t i = static_cast<size_t>(it - info_.peers.begin());
+    if (it == info_.peers.end()) {
       info_.peers.push_back(peer);
+      info_.peer_transports.push_back(transport);
+    } else if (!transport.empty()) {
+      // The transports it used, sorted, "+"-joined.
+      std::vector<std::string> used = absl::StrSplit(info_.peer_transports[i], '+',
+                                                     absl::SkipEmpty());
+      if (std::find(used.begin(), used.end(), transport) == used.end()) {
+        used.push_back(transport);
+        std::sort(used.begin(), used.end());
+        info_.peer_transports[i] = absl::StrJoin(used, "+");
+      }
     }
   }
   fn_(info_);

@@ -22,10 +22,13 @@ struct LoadProgressInfo {
   uint64_t tensors_done = 0;
   uint64_t tensors_total = 0;
   std::string current_file;
-  // Where the bytes done came from (peers: the addresses that sent some).
+  // Where the bytes done came from (peers: the addresses that sent some;
+  // peer_transports, per peer: what carried them, "grpc", "ucx" or
+  // "grpc+ucx").
   uint64_t bytes_from_storage = 0;
   uint64_t bytes_from_peers = 0;
   std::vector<std::string> peers;
+  std::vector<std::string> peer_transports;
 };
 using LoadProgressFn = std::function<void(const LoadProgressInfo&)>;
 
@@ -47,18 +50,19 @@ class LoadTally {
   // `bytes` read from storage (samples and checks included); with `count`,
   // also progress on `file`.
   void StorageRead(uint64_t bytes, const std::string& file, bool count) ABSL_LOCKS_EXCLUDED(mu_);
-  // `bytes` of `file` that `peer` sent: counted discarded until the load
-  // keeps them (KeepPeerBytes); with `count`, also progress.
-  void PeerSent(uint64_t bytes, const std::string& file, const std::string& peer, bool count)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // `bytes` of `file` that `peer` sent over `transport` ("grpc", "ucx"):
+  // counted discarded until the load keeps them (KeepPeerBytes); with
+  // `count`, also progress.
+  void PeerSent(uint64_t bytes, const std::string& file, const std::string& peer,
+                const std::string& transport, bool count) ABSL_LOCKS_EXCLUDED(mu_);
   // A range `peer` failed (or a holder turned away for its answer).
   void PeerFailed(const std::string& peer) ABSL_LOCKS_EXCLUDED(mu_);
   // `bytes` from `peer` that the load keeps (once, at its end).
   void KeepPeerBytes(const std::string& peer, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  void Progress(uint64_t bytes, const std::string& file, const std::string& peer)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Progress(uint64_t bytes, const std::string& file, const std::string& peer,
+                const std::string& transport) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
   const LoadProgressFn& fn_;

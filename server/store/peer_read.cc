@@ -279,6 +279,7 @@ PeerRead::PeerRead(const std::string& path, const CheckpointLoadOptions& options
       dropped_(std::make_unique<std::atomic<bool>[]>(plan.holders.size())),
       lied_(std::make_unique<std::atomic<bool>[]>(plan.holders.size())),
       supplier_(chunks.chunks.size(), kFromStorage),
+      transport_(chunks.chunks.size(), ""),
       unchecked_(chunks.chunks.size(), 0),
       excluded_(chunks.chunks.size()),
       layout_(layout) {
@@ -353,13 +354,15 @@ absl::Status PeerRead::FillChunk(size_t ci, bool count) {
       continue;
     }
     const CheckpointRange range{static_cast<uint32_t>(c.file), c.data_begin, c.length};
-    absl::Status s =
-        options_.peers->ReadRange(plan_.holders[h], plan_.key, plan_.copy, range, c.dest);
+    const char* transport = "";
+    absl::Status s = options_.peers->ReadRange(plan_.holders[h], plan_.key, plan_.copy, range,
+                                               c.dest, &transport);
     if (s.ok()) {
       supplier_[ci] = static_cast<int>(h);
+      transport_[ci] = transport;
       unchecked_[ci] = 1;
       // Discarded until the load keeps them (counted at its end).
-      tally_.PeerSent(c.length, f.path(), plan_.holders[h], count);
+      tally_.PeerSent(c.length, f.path(), plan_.holders[h], transport, count);
       return absl::OkStatus();
     }
     Drop(h, s, "peer_read_failed");
@@ -508,7 +511,8 @@ absl::Status PeerRead::AllFromStorage() {
 }
 
 void PeerRead::CountSources() {
-  std::set<int> used;
+  // Per holder that supplied kept bytes: the transports that carried them.
+  std::map<int, std::set<std::string>> used;
   for (size_t ci = 0; ci < supplier_.size(); ++ci) {
     const uint64_t length = chunks_.chunks[ci].length;
     if (supplier_[ci] == kFromStorage) {
@@ -516,14 +520,19 @@ void PeerRead::CountSources() {
     } else {
       sources_.bytes_from_peers += length;
       kept_by_peer_[plan_.holders[supplier_[ci]]] += length;
-      used.insert(supplier_[ci]);
+      std::set<std::string>& over = used[supplier_[ci]];
+      if (*transport_[ci] != '\0') over.insert(transport_[ci]);
     }
   }
-  for (int h : used) sources_.peers.push_back(plan_.holders[h]);
+  for (const auto& [h, over] : used) {
+    sources_.peers.push_back(plan_.holders[h]);
+    sources_.peer_transports.push_back(absl::StrJoin(over, "+"));
+  }
   LogEvent(LogLevel::kInfo, "load_sources",
            {{"path", path_}, {"from_peers", absl::StrCat(sources_.bytes_from_peers)},
             {"from_storage", absl::StrCat(sources_.bytes_from_storage)},
-            {"peers", absl::StrJoin(sources_.peers, ",")}});
+            {"peers", absl::StrJoin(sources_.peers, ",")},
+            {"transports", absl::StrJoin(sources_.peer_transports, ",")}});
 }
 
 }  // namespace weightd

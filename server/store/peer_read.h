@@ -135,10 +135,11 @@ class PeerRead {
   std::unique_ptr<std::atomic<bool>[]> lied_;
 
   // Per chunk, each entry written only by the thread filling that chunk:
-  // who filled it (a holder, or kFromStorage); filled by a peer since the
-  // last comparison with storage; holders it is not asked again (changed
-  // only between fills).
+  // who filled it (a holder, or kFromStorage) and over what (a static
+  // string: "grpc", "ucx"); filled by a peer since the last comparison with
+  // storage; holders it is not asked again (changed only between fills).
   std::vector<int> supplier_;
+  std::vector<const char*> transport_;
   std::vector<char> unchecked_;
   std::vector<std::vector<int>> excluded_;
 

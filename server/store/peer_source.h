@@ -93,9 +93,11 @@ class CheckpointPeers {
   virtual std::vector<PeerHolding> FindHolders(const PeerQuery& query) = 0;
   // Reads `range` of copy `copy` of the checkpoint `key` from `peer` into
   // `dest` (range.length bytes): an error for anything refused, short, out
-  // of order or later than the transfer deadline.
+  // of order or later than the transfer deadline. `*transport` (when not
+  // null) is set to what carried the bytes: "grpc", "ucx".
   virtual absl::Status ReadRange(const std::string& peer, const Digest& key, const Digest& copy,
-                                 const CheckpointRange& range, uint8_t* dest) = 0;
+                                 const CheckpointRange& range, uint8_t* dest,
+                                 const char** transport) = 0;
 };
 
 // Where a load's bytes came from (LoadCheckpoint fills it).

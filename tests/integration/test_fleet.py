@@ -17,6 +17,7 @@ loader's memory. Every daemon here is a fleet member of the others
 """
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -204,6 +205,8 @@ def test_storage_is_read_once_per_fleet(tmp_path, checkpoint):
             assert last.done and last.bytes_from_peers == last.bytes_total > 0, last
             assert last.bytes_from_storage == 0
             assert set(last.peers) <= set(holders), (last.peers, holders)
+            assert len(last.peer_transports) == len(last.peers), last
+            assert set(last.peer_transports) == {"grpc"}, last
             assert read < size / 6, "daemon %d read %d bytes from storage" % (i, read)
             with weightd.Client(socket=node.socket) as cl:
                 s = cl.stats()
@@ -245,6 +248,9 @@ def test_storage_is_read_once_per_fleet(tmp_path, checkpoint):
         d4.ctl_ok("unload", "m")
         out = d4.ctl_ok("load", "m", str(path), "--source", "peers").stdout
         assert "from peers " in out
+        # ... and what carried them (these daemons have no UCX: gRPC).
+        used = re.search(r"^peer transports: (.*)$", out, re.M)
+        assert used and all(p.endswith("=grpc") for p in used.group(1).split()), out
         _drop_cache(path)
         before = _read_bytes(b.proc.pid)
         b.ctl_ok("load", "fresh", str(path / "model-00001-of-00002.safetensors"),

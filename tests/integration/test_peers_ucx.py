@@ -112,6 +112,8 @@ def test_loads_over_ucx_equal_pytorchs_reading(tmp_path, checkpoint, ucx_tls):
             key = 'weightd_peer_bytes_total{peer="%s",transport="ucx"}' % a_addr
             assert m[key] == by[a_addr]["ucx"]["bytes"], m
             assert last.bytes_from_peers > 0 and list(last.peers) == [a_addr], last
+            # The load's progress says what carried them.
+            assert list(last.peer_transports) == ["ucx"], last
             # Only the samples (and secret pieces) came from storage.
             assert last.bytes_from_storage == 0, last
             wid = _check_bytes(c, "m", tensors)
@@ -266,6 +268,7 @@ def test_a_side_without_ucx_is_served_over_grpc(tmp_path, checkpoint, holder, lo
         with _running(c):
             info, last, _ = _load(c, "m", path, source="peers")
             assert list(last.peers) == [a_addr] and last.bytes_from_storage == 0, last
+            assert list(last.peer_transports) == ["grpc"], last
             assert not _endpoint_transports(c.log())
             with weightd.Client(socket=c.socket) as cl:
                 by = cl.stats()["peer_transports"]

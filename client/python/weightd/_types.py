@@ -52,6 +52,8 @@ class LoadProgress:
     bytes_from_peers: int = 0
     peers: Tuple[str, ...] = ()
     done: bool = False  # the last report, sent once the model is loaded
+    # Per entry of `peers`: what carried its bytes ("grpc", "ucx", "grpc+ucx").
+    peer_transports: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ def load_progress(msg):
     """A LoadResponse stream message as LoadProgress."""
     return LoadProgress(msg.bytes_done, msg.bytes_total, msg.tensors_done, msg.tensors_total,
                         msg.current_file, msg.bytes_from_storage, msg.bytes_from_peers,
-                        tuple(msg.peers), msg.done)
+                        tuple(msg.peers), msg.done, tuple(msg.peer_transports))
 
 
 def generation_event(ev):

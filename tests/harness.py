@@ -148,6 +148,8 @@ class Daemon:
             if os.path.exists(self.socket) and self.ctl("health").returncode == 0:
                 return self
             time.sleep(0.05)
+        self.proc.kill()  # not left running (and holding its memory) past the test
+        self.proc.wait()
         raise RuntimeError("weightd did not become healthy: " + self.log())
 
     def stop(self, timeout=20.0):

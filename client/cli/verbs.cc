@@ -260,10 +260,13 @@ absl::Status CmdVerify(Client& c, const Args& a) {
 }
 
 // One "peer:" line per peer (reachable or why not, seconds since it last
-// answered), then one "model:" line per model it holds.
+// answered), then one "model:" line per model it holds and one
+// "transport:" line per transport its bytes came over to this daemon (as
+// `weightctl stats` peer_transport lines; only for callers Stats answers).
 absl::Status CmdPeers(Client& c, const Args& a) {
   WD_RETURN_IF_ERROR(NeedPositional(a, 0, "peers"));
   WD_ASSIGN_OR_RETURN(PeersInfo info, c.Peers());
+  const absl::StatusOr<DaemonStats> stats = c.Stats();
   if (!info.advertise.empty()) std::printf("advertise: %s\n", info.advertise.c_str());
   if (!info.peer_dns.empty()) {
     std::printf("peer_dns: %s%s\n", info.peer_dns.c_str(),
@@ -280,6 +283,14 @@ absl::Status CmdPeers(Client& c, const Args& a) {
     for (const PeerModelInfo& m : p.models) {
       std::printf("model: %s\t%s\tgeneration=%llu\tweights_id=%s\n", p.address.c_str(),
                   m.name.c_str(), (unsigned long long)m.generation, m.weights_id.c_str());
+    }
+    if (!stats.ok()) continue;
+    for (const DaemonStats::PeerTransportStats& t : stats->peer_transports) {
+      if (t.peer != p.address) continue;
+      std::printf("transport: %s\t%s\tbytes=%llu\tGB/s=%.2f\tfailures=%llu\n", t.peer.c_str(),
+                  t.transport.c_str(), (unsigned long long)t.bytes,
+                  t.seconds > 0 ? t.bytes / t.seconds / 1e9 : 0.0,
+                  (unsigned long long)t.failures);
     }
   }
   return absl::OkStatus();

@@ -26,6 +26,26 @@ void Refuse(const std::string& peer, const std::string& key_hex, const std::stri
 // headers say how many tensors each file has), or "" when it is.
 std::string ShapeError(const v1::FindCheckpointResponse& resp, const PeerQuery& query) {
   const size_t files = query.tensors_per_file.size();
+  if (resp.partial()) {
+    // Still loading: no tensor digests, a digest or nothing per sample, at
+    // most 4096 ranges, each inside a file of the checkpoint.
+    if (resp.tensor_digests_size() != 0 ||
+        static_cast<size_t>(resp.sample_digests_size()) != query.samples.size() ||
+        resp.copy().size() != 16 || resp.available_size() > 4096 ||
+        std::any_of(resp.sample_digests().begin(), resp.sample_digests().end(),
+                    [](const std::string& d) { return !d.empty() && d.size() != 16; })) {
+      return absl::StrCat("its answer (still loading) has ", resp.tensor_digests_size(),
+                          " files' digests, ", resp.sample_digests_size(), " sample digests for ",
+                          query.samples.size(), " samples and ", resp.available_size(),
+                          " ranges");
+    }
+    for (const v1::CheckpointRange& r : resp.available()) {
+      if (r.file() >= files || r.length() == 0 || r.offset() + r.length() < r.offset()) {
+        return "its answer (still loading) names a range outside the checkpoint's files";
+      }
+    }
+    return "";
+  }
   if (static_cast<size_t>(resp.tensor_digests_size()) != files) {
     return absl::StrCat("its answer has digests for ", resp.tensor_digests_size(),
                         " files; the checkpoint has ", files);
@@ -60,7 +80,15 @@ PeerHolding ToHolding(const std::string& peer, const v1::FindCheckpointResponse&
     }
     h.tensor_digests.push_back(std::move(digests));
   }
-  for (const std::string& d : resp.sample_digests()) h.sample_digests.push_back(*DigestFromBytes(d));
+  for (const std::string& d : resp.sample_digests()) {
+    h.sample_digests.push_back(d.empty() ? Digest{} : *DigestFromBytes(d));
+    h.sample_known.push_back(!d.empty());
+  }
+  h.partial = resp.partial();
+  for (const v1::CheckpointRange& r : resp.available()) {
+    h.available.push_back({r.file(), r.offset(), r.length()});
+  }
+  if (!h.partial) h.sample_known.clear();
   return h;
 }
 

@@ -62,7 +62,19 @@ void FillHolding(const PeerHolding& held, v1::FindCheckpointResponse* resp) {
     out->reserve(file.size() * 16);
     for (const Digest& d : file) out->append(d.View().data(), d.View().size());
   }
-  for (const Digest& d : held.sample_digests) resp->add_sample_digests(std::string(d.View()));
+  for (size_t k = 0; k < held.sample_digests.size(); ++k) {
+    // A partial holder leaves the samples it has not read empty.
+    const bool known = !held.partial || held.sample_known[k];
+    resp->add_sample_digests(known ? std::string(held.sample_digests[k].View()) : std::string());
+  }
+  if (!held.partial) return;
+  resp->set_partial(true);
+  for (const CheckpointRange& r : held.available) {
+    v1::CheckpointRange* out = resp->add_available();
+    out->set_file(r.file);
+    out->set_offset(r.offset);
+    out->set_length(r.length);
+  }
 }
 
 }  // namespace
@@ -110,7 +122,8 @@ grpc::ServerUnaryReactor* ModelsImpl::FindCheckpoint(grpc::CallbackServerContext
                      FillHolding(held, resp);
                      // Over UCX too, when the asker reads over it (same
                      // checks as above: the grants are for this copy only).
-                     OfferUcx(ucx_, *copies_, *req, key, who, resp);
+                     // A load still running here serves over gRPC only.
+                     if (!held.partial) OfferUcx(ucx_, *copies_, *req, key, who, resp);
                      return absl::OkStatus();
                    });
 }

@@ -159,7 +159,7 @@ absl::StatusOr<std::shared_ptr<Model>> ModelService::BuildModel(
   // merges; rebuilt on demand) make room first: they are in the memory
   // manager's reclaimer chain.
   auto checkpoint = ReadCheckpoint(path, source, &shared_charge, progress, options_.donated,
-                                   &model->files, /*share_held=*/true, &cancel);
+                                   &model->files, /*share_held=*/true, &cancel, &model->readers);
   if (!checkpoint.ok()) return checkpoint.status();
   model->checkpoint = std::move(*checkpoint);
   *shared = shared_charge != nullptr;
@@ -275,7 +275,8 @@ absl::StatusOr<ModelService::VerifyResult> ModelService::Verify(const std::strin
 absl::StatusOr<std::shared_ptr<const Checkpoint>> ModelService::ReadCheckpoint(
     const std::string& path, LoadSource source, std::unique_ptr<MemoryCharge>* shared_charge,
     const LoadProgressFn& progress, DonatedCheckpoints* donated,
-    std::vector<std::string>* opened_files, bool share_held, const Cancellation* cancel) {
+    std::vector<std::string>* opened_files, bool share_held, const Cancellation* cancel,
+    const ReaderList* offer_while_loading) {
   CheckpointLoadOptions opts;
   opts.memory = options_.memory;
   opts.segment_target_bytes = options_.checkpoint_segment_bytes;
@@ -296,6 +297,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ModelService::ReadCheckpoint(
   opts.peer_verify = options_.peer_verify;
   opts.opened_files = opened_files;
   opts.cancel = cancel;
+  opts.offer_while_loading = offer_while_loading;
   if (share_held) {
     // A checkpoint is shared by every model that loads its files, whatever
     // their readers: only public holders' bytes may stand in its tensors.

@@ -140,11 +140,15 @@ class ModelService {
   // `donated`: as CheckpointLoadOptions'. `share_held` (model loads):
   // tensors whose bytes a public model holds already are shared
   // (CheckpointLoadOptions::find_held, ResidentCopies::Find).
+  // `offer_while_loading`: the readers of the model loading it, to whom
+  // peers must belong to read its ranges before the load ends
+  // (CheckpointLoadOptions::offer_while_loading); null: not offered.
   absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadCheckpoint(
       const std::string& path, LoadSource source, std::unique_ptr<MemoryCharge>* shared_charge,
       const LoadProgressFn& progress = nullptr, DonatedCheckpoints* donated = nullptr,
       std::vector<std::string>* opened_files = nullptr, bool share_held = false,
-      const Cancellation* cancel = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+      const Cancellation* cancel = nullptr, const ReaderList* offer_while_loading = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   static ModelSummary Summarize(const Model& model);
   LoadStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);

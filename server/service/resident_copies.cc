@@ -68,6 +68,27 @@ absl::StatusOr<PeerHolding> ResidentCopies::FindHeld(const Digest& key,
     WD_ASSIGN_OR_RETURN(PeerHolding held, DescribeHolding(*c, samples));
     if (held.sample_digests == sample_digests) return held;
   }
+  // A load of the same files still running here: the ranges it has read
+  // from storage, if its bytes at the samples it has are the asker's.
+  auto admits = [&](const ReaderList& readers) {
+    return options_.access->CheckRead(asker, {ReadGuard{"", readers}}).ok();
+  };
+  for (LoadingCheckpoints::Offer& o : options_.resident->loading().Find(key, samples, admits)) {
+    bool same = true;
+    for (size_t k = 0; k < samples.size() && same; ++k) {
+      same = !o.sample_digests[k].has_value() || *o.sample_digests[k] == sample_digests[k];
+    }
+    if (!same) continue;
+    PeerHolding held;
+    held.copy = o.copy;
+    held.partial = true;
+    held.available = std::move(o.have);
+    for (const std::optional<Digest>& d : o.sample_digests) {
+      held.sample_digests.push_back(d.value_or(Digest{}));
+      held.sample_known.push_back(d.has_value());
+    }
+    return held;
+  }
   return absl::NotFoundError(absl::StrCat("no copy of checkpoint ", key.Hex(),
                                           " with the asker's bytes at its samples is held here"));
 }
@@ -100,6 +121,20 @@ absl::StatusOr<ReadRange> ResidentCopies::ReadHeld(const Digest& key, const Dige
     bytes_sent_to_peers_.fetch_add(r.length);
     return out;
   }
+  // A load still running here (FindHeld offered its ranges): a copy of the
+  // bytes, if it has read them.
+  absl::StatusOr<BufferPtr> loading = options_.resident->loading().Read(
+      key, copy, r, [&](const ReaderList& readers) {
+        return options_.access->CheckRead(asker, {ReadGuard{"", readers}}).ok();
+      });
+  if (loading.ok()) {
+    ReadRange out;
+    out.buffer = std::move(*loading);
+    out.length = r.length;
+    bytes_sent_to_peers_.fetch_add(r.length);
+    return out;
+  }
+  if (loading.status().code() != absl::StatusCode::kNotFound) return loading.status();
   return absl::NotFoundError(absl::StrCat("copy ", copy.Hex().substr(0, 12), " of checkpoint ",
                                           key.Hex().substr(0, 12), " is not resident (any more)"));
 }

@@ -12,7 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "common/file_opener.h"
+#include "server/auth/access_control.h"
 #include "server/memory/host_memory.h"
 #include "server/store/checkpoint.h"
 #include "server/store/donated_checkpoints.h"
@@ -59,6 +61,18 @@ struct CheckpointLoadOptions {
   CheckpointPeers* peers = nullptr;
   LoadSource source = LoadSource::kStorage;
   int peer_streams = 4;  // ranges transferred from peers at once
+  // Optional (with `resident` and `peers`, source kAuto): while this load
+  // runs, peers this list admits may read the ranges it has read from
+  // storage (LoadingCheckpoints). Null: nothing is offered before the load
+  // ends (adapters).
+  const ReaderList* offer_while_loading = nullptr;
+  // While other daemons load the same files (partial holders), how often
+  // the load asks its peers again what they have (doubling, up to 16
+  // times, while nothing changes), and how long it waits for a partial
+  // holder that stopped reading new ranges before reading the ranges that
+  // holder was to read from storage itself.
+  absl::Duration peer_refresh = absl::Milliseconds(250);
+  absl::Duration peer_patience = absl::Seconds(10);
   // Storage bytes sampled per file to pick a holder's copy and turn away
   // other content early (pieces of peer_sample_bytes at random offsets, new
   // ones each load; sent to the peers), and as many again, never sent, to

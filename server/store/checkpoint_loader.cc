@@ -38,6 +38,11 @@ CheckpointLoader::CheckpointLoader(std::string path, const CheckpointLoadOptions
       opener_(options.files != nullptr ? *options.files : unconfined_),
       tally_(options.progress, options.report != nullptr ? options.report : &local_report_) {}
 
+CheckpointLoader::~CheckpointLoader() {
+  // No peer copies from the segments once they go.
+  if (own_ != nullptr) own_->Close();
+}
+
 absl::StatusOr<std::shared_ptr<const Checkpoint>> CheckpointLoader::Load() {
   const Cancellation* cancel = options_.cancel;
   WD_RETURN_IF_ERROR_CTX(Open(), "open");
@@ -48,11 +53,13 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> CheckpointLoader::Load() {
   WD_RETURN_IF_ERROR_CTX(CancelledStatus(cancel), "plan sources");
   WD_RETURN_IF_ERROR_CTX(PlanSources(), "plan sources");
   WD_RETURN_IF_ERROR_CTX(Allocate(), "allocate");
-  if (plan_.holders.empty()) {
+  if (plan_.holders.empty() && !plan_.swarm) {
     WD_RETURN_IF_ERROR_CTX(ReadFromStorage(), "read from storage");
   } else {
     WD_RETURN_IF_ERROR_CTX(ReadFromPeers(), "read from peers");
   }
+  // Peers read it as a resident checkpoint from now on (or not at all).
+  if (own_ != nullptr) own_->Close();
   WD_RETURN_IF_ERROR_CTX(CancelledStatus(cancel), "recheck");
   WD_RETURN_IF_ERROR_CTX(Recheck(), "recheck");
   WD_RETURN_IF_ERROR_CTX(Seal(), "seal");
@@ -164,6 +171,15 @@ absl::Status CheckpointLoader::Allocate() {
   }
   chunks_ = PlanChunks(files_.files, layout_, std::move(file_data),
                        std::max<uint64_t>(1, options_.read_chunk_bytes));
+  if (plan_.swarm && options_.resident != nullptr && options_.offer_while_loading != nullptr) {
+    // Peers loading the same files now may read what this load reads from
+    // storage, as it lands.
+    std::vector<const uint8_t*> data(chunks_.file_data.begin(), chunks_.file_data.end());
+    std::vector<uint64_t> length;
+    for (const CheckpointFile& f : files_.files) length.push_back(f.data_length());
+    own_ = options_.resident->loading().Add(plan_.key, *options_.offer_while_loading,
+                                            std::move(data), std::move(length));
+  }
   return absl::OkStatus();
 }
 
@@ -183,7 +199,8 @@ absl::Status CheckpointLoader::ReadFromStorage() {
 
 absl::Status CheckpointLoader::ReadFromPeers() {
   const StorageReader storage(opener_, files_.files, tally_);
-  PeerRead read(path_, options_, plan_, files_.files, layout_, chunks_, storage, tally_);
+  PeerRead read(path_, options_, plan_, files_.files, layout_, chunks_, storage, tally_,
+                own_.get());
   WD_RETURN_IF_ERROR(read.Run());
   sources_ = read.sources();
   kept_by_peer_ = read.kept_by_peer();

@@ -93,6 +93,8 @@ class CheckpointLoader {
   CheckpointLoader(const CheckpointLoader&) = delete;
   CheckpointLoader& operator=(const CheckpointLoader&) = delete;
 
+  ~CheckpointLoader();
+
   // Runs the phases. Call once.
   absl::StatusOr<std::shared_ptr<const Checkpoint>> Load();
 
@@ -138,6 +140,9 @@ class CheckpointLoader {
   std::map<std::string, uint64_t> kept_by_peer_;   // Read
   bool shareable_ = true;                          // Recheck: status unchanged
   std::shared_ptr<Checkpoint> fresh_;              // Seal
+  // Allocate: this load's offer to peers loading the same files, closed
+  // before Seal (or, on failure, before the segments go).
+  std::shared_ptr<LoadingCopy> own_;
 };
 
 }  // namespace weightd

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -19,6 +20,12 @@ namespace {
 constexpr size_t kMaxSamples = 4096;  // what a holder answers
 
 std::string Abbrev(const Digest& d) { return d.Hex().substr(0, 12); }
+
+// A name for a load that offers nothing: no other daemon computes with it.
+std::string RandomSeed() {
+  std::random_device rd;
+  return absl::StrCat(rd(), "-", rd());
+}
 
 Digest KeyOf(const CheckpointFiles& files) {
   std::vector<CheckpointFileId> ids;
@@ -84,6 +91,8 @@ struct Asking {
   const LoadLayout& layout;
   const std::vector<std::vector<size_t>>& order;
   LoadTally& tally;
+  LoadSource source = LoadSource::kAuto;
+  PeerPlan* plan_out = nullptr;  // where AskHolders puts partial holders
 
   void TurnAway(const std::string& peer, const std::string& why) const {
     tally.PeerFailed(peer);
@@ -97,6 +106,25 @@ struct Asking {
 };
 
 std::string Asking::Fault(const PeerHolding& h) const {
+  if (h.partial) {
+    if (!h.tensor_digests.empty() || h.sample_digests.size() != plan.samples.size() ||
+        h.sample_known.size() != plan.samples.size()) {
+      return "its answer (still loading) does not fit the files' samples";
+    }
+    for (const CheckpointRange& r : h.available) {
+      if (r.file >= files.size() || r.offset > files[r.file].data_length() ||
+          r.length > files[r.file].data_length() - r.offset) {
+        return "it names ranges outside the files";
+      }
+    }
+    for (size_t k = 0; k < plan.samples.size(); ++k) {
+      if (!h.sample_known[k] || h.sample_digests[k] == plan.sample_digests[k]) continue;
+      const CheckpointRange& r = plan.samples[k];
+      return absl::StrCat("its bytes at ", files[r.file].path(), " data offset ", r.offset, " (",
+                          r.length, " bytes) differ from storage's");
+    }
+    return "";
+  }
   bool ok = h.tensor_digests.size() == files.size() &&
             h.sample_digests.size() == plan.samples.size();
   for (size_t i = 0; ok && i < files.size(); ++i) {
@@ -132,7 +160,10 @@ std::vector<const PeerHolding*> AskHolders(const Asking& ask, CheckpointPeers& p
   std::vector<const PeerHolding*> usable;
   for (const PeerHolding& h : found) {
     const std::string fault = ask.Fault(h);
-    if (fault.empty()) {
+    if (fault.empty() && h.partial) {
+      // Loading it too: kept aside (kAuto), its bytes checked as they come.
+      if (ask.source == LoadSource::kAuto) ask.plan_out->partial.push_back(h);
+    } else if (fault.empty()) {
       usable.push_back(&h);
     } else {
       ask.TurnAway(h.peer, fault);
@@ -193,9 +224,12 @@ absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoad
     // that we hold the same bytes).
     return plan;
   }
-  const Asking ask{path, plan, files.files, layout, order, tally};
+  const Asking ask{path, plan, files.files, layout, order, tally, options.source, &plan};
   std::vector<PeerHolding> found;
   const std::vector<const PeerHolding*> usable = AskHolders(ask, *options.peers, found);
+  // Through PeerRead even with no holder: loaders that start together
+  // find each other there, and share out storage's reads.
+  plan.swarm = options.source == LoadSource::kAuto;
   if (ChooseCopy(ask, usable, plan) == nullptr) {
     if (options.source == LoadSource::kPeers) {
       return absl::UnavailableError(absl::StrCat(
@@ -206,12 +240,15 @@ absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoad
     LogEvent(LogLevel::kInfo, "load_source",
              {{"path", path}, {"source", "storage"}, {"key", Abbrev(plan.key)},
               {"reason", found.empty() ? "no peer holds the files"
-                                       : "no peer holds the same bytes"}});
+                         : !plan.partial.empty() ? "peers are loading the files too"
+                                                 : "no peer holds the same bytes"},
+              {"loading_peers", absl::StrCat(plan.partial.size())}});
     return plan;
   }
   LogEvent(LogLevel::kInfo, "load_source",
            {{"path", path}, {"source", "peers"}, {"key", Abbrev(plan.key)},
-            {"holders", absl::StrJoin(plan.holders, ",")}});
+            {"holders", absl::StrJoin(plan.holders, ",")},
+            {"loading_peers", absl::StrCat(plan.partial.size())}});
   return plan;
 }
 
@@ -249,15 +286,19 @@ std::vector<CheckpointRange> SecretPieces(const std::vector<CheckpointFile>& fil
   return out;
 }
 
+uint64_t RendezvousScore(const Digest& key, const std::string& holder, size_t chunk) {
+  const std::string seed = absl::StrCat(key.View(), "|", holder, "|", chunk);
+  const Digest d = DigestBytes(seed.data(), seed.size());
+  uint64_t score;
+  std::memcpy(&score, d.bytes.data(), sizeof(score));
+  return score;
+}
+
 std::vector<size_t> RendezvousOrder(const std::vector<std::string>& holders, const Digest& key,
                                     size_t chunk) {
   std::vector<std::pair<uint64_t, size_t>> scored;
   for (size_t h = 0; h < holders.size(); ++h) {
-    const std::string seed = absl::StrCat(key.View(), "|", holders[h], "|", chunk);
-    const Digest d = DigestBytes(seed.data(), seed.size());
-    uint64_t score;
-    std::memcpy(&score, d.bytes.data(), sizeof(score));
-    scored.emplace_back(score, h);
+    scored.emplace_back(RendezvousScore(key, holders[h], chunk), h);
   }
   std::sort(scored.rbegin(), scored.rend());
   std::vector<size_t> out;
@@ -268,26 +309,37 @@ std::vector<size_t> RendezvousOrder(const std::vector<std::string>& holders, con
 PeerRead::PeerRead(const std::string& path, const CheckpointLoadOptions& options,
                    const PeerPlan& plan, const std::vector<CheckpointFile>& files,
                    LoadLayout& layout, const ChunkPlan& chunks, const StorageReader& storage,
-                   LoadTally& tally)
+                   LoadTally& tally, LoadingCopy* own)
     : path_(path),
       options_(options),
       plan_(plan),
       files_(files),
       chunks_(chunks),
       storage_(storage),
+      own_(own),
+      self_id_(own != nullptr ? own->copy().Hex() : absl::StrCat("self:", RandomSeed())),
+      order_(DigestOrder(files.size(), layout)),
+      first_order_(),
       tally_(tally),
-      dropped_(std::make_unique<std::atomic<bool>[]>(plan.holders.size())),
-      lied_(std::make_unique<std::atomic<bool>[]>(plan.holders.size())),
       supplier_(chunks.chunks.size(), kFromStorage),
       transport_(chunks.chunks.size(), ""),
       unchecked_(chunks.chunks.size(), 0),
       excluded_(chunks.chunks.size()),
       layout_(layout) {
-  for (size_t h = 0; h < plan.holders.size(); ++h) dropped_[h] = lied_[h] = false;
+  absl::MutexLock lock(&mu_);
+  for (const std::string& peer : plan.holders) {
+    Holder h;
+    h.peer = peer;
+    h.copy = plan.copy;
+    h.id = peer;
+    holders_.push_back(std::move(h));
+  }
+  for (const PeerHolding& p : plan.partial) AddHolder(p);
+  expected_ = plan.expected;
 }
 
 absl::Status PeerRead::Run() {
-  WD_RETURN_IF_ERROR(Fill(FirstPassOrder(), /*count=*/true));
+  WD_RETURN_IF_ERROR(FirstPass());
   // Every peer has sent its bytes (it is committed to them) before the
   // places where they are compared with storage's are chosen.
   secret_ = SecretPieces(files_, options_, chunks_.chunks);
@@ -302,7 +354,12 @@ absl::Status PeerRead::Run() {
       continue;
     }
     if (v.redo.empty()) break;
-    if (round > 2 * plan_.holders.size() + 2) {
+    size_t holders;
+    {
+      absl::MutexLock lock(&mu_);
+      holders = holders_.size();
+    }
+    if (round > 2 * holders + 2) {
       // Each round drops a holder or keeps a chunk from one: not reached
       // but by a bug. Storage still has the bytes (kAuto).
       if (options_.source == LoadSource::kPeers) {
@@ -337,9 +394,314 @@ std::vector<size_t> PeerRead::FirstPassOrder() const {
   return todo;
 }
 
+void PeerRead::AddHolder(const PeerHolding& p) {
+  Holder h;
+  h.peer = p.peer;
+  h.copy = p.copy;
+  h.partial = p.partial;
+  h.id = p.partial ? p.copy.Hex() : p.peer;
+  h.have.resize(files_.size());
+  for (const CheckpointRange& r : p.available) {
+    h.have[r.file][r.offset] = r.offset + r.length;
+    h.have_bytes += r.length;
+  }
+  h.progressed = absl::Now();
+  holders_.push_back(std::move(h));
+}
+
+bool PeerRead::Has(const Holder& h, const Chunk& c) const {
+  if (!h.partial) return true;
+  const std::map<uint64_t, uint64_t>& m = h.have[c.file];
+  auto it = m.upper_bound(c.data_begin);
+  if (it == m.begin()) return false;
+  --it;
+  return it->second >= c.data_begin + c.length;
+}
+
+int PeerRead::Supplier(size_t ci) const {
+  const Chunk& c = chunks_.chunks[ci];
+  int best = -1;
+  uint64_t best_score = 0;
+  for (size_t h = 0; h < holders_.size(); ++h) {
+    const Holder& holder = holders_[h];
+    if (holder.dropped || !holder.present || !Has(holder, c) ||
+        std::find(excluded_[ci].begin(), excluded_[ci].end(), static_cast<int>(h)) !=
+            excluded_[ci].end()) {
+      continue;
+    }
+    const uint64_t score = RendezvousScore(plan_.key, holder.id, c.group);
+    if (best < 0 || score > best_score) best = static_cast<int>(h), best_score = score;
+  }
+  return best;
+}
+
+void PeerRead::UpdateOwners() {
+  // The loads reading storage now: this one and the partial holders still
+  // answering and still reading new ranges. Each chunk's group goes to the
+  // one scoring highest, as every one of them computes it.
+  std::vector<const std::string*> ids = {&self_id_};
+  const absl::Time now = absl::Now();
+  for (const Holder& h : holders_) {
+    if (h.partial && h.present && !h.dropped && now - h.progressed < options_.peer_patience) {
+      ids.push_back(&h.id);
+    }
+  }
+  mine_.assign(chunks_.chunks.size(), 0);
+  for (size_t ci = 0; ci < chunks_.chunks.size(); ++ci) {
+    const size_t group = chunks_.chunks[ci].group;
+    if (ci > 0 && chunks_.chunks[ci - 1].group == group) {
+      mine_[ci] = mine_[ci - 1];
+      continue;
+    }
+    const std::string* best = nullptr;
+    uint64_t best_score = 0;
+    for (const std::string* id : ids) {
+      const uint64_t score = RendezvousScore(plan_.key, *id, group);
+      if (best == nullptr || score > best_score) best = id, best_score = score;
+    }
+    mine_[ci] = best == &self_id_;
+  }
+}
+
+absl::Status PeerRead::FirstPass() {
+  first_order_ = FirstPassOrder();
+  {
+    absl::MutexLock lock(&mu_);
+    state_.assign(chunks_.chunks.size(), kTodo);
+    remaining_ = chunks_.chunks.size();
+    UpdateOwners();
+  }
+  const bool from_storage = options_.source != LoadSource::kPeers;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < std::max(1, options_.peer_streams); ++i) {
+    threads.emplace_back([this] { Worker(/*storage=*/false); });
+  }
+  for (int i = 0; from_storage && i < std::max(1, options_.read_threads); ++i) {
+    threads.emplace_back([this] { Worker(/*storage=*/true); });
+  }
+  // Meanwhile, while loads of the same files may come or go (kAuto): the
+  // peers asked again, less often while nothing changes.
+  absl::Duration every = options_.peer_refresh;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time until = absl::Now() + every;
+      while (remaining_ > 0 && failed_.ok() && absl::Now() < until) {
+        changed_.WaitWithDeadline(&mu_, until);
+      }
+      if (remaining_ == 0 || !failed_.ok()) break;
+      if (absl::Status c = CancelledStatus(options_.cancel); !c.ok()) {
+        failed_ = c;  // the workers waiting see it
+        changed_.SignalAll();
+        break;
+      }
+      if (!from_storage || !plan_.swarm) continue;
+    }
+    const bool news = Refresh();
+    every = news ? options_.peer_refresh : std::min(2 * every, 16 * options_.peer_refresh);
+  }
+  for (std::thread& t : threads) t.join();
+  absl::MutexLock lock(&mu_);
+  return failed_;
+}
+
+std::pair<long, int> PeerRead::Take(bool storage) {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    if (remaining_ == 0 || !failed_.ok()) return {-1, 0};
+    if (absl::Status c = CancelledStatus(options_.cancel); !c.ok()) {
+      failed_ = c;
+      changed_.SignalAll();
+      return {-1, 0};
+    }
+    bool waiting = false;  // a chunk no one can supply yet
+    for (size_t ci : first_order_) {
+      if (state_[ci] != kTodo) continue;
+      const int h = Supplier(ci);
+      if (!storage && h >= 0) {
+        state_[ci] = kInFlight;
+        return {static_cast<long>(ci), h};
+      }
+      if (storage && h < 0 && mine_[ci]) {
+        state_[ci] = kInFlight;
+        return {static_cast<long>(ci), kFromStorage};
+      }
+      waiting = waiting || h < 0;
+    }
+    if (!storage && waiting && options_.source == LoadSource::kPeers) {
+      // Every holder gone: nothing will supply it.
+      bool any = false;
+      for (const Holder& h : holders_) any = any || (!h.dropped && h.present);
+      if (!any) {
+        failed_ = absl::UnavailableError(absl::StrCat(
+            "--source peers: no peer holding ", path_,
+            " could supply the rest of it (every holder was dropped or sent wrong bytes)"));
+        changed_.SignalAll();
+        return {-1, 0};
+      }
+    }
+    changed_.Wait(&mu_);
+  }
+}
+
+void PeerRead::Worker(bool storage) {
+  for (;;) {
+    const auto [ci_signed, h] = Take(storage);
+    if (ci_signed < 0) return;
+    const size_t ci = static_cast<size_t>(ci_signed);
+    const Chunk& c = chunks_.chunks[ci];
+    absl::Status s;
+    if (h == kFromStorage) {
+      s = ReadOwn(ci, /*count=*/true);
+    } else {
+      std::string peer;
+      Digest copy;
+      bool partial;
+      {
+        absl::MutexLock lock(&mu_);
+        peer = holders_[h].peer;
+        copy = holders_[h].copy;
+        partial = holders_[h].partial;
+      }
+      s = PopulateForWrite(c.dest, c.length);
+      bool retry = false;  // the chunk goes back to be taken again
+      if (s.ok()) {
+        const CheckpointRange range{static_cast<uint32_t>(c.file), c.data_begin, c.length};
+        const char* transport = "";
+        s = options_.peers->ReadRange(peer, plan_.key, copy, range, c.dest, &transport);
+        if (s.ok()) {
+          supplier_[ci] = h;
+          transport_[ci] = transport;
+          unchecked_[ci] = 1;
+          // Discarded until the load keeps them (counted at its end).
+          tally_.PeerSent(c.length, files_[c.file].path(), peer, transport, /*count=*/true);
+        } else if (s.code() == absl::StatusCode::kCancelled && options_.cancel != nullptr &&
+                   options_.cancel->cancelled()) {
+          // The load's own cancel: it fails.
+        } else if (partial && (s.code() == absl::StatusCode::kNotFound ||
+                               s.code() == absl::StatusCode::kResourceExhausted)) {
+          // Its load ended (or failed) since it answered, or it is busy
+          // serving others: it answers again as what it is now at the
+          // next refresh.
+          absl::MutexLock lock(&mu_);
+          holders_[h].present = false;
+          UpdateOwners();
+          retry = true;
+        } else {
+          Drop(static_cast<size_t>(h), s, "peer_read_failed");
+          retry = true;
+        }
+      }
+      if (retry) {
+        absl::MutexLock lock(&mu_);
+        state_[ci] = kTodo;
+        changed_.SignalAll();
+        continue;
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    if (!s.ok()) {
+      if (failed_.ok()) failed_ = s;
+    } else {
+      state_[ci] = kDone;
+      --remaining_;
+    }
+    changed_.SignalAll();
+  }
+}
+
+bool PeerRead::Refresh() {
+  PeerQuery query;
+  query.key = plan_.key;
+  query.samples = plan_.samples;
+  query.sample_digests = plan_.sample_digests;
+  for (const auto& o : order_) query.tensors_per_file.push_back(o.size());
+  std::vector<PeerHolding> found = options_.peers->FindHolders(query);
+  // Checked before the lock (they only read the plan).
+  std::vector<std::string> faults;
+  for (const PeerHolding& p : found) faults.push_back(Fault(p));
+  absl::MutexLock lock(&mu_);
+  bool news = false;
+  for (Holder& h : holders_) h.present = false;
+  for (size_t i = 0; i < found.size(); ++i) {
+    const PeerHolding& p = found[i];
+    if (refused_.count({p.peer, p.copy})) continue;
+    std::string fault = faults[i];
+    if (fault.empty() && !p.partial) {
+      if (expected_.empty()) {
+        // The first complete holder: its digests are what every tensor is
+        // checked against at the end.
+        expected_.resize(layout_.tensors.size());
+        for (size_t f = 0; f < order_.size(); ++f) {
+          for (size_t k = 0; k < order_[f].size(); ++k) {
+            expected_[order_[f][k]] = p.tensor_digests[f][k];
+          }
+        }
+      } else {
+        for (size_t f = 0; f < order_.size() && fault.empty(); ++f) {
+          for (size_t k = 0; k < order_[f].size() && fault.empty(); ++k) {
+            if (expected_[order_[f][k]] != p.tensor_digests[f][k]) {
+              fault = "its tensor digests differ from those this load checks against";
+            }
+          }
+        }
+      }
+    }
+    if (!fault.empty()) {
+      refused_.insert({p.peer, p.copy});
+      TurnAway(p.peer, fault);
+      continue;
+    }
+    auto it = std::find_if(holders_.begin(), holders_.end(), [&](const Holder& h) {
+      return h.peer == p.peer && h.copy == p.copy;
+    });
+    if (it == holders_.end()) {
+      AddHolder(p);
+      news = true;
+      continue;
+    }
+    it->present = true;
+    if (!it->partial) continue;
+    uint64_t bytes = 0;
+    std::vector<std::map<uint64_t, uint64_t>> have(files_.size());
+    for (const CheckpointRange& r : p.available) {
+      have[r.file][r.offset] = r.offset + r.length;
+      bytes += r.length;
+    }
+    if (bytes != it->have_bytes) {
+      news = true;
+      it->progressed = absl::Now();
+    }
+    it->have = std::move(have);
+    it->have_bytes = bytes;
+  }
+  UpdateOwners();
+  changed_.SignalAll();
+  return news;
+}
+
+std::string PeerRead::Fault(const PeerHolding& h) const {
+  const Asking ask{path_, plan_, files_, layout_, order_, tally_};
+  return ask.Fault(h);
+}
+
+void PeerRead::TurnAway(const std::string& peer, const std::string& why) const {
+  const Asking ask{path_, plan_, files_, layout_, order_, tally_};
+  ask.TurnAway(peer, why);
+}
+
 absl::Status PeerRead::Fill(const std::vector<size_t>& todo, bool count) {
   return ParallelFor(nullptr, todo.size(), std::max(1, options_.peer_streams),
                      [&](size_t k) { return FillChunk(todo[k], count); });
+}
+
+absl::Status PeerRead::ReadOwn(size_t ci, bool count) {
+  const Chunk& c = chunks_.chunks[ci];
+  supplier_[ci] = kFromStorage;
+  unchecked_[ci] = 0;
+  WD_RETURN_IF_ERROR(storage_.ReadChunk(c, count));
+  if (own_ != nullptr) own_->MarkRead(c.file, c.data_begin, c.length);
+  return absl::OkStatus();
 }
 
 absl::Status PeerRead::FillChunk(size_t ci, bool count) {
@@ -348,24 +710,29 @@ absl::Status PeerRead::FillChunk(size_t ci, bool count) {
   WD_RETURN_IF_ERROR(CancelledStatus(options_.cancel));
   WD_RETURN_IF_ERROR_CTX(PopulateForWrite(c.dest, c.length), "loading ", f.path());
   absl::Status last;
-  for (size_t h : RendezvousOrder(plan_.holders, plan_.key, c.group)) {
-    if (dropped_[h] || std::find(excluded_[ci].begin(), excluded_[ci].end(),
-                                 static_cast<int>(h)) != excluded_[ci].end()) {
-      continue;
+  for (;;) {
+    int h;
+    std::string peer;
+    Digest copy;
+    {
+      absl::MutexLock lock(&mu_);
+      h = Supplier(ci);
+      if (h < 0) break;
+      peer = holders_[h].peer;
+      copy = holders_[h].copy;
     }
     const CheckpointRange range{static_cast<uint32_t>(c.file), c.data_begin, c.length};
     const char* transport = "";
-    absl::Status s = options_.peers->ReadRange(plan_.holders[h], plan_.key, plan_.copy, range,
-                                               c.dest, &transport);
+    absl::Status s = options_.peers->ReadRange(peer, plan_.key, copy, range, c.dest, &transport);
     if (s.ok()) {
-      supplier_[ci] = static_cast<int>(h);
+      supplier_[ci] = h;
       transport_[ci] = transport;
       unchecked_[ci] = 1;
       // Discarded until the load keeps them (counted at its end).
-      tally_.PeerSent(c.length, f.path(), plan_.holders[h], transport, count);
+      tally_.PeerSent(c.length, f.path(), peer, transport, count);
       return absl::OkStatus();
     }
-    Drop(h, s, "peer_read_failed");
+    Drop(static_cast<size_t>(h), s, "peer_read_failed");
     last = s;
   }
   if (options_.source == LoadSource::kPeers) {
@@ -374,17 +741,24 @@ absl::Status PeerRead::FillChunk(size_t ci, bool count) {
         c.file_offset, "..", c.file_offset + c.length, " (",
         last.ok() ? "every holder was dropped or sent wrong bytes" : last.ToString(), ")"));
   }
-  supplier_[ci] = kFromStorage;
-  unchecked_[ci] = 0;
-  return storage_.ReadChunk(c, count);
+  return ReadOwn(ci, count);
 }
 
 void PeerRead::Drop(size_t h, const absl::Status& why, const char* event) {
-  if (why.code() == absl::StatusCode::kDataLoss) lied_[h] = true;
-  if (dropped_[h].exchange(true)) return;
-  tally_.PeerFailed(plan_.holders[h]);
+  std::string peer;
+  {
+    absl::MutexLock lock(&mu_);
+    Holder& holder = holders_[h];
+    if (why.code() == absl::StatusCode::kDataLoss) holder.lied = true;
+    if (holder.dropped) return;
+    holder.dropped = true;
+    peer = holder.peer;
+    UpdateOwners();
+    changed_.SignalAll();
+  }
+  tally_.PeerFailed(peer);
   LogEvent(LogLevel::kWarning, event,
-           {{"peer", plan_.holders[h]}, {"path", path_}, {"error", why.ToString()},
+           {{"peer", peer}, {"path", path_}, {"error", why.ToString()},
             {"action", "dropped from this load; its ranges come from other holders or "
                        "storage"}});
 }
@@ -394,9 +768,14 @@ absl::StatusOr<PeerRead::Verdict> PeerRead::Check() {
   // from storage's. Whoever supplied them is dropped; they are fetched
   // again.
   Verdict v;
+  std::vector<Digest> expected;
+  {
+    absl::MutexLock lock(&mu_);
+    expected = expected_;
+  }
   const std::vector<StoredTensor>& tensors = layout_.tensors;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (tensors[i].digest != plan_.expected[i]) {
+  for (size_t i = 0; i < tensors.size() && !expected.empty(); ++i) {
+    if (tensors[i].digest != expected[i]) {
       Blame(chunks_.Under(layout_.tensor_file[i], layout_.tensor_begin[i], tensors[i].length),
             absl::StrCat("tensor \"", tensors[i].name, "\" (", tensors[i].file, ")"), v);
     }
@@ -421,8 +800,9 @@ absl::StatusOr<PeerRead::Verdict> PeerRead::Check() {
   }
   // A peer caught sending wrong bytes is trusted for none of them: its
   // other bytes may agree with digests it made up for them.
+  absl::MutexLock lock(&mu_);
   for (size_t ci = 0; ci < supplier_.size() && !v.storage_disagrees; ++ci) {
-    if (supplier_[ci] != kFromStorage && lied_[supplier_[ci]]) v.redo.insert(ci);
+    if (supplier_[ci] != kFromStorage && holders_[supplier_[ci]].lied) v.redo.insert(ci);
   }
   return v;
 }
@@ -446,11 +826,12 @@ void PeerRead::Blame(const std::vector<size_t>& under, const std::string& what, 
   }
   // A peer dropped already (for wrong bytes elsewhere) is presumed the
   // culprit; else every chunk avoids the peer that sent it.
+  absl::MutexLock lock(&mu_);
   bool culprit = false;
-  for (int p : peers) culprit = culprit || dropped_[p];
+  for (int p : peers) culprit = culprit || holders_[p].dropped;
   for (size_t ci : under) {
     if (supplier_[ci] == kFromStorage) continue;
-    if (culprit && !dropped_[supplier_[ci]]) continue;
+    if (culprit && !holders_[supplier_[ci]].dropped) continue;
     if (!culprit) excluded_[ci].push_back(supplier_[ci]);
     v.redo.insert(ci);
   }
@@ -492,8 +873,13 @@ absl::Status PeerRead::TrustStorage(const std::string& first_bad) {
         "--source peers: storage's bytes of ", first_bad,
         " differ from every holder's digest; the peers hold other content"));
   }
+  std::vector<std::string> peers;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Holder& h : holders_) peers.push_back(h.peer);
+  }
   LogEvent(LogLevel::kWarning, "peer_content_differs",
-           {{"path", path_}, {"holders", absl::StrJoin(plan_.holders, ",")},
+           {{"path", path_}, {"holders", absl::StrJoin(peers, ",")},
             {"why", absl::StrCat("storage's bytes of ", first_bad,
                                  " do not match their digests")},
             {"action", "reading everything from storage"}});
@@ -502,7 +888,10 @@ absl::Status PeerRead::TrustStorage(const std::string& first_bad) {
 
 absl::Status PeerRead::AllFromStorage() {
   // Every holder dropped, what they sent read from storage again.
-  for (size_t h = 0; h < plan_.holders.size(); ++h) dropped_[h] = true;
+  {
+    absl::MutexLock lock(&mu_);
+    for (Holder& h : holders_) h.dropped = true;
+  }
   std::vector<size_t> peer_chunks;
   for (size_t ci = 0; ci < supplier_.size(); ++ci) {
     if (supplier_[ci] != kFromStorage) peer_chunks.push_back(ci);
@@ -513,19 +902,23 @@ absl::Status PeerRead::AllFromStorage() {
 void PeerRead::CountSources() {
   // Per holder that supplied kept bytes: the transports that carried them.
   std::map<int, std::set<std::string>> used;
+  absl::MutexLock lock(&mu_);
   for (size_t ci = 0; ci < supplier_.size(); ++ci) {
     const uint64_t length = chunks_.chunks[ci].length;
     if (supplier_[ci] == kFromStorage) {
       sources_.bytes_from_storage += length;
     } else {
       sources_.bytes_from_peers += length;
-      kept_by_peer_[plan_.holders[supplier_[ci]]] += length;
+      kept_by_peer_[holders_[supplier_[ci]].peer] += length;
       std::set<std::string>& over = used[supplier_[ci]];
       if (*transport_[ci] != '\0') over.insert(transport_[ci]);
     }
   }
-  for (const auto& [h, over] : used) {
-    sources_.peers.push_back(plan_.holders[h]);
+  // By peer address (a daemon that was partial, then complete, is one).
+  std::map<std::string, std::set<std::string>> by_peer;
+  for (const auto& [h, over] : used) by_peer[holders_[h].peer].insert(over.begin(), over.end());
+  for (const auto& [peer, over] : by_peer) {
+    sources_.peers.push_back(peer);
     sources_.peer_transports.push_back(absl::StrJoin(over, "+"));
   }
   LogEvent(LogLevel::kInfo, "load_sources",

@@ -8,8 +8,8 @@
 #ifndef WEIGHTD_SERVER_STORE_PEER_READ_H_
 #define WEIGHTD_SERVER_STORE_PEER_READ_H_
 
-#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <set>
@@ -17,26 +17,35 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/digest.h"
 #include "server/store/checkpoint_files.h"
 #include "server/store/checkpoint_layout.h"
 #include "server/store/checkpoint_load_options.h"
 #include "server/store/load_tally.h"
+#include "server/store/loading_checkpoints.h"
 #include "server/store/peer_source.h"
 #include "server/store/storage_read.h"
 
 namespace weightd {
 
 // What the peers offered a load: the holders that agree on every tensor's
-// digest (expected[i] for tensor i of the layout), and the storage samples
-// their bytes were checked against.
+// digest (expected[i] for tensor i of the layout), the partial holders
+// (daemons loading the same files now, whose samples where they have
+// bytes match storage's), and the storage samples their bytes were checked
+// against. `swarm`: the load goes through PeerRead even with no holder at
+// all, so that loaders starting together find each other and share out
+// storage's reads.
 struct PeerPlan {
   Digest key;
   std::vector<std::string> holders;
-  std::vector<Digest> expected;
+  std::vector<Digest> expected;  // empty when no complete holder answered
   std::vector<CheckpointRange> samples;
   std::vector<Digest> sample_digests;  // of storage's bytes
   Digest copy;  // the holders' copy (PeerHolding::copy)
+  std::vector<PeerHolding> partial;
+  bool swarm = false;
 };
 
 // Samples storage, asks the peers who holds `files` and keeps the holders
@@ -64,29 +73,40 @@ std::vector<CheckpointRange> SecretPieces(const std::vector<CheckpointFile>& fil
 // The holders of a range in rendezvous order: each range goes to the
 // holder scoring highest for it, so a fleet loading the same files spreads
 // its ranges over every holder, and a holder dropped moves only its own.
+uint64_t RendezvousScore(const Digest& key, const std::string& holder, size_t chunk);
 std::vector<size_t> RendezvousOrder(const std::vector<std::string>& holders, const Digest& key,
                                     size_t chunk);
 
-// Fills a load's chunks from the holders of a PeerPlan, each chunk from the
-// first in its rendezvous order still in the load, peer_streams at once;
-// what none supplies comes from storage (kAuto) or fails the load
-// UNAVAILABLE (kPeers). Then checks what they sent, round after round,
-// until every tensor matches the holders' digests, every sample storage's
-// bytes, and every secret piece storage's bytes: a peer that fails a range
-// is dropped for the rest of the load (peer_read_failed); one caught with
-// wrong bytes is dropped (peer_data_loss) and nothing it sent is kept.
-// When storage itself disagrees with the holders' digests, everything is
-// read from storage (kPeers: DATA_LOSS). On success the layout's tensors
-// carry the digests of the bytes kept.
+// Fills a load's chunks from the holders of a PeerPlan, peer_streams at
+// once, each chunk from the holder first in its rendezvous order among
+// those that have it (a complete holder, or a partial one whose ranges
+// cover it). With partial holders, the loads share out storage: each chunk
+// has an owner among this load and the partial holders still reading
+// (rendezvous over their copy ids, the same on every daemon), this load
+// reads its own chunks from storage (read_threads at once) and waits for
+// the others' until their owner has read them, asking the peers again
+// every peer_refresh; an owner gone, or stalled for peer_patience, passes
+// its chunks on. The ranges this load reads from storage are offered at
+// once (`own`, if any). What no one supplies comes from storage (kAuto) or
+// fails the load UNAVAILABLE (kPeers, which uses complete holders only).
+// Then checks what they sent, round after round, until every tensor
+// matches the holders' digests (where a complete holder gave them), every
+// sample storage's bytes, and every secret piece storage's bytes: a peer
+// that fails a range is dropped for the rest of the load
+// (peer_read_failed); one caught with wrong bytes is dropped
+// (peer_data_loss) and nothing it sent is kept. When storage itself
+// disagrees with the holders' digests, everything is read from storage
+// (kPeers: DATA_LOSS). On success the layout's tensors carry the digests
+// of the bytes kept.
 //
-// Not thread-safe; owned by the loading thread. Fill's stream threads each
-// write only the entries of the chunk they fill, the holders' atomics and
-// the (thread-safe) tally. Borrows everything it is given.
+// Not thread-safe; owned by the loading thread. The fill's threads share
+// the holders and the chunks' states under mu_; each writes only the
+// per-chunk entries of the chunk it fills. Borrows everything it is given.
 class PeerRead {
  public:
   PeerRead(const std::string& path, const CheckpointLoadOptions& options, const PeerPlan& plan,
            const std::vector<CheckpointFile>& files, LoadLayout& layout, const ChunkPlan& chunks,
-           const StorageReader& storage, LoadTally& tally);
+           const StorageReader& storage, LoadTally& tally, LoadingCopy* own = nullptr);
 
   // Fills and checks every chunk (above). Once only.
   absl::Status Run();
@@ -97,6 +117,20 @@ class PeerRead {
   const std::map<std::string, uint64_t>& kept_by_peer() const { return kept_by_peer_; }
 
  private:
+  // A holder of the load: complete (every byte, and the tensor digests) or
+  // partial (the ranges of `have`, growing).
+  struct Holder {
+    std::string peer;
+    Digest copy;
+    bool partial = false;
+    std::string id;  // its rendezvous name: the copy id (partial holders)
+    std::vector<std::map<uint64_t, uint64_t>> have;  // per file: begin -> end
+    uint64_t have_bytes = 0;
+    absl::Time progressed;  // when `have` last grew (or it joined)
+    bool present = true;    // in the latest answers
+    bool dropped = false;   // from the load
+    bool lied = false;      // dropped for wrong bytes: nothing it sent is kept
+  };
   // What one round of checks found.
   struct Verdict {
     std::set<size_t> redo;  // chunks to fetch again
@@ -104,18 +138,40 @@ class PeerRead {
     std::string first_bad;  // what storage disagreed on first
   };
   static constexpr int kFromStorage = -1;
+  enum ChunkState : char { kTodo, kInFlight, kDone };
 
   // The first chunk of every group, then the second of each, ...
   std::vector<size_t> FirstPassOrder() const;
+  // The first pass: every chunk once, shared out with partial holders.
+  absl::Status FirstPass();
+  void Worker(bool storage) ABSL_LOCKS_EXCLUDED(mu_);
+  // The next chunk a worker takes (and from whom: a holder, or
+  // kFromStorage), waiting while there is none yet; -1 when the pass is
+  // over.
+  std::pair<long, int> Take(bool storage) ABSL_LOCKS_EXCLUDED(mu_);
+  // The holder to read chunk `ci` from (first in rendezvous order among
+  // those that have it and are not dropped or excluded for it), or -1.
+  int Supplier(size_t ci) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool Has(const Holder& h, const Chunk& c) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Asks the peers again; true when something changed (a holder, ranges).
+  bool Refresh() ABSL_LOCKS_EXCLUDED(mu_);
+  void UpdateOwners() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddHolder(const PeerHolding& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why `h` cannot be used, or empty.
+  std::string Fault(const PeerHolding& h) const;
+  void TurnAway(const std::string& peer, const std::string& why) const;
+
   absl::Status Fill(const std::vector<size_t>& todo, bool count);
-  absl::Status FillChunk(size_t ci, bool count);
-  void Drop(size_t h, const absl::Status& why, const char* event);
-  absl::StatusOr<Verdict> Check();
-  void Blame(const std::vector<size_t>& under, const std::string& what, Verdict& v);
+  absl::Status FillChunk(size_t ci, bool count) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ReadOwn(size_t ci, bool count);  // from storage, then offered
+  void Drop(size_t h, const absl::Status& why, const char* event) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<Verdict> Check() ABSL_LOCKS_EXCLUDED(mu_);
+  void Blame(const std::vector<size_t>& under, const std::string& what, Verdict& v)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::vector<size_t>> CompareWithStorage();
-  absl::Status TrustStorage(const std::string& first_bad);
-  absl::Status AllFromStorage();
-  void CountSources();
+  absl::Status TrustStorage(const std::string& first_bad) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status AllFromStorage() ABSL_LOCKS_EXCLUDED(mu_);
+  void CountSources() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   const std::string& path_;
@@ -124,15 +180,28 @@ class PeerRead {
   const std::vector<CheckpointFile>& files_;
   const ChunkPlan& chunks_;
   const StorageReader& storage_;
+  LoadingCopy* const own_;       // null: this load offers nothing
+  const std::string self_id_;    // this load's rendezvous name
+  std::vector<std::vector<size_t>> order_;  // each file's tensors in digest order
+  std::vector<size_t> first_order_;         // FirstPassOrder
   // The secret pieces (chosen once the first pass is in).
   std::vector<CheckpointRange> secret_;
 
   // Own synchronization.
   LoadTally& tally_;
-  // Per holder: dropped from the load; dropped for wrong bytes (nothing it
-  // sent is kept).
-  std::unique_ptr<std::atomic<bool>[]> dropped_;
-  std::unique_ptr<std::atomic<bool>[]> lied_;
+
+  // Protected by mu_: the holders (by index; only ever appended), the
+  // expected digests (set once, by the plan or the first complete holder
+  // to answer), the chunks' states and owners in the first pass.
+  mutable absl::Mutex mu_;
+  absl::CondVar changed_;
+  std::deque<Holder> holders_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<std::string, Digest>> refused_ ABSL_GUARDED_BY(mu_);
+  std::vector<Digest> expected_ ABSL_GUARDED_BY(mu_);
+  std::vector<ChunkState> state_ ABSL_GUARDED_BY(mu_);
+  std::vector<char> mine_ ABSL_GUARDED_BY(mu_);  // per chunk: this load is its owner
+  size_t remaining_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);
 
   // Per chunk, each entry written only by the thread filling that chunk:
   // who filled it (a holder, or kFromStorage) and over what (a static

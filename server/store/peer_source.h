@@ -68,6 +68,14 @@ struct PeerHolding {
   // Per file: its tensors' digests, in data-offset order (ties by name).
   std::vector<std::vector<Digest>> tensor_digests;
   std::vector<Digest> sample_digests;  // one per sample asked for
+  // A holder still loading the checkpoint itself (a partial holder): it
+  // serves only `available` (storage's bytes it has read so far), has no
+  // tensor digests to give (tensor_digests is empty), and knows the
+  // samples only inside `available` (sample_known false elsewhere; the
+  // digest there is zero). Its copy id names its load, not its bytes.
+  bool partial = false;
+  std::vector<CheckpointRange> available;
+  std::vector<bool> sample_known;
 };
 
 // What a load asks its peers (FindCheckpoint).
@@ -78,7 +86,8 @@ struct PeerQuery {
   // Per file, its tensors (from this daemon's own headers): the exact shape
   // of a true answer, and so the most a peer's answer may take.
   std::vector<uint64_t> tensors_per_file;
-  // The most bytes a true answer takes on the wire (digests, framing).
+  // The most bytes a true answer takes on the wire (digests, framing, a
+  // partial holder's ranges).
   uint64_t AnswerBound() const;
 };
 

@@ -21,6 +21,7 @@
 #include "common/digest.h"
 #include "server/memory/host_memory.h"
 #include "server/store/checkpoint.h"
+#include "server/store/loading_checkpoints.h"
 #include "server/store/peer_source.h"
 
 namespace weightd {
@@ -47,6 +48,11 @@ class ResidentCheckpoints {
   std::vector<std::shared_ptr<const Checkpoint>> FindByContent(const Digest& key) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The checkpoints still loading, offered to peers as they arrive (its
+  // own synchronization).
+  LoadingCheckpoints& loading() { return loading_; }
+  const LoadingCheckpoints& loading() const { return loading_; }
+
  private:
   struct Entry {
     std::weak_ptr<const Checkpoint> checkpoint;
@@ -58,6 +64,7 @@ class ResidentCheckpoints {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Entry> by_files_ ABSL_GUARDED_BY(mu_);
   uint64_t adds_ ABSL_GUARDED_BY(mu_) = 0;
+  LoadingCheckpoints loading_;
 };
 
 // A resident checkpoint other than `c` whose files are byte for byte c's

@@ -108,6 +108,9 @@ def test_loads_over_ucx_equal_pytorchs_reading(tmp_path, checkpoint, ucx_tls):
             assert by[a_addr]["ucx"]["seconds"] > 0 and by[a_addr]["ucx"]["failures"] == 0
             out = c.ctl_ok("stats").stdout
             assert "peer_transport: %s\tucx\tbytes=%d" % (a_addr, by[a_addr]["ucx"]["bytes"]) in out
+            # weightctl peers too, under the peer's line.
+            out = c.ctl_ok("peers").stdout
+            assert "transport: %s\tucx\tbytes=%d" % (a_addr, by[a_addr]["ucx"]["bytes"]) in out
             m = scrape_metrics(metrics)
             key = 'weightd_peer_bytes_total{peer="%s",transport="ucx"}' % a_addr
             assert m[key] == by[a_addr]["ucx"]["bytes"], m

@@ -818,3 +818,175 @@ def test_a_peer_supplies_a_url_load_storage_serves_it_once(front, files, tmp_pat
     finally:
         for d in ds:
             d.stop()
+
+
+# ------------------------------------------------------------------ loaders that serve what they have
+
+SWARM = "s3://models/swarm/m.safetensors"
+
+
+@pytest.fixture(scope="module")
+def swarm_file(s3, tmp_path_factory):
+    """16 MiB in 8 tensors: 16 ranges of the 1 MiB --source-chunk-bytes."""
+    g = torch.Generator().manual_seed(41)
+    tensors = {"w%d" % i: torch.randn(512, 1024, generator=g) for i in range(8)}
+    path = str(tmp_path_factory.mktemp("swarm") / "m.safetensors")
+    st_io.save(tensors, path)
+    s3.put(BUCKET, "swarm/m.safetensors", path=path)
+    return path, tensors
+
+
+FLEET_TOKEN = "fleet-token-0123456789abcdef"
+
+
+def _fleet(n, front, tmp_path, extra=(), peers_of=None, addrs=None):
+    """n daemons (at `addrs`, or free ports), every one a peer of every other
+    (or of peers_of(i, addrs)), reading S3 through `front`."""
+    from harness import free_port
+    tokens = tmp_path / "tokens"
+    tokens.write_text("fleet %s\n" % FLEET_TOKEN)
+    addrs = addrs or ["127.0.0.1:%d" % free_port() for _ in range(n)]
+    ds = []
+    try:
+        for i, addr in enumerate(addrs):
+            others = [a for a in addrs if a != addr]
+            if peers_of is not None:
+                others = peers_of(i, addrs)
+            ds.append(_start(["--model-source", "s3://models/", "--s3-endpoint", front.endpoint,
+                              "--listen", addr, "--advertise", addr,
+                              "--peers", ",".join(others), "--peer-poll-seconds", "1",
+                              "--source-chunk-bytes", str(1 << 20), "--source-streams", "2",
+                              "--auth-token-file", str(tokens), "--fleet-members", "token:fleet",
+                              "--peer-token-file", str(tokens)] + list(extra),
+                             workdir=str(tmp_path / str(i))))
+    except BaseException:
+        for d in ds:
+            d.stop()
+        raise
+    return ds
+
+
+def _loads_at_once(ds, name, url):
+    """Starts `weightctl load` on every daemon at once; the processes."""
+    return [subprocess.Popen([WEIGHTCTL, "--socket", d.socket, "load", name, url],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for d in ds]
+
+
+def test_loaders_at_once_share_out_storage_and_serve_each_other(front, swarm_file, tmp_path):
+    """Three daemons load one 16 MiB object at once from a slow store (each
+    data GET held 0.3 s): each reads its share from storage and the rest from
+    the others while they are still loading, so the store sends about one
+    copy of the data, not three; every daemon's bytes equal PyTorch's."""
+    path, tensors = swarm_file
+    off = _data_offset(path)
+    data = os.path.getsize(path) - off
+    ds = _fleet(3, front, tmp_path)
+    try:
+        front.clear()
+        front.add("delay", delay=0.3, path="swarm/", min_start=off)
+        procs = _loads_at_once(ds, "m", SWARM)
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+        sent = front.sent_bytes()
+        front.clear()
+        for d in ds:
+            _assert_serves(d, "m", tensors)
+        from_peers = [_counter(d, "load_bytes_peers") for d in ds]
+        # Alone, each would read all of it: 3x. Shared out: one copy, plus
+        # each daemon's samples and checks and the ranges it began before it
+        # saw the others.
+        print("swarm: store sent %.2fx the data; from peers %s" % (sent / data, from_peers))
+        assert sent < 2.0 * data, "the store sent %.2fx the data" % (sent / data)
+        assert sum(from_peers) >= data, from_peers
+        assert sum(1 for b in from_peers if b > 0) >= 2, from_peers
+    finally:
+        for d in ds:
+            d.stop()
+
+
+def test_a_partial_holder_killed_mid_load_costs_only_its_ranges(front, swarm_file, tmp_path):
+    """Three daemons load at once; one is SIGKILLed while they are all still
+    reading. The other two finish with PyTorch's bytes (the dead one's ranges
+    come from storage or the survivor) and keep serving."""
+    path, tensors = swarm_file
+    off = _data_offset(path)
+    ds = _fleet(3, front, tmp_path)
+    try:
+        front.clear()
+        front.add("delay", delay=0.3, path="swarm/", min_start=off)
+        procs = _loads_at_once(ds, "m", SWARM)
+        time.sleep(1.0)
+        ds[2].proc.kill()
+        for p in procs[:2]:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+        procs[2].communicate(timeout=30)
+        front.clear()
+        for d in ds[:2]:
+            assert d.alive()
+            _assert_serves(d, "m", tensors)
+    finally:
+        for d in ds:
+            d.stop()
+
+
+def test_a_partial_holder_sending_wrong_bytes_is_caught_and_dropped(front, swarm_file, tmp_path):
+    """Two daemons load at once; b reaches a through a proxy that flips a bit
+    in every chunk a sends while still loading. b compares what it received
+    with storage (--peer-verify all), drops a (peer_data_loss), keeps nothing
+    it sent and reads those ranges again: both end with PyTorch's bytes."""
+    import grpc
+    import peer_protocol as pp
+    from harness import free_port
+    from weightd.v1 import weightd_pb2 as pb
+
+    auth = [("authorization", "Bearer " + FLEET_TOKEN)]
+
+    class Flipper(pp.HolderProxy):
+        flipped = 0
+
+        def handlers(self):
+            return {"ReadCheckpoint": self.grpc.unary_stream_rpc_method_handler(
+                self._read, request_deserializer=pb.ReadCheckpointRequest.FromString,
+                response_serializer=pb.ReadChunk.SerializeToString)}
+
+        def _read(self, req, ctx):
+            try:
+                for chunk in self.stub.ReadCheckpoint(req, metadata=auth):
+                    if chunk.data:
+                        data = bytearray(chunk.data)
+                        data[len(data) // 2] ^= 0x10
+                        Flipper.flipped += 1
+                        chunk = pb.ReadChunk(offset=chunk.offset, data=bytes(data))
+                    yield chunk
+            except grpc.RpcError as e:
+                ctx.abort(e.code(), e.details())
+
+    path, tensors = swarm_file
+    off = _data_offset(path)
+    a_port = free_port()
+    with Flipper("127.0.0.1:%d" % a_port, auth, workers=8) as proxy:
+        # a's address is fixed up front: the proxy dials it lazily.
+        def peers_of(i, addrs):
+            return [addrs[1]] if i == 0 else [proxy.address]
+        ds = _fleet(2, front, tmp_path, extra=["--peer-verify", "all"], peers_of=peers_of,
+                    addrs=["127.0.0.1:%d" % a_port, "127.0.0.1:%d" % free_port()])
+        try:
+            front.clear()
+            front.add("delay", delay=0.3, path="swarm/", min_start=off)
+            procs = _loads_at_once(ds, "m", SWARM)
+            for p in procs:
+                out, err = p.communicate(timeout=120)
+                assert p.returncode == 0, err
+            front.clear()
+            for d in ds:
+                _assert_serves(d, "m", tensors)
+            b = ds[1]
+            assert Flipper.flipped > 0, "b never read from a while a was loading"
+            assert "peer_data_loss" in b.log()
+            assert _counter(b, "load_bytes_peers") == 0
+        finally:
+            for d in ds:
+                d.stop()

@@ -15,10 +15,14 @@ from its link counter, outside every daemon. In the same run:
             what a fleet does without weightd's peer path
 
 Goal (issue 41): `all` within 1.5x the time of `one`, storage sending about
-one copy of the checkpoint for the whole fleet.
+one copy of the checkpoint for the whole fleet. The machine's CPU use
+(/proc/stat) during each phase says whether the links or the CPUs were the
+limit: every daemon, s3rver and the gRPC streams between them share its
+cores.
 
   bench/fleet_bench.py [--nodes 8] [--size-mib 256] [--rate 400mbit]
-                       [--node-rate 400mbit] [--repeats 2] [--no-peers-baseline]
+                       [--node-rate 400mbit] [--streams 8] [--chunk-mib 4]
+                       [--repeats 2] [--no-peers-baseline]
                        [--build build] [--out bench/fleet_results.json]
 """
 import argparse
@@ -54,7 +58,8 @@ def start_fleet(args, net, s3, tmp, tag, peers=True):
     try:
         for i, node in enumerate(net.nodes):
             extra = ["--model-source", "s3://%s/" % BUCKET, "--s3-endpoint", s3.endpoint,
-                     "--source-streams", str(args.streams)]
+                     "--source-streams", str(args.streams),
+                     "--source-chunk-bytes", str(args.chunk_mib << 20)]
             if peers:
                 extra += ["--listen", addrs[i], "--advertise", addrs[i],
                           "--peers", ",".join(a for a in addrs if a != addrs[i]),
@@ -67,6 +72,19 @@ def start_fleet(args, net, s3, tmp, tag, peers=True):
             d.stop()
         raise
     return ds
+
+
+def cpu_busy():
+    """(busy, total) jiffies of the whole machine (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]
+    return sum(v) - idle, sum(v)
+
+
+def busy_since(start):
+    b, t = cpu_busy()
+    return (b - start[0]) / max(1, t - start[1])
 
 
 def load_at_once(ds, url):
@@ -94,6 +112,7 @@ def main():
     ap.add_argument("--rate", default="400mbit")
     ap.add_argument("--node-rate", default="400mbit")
     ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--chunk-mib", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-peers-baseline", action="store_true")
     ap.add_argument("--build", default=os.environ.get("WEIGHTD_BUILD", os.path.join(REPO, "build")))
@@ -111,6 +130,7 @@ def main():
     url = "s3://%s/%s" % (BUCKET, KEY)
     result = {"checkpoint_bytes": nbytes, "nodes": args.nodes, "rate": args.rate,
               "node_rate": args.node_rate, "streams": args.streams, "repeats": args.repeats,
+              "chunk_bytes": args.chunk_mib << 20,
               "nproc": os.cpu_count(), "runs": []}
     net = netsim.Net(nodes=args.nodes, storage_rate=args.rate, node_rate=args.node_rate)
     s3 = None
@@ -123,7 +143,9 @@ def main():
             ds = start_fleet(args, net, s3, tmp, "one%d-" % r)
             try:
                 before = net.storage.tx_bytes()
+                cpu = cpu_busy()
                 run["one_seconds"] = load_at_once(ds[:1], url)[0]
+                run["one_cpu_busy"] = busy_since(cpu)
                 run["one_storage_over_checkpoint"] = (net.storage.tx_bytes() - before) / nbytes
             finally:
                 for d in ds:
@@ -131,7 +153,9 @@ def main():
             ds = start_fleet(args, net, s3, tmp, "all%d-" % r)
             try:
                 before = net.storage.tx_bytes()
+                cpu = cpu_busy()
                 took = load_at_once(ds, url)
+                run["all_cpu_busy"] = busy_since(cpu)
                 run["all_seconds"] = max(took)
                 run["all_each_seconds"] = took
                 run["all_storage_over_checkpoint"] = (net.storage.tx_bytes() - before) / nbytes
@@ -150,10 +174,12 @@ def main():
                     for d in ds:
                         d.stop()
             run["all_over_one"] = run["all_seconds"] / run["one_seconds"]
-            log("round %d: one %.2f s (storage %.3fx); all %d at once %.2f s = %.2fx one "
-                "(storage %.3fx)%s" % (
-                    r + 1, run["one_seconds"], run["one_storage_over_checkpoint"], args.nodes,
-                    run["all_seconds"], run["all_over_one"], run["all_storage_over_checkpoint"],
+            log("round %d: one %.2f s (storage %.3fx, CPU %.0f%% busy); all %d at once %.2f s = "
+                "%.2fx one (storage %.3fx, CPU %.0f%% busy)%s" % (
+                    r + 1, run["one_seconds"], run["one_storage_over_checkpoint"],
+                    100 * run["one_cpu_busy"], args.nodes, run["all_seconds"],
+                    run["all_over_one"], run["all_storage_over_checkpoint"],
+                    100 * run["all_cpu_busy"],
                     "; no peers %.2f s (storage %.3fx)" % (
                         run["no_peers_seconds"], run["no_peers_storage_over_checkpoint"])
                     if args.no_peers_baseline else ""))

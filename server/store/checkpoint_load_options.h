@@ -68,7 +68,8 @@ struct CheckpointLoadOptions {
   const ReaderList* offer_while_loading = nullptr;
   // While other daemons load the same files (partial holders), how often
   // the load asks its peers again what they have (doubling, up to 16
-  // times, while nothing changes), and how long it waits for a partial
+  // times, while nothing changes and it waits for no other load's
+  // chunks), and how long it waits for a partial
   // holder that stopped reading new ranges before reading the ranges that
   // holder was to read from storage itself.
   absl::Duration peer_refresh = absl::Milliseconds(250);

@@ -152,8 +152,22 @@ absl::Status CheckpointLoader::PlanSources() {
   // Peers holding the same files supply the bytes (checked as they are
   // read), before any memory is taken for them.
   if (options_.source == LoadSource::kStorage) return absl::OkStatus();
+  if (options_.source == LoadSource::kAuto && options_.peers != nullptr &&
+      options_.resident != nullptr && options_.offer_while_loading != nullptr &&
+      layout_.bytes_total > 0) {
+    // Seen loading by peers before they are asked (and while storage is
+    // sampled): loads that start together find each other at once.
+    std::vector<uint64_t> length;
+    for (const CheckpointFile& f : files_.files) length.push_back(f.data_length());
+    own_ = options_.resident->loading().Add(CheckpointKeyOf(files_),
+                                            *options_.offer_while_loading, std::move(length));
+  }
   const StorageReader storage(opener_, files_.files, tally_);
   WD_ASSIGN_OR_RETURN(plan_, PlanPeers(path_, options_, files_, layout_, storage, tally_));
+  if (!plan_.swarm && own_ != nullptr) {
+    own_->Close();
+    own_.reset();
+  }
   return absl::OkStatus();
 }
 
@@ -171,14 +185,10 @@ absl::Status CheckpointLoader::Allocate() {
   }
   chunks_ = PlanChunks(files_.files, layout_, std::move(file_data),
                        std::max<uint64_t>(1, options_.read_chunk_bytes));
-  if (plan_.swarm && options_.resident != nullptr && options_.offer_while_loading != nullptr) {
+  if (own_ != nullptr) {
     // Peers loading the same files now may read what this load reads from
     // storage, as it lands.
-    std::vector<const uint8_t*> data(chunks_.file_data.begin(), chunks_.file_data.end());
-    std::vector<uint64_t> length;
-    for (const CheckpointFile& f : files_.files) length.push_back(f.data_length());
-    own_ = options_.resident->loading().Add(plan_.key, *options_.offer_while_loading,
-                                            std::move(data), std::move(length));
+    own_->Attach(std::vector<const uint8_t*>(chunks_.file_data.begin(), chunks_.file_data.end()));
   }
   return absl::OkStatus();
 }

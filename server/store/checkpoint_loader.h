@@ -140,8 +140,9 @@ class CheckpointLoader {
   std::map<std::string, uint64_t> kept_by_peer_;   // Read
   bool shareable_ = true;                          // Recheck: status unchanged
   std::shared_ptr<Checkpoint> fresh_;              // Seal
-  // Allocate: this load's offer to peers loading the same files, closed
-  // before Seal (or, on failure, before the segments go).
+  // PlanSources (its memory attached by Allocate): this load's offer to
+  // peers loading the same files, closed before Seal (or, on failure,
+  // before the segments go).
   std::shared_ptr<LoadingCopy> own_;
 };
 

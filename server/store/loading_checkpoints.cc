@@ -52,18 +52,22 @@ Digest RandomCopyId() {
 }  // namespace
 
 LoadingCopy::LoadingCopy(Digest key, Digest copy, ReaderList readers,
-                         std::vector<const uint8_t*> data, std::vector<uint64_t> length)
+                         std::vector<uint64_t> length)
     : key_(key),
       copy_(copy),
       readers_(std::move(readers)),
-      data_(std::move(data)),
       length_(std::move(length)),
-      read_(data_.size()) {}
+      read_(length_.size()) {}
+
+void LoadingCopy::Attach(std::vector<const uint8_t*> data) {
+  absl::MutexLock lock(&mu_);
+  if (data.size() == length_.size()) data_ = std::move(data);
+}
 
 void LoadingCopy::MarkRead(size_t file, uint64_t begin, uint64_t length) {
   if (length == 0) return;
   absl::MutexLock lock(&mu_);
-  if (closed_ || file >= read_.size()) return;
+  if (closed_ || data_.empty() || file >= read_.size()) return;
   std::map<uint64_t, uint64_t>& m = read_[file];
   uint64_t b = begin, e = begin + length;
   // Merge with the ranges it touches.
@@ -89,7 +93,7 @@ void LoadingCopy::Close() {
 }
 
 bool LoadingCopy::HasLocked(const CheckpointRange& r) const {
-  if (closed_ || r.file >= read_.size() || r.length == 0) return false;
+  if (closed_ || data_.empty() || r.file >= read_.size() || r.length == 0) return false;
   const std::map<uint64_t, uint64_t>& m = read_[r.file];
   auto it = m.upper_bound(r.offset);
   if (it == m.begin()) return false;
@@ -116,7 +120,7 @@ bool LoadingCopy::Describe(const std::vector<CheckpointRange>& samples,
     }
   }
   for (const CheckpointRange& s : samples) {
-    if (s.file < data_.size() && s.offset <= length_[s.file] &&
+    if (s.file < length_.size() && s.offset <= length_[s.file] &&
         s.length <= length_[s.file] - s.offset && HasLocked(s)) {
       digests->push_back(DigestBytes(data_[s.file] + s.offset, s.length));
     } else {
@@ -127,10 +131,9 @@ bool LoadingCopy::Describe(const std::vector<CheckpointRange>& samples,
 }
 
 std::shared_ptr<LoadingCopy> LoadingCheckpoints::Add(const Digest& key, ReaderList readers,
-                                                     std::vector<const uint8_t*> data,
                                                      std::vector<uint64_t> length) {
-  auto copy = std::make_shared<LoadingCopy>(key, RandomCopyId(), std::move(readers),
-                                            std::move(data), std::move(length));
+  auto copy =
+      std::make_shared<LoadingCopy>(key, RandomCopyId(), std::move(readers), std::move(length));
   absl::MutexLock lock(&mu_);
   for (auto it = loads_.begin(); it != loads_.end();) {  // the gone ones
     it = it->second.expired() ? loads_.erase(it) : std::next(it);
@@ -172,7 +175,7 @@ absl::StatusOr<BufferPtr> LoadingCheckpoints::Read(
   }
   for (const std::shared_ptr<LoadingCopy>& c : Live(key)) {
     if (c->copy() != copy || !admits(c->readers())) continue;
-    if (r.file >= c->data_.size() || r.offset > c->length_[r.file] ||
+    if (r.file >= c->length_.size() || r.offset > c->length_[r.file] ||
         r.length > c->length_[r.file] - r.offset) {
       return absl::InvalidArgumentError(absl::StrCat("range ", r.offset, "+", r.length,
                                                      " of file ", r.file,

@@ -48,8 +48,11 @@ inline constexpr uint64_t kMaxPartialCopyBytes = 256ull << 20;
 
 class LoadingCopy {
  public:
+  // Where the files' data sections are (per file), once the load has its
+  // memory; until then nothing is read or served.
+  void Attach(std::vector<const uint8_t*> data) ABSL_LOCKS_EXCLUDED(mu_);
   // Range [begin, begin + length) of file `file`'s data section holds
-  // storage's bytes (written before the call).
+  // storage's bytes (written before the call; after Attach).
   void MarkRead(size_t file, uint64_t begin, uint64_t length) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the offer: waits for reads copying from the memory, then refuses
   // every later one (NOT_FOUND). Before the load seals or frees the memory.
@@ -60,8 +63,7 @@ class LoadingCopy {
   const ReaderList& readers() const { return readers_; }
 
   // Built by LoadingCheckpoints::Add only.
-  LoadingCopy(Digest key, Digest copy, ReaderList readers, std::vector<const uint8_t*> data,
-              std::vector<uint64_t> length);
+  LoadingCopy(Digest key, Digest copy, ReaderList readers, std::vector<uint64_t> length);
 
  private:
   friend class LoadingCheckpoints;
@@ -77,12 +79,12 @@ class LoadingCopy {
   const Digest key_;
   const Digest copy_;
   const ReaderList readers_;
-  const std::vector<const uint8_t*> data_;  // per file: its data section
-  const std::vector<uint64_t> length_;
+  const std::vector<uint64_t> length_;  // per file: of its data section
 
   // Protected by mu_ (a leaf); readers copy under it held shared.
   mutable absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<const uint8_t*> data_ ABSL_GUARDED_BY(mu_);  // per file; Attach
   // Per file: the ranges read, disjoint and merged, by begin -> end.
   std::vector<std::map<uint64_t, uint64_t>> read_ ABSL_GUARDED_BY(mu_);
 };
@@ -94,12 +96,14 @@ class LoadingCheckpoints {
       : max_copy_bytes_(max_copy_bytes) {}
 
   // Registers a load of the checkpoint `key` whose files' data sections
-  // are at `data` (per file, `length` bytes each), readable by peers that
-  // `readers` admit. The copy is offered until the handle is closed (or
-  // destroyed); its id is random (no two loads share one).
+  // are `length` bytes each, readable by peers that `readers` admit: from
+  // now on peers see it loading (with nothing read until it attaches its
+  // memory and marks ranges). Registered before the load asks its peers,
+  // so loads that start together see each other. The copy is offered until
+  // the handle is closed (or destroyed); its id is random (no two loads
+  // share one).
   std::shared_ptr<LoadingCopy> Add(const Digest& key, ReaderList readers,
-                                   std::vector<const uint8_t*> data, std::vector<uint64_t> length)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                   std::vector<uint64_t> length) ABSL_LOCKS_EXCLUDED(mu_);
 
   // What the loads of `key` that `admits` (given the copy's readers) have:
   // one holding per copy, partial, with its ranges and the digests of the

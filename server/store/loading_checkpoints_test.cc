@@ -24,10 +24,11 @@ struct Fixture {
   std::string a = std::string(1000, 'a');
   std::string b = std::string(300, 'b');
   LoadingCheckpoints loading;
-  std::shared_ptr<LoadingCopy> copy = loading.Add(
-      Key(1), ReaderList(),
-      {reinterpret_cast<const uint8_t*>(a.data()), reinterpret_cast<const uint8_t*>(b.data())},
-      {a.size(), b.size()});
+  std::shared_ptr<LoadingCopy> copy = loading.Add(Key(1), ReaderList(), {a.size(), b.size()});
+  Fixture() {
+    copy->Attach(
+        {reinterpret_cast<const uint8_t*>(a.data()), reinterpret_cast<const uint8_t*>(b.data())});
+  }
 };
 
 TEST(LoadingCheckpointsTest, OffersOnlyTheMergedRangesRead) {
@@ -106,8 +107,20 @@ TEST(LoadingCheckpointsTest, CloseEndsTheOfferAndWaitsForCopies) {
 TEST(LoadingCheckpointsTest, TwoLoadsOfOneKeyHaveTheirOwnIds) {
   Fixture f;
   std::string c(1000, 'c');
-  auto other = f.loading.Add(Key(1), ReaderList(), {reinterpret_cast<const uint8_t*>(c.data())},
-                             {c.size()});
+  auto other = f.loading.Add(Key(1), ReaderList(), {c.size()});
+  // Registered, nothing attached or read yet: offered with nothing.
+  other->MarkRead(0, 0, 10);  // before Attach: ignored
+  auto early = f.loading.Find(Key(1), {{0, 0, 10}}, kAnyone);
+  ASSERT_EQ(early.size(), 2u);
+  for (const auto& o : early) {
+    if (o.copy == other->copy()) {
+      EXPECT_TRUE(o.have.empty());
+      EXPECT_FALSE(o.sample_digests[0].has_value());
+    }
+  }
+  EXPECT_EQ(f.loading.Read(Key(1), other->copy(), {0, 0, 10}, kAnyone).status().code(),
+            absl::StatusCode::kNotFound);
+  other->Attach({reinterpret_cast<const uint8_t*>(c.data())});
   EXPECT_NE(other->copy(), f.copy->copy());
   other->MarkRead(0, 0, 10);
   auto offers = f.loading.Find(Key(1), {}, kAnyone);
@@ -120,8 +133,8 @@ TEST(LoadingCheckpointsTest, TwoLoadsOfOneKeyHaveTheirOwnIds) {
 TEST(LoadingCheckpointsTest, CopiesForPeersAreBounded) {
   std::string a(1000, 'a');
   LoadingCheckpoints loading(/*max_copy_bytes=*/250);
-  auto copy = loading.Add(Key(1), ReaderList(), {reinterpret_cast<const uint8_t*>(a.data())},
-                          {a.size()});
+  auto copy = loading.Add(Key(1), ReaderList(), {a.size()});
+  copy->Attach({reinterpret_cast<const uint8_t*>(a.data())});
   copy->MarkRead(0, 0, 900);
   auto first = loading.Read(Key(1), copy->copy(), {0, 0, 200}, kAnyone);
   ASSERT_TRUE(first.ok());

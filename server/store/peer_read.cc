@@ -27,14 +27,6 @@ std::string RandomSeed() {
   return absl::StrCat(rd(), "-", rd());
 }
 
-Digest KeyOf(const CheckpointFiles& files) {
-  std::vector<CheckpointFileId> ids;
-  for (size_t i = 0; i < files.files.size(); ++i) {
-    ids.push_back({files.names[i], files.files[i].size(), files.files[i].header_digest});
-  }
-  return CheckpointKey(ids);
-}
-
 // Storage samples at random places each load: a peer cannot have prepared
 // for them. (It sees them in the question, though: they pick its copy and
 // turn away peers with other bytes early; what checks its bytes is
@@ -205,6 +197,14 @@ const PeerHolding* ChooseCopy(const Asking& ask, const std::vector<const PeerHol
 
 }  // namespace
 
+Digest CheckpointKeyOf(const CheckpointFiles& files) {
+  std::vector<CheckpointFileId> ids;
+  for (size_t i = 0; i < files.files.size(); ++i) {
+    ids.push_back({files.names[i], files.files[i].size(), files.files[i].header_digest});
+  }
+  return CheckpointKey(ids);
+}
+
 absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoadOptions& options,
                                    const CheckpointFiles& files, const LoadLayout& layout,
                                    const StorageReader& storage, LoadTally& tally) {
@@ -216,7 +216,7 @@ absl::StatusOr<PeerPlan> PlanPeers(const std::string& path, const CheckpointLoad
     }
     return plan;
   }
-  plan.key = KeyOf(files);
+  plan.key = CheckpointKeyOf(files);
   WD_RETURN_IF_ERROR(SampleStorage(options, files.files, storage, plan));
   const std::vector<std::vector<size_t>> order = DigestOrder(files.files.size(), layout);
   if (plan.samples.empty()) {
@@ -424,12 +424,14 @@ int PeerRead::Supplier(size_t ci) const {
   uint64_t best_score = 0;
   for (size_t h = 0; h < holders_.size(); ++h) {
     const Holder& holder = holders_[h];
-    if (holder.dropped || !holder.present || !Has(holder, c) ||
+    if (holder.dropped || !holder.present || holder.unreadable || !Has(holder, c) ||
         std::find(excluded_[ci].begin(), excluded_[ci].end(), static_cast<int>(h)) !=
             excluded_[ci].end()) {
       continue;
     }
-    const uint64_t score = RendezvousScore(plan_.key, holder.id, c.group);
+    // A complete holder by group (a tensor's pieces from one holder); a
+    // partial one by chunk, as chunks are owned.
+    const uint64_t score = RendezvousScore(plan_.key, holder.id, holder.partial ? ci : c.group);
     if (best < 0 || score > best_score) best = static_cast<int>(h), best_score = score;
   }
   return best;
@@ -446,29 +448,43 @@ void PeerRead::UpdateOwners() {
       ids.push_back(&h.id);
     }
   }
+  // The loads reading storage together read with as many streams in all
+  // as one load alone: each of P with read_threads / P (at least one), so
+  // its chunks land one after another for the others to take, not all at
+  // the end.
+  const int threads = std::max(1, options_.read_threads);
+  const int participants = static_cast<int>(ids.size());
+  if (storage_width_ > 1 || participants > 1 || refreshed_) {
+    storage_width_ = std::max(1, (threads + participants - 1) / participants);
+  }
+  // By chunk, not group (a large tensor's pieces are shared out too), and
+  // in turn over the loads sorted by id, from a place the key picks: each
+  // owns as many chunks as any other (within one), since each owner's
+  // link then sends its chunks to every other load.
+  std::sort(ids.begin(), ids.end(), [](const std::string* a, const std::string* b) {
+    return *a < *b;
+  });
+  const size_t self = static_cast<size_t>(
+      std::find_if(ids.begin(), ids.end(), [&](const std::string* id) { return id == &self_id_; }) -
+      ids.begin());
+  const size_t start = RendezvousScore(plan_.key, "owners", 0) % ids.size();
   mine_.assign(chunks_.chunks.size(), 0);
   for (size_t ci = 0; ci < chunks_.chunks.size(); ++ci) {
-    const size_t group = chunks_.chunks[ci].group;
-    if (ci > 0 && chunks_.chunks[ci - 1].group == group) {
-      mine_[ci] = mine_[ci - 1];
-      continue;
-    }
-    const std::string* best = nullptr;
-    uint64_t best_score = 0;
-    for (const std::string* id : ids) {
-      const uint64_t score = RendezvousScore(plan_.key, *id, group);
-      if (best == nullptr || score > best_score) best = id, best_score = score;
-    }
-    mine_[ci] = best == &self_id_;
+    mine_[ci] = (start + ci) % ids.size() == self;
   }
 }
 
 absl::Status PeerRead::FirstPass() {
   first_order_ = FirstPassOrder();
+
   {
     absl::MutexLock lock(&mu_);
     state_.assign(chunks_.chunks.size(), kTodo);
     remaining_ = chunks_.chunks.size();
+    // Alone as far as the plan saw (and others may be starting): one
+    // stream until the first refresh.
+    refreshed_ = !(plan_.partial.empty() && plan_.holders.empty() && plan_.swarm);
+    storage_width_ = 1;
     UpdateOwners();
   }
   const bool from_storage = options_.source != LoadSource::kPeers;
@@ -481,7 +497,8 @@ absl::Status PeerRead::FirstPass() {
   }
   // Meanwhile, while loads of the same files may come or go (kAuto): the
   // peers asked again, less often while nothing changes.
-  absl::Duration every = options_.peer_refresh;
+  // The first time soon: loads that started together see each other.
+  absl::Duration every = std::min(options_.peer_refresh, absl::Milliseconds(100));
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
@@ -498,7 +515,15 @@ absl::Status PeerRead::FirstPass() {
       if (!from_storage || !plan_.swarm) continue;
     }
     const bool news = Refresh();
-    every = news ? options_.peer_refresh : std::min(2 * every, 16 * options_.peer_refresh);
+    bool waiting = false;  // for chunks another load is to read
+    {
+      absl::MutexLock lock(&mu_);
+      for (size_t ci = 0; ci < state_.size() && !waiting; ++ci) {
+        waiting = state_[ci] == kTodo && !mine_[ci] && Supplier(ci) < 0;
+      }
+    }
+    every = news || waiting ? options_.peer_refresh
+                            : std::min(2 * every, 16 * options_.peer_refresh);
   }
   for (std::thread& t : threads) t.join();
   absl::MutexLock lock(&mu_);
@@ -522,8 +547,9 @@ std::pair<long, int> PeerRead::Take(bool storage) {
         state_[ci] = kInFlight;
         return {static_cast<long>(ci), h};
       }
-      if (storage && h < 0 && mine_[ci]) {
+      if (storage && h < 0 && mine_[ci] && storage_busy_ < storage_width_) {
         state_[ci] = kInFlight;
+        ++storage_busy_;
         return {static_cast<long>(ci), kFromStorage};
       }
       waiting = waiting || h < 0;
@@ -553,6 +579,8 @@ void PeerRead::Worker(bool storage) {
     absl::Status s;
     if (h == kFromStorage) {
       s = ReadOwn(ci, /*count=*/true);
+      absl::MutexLock lock(&mu_);
+      --storage_busy_;
     } else {
       std::string peer;
       Digest copy;
@@ -583,9 +611,10 @@ void PeerRead::Worker(bool storage) {
           // Its load ended (or failed) since it answered, or it is busy
           // serving others: it answers again as what it is now at the
           // next refresh.
+          // Still an owner of its chunks until the answers say otherwise
+          // (a load that ended answers as a complete holder next).
           absl::MutexLock lock(&mu_);
-          holders_[h].present = false;
-          UpdateOwners();
+          holders_[h].unreadable = true;
           retry = true;
         } else {
           Drop(static_cast<size_t>(h), s, "peer_read_failed");
@@ -661,6 +690,7 @@ bool PeerRead::Refresh() {
       continue;
     }
     it->present = true;
+    it->unreadable = false;
     if (!it->partial) continue;
     uint64_t bytes = 0;
     std::vector<std::map<uint64_t, uint64_t>> have(files_.size());
@@ -675,6 +705,7 @@ bool PeerRead::Refresh() {
     it->have = std::move(have);
     it->have_bytes = bytes;
   }
+  refreshed_ = true;
   UpdateOwners();
   changed_.SignalAll();
   return news;

@@ -48,6 +48,9 @@ struct PeerPlan {
   bool swarm = false;
 };
 
+// The checkpoint key of `files` (CheckpointKey): what peers are asked for.
+Digest CheckpointKeyOf(const CheckpointFiles& files);
+
 // Samples storage, asks the peers who holds `files` and keeps the holders
 // whose samples match storage and who agree on the tensor digests (the
 // largest such group). No holder: an empty plan (kAuto), UNAVAILABLE
@@ -82,8 +85,11 @@ std::vector<size_t> RendezvousOrder(const std::vector<std::string>& holders, con
 // those that have it (a complete holder, or a partial one whose ranges
 // cover it). With partial holders, the loads share out storage: each chunk
 // has an owner among this load and the partial holders still reading
-// (rendezvous over their copy ids, the same on every daemon), this load
-// reads its own chunks from storage (read_threads at once) and waits for
+// (in turn over their copy ids, sorted: the same on every daemon that sees
+// the same loads, and as many chunks each), this load reads its own
+// chunks from storage (read_threads
+// shared out among the owners; one until the first refresh when the plan
+// saw no one) and waits for
 // the others' until their owner has read them, asking the peers again
 // every peer_refresh; an owner gone, or stalled for peer_patience, passes
 // its chunks on. The ranges this load reads from storage are offered at
@@ -128,6 +134,7 @@ class PeerRead {
     uint64_t have_bytes = 0;
     absl::Time progressed;  // when `have` last grew (or it joined)
     bool present = true;    // in the latest answers
+    bool unreadable = false;  // refused a read since (gone, busy): until then
     bool dropped = false;   // from the load
     bool lied = false;      // dropped for wrong bytes: nothing it sent is kept
   };
@@ -201,6 +208,13 @@ class PeerRead {
   std::vector<ChunkState> state_ ABSL_GUARDED_BY(mu_);
   std::vector<char> mine_ ABSL_GUARDED_BY(mu_);  // per chunk: this load is its owner
   size_t remaining_ ABSL_GUARDED_BY(mu_) = 0;
+  // Storage reads in flight, and how many may be: one until the first
+  // refresh when the plan found no other load (loads that start together
+  // may not have seen each other yet), then read_threads shared out among
+  // the loads reading (UpdateOwners).
+  int storage_busy_ ABSL_GUARDED_BY(mu_) = 0;
+  int storage_width_ ABSL_GUARDED_BY(mu_) = 1;
+  bool refreshed_ ABSL_GUARDED_BY(mu_) = false;  // or the plan saw others
   absl::Status failed_ ABSL_GUARDED_BY(mu_);
 
   // Per chunk, each entry written only by the thread filling that chunk:

@@ -21,7 +21,7 @@ limit: every daemon, s3rver and the gRPC streams between them share its
 cores.
 
   bench/fleet_bench.py [--nodes 8] [--size-mib 256] [--rate 400mbit]
-                       [--node-rate 400mbit] [--streams 8] [--chunk-mib 4]
+                       [--node-rate 400mbit] [--streams 8] [--chunk-mib 1]
                        [--repeats 2] [--no-peers-baseline]
                        [--build build] [--out bench/fleet_results.json]
 """
@@ -112,7 +112,7 @@ def main():
     ap.add_argument("--rate", default="400mbit")
     ap.add_argument("--node-rate", default="400mbit")
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--chunk-mib", type=int, default=4)
+    ap.add_argument("--chunk-mib", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-peers-baseline", action="store_true")
     ap.add_argument("--build", default=os.environ.get("WEIGHTD_BUILD", os.path.join(REPO, "build")))

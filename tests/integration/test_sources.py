@@ -873,6 +873,23 @@ def _loads_at_once(ds, name, url):
             for d in ds]
 
 
+def _succeed(procs):
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+
+
+def _slow_swarm_loads(front, ds, off):
+    """Every daemon loads SWARM at once while `front` holds each data GET
+    0.3 s; the bytes the store sent."""
+    front.clear()
+    front.add("delay", delay=0.3, path="swarm/", min_start=off)
+    _succeed(_loads_at_once(ds, "m", SWARM))
+    sent = front.sent_bytes()
+    front.clear()
+    return sent
+
+
 def test_loaders_at_once_share_out_storage_and_serve_each_other(front, swarm_file, tmp_path):
     """Three daemons load one 16 MiB object at once from a slow store (each
     data GET held 0.3 s): each reads its share from storage and the rest from
@@ -883,21 +900,13 @@ def test_loaders_at_once_share_out_storage_and_serve_each_other(front, swarm_fil
     data = os.path.getsize(path) - off
     ds = _fleet(3, front, tmp_path)
     try:
-        front.clear()
-        front.add("delay", delay=0.3, path="swarm/", min_start=off)
-        procs = _loads_at_once(ds, "m", SWARM)
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err
-        sent = front.sent_bytes()
-        front.clear()
+        sent = _slow_swarm_loads(front, ds, off)
         for d in ds:
             _assert_serves(d, "m", tensors)
         from_peers = [_counter(d, "load_bytes_peers") for d in ds]
         # Alone, each would read all of it: 3x. Shared out: one copy, plus
         # each daemon's samples and checks and the ranges it began before it
         # saw the others.
-        print("swarm: store sent %.2fx the data; from peers %s" % (sent / data, from_peers))
         assert sent < 2.0 * data, "the store sent %.2fx the data" % (sent / data)
         assert sum(from_peers) >= data, from_peers
         assert sum(1 for b in from_peers if b > 0) >= 2, from_peers
@@ -919,9 +928,7 @@ def test_a_partial_holder_killed_mid_load_costs_only_its_ranges(front, swarm_fil
         procs = _loads_at_once(ds, "m", SWARM)
         time.sleep(1.0)
         ds[2].proc.kill()
-        for p in procs[:2]:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err
+        _succeed(procs[:2])
         procs[2].communicate(timeout=30)
         front.clear()
         for d in ds[:2]:
@@ -974,13 +981,7 @@ def test_a_partial_holder_sending_wrong_bytes_is_caught_and_dropped(front, swarm
         ds = _fleet(2, front, tmp_path, extra=["--peer-verify", "all"], peers_of=peers_of,
                     addrs=["127.0.0.1:%d" % a_port, "127.0.0.1:%d" % free_port()])
         try:
-            front.clear()
-            front.add("delay", delay=0.3, path="swarm/", min_start=off)
-            procs = _loads_at_once(ds, "m", SWARM)
-            for p in procs:
-                out, err = p.communicate(timeout=120)
-                assert p.returncode == 0, err
-            front.clear()
+            _slow_swarm_loads(front, ds, off)
             for d in ds:
                 _assert_serves(d, "m", tensors)
             b = ds[1]
@@ -990,3 +991,46 @@ def test_a_partial_holder_sending_wrong_bytes_is_caught_and_dropped(front, swarm
         finally:
             for d in ds:
                 d.stop()
+
+
+def test_simulated_fleet_loads_at_once_reading_storage_once(swarm_file, tmp_path):
+    """tests/netsim.py: a storage namespace (s3rver behind a 200 Mbit/s
+    limit) and four node namespaces (200 Mbit/s each), one daemon per node,
+    peers of each other, load the 16 MiB object at once. The storage link's
+    own counter (read outside every daemon) shows about one copy leaving
+    storage, and every daemon serves PyTorch's bytes."""
+    import netsim
+    netsim.require()
+    path, tensors = swarm_file
+    size = os.path.getsize(path)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("fleet %s\n" % FLEET_TOKEN)
+    with netsim.Net(nodes=4, storage_rate="200mbit", node_rate="200mbit") as net:
+        s3 = ss.S3Server(host=net.storage.addr, prefix=net.storage.prefix).start(timeout=60)
+        ds = []
+        try:
+            s3.create_bucket(BUCKET, via=net.storage.prefix)
+            s3.put(BUCKET, "swarm/m.safetensors", path=path, via=net.storage.prefix)
+            addrs = ["%s:7471" % n.addr for n in net.nodes]
+            for i, node in enumerate(net.nodes):
+                ds.append(_start([
+                    "--model-source", "s3://models/", "--s3-endpoint", s3.endpoint,
+                    "--source-chunk-bytes", str(1 << 20), "--listen", addrs[i],
+                    "--advertise", addrs[i], "--peers", ",".join(a for a in addrs if a != addrs[i]),
+                    "--peer-poll-seconds", "1", "--auth-token-file", str(tokens),
+                    "--fleet-members", "token:fleet", "--peer-token-file", str(tokens),
+                    "--allow-insecure-token"], workdir=str(tmp_path / ("n%d" % i)),
+                    prefix=node.prefix))
+            before = net.storage.tx_bytes()
+            _succeed(_loads_at_once(ds, "m", SWARM))
+            sent = net.storage.tx_bytes() - before
+            for d in ds:
+                _assert_serves(d, "m", tensors)
+            # Alone each would read it all (4x); shared out, about once
+            # (plus samples, checks, framing).
+            assert sent < 1.6 * size, "storage sent %.2fx the object" % (sent / size)
+            assert sum(_counter(d, "load_bytes_peers") for d in ds) >= 2 * size
+        finally:
+            for d in ds:
+                d.stop()
+            s3.stop()

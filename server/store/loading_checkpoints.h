@@ -38,9 +38,11 @@
 namespace weightd {
 
 // The most ranges a partial holder names in one answer (the first ones, in
-// file and offset order), and the longest range it serves in one read.
-inline constexpr size_t kMaxOfferedRanges = 4096;
-inline constexpr uint64_t kMaxPartialReadBytes = 64ull << 20;
+// file and offset order; loads sharing out storage each hold every P-th
+// chunk, so a 1 TB checkpoint in 16 MiB chunks needs 65536 / P), and the
+// longest range it serves in one read (as a resident holder).
+inline constexpr size_t kMaxOfferedRanges = 65536;
+inline constexpr uint64_t kMaxPartialReadBytes = 256ull << 20;
 // The most bytes copied for peers' reads of partial copies at once (each
 // copy lives until its ReadCheckpoint stream ends); beyond it a read is
 // RESOURCE_EXHAUSTED, and the peer asks again later.

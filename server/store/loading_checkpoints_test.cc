@@ -78,6 +78,7 @@ TEST(LoadingCheckpointsTest, CloseEndsTheOfferAndWaitsForCopies) {
   Fixture f;
   f.copy->MarkRead(0, 0, 1000);
   const Digest id = f.copy->copy();
+  const std::string want = f.a;  // the memory as it was
   std::atomic<bool> stop{false};
   std::atomic<int> ok{0};
   std::thread reader([&] {
@@ -85,7 +86,7 @@ TEST(LoadingCheckpointsTest, CloseEndsTheOfferAndWaitsForCopies) {
       auto got = f.loading.Read(Key(1), id, {0, 0, 1000}, kAnyone);
       if (got.ok()) {
         // Every copy is whole and equal to the memory as it was.
-        ASSERT_EQ(std::string(reinterpret_cast<const char*>((*got)->host_data()), 1000), f.a);
+        ASSERT_EQ(std::string(reinterpret_cast<const char*>((*got)->host_data()), 1000), want);
         ++ok;
       }
     }

@@ -454,9 +454,7 @@ void PeerRead::UpdateOwners() {
   // the end.
   const int threads = std::max(1, options_.read_threads);
   const int participants = static_cast<int>(ids.size());
-  if (storage_width_ > 1 || participants > 1 || refreshed_) {
-    storage_width_ = std::max(1, (threads + participants - 1) / participants);
-  }
+  storage_width_ = std::max(1, (threads + participants - 1) / participants);
   // By chunk, not group (a large tensor's pieces are shared out too), and
   // in turn over the loads sorted by id, from a place the key picks: each
   // owns as many chunks as any other (within one), since each owner's
@@ -481,10 +479,7 @@ absl::Status PeerRead::FirstPass() {
     absl::MutexLock lock(&mu_);
     state_.assign(chunks_.chunks.size(), kTodo);
     remaining_ = chunks_.chunks.size();
-    // Alone as far as the plan saw (and others may be starting): one
-    // stream until the first refresh.
-    refreshed_ = !(plan_.partial.empty() && plan_.holders.empty() && plan_.swarm);
-    storage_width_ = 1;
+    waiting_since_.assign(chunks_.chunks.size(), absl::InfiniteFuture());
     UpdateOwners();
   }
   const bool from_storage = options_.source != LoadSource::kPeers;
@@ -540,19 +535,45 @@ std::pair<long, int> PeerRead::Take(bool storage) {
       return {-1, 0};
     }
     bool waiting = false;  // a chunk no one can supply yet
-    for (size_t ci : first_order_) {
+    // Past the chunks done (the order's prefix), once.
+    while (first_todo_ < first_order_.size() && state_[first_order_[first_todo_]] == kDone) {
+      ++first_todo_;
+    }
+    const absl::Time now = absl::Now();
+    long overdue = -1;  // another load's chunk waited for past patience
+    for (size_t k = first_todo_; k < first_order_.size(); ++k) {
+      const size_t ci = first_order_[k];
       if (state_[ci] != kTodo) continue;
-      const int h = Supplier(ci);
-      if (!storage && h >= 0) {
-        state_[ci] = kInFlight;
-        return {static_cast<long>(ci), h};
-      }
-      if (storage && h < 0 && mine_[ci] && storage_busy_ < storage_width_) {
+      if (storage) {
+        // At its width a storage reader takes nothing; its own chunks
+        // only where no peer has them.
+        if (storage_busy_ >= storage_width_) break;
+        if (!mine_[ci] && (waiting_since_[ci] > now - options_.peer_patience || overdue >= 0)) {
+          continue;
+        }
+        if (Supplier(ci) >= 0) continue;
+        if (!mine_[ci]) {
+          overdue = static_cast<long>(ci);
+          continue;
+        }
         state_[ci] = kInFlight;
         ++storage_busy_;
         return {static_cast<long>(ci), kFromStorage};
       }
-      waiting = waiting || h < 0;
+      const int h = Supplier(ci);
+      if (h >= 0) {
+        state_[ci] = kInFlight;
+        return {static_cast<long>(ci), h};
+      }
+      if (!mine_[ci] && waiting_since_[ci] == absl::InfiniteFuture()) waiting_since_[ci] = now;
+      waiting = true;
+    }
+    if (storage && overdue >= 0 && storage_busy_ < storage_width_) {
+      // Its owner has not offered it for peer_patience (slow, stuck or
+      // lying about its progress): read here.
+      state_[overdue] = kInFlight;
+      ++storage_busy_;
+      return {overdue, kFromStorage};
     }
     if (!storage && waiting && options_.source == LoadSource::kPeers) {
       // Every holder gone: nothing will supply it.
@@ -705,7 +726,6 @@ bool PeerRead::Refresh() {
     it->have = std::move(have);
     it->have_bytes = bytes;
   }
-  refreshed_ = true;
   UpdateOwners();
   changed_.SignalAll();
   return news;

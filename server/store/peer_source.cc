@@ -50,7 +50,7 @@ uint64_t PeerQuery::AnswerBound() const {
   for (uint64_t n : tensors_per_file) bound += 11 + 16 * n;
   bound += (11 + 16) * samples.size();
   // A partial holder's flag and ranges (each: tag, length, three varints).
-  bound += 2 + 4096 * (2 + 1 + 5 + 1 + 10 + 1 + 10);
+  bound += 2 + 65536 * (2 + 1 + 5 + 1 + 10 + 1 + 10);
   return bound;
 }
 

@@ -47,10 +47,12 @@ absl::Status StorageReader::ReadChunk(const Chunk& c, bool count) const {
   return absl::OkStatus();
 }
 
-absl::Status StorageReader::ReadAll(const ChunkPlan& plan, int threads,
-                                    DigestAsRead* digest) const {
+absl::Status StorageReader::ReadAll(const ChunkPlan& plan, int threads, DigestAsRead* digest,
+                                    LoadingCopy* offer) const {
   return ParallelFor(nullptr, plan.chunks.size(), threads, [&](size_t i) {
-    WD_RETURN_IF_ERROR(ReadChunk(plan.chunks[i], /*count=*/true));
+    const Chunk& c = plan.chunks[i];
+    WD_RETURN_IF_ERROR(ReadChunk(c, /*count=*/true));
+    if (offer != nullptr) offer->MarkRead(c.file, c.data_begin, c.length);
     if (digest != nullptr) digest->ChunkDone(i);
     return absl::OkStatus();
   });

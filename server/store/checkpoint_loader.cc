@@ -53,10 +53,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> CheckpointLoader::Load() {
   WD_RETURN_IF_ERROR_CTX(CancelledStatus(cancel), "plan sources");
   WD_RETURN_IF_ERROR_CTX(PlanSources(), "plan sources");
   WD_RETURN_IF_ERROR_CTX(Allocate(), "allocate");
-  if (plan_.holders.empty() && plan_.partial.empty()) {
-    // No one holds or loads the files: all from storage, at full width,
-    // offered to peers as it lands (a load starting later reads from this
-    // one).
+  if (plan_.holders.empty() && !plan_.swarm) {
     WD_RETURN_IF_ERROR_CTX(ReadFromStorage(), "read from storage");
   } else {
     WD_RETURN_IF_ERROR_CTX(ReadFromPeers(), "read from peers");
@@ -201,7 +198,7 @@ absl::Status CheckpointLoader::ReadFromStorage() {
   // soon as its last chunk lands.
   const StorageReader storage(opener_, files_.files, tally_);
   DigestAsRead digest(layout_, chunks_);
-  WD_RETURN_IF_ERROR(storage.ReadAll(chunks_, options_.read_threads, &digest, own_.get()));
+  WD_RETURN_IF_ERROR(storage.ReadAll(chunks_, options_.read_threads, &digest));
   if (digest.digested() != layout_.tensors.size()) {
     return absl::InternalError(absl::StrCat("digested ", digest.digested(), " of ",
                                             layout_.tensors.size(), " tensors"));

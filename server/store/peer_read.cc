@@ -454,7 +454,9 @@ void PeerRead::UpdateOwners() {
   // the end.
   const int threads = std::max(1, options_.read_threads);
   const int participants = static_cast<int>(ids.size());
-  storage_width_ = std::max(1, (threads + participants - 1) / participants);
+  if (storage_width_ > 1 || participants > 1 || refreshed_) {
+    storage_width_ = std::max(1, (threads + participants - 1) / participants);
+  }
   // By chunk, not group (a large tensor's pieces are shared out too), and
   // in turn over the loads sorted by id, from a place the key picks: each
   // owns as many chunks as any other (within one), since each owner's
@@ -480,6 +482,10 @@ absl::Status PeerRead::FirstPass() {
     state_.assign(chunks_.chunks.size(), kTodo);
     remaining_ = chunks_.chunks.size();
     waiting_since_.assign(chunks_.chunks.size(), absl::InfiniteFuture());
+    // Alone as far as the plan saw (others may be starting as it asked):
+    // one storage stream until the first refresh.
+    refreshed_ = !(plan_.partial.empty() && plan_.holders.empty());
+    storage_width_ = 1;
     UpdateOwners();
   }
   const bool from_storage = options_.source != LoadSource::kPeers;
@@ -548,7 +554,8 @@ std::pair<long, int> PeerRead::Take(bool storage) {
         // At its width a storage reader takes nothing; its own chunks
         // only where no peer has them.
         if (storage_busy_ >= storage_width_) break;
-        if (!mine_[ci] && (waiting_since_[ci] > now - options_.peer_patience || overdue >= 0)) {
+        if (!mine_[ci] &&
+            (waiting_since_[ci] > now - 3 * options_.peer_patience || overdue >= 0)) {
           continue;
         }
         if (Supplier(ci) >= 0) continue;
@@ -569,8 +576,8 @@ std::pair<long, int> PeerRead::Take(bool storage) {
       waiting = true;
     }
     if (storage && overdue >= 0 && storage_busy_ < storage_width_) {
-      // Its owner has not offered it for peer_patience (slow, stuck or
-      // lying about its progress): read here.
+      // Its owner has not offered it for 3 x peer_patience (slow, stuck
+      // or lying about its progress): read here.
       state_[overdue] = kInFlight;
       ++storage_busy_;
       return {overdue, kFromStorage};
@@ -726,6 +733,7 @@ bool PeerRead::Refresh() {
     it->have = std::move(have);
     it->have_bytes = bytes;
   }
+  refreshed_ = true;
   UpdateOwners();
   changed_.SignalAll();
   return news;

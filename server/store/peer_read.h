@@ -87,11 +87,12 @@ std::vector<size_t> RendezvousOrder(const std::vector<std::string>& holders, con
 // has an owner among this load and the partial holders still reading
 // (in turn over their copy ids, sorted: the same on every daemon that sees
 // the same loads, and as many chunks each), this load reads its own
-// chunks from storage (read_threads shared out among the owners) and
+// chunks from storage (read_threads shared out among the owners; one
+// until the first refresh when the plan saw no one) and
 // waits for the others' until their owner has read them, asking the peers
 // again every peer_refresh; an owner gone, or stalled for peer_patience,
-// passes its chunks on, and a chunk waited for longer than peer_patience
-// is read from storage here. The ranges this load reads from storage are offered at
+// passes its chunks on, and a chunk waited for longer than 3 x
+// peer_patience is read from storage here. The ranges this load reads from storage are offered at
 // once (`own`, if any). What no one supplies comes from storage (kAuto) or
 // fails the load UNAVAILABLE (kPeers, which uses complete holders only).
 // Then checks what they sent, round after round, until every tensor
@@ -207,12 +208,15 @@ class PeerRead {
   std::vector<ChunkState> state_ ABSL_GUARDED_BY(mu_);
   std::vector<char> mine_ ABSL_GUARDED_BY(mu_);  // per chunk: this load is its owner
   size_t remaining_ ABSL_GUARDED_BY(mu_) = 0;
-  // Storage reads in flight, and how many may be: read_threads shared out
-  // among the loads reading (UpdateOwners).
+  // Storage reads in flight, and how many may be: one until the first
+  // refresh when the plan found no other load (loads that start together
+  // may not have seen each other yet), then read_threads shared out among
+  // the loads reading (UpdateOwners).
   int storage_busy_ ABSL_GUARDED_BY(mu_) = 0;
   int storage_width_ ABSL_GUARDED_BY(mu_) = 1;
+  bool refreshed_ ABSL_GUARDED_BY(mu_) = false;  // or the plan saw others
   // Per chunk: since when it waits for another load (InfiniteFuture: not);
-  // past peer_patience a storage reader with room takes it. The first
+  // past 3 x peer_patience a storage reader with room takes it. The first
   // chunk of first_order_ not done.
   std::vector<absl::Time> waiting_since_ ABSL_GUARDED_BY(mu_);
   size_t first_todo_ ABSL_GUARDED_BY(mu_) = 0;

@@ -47,12 +47,10 @@ absl::Status StorageReader::ReadChunk(const Chunk& c, bool count) const {
   return absl::OkStatus();
 }
 
-absl::Status StorageReader::ReadAll(const ChunkPlan& plan, int threads, DigestAsRead* digest,
-                                    LoadingCopy* offer) const {
+absl::Status StorageReader::ReadAll(const ChunkPlan& plan, int threads,
+                                    DigestAsRead* digest) const {
   return ParallelFor(nullptr, plan.chunks.size(), threads, [&](size_t i) {
-    const Chunk& c = plan.chunks[i];
-    WD_RETURN_IF_ERROR(ReadChunk(c, /*count=*/true));
-    if (offer != nullptr) offer->MarkRead(c.file, c.data_begin, c.length);
+    WD_RETURN_IF_ERROR(ReadChunk(plan.chunks[i], /*count=*/true));
     if (digest != nullptr) digest->ChunkDone(i);
     return absl::OkStatus();
   });

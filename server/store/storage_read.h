@@ -13,7 +13,6 @@
 #include "server/store/checkpoint_files.h"
 #include "server/store/checkpoint_layout.h"
 #include "server/store/load_tally.h"
-#include "server/store/loading_checkpoints.h"
 
 namespace weightd {
 
@@ -39,10 +38,9 @@ class StorageReader {
   absl::Status ReadChunk(const Chunk& c, bool count) const;
   // Reads every chunk of `plan`, `threads` at once, as progress; each
   // chunk read is told to `digest` (if any), which digests the tensors it
-  // completes, and offered to peers loading the same files (`offer`, if
-  // any: LoadingCopy::MarkRead).
-  absl::Status ReadAll(const ChunkPlan& plan, int threads, DigestAsRead* digest = nullptr,
-                       LoadingCopy* offer = nullptr) const;
+  // completes.
+  absl::Status ReadAll(const ChunkPlan& plan, int threads,
+                       DigestAsRead* digest = nullptr) const;
   // Reads `length` bytes at `offset` of file `file`'s data section into
   // `dest` (a sample, a check). Errors name the file.
   absl::Status ReadData(size_t file, uint64_t offset, uint64_t length, void* dest) const;

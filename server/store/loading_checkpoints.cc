@@ -65,26 +65,9 @@ void LoadingCopy::Attach(std::vector<const uint8_t*> data) {
 }
 
 void LoadingCopy::MarkRead(size_t file, uint64_t begin, uint64_t length) {
-  if (length == 0) return;
   absl::MutexLock lock(&mu_);
-  if (closed_ || data_.empty() || file >= read_.size()) return;
-  std::map<uint64_t, uint64_t>& m = read_[file];
-  uint64_t b = begin, e = begin + length;
-  // Merge with the ranges it touches.
-  auto it = m.upper_bound(b);
-  if (it != m.begin()) {
-    auto prev = std::prev(it);
-    if (prev->second >= b) {
-      b = prev->first;
-      e = std::max(e, prev->second);
-      it = m.erase(prev);
-    }
-  }
-  while (it != m.end() && it->first <= e) {
-    e = std::max(e, it->second);
-    it = m.erase(it);
-  }
-  m[b] = e;
+  if (closed_ || data_.empty()) return;
+  read_.Add(file, begin, length);
 }
 
 void LoadingCopy::Close() {
@@ -93,12 +76,7 @@ void LoadingCopy::Close() {
 }
 
 bool LoadingCopy::HasLocked(const CheckpointRange& r) const {
-  if (closed_ || data_.empty() || r.file >= read_.size() || r.length == 0) return false;
-  const std::map<uint64_t, uint64_t>& m = read_[r.file];
-  auto it = m.upper_bound(r.offset);
-  if (it == m.begin()) return false;
-  --it;
-  return it->first <= r.offset && it->second >= r.offset + r.length;
+  return !closed_ && !data_.empty() && read_.Covers(r.file, r.offset, r.length);
 }
 
 bool LoadingCopy::CopyOut(const CheckpointRange& r, std::string* out) const {
@@ -113,12 +91,7 @@ bool LoadingCopy::Describe(const std::vector<CheckpointRange>& samples,
                            std::vector<std::optional<Digest>>* digests) const {
   absl::ReaderMutexLock lock(&mu_);
   if (closed_) return false;
-  for (size_t f = 0; f < read_.size(); ++f) {
-    for (const auto& [b, e] : read_[f]) {
-      if (have->size() >= kMaxOfferedRanges) break;
-      have->push_back({static_cast<uint32_t>(f), b, e - b});
-    }
-  }
+  *have = read_.List(kMaxOfferedRanges);
   for (const CheckpointRange& s : samples) {
     if (s.file < length_.size() && s.offset <= length_[s.file] &&
         s.length <= length_[s.file] - s.offset && HasLocked(s)) {

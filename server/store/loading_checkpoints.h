@@ -33,6 +33,7 @@
 #include "common/digest.h"
 #include "server/auth/access_control.h"
 #include "server/memory/buffer.h"
+#include "server/store/byte_ranges.h"
 #include "server/store/peer_source.h"
 
 namespace weightd {
@@ -87,8 +88,7 @@ class LoadingCopy {
   mutable absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<const uint8_t*> data_ ABSL_GUARDED_BY(mu_);  // per file; Attach
-  // Per file: the ranges read, disjoint and merged, by begin -> end.
-  std::vector<std::map<uint64_t, uint64_t>> read_ ABSL_GUARDED_BY(mu_);
+  ByteRanges read_ ABSL_GUARDED_BY(mu_);  // from storage, per file
 };
 
 class LoadingCheckpoints {

@@ -400,22 +400,19 @@ void PeerRead::AddHolder(const PeerHolding& p) {
   h.copy = p.copy;
   h.partial = p.partial;
   h.id = p.partial ? p.copy.Hex() : p.peer;
-  h.have.resize(files_.size());
-  for (const CheckpointRange& r : p.available) {
-    h.have[r.file][r.offset] = r.offset + r.length;
-    h.have_bytes += r.length;
-  }
+  h.have = RangesOf(p);
   h.progressed = absl::Now();
   holders_.push_back(std::move(h));
 }
 
+ByteRanges PeerRead::RangesOf(const PeerHolding& p) const {
+  ByteRanges have(files_.size());
+  for (const CheckpointRange& r : p.available) have.Add(r.file, r.offset, r.length);
+  return have;
+}
+
 bool PeerRead::Has(const Holder& h, const Chunk& c) const {
-  if (!h.partial) return true;
-  const std::map<uint64_t, uint64_t>& m = h.have[c.file];
-  auto it = m.upper_bound(c.data_begin);
-  if (it == m.begin()) return false;
-  --it;
-  return it->second >= c.data_begin + c.length;
+  return !h.partial || h.have.Covers(c.file, c.data_begin, c.length);
 }
 
 int PeerRead::Supplier(size_t ci) const {
@@ -720,18 +717,12 @@ bool PeerRead::Refresh() {
     it->present = true;
     it->unreadable = false;
     if (!it->partial) continue;
-    uint64_t bytes = 0;
-    std::vector<std::map<uint64_t, uint64_t>> have(files_.size());
-    for (const CheckpointRange& r : p.available) {
-      have[r.file][r.offset] = r.offset + r.length;
-      bytes += r.length;
-    }
-    if (bytes != it->have_bytes) {
+    ByteRanges have = RangesOf(p);
+    if (have.bytes() != it->have.bytes()) {
       news = true;
       it->progressed = absl::Now();
     }
     it->have = std::move(have);
-    it->have_bytes = bytes;
   }
   refreshed_ = true;
   UpdateOwners();

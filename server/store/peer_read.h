@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/digest.h"
+#include "server/store/byte_ranges.h"
 #include "server/store/checkpoint_files.h"
 #include "server/store/checkpoint_layout.h"
 #include "server/store/checkpoint_load_options.h"
@@ -130,8 +131,7 @@ class PeerRead {
     Digest copy;
     bool partial = false;
     std::string id;  // its rendezvous name: the copy id (partial holders)
-    std::vector<std::map<uint64_t, uint64_t>> have;  // per file: begin -> end
-    uint64_t have_bytes = 0;
+    ByteRanges have;        // what it says it has (partial holders)
     absl::Time progressed;  // when `have` last grew (or it joined)
     bool present = true;    // in the latest answers
     bool unreadable = false;  // refused a read since (gone, busy): until then
@@ -160,6 +160,8 @@ class PeerRead {
   // those that have it and are not dropped or excluded for it), or -1.
   int Supplier(size_t ci) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool Has(const Holder& h, const Chunk& c) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The ranges a partial holder's answer names (checked by Fault).
+  ByteRanges RangesOf(const PeerHolding& p) const;
   // Asks the peers again; true when something changed (a holder, ranges).
   bool Refresh() ABSL_LOCKS_EXCLUDED(mu_);
   void UpdateOwners() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

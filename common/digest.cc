@@ -2,8 +2,10 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/string_view.h"
@@ -76,6 +78,16 @@ std::optional<Digest> DigestFromBytes(absl::string_view bytes) {
 
 Digest DigestBytes(const void* data, size_t size) {
   return DigestFromHash(ActiveDigestKernel().hash(data, size));
+}
+
+Digest RandomDigest() {
+  std::random_device rd;
+  Digest d;
+  for (size_t i = 0; i < d.bytes.size(); i += 4) {
+    const uint32_t v = rd();
+    std::memcpy(d.bytes.data() + i, &v, std::min<size_t>(4, d.bytes.size() - i));
+  }
+  return d;
 }
 
 DigestBuilder::DigestBuilder() : kernel_(&ActiveDigestKernel()), state_(kernel_->new_state()) {

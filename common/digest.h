@@ -34,6 +34,9 @@ struct Digest {
 };
 
 Digest DigestBytes(const void* data, size_t size);
+// 16 bytes from the system's random source: a name no other process picks
+// (a load's copy, a daemon's run). Not a digest of anything.
+Digest RandomDigest();
 // The digest whose 16 bytes are `bytes` (off the wire); nullopt for any
 // other length.
 std::optional<Digest> DigestFromBytes(absl::string_view bytes);

@@ -1,15 +1,14 @@
 #include "server/fleet/fleet.h"
 
 #include <algorithm>
-#include <random>
 #include <string>
 #include <utility>
 
 #include <grpcpp/security/credentials.h>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/digest.h"
 #include "common/fd.h"
 #include "common/grpc/credentials.h"
 #include "common/status_macros.h"
@@ -27,13 +26,6 @@ absl::Status CheckHostPort(const std::string& address, absl::string_view flag) {
         absl::StrCat(flag, ": expected HOST:PORT, got \"", address, "\""));
   }
   return absl::OkStatus();
-}
-
-std::string RandomInstanceId() {
-  std::random_device rd;
-  std::string raw(16, '\0');
-  for (char& c : raw) c = static_cast<char>(rd());
-  return absl::BytesToHexString(raw);
 }
 
 // TLS to peers only with --peer-tls-ca; then this daemon's certificate too.
@@ -63,7 +55,7 @@ absl::StatusOr<std::unique_ptr<Fleet>> Fleet::Start(PeerOptions options, UcxPlan
                                                     options.receive_budget_bytes,
                                                     std::move(creds), std::move(token));
   const PeerTransport transport = options.transport;
-  fleet->table_ = PeerTable::Start(std::move(options), fleet->channels_.get(), RandomInstanceId());
+  fleet->table_ = PeerTable::Start(std::move(options), fleet->channels_.get(), RandomDigest().Hex());
   fleet->checkpoints_ = std::make_unique<PeerCheckpointClient>(
       fleet->table_.get(), fleet->channels_.get(), ucx, transport);
   return fleet;

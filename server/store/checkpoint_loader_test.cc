@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -534,6 +535,90 @@ TEST_F(CheckpointLoaderTest, IoErrorInThePeerPhasesNamesThem) {
   ASSERT_EQ(got.status().code(), absl::StatusCode::kInternal) << got.status();
   EXPECT_EQ(got.status().message(), absl::StrCat("read from peers: ", eio));
   EXPECT_EQ(used(), before) << "what the peer sent is freed with the load";
+}
+
+// A complete holder that flips every byte it sends, and a partial holder
+// (another load of the same files) whose load ends while this one checks:
+// it refuses the ranges this load fetches again (NOT_FOUND, as a load that
+// ended answers for its partial copy). That is no fault of the partial
+// holder's: only the liar is counted as failing; the bytes come right.
+class LiarAndEndingLoad final : public CheckpointPeers {
+ public:
+  explicit LiarAndEndingLoad(std::shared_ptr<const Checkpoint> held) : held_(std::move(held)) {}
+  std::vector<PeerHolding> FindHolders(const PeerQuery& query) override {
+    if (held_->content_key() != query.key) return {};
+    auto liar = DescribeHolding(*held_, query.samples);
+    if (!liar.ok()) return {};
+    liar->peer = "liar";
+    PeerHolding loading;
+    loading.peer = "loading";
+    loading.copy.bytes.fill(7);
+    loading.partial = true;
+    for (size_t f = 0; f < held_->file_info().size(); ++f) {
+      loading.available.push_back({static_cast<uint32_t>(f), 0, held_->file_info()[f].data_length});
+    }
+    loading.sample_digests = liar->sample_digests;
+    loading.sample_known.assign(query.samples.size(), true);
+    return {std::move(*liar), std::move(loading)};
+  }
+  absl::Status ReadRange(const std::string& peer, const Digest&, const Digest&,
+                         const CheckpointRange& range, uint8_t* dest, const char**) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (peer == "liar") {
+        ++liar_reads_;
+        sent_by_liar_.insert({range.file, range.offset});
+      } else if (sent_by_liar_.count({range.file, range.offset})) {
+        ++refused_;
+        return absl::NotFoundError("no load of those files runs (any more)");
+      }
+    }
+    auto held = FindHeldBytes(*held_, range, kMaxPeerRangeBytes);
+    if (!held.ok()) return held.status();
+    std::memcpy(dest, held->buffer->host_data() + held->offset, range.length);
+    if (peer == "liar") {
+      for (uint64_t i = 0; i < range.length; ++i) dest[i] ^= 0x5a;
+    }
+    return absl::OkStatus();
+  }
+  int liar_reads() const {
+    absl::MutexLock lock(&mu_);
+    return liar_reads_;
+  }
+  int refused() const {
+    absl::MutexLock lock(&mu_);
+    return refused_;
+  }
+
+ private:
+  const std::shared_ptr<const Checkpoint> held_;
+  mutable absl::Mutex mu_;
+  std::set<std::pair<uint32_t, uint64_t>> sent_by_liar_ ABSL_GUARDED_BY(mu_);
+  int liar_reads_ ABSL_GUARDED_BY(mu_) = 0;
+  int refused_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+TEST_F(CheckpointLoaderTest, APartialHolderWhoseLoadEndedIsNoFailingPeer) {
+  const std::string path = WriteModel();
+  auto held = LoadCheckpoint(path, Options(nullptr));
+  ASSERT_TRUE(held.ok()) << held.status();
+  LiarAndEndingLoad peers(*held);
+  LoadSourceReport report;
+  CheckpointLoadOptions o = Options(nullptr);
+  o.peers = &peers;
+  o.source = LoadSource::kAuto;
+  o.peer_samples_per_file = 2;
+  o.peer_sample_bytes = 16;
+  o.report = &report;
+  auto got = LoadCheckpoint(path, o);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectFileBytes(**got, path);
+  ASSERT_GT(peers.liar_reads(), 0);
+  // What the liar sent was fetched again: from the partial holder first,
+  // which refused (its load had ended), then from storage.
+  EXPECT_GT(peers.refused(), 0);
+  EXPECT_EQ(report.peer_failures.count("loading"), 0u);
+  EXPECT_GE(report.peer_failures["liar"], 1u);
 }
 
 TEST_F(CheckpointLoaderTest, BudgetTooSmallForTheDataFailsInTheAllocatePhase) {

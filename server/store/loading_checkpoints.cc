@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -38,16 +37,6 @@ class CopiedBytes final : public Buffer {
   const std::shared_ptr<std::atomic<uint64_t>> copied_;
 };
 std::atomic<uint64_t> CopiedBytes::next_id_{1ull << 62};
-
-Digest RandomCopyId() {
-  std::random_device rd;
-  Digest d;
-  for (size_t i = 0; i < d.bytes.size(); i += 4) {
-    const uint32_t v = rd();
-    std::memcpy(d.bytes.data() + i, &v, std::min<size_t>(4, d.bytes.size() - i));
-  }
-  return d;
-}
 
 }  // namespace
 
@@ -106,7 +95,7 @@ bool LoadingCopy::Describe(const std::vector<CheckpointRange>& samples,
 std::shared_ptr<LoadingCopy> LoadingCheckpoints::Add(const Digest& key, ReaderList readers,
                                                      std::vector<uint64_t> length) {
   auto copy =
-      std::make_shared<LoadingCopy>(key, RandomCopyId(), std::move(readers), std::move(length));
+      std::make_shared<LoadingCopy>(key, RandomDigest(), std::move(readers), std::move(length));
   absl::MutexLock lock(&mu_);
   for (auto it = loads_.begin(); it != loads_.end();) {  // the gone ones
     it = it->second.expired() ? loads_.erase(it) : std::next(it);

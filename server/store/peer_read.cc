@@ -21,12 +21,6 @@ constexpr size_t kMaxSamples = 4096;  // what a holder answers
 
 std::string Abbrev(const Digest& d) { return d.Hex().substr(0, 12); }
 
-// A name for a load that offers nothing: no other daemon computes with it.
-std::string RandomSeed() {
-  std::random_device rd;
-  return absl::StrCat(rd(), "-", rd());
-}
-
 // Storage samples at random places each load: a peer cannot have prepared
 // for them. (It sees them in the question, though: they pick its copy and
 // turn away peers with other bytes early; what checks its bytes is
@@ -140,15 +134,28 @@ std::string Asking::Fault(const PeerHolding& h) const {
                       r.length, " bytes) differ from storage's");
 }
 
+// A partial holder's refusal that is no fault: its load ended (or failed)
+// since it answered (NOT_FOUND), or it is busy serving others
+// (RESOURCE_EXHAUSTED).
+bool PartialRefusal(bool partial, const absl::Status& s) {
+  return partial && (s.code() == absl::StatusCode::kNotFound ||
+                     s.code() == absl::StatusCode::kResourceExhausted);
+}
+
+// What a load asks its peers: who holds `plan.key`, with these samples.
+PeerQuery QueryFor(const PeerPlan& plan, const std::vector<std::vector<size_t>>& order) {
+  PeerQuery query;
+  query.key = plan.key;
+  query.samples = plan.samples;
+  query.sample_digests = plan.sample_digests;
+  for (const auto& o : order) query.tensors_per_file.push_back(o.size());
+  return query;
+}
+
 // The holders whose answers fit and whose samples match storage's.
 std::vector<const PeerHolding*> AskHolders(const Asking& ask, CheckpointPeers& peers,
                                            std::vector<PeerHolding>& found) {
-  PeerQuery query;
-  query.key = ask.plan.key;
-  query.samples = ask.plan.samples;
-  query.sample_digests = ask.plan.sample_digests;
-  for (const auto& o : ask.order) query.tensors_per_file.push_back(o.size());
-  found = peers.FindHolders(query);
+  found = peers.FindHolders(QueryFor(ask.plan, ask.order));
   std::vector<const PeerHolding*> usable;
   for (const PeerHolding& h : found) {
     const std::string fault = ask.Fault(h);
@@ -317,7 +324,7 @@ PeerRead::PeerRead(const std::string& path, const CheckpointLoadOptions& options
       chunks_(chunks),
       storage_(storage),
       own_(own),
-      self_id_(own != nullptr ? own->copy().Hex() : absl::StrCat("self:", RandomSeed())),
+      self_id_(own != nullptr ? own->copy().Hex() : absl::StrCat("self:", RandomDigest().Hex())),
       order_(DigestOrder(files.size(), layout)),
       first_order_(),
       tally_(tally),
@@ -449,11 +456,10 @@ void PeerRead::UpdateOwners() {
   // as one load alone: each of P with read_threads / P (at least one), so
   // its chunks land one after another for the others to take, not all at
   // the end.
+  // (Until then holders_ has no partial holder: the plan had none.)
   const int threads = std::max(1, options_.read_threads);
   const int participants = static_cast<int>(ids.size());
-  if (storage_width_ > 1 || participants > 1 || refreshed_) {
-    storage_width_ = std::max(1, (threads + participants - 1) / participants);
-  }
+  storage_width_ = refreshed_ ? std::max(1, (threads + participants - 1) / participants) : 1;
   // By chunk, not group (a large tensor's pieces are shared out too), and
   // in turn over the loads sorted by id, from a place the key picks: each
   // owns as many chunks as any other (within one), since each owner's
@@ -482,7 +488,6 @@ absl::Status PeerRead::FirstPass() {
     // Alone as far as the plan saw (others may be starting as it asked):
     // one storage stream until the first refresh.
     refreshed_ = !(plan_.partial.empty() && plan_.holders.empty());
-    storage_width_ = 1;
     UpdateOwners();
   }
   const bool from_storage = options_.source != LoadSource::kPeers;
@@ -619,25 +624,13 @@ void PeerRead::Worker(bool storage) {
       s = PopulateForWrite(c.dest, c.length);
       bool retry = false;  // the chunk goes back to be taken again
       if (s.ok()) {
-        const CheckpointRange range{static_cast<uint32_t>(c.file), c.data_begin, c.length};
-        const char* transport = "";
-        s = options_.peers->ReadRange(peer, plan_.key, copy, range, c.dest, &transport);
-        if (s.ok()) {
-          supplier_[ci] = h;
-          transport_[ci] = transport;
-          unchecked_[ci] = 1;
-          // Discarded until the load keeps them (counted at its end).
-          tally_.PeerSent(c.length, files_[c.file].path(), peer, transport, /*count=*/true);
-        } else if (s.code() == absl::StatusCode::kCancelled && options_.cancel != nullptr &&
-                   options_.cancel->cancelled()) {
-          // The load's own cancel: it fails.
-        } else if (partial && (s.code() == absl::StatusCode::kNotFound ||
-                               s.code() == absl::StatusCode::kResourceExhausted)) {
-          // Its load ended (or failed) since it answered, or it is busy
-          // serving others: it answers again as what it is now at the
-          // next refresh.
-          // Still an owner of its chunks until the answers say otherwise
-          // (a load that ended answers as a complete holder next).
+        s = ReadFrom(ci, h, peer, copy, /*count=*/true);
+        if (s.ok() || OwnCancel(s)) {
+          // Read; or the load's own cancel: it fails.
+        } else if (PartialRefusal(partial, s)) {
+          // It answers again as what it is now at the next refresh; still
+          // an owner of its chunks until the answers say otherwise (a load
+          // that ended answers as a complete holder next).
           absl::MutexLock lock(&mu_);
           holders_[h].unreadable = true;
           retry = true;
@@ -665,12 +658,7 @@ void PeerRead::Worker(bool storage) {
 }
 
 bool PeerRead::Refresh() {
-  PeerQuery query;
-  query.key = plan_.key;
-  query.samples = plan_.samples;
-  query.sample_digests = plan_.sample_digests;
-  for (const auto& o : order_) query.tensors_per_file.push_back(o.size());
-  std::vector<PeerHolding> found = options_.peers->FindHolders(query);
+  std::vector<PeerHolding> found = options_.peers->FindHolders(QueryFor(plan_, order_));
   // Checked before the lock (they only read the plan).
   std::vector<std::string> faults;
   for (const PeerHolding& p : found) faults.push_back(Fault(p));
@@ -754,6 +742,25 @@ absl::Status PeerRead::ReadOwn(size_t ci, bool count) {
   return absl::OkStatus();
 }
 
+bool PeerRead::OwnCancel(const absl::Status& s) const {
+  return s.code() == absl::StatusCode::kCancelled && options_.cancel != nullptr &&
+         options_.cancel->cancelled();
+}
+
+absl::Status PeerRead::ReadFrom(size_t ci, int h, const std::string& peer, const Digest& copy,
+                              bool count) {
+  const Chunk& c = chunks_.chunks[ci];
+  const CheckpointRange range{static_cast<uint32_t>(c.file), c.data_begin, c.length};
+  const char* transport = "";
+  WD_RETURN_IF_ERROR(options_.peers->ReadRange(peer, plan_.key, copy, range, c.dest, &transport));
+  supplier_[ci] = h;
+  transport_[ci] = transport;
+  unchecked_[ci] = 1;
+  // Discarded until the load keeps them (counted at its end).
+  tally_.PeerSent(c.length, files_[c.file].path(), peer, transport, count);
+  return absl::OkStatus();
+}
+
 absl::Status PeerRead::FillChunk(size_t ci, bool count) {
   const Chunk& c = chunks_.chunks[ci];
   const CheckpointFile& f = files_[c.file];
@@ -764,25 +771,24 @@ absl::Status PeerRead::FillChunk(size_t ci, bool count) {
     int h;
     std::string peer;
     Digest copy;
+    bool partial;
     {
       absl::MutexLock lock(&mu_);
       h = Supplier(ci);
       if (h < 0) break;
       peer = holders_[h].peer;
       copy = holders_[h].copy;
+      partial = holders_[h].partial;
     }
-    const CheckpointRange range{static_cast<uint32_t>(c.file), c.data_begin, c.length};
-    const char* transport = "";
-    absl::Status s = options_.peers->ReadRange(peer, plan_.key, copy, range, c.dest, &transport);
-    if (s.ok()) {
-      supplier_[ci] = h;
-      transport_[ci] = transport;
-      unchecked_[ci] = 1;
-      // Discarded until the load keeps them (counted at its end).
-      tally_.PeerSent(c.length, f.path(), peer, transport, count);
-      return absl::OkStatus();
+    const absl::Status s = ReadFrom(ci, h, peer, copy, count);
+    if (s.ok() || OwnCancel(s)) return s;
+    if (PartialRefusal(partial, s)) {
+      // Not asked again in this load (later rounds do not refresh).
+      absl::MutexLock lock(&mu_);
+      holders_[h].unreadable = true;
+    } else {
+      Drop(static_cast<size_t>(h), s, "peer_read_failed");
     }
-    Drop(static_cast<size_t>(h), s, "peer_read_failed");
     last = s;
   }
   if (options_.source == LoadSource::kPeers) {

@@ -173,6 +173,11 @@ class PeerRead {
   absl::Status Fill(const std::vector<size_t>& todo, bool count);
   absl::Status FillChunk(size_t ci, bool count) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status ReadOwn(size_t ci, bool count);  // from storage, then offered
+  // Whether `s` is this load's own cancellation (it fails; no one's fault).
+  bool OwnCancel(const absl::Status& s) const;
+  // Chunk `ci` from holder `h` (`peer`'s copy `copy`), kept unchecked.
+  absl::Status ReadFrom(size_t ci, int h, const std::string& peer, const Digest& copy,
+                        bool count) ABSL_LOCKS_EXCLUDED(mu_);
   void Drop(size_t h, const absl::Status& why, const char* event) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Verdict> Check() ABSL_LOCKS_EXCLUDED(mu_);
   void Blame(const std::vector<size_t>& under, const std::string& what, Verdict& v)

@@ -16,6 +16,7 @@
 #include "server/kernels/cast.h"
 #include "server/kernels/merge.h"
 #include "common/safetensors.h"
+#include "common/testing/safetensors_files.h"
 #include "gtest/gtest.h"
 #include "server/adapter/lora_patch.h"
 
@@ -34,17 +35,8 @@ std::vector<std::string> Sorted(std::vector<std::string> v) {
 
 // ------------------------------------------------------------ file helpers
 
-struct TestTensor {
-  std::string name;
-  DType dtype;
-  std::vector<int64_t> shape;
-  std::string bytes;
-};
-
 TestTensor F32(std::string name, std::vector<int64_t> shape, const std::vector<float>& v) {
-  std::string b(v.size() * 4, '\0');
-  std::memcpy(b.data(), v.data(), b.size());
-  return {std::move(name), DType::kF32, std::move(shape), std::move(b)};
+  return {std::move(name), DType::kF32, std::move(shape), F32Bytes(v)};
 }
 
 TestTensor BF16(std::string name, std::vector<int64_t> shape, const std::vector<float>& v) {
@@ -69,13 +61,7 @@ void WriteFile(const std::string& path, const std::string& bytes) {
 }
 
 void WriteSafetensors(const std::string& path, const std::vector<TestTensor>& tensors) {
-  std::vector<SafetensorsWriteEntry> entries;
-  std::string data;
-  for (const TestTensor& t : tensors) {
-    entries.push_back({t.name, t.dtype, t.shape, t.bytes.size()});
-    data += t.bytes;
-  }
-  WriteFile(path, BuildSafetensorsHeader(entries) + data);
+  WriteFile(path, SafetensorsFileBytes(tensors));
 }
 
 std::vector<float> Random(size_t n, uint32_t seed, float stddev = 0.1f) {

@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "common/fd.h"
 #include "common/safetensors.h"
+#include "common/testing/safetensors_files.h"
 #include "common/unix_socket.h"
 #include "server/daemon/daemon_flags.h"
 #include "server/daemon/restore.h"
@@ -269,12 +270,8 @@ TEST(StartupTest, ADaemonListeningOnTheSocketIsRefused) {
 
 // A model file of one F32 [4] tensor whose elements are `first`, first+1...
 void WriteModel(const std::string& path, float first) {
-  std::vector<float> v = {first, first + 1, first + 2, first + 3};
-  std::string file = BuildSafetensorsHeader({{"w", DType::kF32, {4}, v.size() * 4}});
-  file.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-  UniqueFd fd(::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644));
-  ASSERT_TRUE(fd.valid());
-  ASSERT_TRUE(WriteFull(fd.get(), file.data(), file.size()).ok());
+  const std::vector<float> v = {first, first + 1, first + 2, first + 3};
+  ASSERT_TRUE(WriteSafetensorsFile(path, {{"w", DType::kF32, {4}, F32Bytes(v)}}).ok());
 }
 
 // A journal in a state directory, and a service journaling into it, as

@@ -17,6 +17,7 @@
 
 #include "common/fd.h"
 #include "common/safetensors.h"
+#include "common/testing/safetensors_files.h"
 
 namespace weightd {
 namespace {
@@ -37,15 +38,10 @@ class WeightServiceTest : public ::testing::Test {
     // "w": F32 [5, 3]; "b": F32 [4]
     w_ = Ramp(5, 3);
     b_ = Ramp(4, 1);
-    std::vector<SafetensorsWriteEntry> entries = {
-        {"w", DType::kF32, {5, 3}, w_.size() * 4}, {"b", DType::kF32, {4}, b_.size() * 4}};
-    std::string file = BuildSafetensorsHeader(entries);
-    file.append(reinterpret_cast<const char*>(w_.data()), w_.size() * 4);
-    file.append(reinterpret_cast<const char*>(b_.data()), b_.size() * 4);
     path_ = root_ + "/m.safetensors";
-    UniqueFd fd(::open(path_.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644));
-    ASSERT_TRUE(fd.valid());
-    ASSERT_TRUE(WriteFull(fd.get(), file.data(), file.size()).ok());
+    ASSERT_TRUE(WriteSafetensorsFile(path_, {{"w", DType::kF32, {5, 3}, F32Bytes(w_)},
+                                             {"b", DType::kF32, {4}, F32Bytes(b_)}})
+                    .ok());
     WeightServiceOptions options;
     options.model_roots = {root_};
     options.data_socket_path = "/nonexistent/data.sock";

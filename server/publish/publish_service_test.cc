@@ -19,6 +19,7 @@
 
 #include "common/fd.h"
 #include "common/safetensors.h"
+#include "common/testing/safetensors_files.h"
 #include "server/engine/weight_service.h"
 
 namespace weightd {
@@ -31,16 +32,11 @@ class PublishServiceTest : public ::testing::Test {
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     root_ = tmpl;
     // "w": F32 [4, 2] (32 bytes); "b": F32 [2] (8 bytes).
-    std::vector<float> w(8, 1.0f), b(2, 2.0f);
-    std::vector<SafetensorsWriteEntry> entries = {{"w", DType::kF32, {4, 2}, 32},
-                                                  {"b", DType::kF32, {2}, 8}};
-    std::string file = BuildSafetensorsHeader(entries);
-    file.append(reinterpret_cast<const char*>(w.data()), 32);
-    file.append(reinterpret_cast<const char*>(b.data()), 8);
+    const std::vector<float> w(8, 1.0f), b(2, 2.0f);
     path_ = root_ + "/m.safetensors";
-    UniqueFd fd(::open(path_.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644));
-    ASSERT_TRUE(fd.valid());
-    ASSERT_TRUE(WriteFull(fd.get(), file.data(), file.size()).ok());
+    ASSERT_TRUE(WriteSafetensorsFile(path_, {{"w", DType::kF32, {4, 2}, F32Bytes(w)},
+                                             {"b", DType::kF32, {2}, F32Bytes(b)}})
+                    .ok());
     WeightServiceOptions options;
     options.model_roots = {root_};
     auto service = WeightService::Create(std::move(options));

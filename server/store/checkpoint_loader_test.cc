@@ -28,6 +28,7 @@
 #include "common/digest.h"
 #include "common/fd.h"
 #include "common/safetensors.h"
+#include "common/testing/safetensors_files.h"
 
 namespace weightd {
 namespace {
@@ -77,19 +78,8 @@ class CheckpointLoaderTest : public ::testing::Test {
   // A file of F32 tensors [n] filled with i + name length * 1000.
   std::string WriteFile(const std::string& name,
                         const std::vector<std::pair<std::string, int>>& tensors) {
-    std::vector<SafetensorsWriteEntry> entries;
-    std::string data;
-    for (const auto& [tname, n] : tensors) {
-      entries.push_back({tname, DType::kF32, {n}, static_cast<uint64_t>(n) * 4});
-      for (int i = 0; i < n; ++i) {
-        float v = static_cast<float>(tname.size() * 1000 + i);
-        data.append(reinterpret_cast<const char*>(&v), 4);
-      }
-    }
     const std::string path = dir_ + "/" + name;
-    const std::string blob = BuildSafetensorsHeader(entries) + data;
-    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644));
-    EXPECT_TRUE(WriteFull(fd.get(), blob.data(), blob.size()).ok());
+    EXPECT_TRUE(WriteSafetensorsFile(path, RampTensors(tensors)).ok());
     return path;
   }
   // Five tensors, 2,600 bytes of data: some 40 chunks.

@@ -16,6 +16,7 @@
 
 #include "common/fd.h"
 #include "common/safetensors.h"
+#include "common/testing/safetensors_files.h"
 
 namespace weightd {
 namespace {
@@ -38,19 +39,8 @@ class CheckpointTest : public ::testing::Test {
   std::string WriteFile(const std::string& name,
                         const std::vector<std::pair<std::string, int>>& tensors,
                         float bias = 0) {
-    std::vector<SafetensorsWriteEntry> entries;
-    std::string data;
-    for (const auto& [tname, n] : tensors) {
-      entries.push_back({tname, DType::kF32, {n}, static_cast<uint64_t>(n) * 4});
-      for (int i = 0; i < n; ++i) {
-        float v = static_cast<float>(tname.size() * 1000 + i) + bias;
-        data.append(reinterpret_cast<const char*>(&v), 4);
-      }
-    }
-    std::string path = dir_ + "/" + name;
-    std::string blob = BuildSafetensorsHeader(entries) + data;
-    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644));
-    EXPECT_TRUE(WriteFull(fd.get(), blob.data(), blob.size()).ok());
+    const std::string path = dir_ + "/" + name;
+    EXPECT_TRUE(WriteSafetensorsFile(path, RampTensors(tensors, bias)).ok());
     return path;
   }
 

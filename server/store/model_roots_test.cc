@@ -16,6 +16,7 @@
 
 #include "common/fd.h"
 #include "common/safetensors.h"
+#include "common/testing/safetensors_files.h"
 #include "server/adapter/adapter.h"
 #include "server/store/checkpoint_loader.h"
 
@@ -43,11 +44,8 @@ class ModelRootsTest : public ::testing::TestWithParam<bool> {
 
   // Writes a safetensors file holding one F32 tensor [4] named `tensor`.
   static void WriteFile(const std::string& path, const std::string& tensor) {
-    std::string blob =
-        BuildSafetensorsHeader({{tensor, DType::kF32, {4}, 16}}) + std::string(16, '\0');
-    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644));
-    ASSERT_TRUE(fd.valid());
-    ASSERT_TRUE(WriteFull(fd.get(), blob.data(), blob.size()).ok());
+    ASSERT_TRUE(
+        WriteSafetensorsFile(path, {{tensor, DType::kF32, {4}, std::string(16, '\0')}}).ok());
   }
 
   absl::StatusOr<ModelRoots> Roots(std::vector<std::string> roots = {}) {
@@ -167,12 +165,10 @@ TEST_P(ModelRootsTest, AdapterDirectorySymlinkSwapNeverReadsOutsideTheRoot) {
     fs::create_directories(dir);
     const std::string a = "base_model.model." + module + ".lora_A.weight";
     const std::string b = "base_model.model." + module + ".lora_B.weight";
-    std::string blob = BuildSafetensorsHeader({{a, DType::kF32, {1, 2}, 8},
-                                               {b, DType::kF32, {2, 1}, 8}}) +
-                       std::string(16, '\0');
-    UniqueFd fd(::open((dir + "/adapter_model.safetensors").c_str(),
-                       O_WRONLY | O_CREAT | O_TRUNC, 0644));
-    ASSERT_TRUE(WriteFull(fd.get(), blob.data(), blob.size()).ok());
+    ASSERT_TRUE(WriteSafetensorsFile(dir + "/adapter_model.safetensors",
+                                     {{a, DType::kF32, {1, 2}, std::string(8, '\0')},
+                                      {b, DType::kF32, {2, 1}, std::string(8, '\0')}})
+                    .ok());
     std::ofstream(dir + "/adapter_config.json") << R"({"r": 1, "lora_alpha": 1})";
   };
   peft(root_ + "/slot", "inside");

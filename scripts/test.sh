@@ -29,11 +29,12 @@ else
   # over every translation unit of this build (syntax only).
   bash scripts/thread_safety.sh "$BUILD_DIR"
   # The default build has the CUDA path where nvcc exists (WEIGHTD_CUDA=AUTO)
-  # and the suites run against it; the CPU-only configuration must still
-  # build (ccache makes this mostly cache hits).
-  if grep -q "^WEIGHTD_CUDA_ENABLED_BUILD:INTERNAL=ON" "$BUILD_DIR/CMakeCache.txt"; then
-    BUILD_DIR="$BUILD_DIR-cpu" bash scripts/build.sh -DWEIGHTD_CUDA=OFF
-  fi
+  # and UCX where libucx-dev does (WEIGHTD_UCX=AUTO), and the suites run
+  # against it; the configuration with neither must still build (ccache
+  # makes this mostly cache hits), and its daemon serves and loads from
+  # peers beside UCX builds (test_peers_ucx.py, WEIGHTD_BUILD_NO_UCX).
+  BUILD_DIR="$BUILD_DIR-cpu" bash scripts/build.sh -DWEIGHTD_CUDA=OFF -DWEIGHTD_UCX=OFF
+  export WEIGHTD_BUILD_NO_UCX="$PWD/$BUILD_DIR-cpu"
 fi
 tsan_reports=""
 if [[ "$sanitize" == *thread* ]]; then

@@ -115,8 +115,9 @@ class CtlResult:
 class Daemon:
     """A weightd process. Use as a context manager or call start()/stop()."""
 
-    def __init__(self, model_root=None, extra_args=(), workdir=None, prefix=()):
-        """prefix: a command prefix for weightd itself (another user, limits)."""
+    def __init__(self, model_root=None, extra_args=(), workdir=None, prefix=(), binary=None):
+        """prefix: a command prefix for weightd itself (another user, limits).
+        binary: another build's weightd (default: WEIGHTD_BUILD's)."""
         self._tmp = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="weightd-test-")
@@ -130,13 +131,14 @@ class Daemon:
         self.log_path = os.path.join(workdir, "weightd.log")
         self.extra_args = list(extra_args)
         self.prefix = list(prefix)
+        self.binary = binary or WEIGHTD
         self.proc = None
 
     def start(self, timeout=20.0, umask=None):
         """umask: the daemon's umask (default: inherited)."""
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            self.prefix + [WEIGHTD, "--socket", self.socket, "--model-root", self.model_root] + self.extra_args,
+            self.prefix + [self.binary, "--socket", self.socket, "--model-root", self.model_root] + self.extra_args,
             stdout=self._log, stderr=subprocess.STDOUT,
             preexec_fn=None if umask is None else (lambda: os.umask(umask)))
         # (a restore at start reads its checkpoints first: several times

@@ -50,20 +50,26 @@ def _tokens(tmp_path):
     return p
 
 
-def _holder(tmp_path, root, name, transport="ucx", *extra):
+def _holder(tmp_path, root, name, transport="ucx", *extra, binary=None):
     addr = "127.0.0.1:%d" % free_port()
     tokens = _tokens(tmp_path)
-    return Daemon(model_root=str(root), workdir=str(tmp_path / name),
+    return Daemon(model_root=str(root), workdir=str(tmp_path / name), binary=binary,
                   extra_args=["--listen", addr, "--auth-token-file", str(tokens),
                               "--fleet-members", "token:fleet", "--peer-token-file",
                               str(tokens), "--peer-transport", transport, *extra]), addr
 
 
-def _loader(tmp_path, root, peers, transport="ucx", *extra):
-    return Daemon(model_root=str(root), workdir=str(tmp_path / "c"),
+def _loader(tmp_path, root, peers, transport="ucx", *extra, binary=None):
+    return Daemon(model_root=str(root), workdir=str(tmp_path / "c"), binary=binary,
                   extra_args=["--peers", ",".join(peers), *_fleet_args(tmp_path, listens=False),
                               "--read-chunk-bytes", str(CHUNK), "--peer-transport", transport,
                               *extra])
+
+
+# A daemon built with -DWEIGHTD_UCX=OFF (scripts/test.sh builds one beside
+# the default build and names it here).
+NO_UCX_BUILD = os.environ.get("WEIGHTD_BUILD_NO_UCX", "")
+NO_UCX_WEIGHTD = os.path.join(NO_UCX_BUILD, "bin", "weightd")
 
 
 @pytest.fixture
@@ -279,6 +285,36 @@ def test_a_side_without_ucx_is_served_over_grpc(tmp_path, checkpoint, holder, lo
             _check_bytes(c, "m", tensors)
             with weightd.Client(socket=a.socket) as cl:
                 assert cl.stats()["bytes_sent_to_peers"] > 0  # ReadCheckpoint's counter
+
+
+@pytest.mark.skipif(not os.path.exists(NO_UCX_WEIGHTD),
+                    reason="no build without UCX (WEIGHTD_BUILD_NO_UCX; scripts/test.sh sets it)")
+@pytest.mark.parametrize("side", ["holder", "loader"])
+def test_a_daemon_built_without_ucx_works_beside_ucx_builds(tmp_path, checkpoint, side):
+    """A weightd built without UCX starts with --peer-transport auto, says
+    why it has no UCX, and serves (or loads) over gRPC beside a UCX build
+    with auto; with --peer-transport ucx it refuses to start, saying why."""
+    models, path, tensors = checkpoint
+    holder_bin = NO_UCX_WEIGHTD if side == "holder" else None
+    loader_bin = NO_UCX_WEIGHTD if side == "loader" else None
+    a, a_addr = _holder(tmp_path, models, "a", "auto", binary=holder_bin)
+    with _running(a):
+        a.ctl_ok("load", "m", str(path))
+        c = _loader(tmp_path, models, [a_addr], "auto", binary=loader_bin)
+        with _running(c):
+            info, last, _ = _load(c, "m", path, source="peers")
+            assert list(last.peers) == [a_addr] and last.bytes_from_storage == 0, last
+            assert list(last.peer_transports) == ["grpc"], last
+            _check_bytes(c, "m", tensors)
+            no_ucx_log = (a if side == "holder" else c).log()
+            assert "built without UCX" in no_ucx_log, no_ucx_log
+            assert "peers are read and served over gRPC" in no_ucx_log, no_ucx_log
+    d = Daemon(model_root=str(models), workdir=str(tmp_path / "u"), binary=NO_UCX_WEIGHTD,
+               extra_args=["--peer-transport", "ucx"])
+    with pytest.raises(RuntimeError) as e:
+        d.start()
+    assert "--peer-transport ucx: this weightd was built without UCX" in str(e.value), e.value
+    d.stop()
 
 
 def test_ucx_loader_refuses_a_holder_without_ucx(tmp_path, checkpoint):

@@ -138,9 +138,13 @@ absl::Status Daemon::StartPeers() {
   if (flags_.peers.addresses.empty() && flags_.peers.dns.empty()) return absl::OkStatus();
   flags_.peers.tls_cert_file = flags_.grpc.tls_cert_file;
   flags_.peers.tls_key_file = flags_.grpc.tls_key_file;
-  // Room for a true answer and every stream's ranges in flight.
+  // Room for a true answer and every stream's range in flight, whole (a
+  // peer sends a range as fast as the link takes it; gRPC buffers what the
+  // reader has not taken yet, and past the quota it cancels a stream:
+  // "Buffers full"), and a message being put together besides.
   flags_.peers.receive_budget_bytes =
-      (32ull << 20) + static_cast<uint64_t>(flags_.service.peer_streams) * (8ull << 20);
+      (32ull << 20) + static_cast<uint64_t>(flags_.service.peer_streams) *
+                          (flags_.service.read_chunk_bytes + (8ull << 20));
   WD_ASSIGN_OR_RETURN(fleet_, Fleet::Start(flags_.peers, ucx_.get()));
   flags_.grpc.peers = fleet_->table();
   flags_.grpc.peer_client = fleet_->checkpoint_client();

@@ -669,9 +669,10 @@ def _vm(pid, key):
 def test_an_oversized_answer_is_refused_without_taking_the_loaders_memory(tmp_path):
     """A peer answering FindCheckpoint for a one-tensor file with 128 MiB of
     digests (and, separately, with 1 MiB: more than the file's one tensor
-    needs): the loader, under a 64 MiB budget, refuses both answers within
-    its peer receive budget (64 MiB at the default --peer-streams), says
-    why in its log, and loads from storage."""
+    needs): the loader refuses both answers within its peer receive budget
+    (32 MiB + --peer-streams x (--read-chunk-bytes + 8 MiB): 68 MiB with
+    four streams of 1 MiB ranges), says why in its log, and loads from
+    storage."""
     models = tmp_path / "models"
     models.mkdir()
     st_io.save({"w": torch.arange(1024, dtype=torch.float32)}, str(models / "m.safetensors"))
@@ -703,12 +704,13 @@ def test_an_oversized_answer_is_refused_without_taking_the_loaders_memory(tmp_pa
     server.start()
     find(pb.FindCheckpointRequest(), None)  # built before the loader asks
     try:
-        c = _loader(tmp_path, models, [addr], "--host-memory-bytes", str(64 << 20))
+        c = _loader(tmp_path, models, [addr], "--host-memory-bytes", str(64 << 20),
+                    "--read-chunk-bytes", str(1 << 20), "--peer-streams", "4")
         with _running(c):
             before = _vm(c.proc.pid, "VmHWM")
             _load(c, "m", models / "m.safetensors")
             peak = _vm(c.proc.pid, "VmHWM")
-            # The answer was refused within the receive budget (64 MiB),
+            # The answer was refused within the receive budget (68 MiB),
             # not read whole and parsed (over 300 MiB before).
             assert peak - before < 128 << 20, (before, peak)
             log = c.log()
@@ -724,3 +726,41 @@ def test_an_oversized_answer_is_refused_without_taking_the_loaders_memory(tmp_pa
             _check_bytes(c, "m", {"w": torch.arange(1024, dtype=torch.float32)})
     finally:
         server.stop(0)
+
+
+
+
+def test_ranges_in_flight_fit_the_peer_receive_budget(tmp_path):
+    """A holder and a loader on two nodes (tests/netsim.py: their own
+    network namespaces and link), ranges of 64 MiB (--read-chunk-bytes,
+    64 MiB tensors), four at once (--peer-streams 4): the loader's peer
+    receive budget has room for every range in flight whole. gRPC buffers
+    what the reader has not taken yet and, past the budget, cancels a
+    stream "Buffers full": the budget sized for 8 MiB a stream (64 MiB here)
+    dropped the holder and the loads failed UNAVAILABLE (and, between two
+    nodes, about half the 1 GiB loads at the default 16 MiB ranges)."""
+    import netsim
+    netsim.require()
+    models = tmp_path / "models"
+    models.mkdir()
+    g = torch.Generator().manual_seed(17)
+    tensors = {"w.%d" % i: torch.randn(4096, 4096, generator=g) for i in range(4)}
+    path = models / "m.safetensors"
+    st_io.save(tensors, str(path))
+    with netsim.Net(nodes=2, storage=False) as net:
+        addr = "%s:%d" % (net.nodes[0].addr, free_port())
+        a = Daemon(model_root=str(models), workdir=str(tmp_path / "a"), prefix=net.nodes[0].prefix,
+                   extra_args=["--listen", addr, "--allow-insecure-token"] + _fleet_args(tmp_path))
+        c = Daemon(model_root=str(models), workdir=str(tmp_path / "c"), prefix=net.nodes[1].prefix,
+                   extra_args=["--peers", addr, *_fleet_args(tmp_path, listens=False),
+                               "--read-chunk-bytes", str(64 << 20), "--peer-streams", "4",
+                               "--huge-pages", "off"])
+        with _running(a, c):
+            a.ctl_ok("load", "m", str(path))
+            for _ in range(4):
+                _, last, _ = _load(c, "m", path, source="peers")
+                assert last.bytes_from_storage == 0 and list(last.peers) == [addr], last
+                c.ctl_ok("unload", "m")
+            assert "Buffers full" not in c.log()
+            _load(c, "m", path, source="peers")
+            _check_bytes(c, "m", tensors)

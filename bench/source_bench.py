@@ -76,9 +76,9 @@ def write_checkpoint(path, size_mib):
     st_io.save(tensors, path)
 
 
-def start_daemon(build, node, workdir, extra):
+def start_daemon(build, node, workdir, extra, huge_pages="off"):
     from harness import Daemon
-    d = Daemon(workdir=workdir, prefix=node.prefix, extra_args=["--huge-pages", "off"] + extra)
+    d = Daemon(workdir=workdir, prefix=node.prefix, extra_args=["--huge-pages", huge_pages] + extra)
     saved = dict(os.environ)
     os.environ.update(AWS_ENV)
     try:

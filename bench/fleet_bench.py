@@ -49,6 +49,7 @@ sys.path.insert(0, HERE)
 
 import netsim  # noqa: E402
 import sources_servers as ss  # noqa: E402
+import hugepages  # noqa: E402
 from source_bench import AWS_ENV, counters, log, start_daemon, write_checkpoint  # noqa: E402
 
 BUCKET = "bench"
@@ -128,23 +129,8 @@ def main():
                     help="2 MiB hugetlb pages to add to the pool for the daemons (root)")
     ap.add_argument("--out", default=os.path.join(HERE, "fleet_results.json"))
     args = ap.parse_args()
-    hp_sysfs = "/proc/sys/vm/nr_hugepages"
-    hp_old = None
-    if args.huge_pages:
-        with open(hp_sysfs) as f:
-            hp_old = int(f.read())
-        with open(hp_sysfs, "w") as f:
-            f.write(str(hp_old + args.huge_pages))
-        with open(hp_sysfs) as f:
-            got = int(f.read()) - hp_old
-        log("huge pages: asked for %d more 2 MiB pages, got %d" % (args.huge_pages, got))
-    try:
+    with hugepages.pool(args.huge_pages, log):
         run_bench(args)
-    finally:
-        if hp_old is not None:
-            with open(hp_sysfs, "w") as f:
-                f.write(str(hp_old))
-            log("huge pages: vm.nr_hugepages back to %d" % hp_old)
 
 
 def run_bench(args):

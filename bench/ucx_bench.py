@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+import hugepages
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
@@ -80,28 +82,11 @@ def main():
                     help="2 MiB hugetlb pages to add to the pool for the loaders (root)")
     ap.add_argument("--out", default=os.path.join(HERE, "ucx_results.json"))
     args = ap.parse_args()
-    hp_sysfs = "/proc/sys/vm/nr_hugepages"
-    hp_old = None
-    if args.huge_pages:
-        with open(hp_sysfs) as f:
-            hp_old = int(f.read())
-        with open(hp_sysfs, "w") as f:
-            f.write(str(hp_old + args.huge_pages))
-        with open(hp_sysfs) as f:
-            got = int(f.read()) - hp_old
-        print("huge pages: asked for %d more 2 MiB pages, got %d" % (args.huge_pages, got))
-        if got * 2 < args.mib + 64:
-            with open(hp_sysfs, "w") as f:
-                f.write(str(hp_old))
+    with hugepages.pool(args.huge_pages) as got:
+        if args.huge_pages and got * 2 < args.mib + 64:
             sys.exit("huge pages: %d MiB in the pool is too few for a %d MiB load" %
                      (got * 2, args.mib))
-    try:
         run(args)
-    finally:
-        if hp_old is not None:
-            with open(hp_sysfs, "w") as f:
-                f.write(str(hp_old))
-            print("huge pages: vm.nr_hugepages back to %d" % hp_old)
 
 
 def run(args):

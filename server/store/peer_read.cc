@@ -455,8 +455,8 @@ void PeerRead::UpdateOwners() {
   // The loads reading storage together read with as many streams in all
   // as one load alone: each of P with read_threads / P (at least one), so
   // its chunks land one after another for the others to take, not all at
-  // the end.
-  // (Until then holders_ has no partial holder: the plan had none.)
+  // the end. A load whose plan saw no one reads with one stream until its
+  // first refresh (holders_ has no partial holder before it either).
   const int threads = std::max(1, options_.read_threads);
   const int participants = static_cast<int>(ids.size());
   storage_width_ = refreshed_ ? std::max(1, (threads + participants - 1) / participants) : 1;

@@ -28,10 +28,10 @@ std::string ShapeError(const v1::FindCheckpointResponse& resp, const PeerQuery& 
   const size_t files = query.tensors_per_file.size();
   if (resp.partial()) {
     // Still loading: no tensor digests, a digest or nothing per sample, at
-    // most 65536 ranges, each inside a file of the checkpoint.
+    // most kMaxPartialRanges ranges, each inside a file of the checkpoint.
     if (resp.tensor_digests_size() != 0 ||
         static_cast<size_t>(resp.sample_digests_size()) != query.samples.size() ||
-        resp.copy().size() != 16 || resp.available_size() > 65536 ||
+        resp.copy().size() != 16 || static_cast<size_t>(resp.available_size()) > kMaxPartialRanges ||
         std::any_of(resp.sample_digests().begin(), resp.sample_digests().end(),
                     [](const std::string& d) { return !d.empty() && d.size() != 16; })) {
       return absl::StrCat("its answer (still loading) has ", resp.tensor_digests_size(),

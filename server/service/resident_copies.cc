@@ -58,16 +58,7 @@ absl::StatusOr<PeerHolding> ResidentCopies::FindHeld(const Digest& key,
   }
   // The same bounds for a copy still loading as DescribeHolding's for a
   // resident one, before either is looked at.
-  if (samples.size() > 4096) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(samples.size(), " samples (at most 4096)"));
-  }
-  for (const CheckpointRange& r : samples) {
-    if (r.length > (1u << 20)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("a sample of ", r.length, " bytes (at most 1 MiB)"));
-    }
-  }
+  WD_RETURN_IF_ERROR(CheckPeerSamples(samples));
   if (samples.empty()) {
     return absl::InvalidArgumentError(
         "FindCheckpoint needs samples of the asker's bytes and their digests: they pick the copy");

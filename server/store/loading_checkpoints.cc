@@ -80,7 +80,7 @@ bool LoadingCopy::Describe(const std::vector<CheckpointRange>& samples,
                            std::vector<std::optional<Digest>>* digests) const {
   absl::ReaderMutexLock lock(&mu_);
   if (closed_) return false;
-  *have = read_.List(kMaxOfferedRanges);
+  *have = read_.List(kMaxPartialRanges);
   for (const CheckpointRange& s : samples) {
     if (s.file < length_.size() && s.offset <= length_[s.file] &&
         s.length <= length_[s.file] - s.offset && HasLocked(s)) {

@@ -38,11 +38,9 @@
 
 namespace weightd {
 
-// The most ranges a partial holder names in one answer (the first ones, in
-// file and offset order; loads sharing out storage each hold every P-th
-// chunk, so a 1 TB checkpoint in 16 MiB chunks needs 65536 / P), and the
-// longest range it serves in one read (as a resident holder).
-inline constexpr size_t kMaxOfferedRanges = 65536;
+// A partial holder names at most kMaxPartialRanges ranges in one answer
+// (peer_source.h: the first ones, in file and offset order). The longest
+// range it serves in one read (as a resident holder):
 inline constexpr uint64_t kMaxPartialReadBytes = 256ull << 20;
 // The most bytes copied for peers' reads of partial copies at once (each
 // copy lives until its ReadCheckpoint stream ends); beyond it a read is
@@ -72,7 +70,7 @@ class LoadingCopy {
   friend class LoadingCheckpoints;
   // Whether all of `r` is read; sets `out` to its bytes if so.
   bool CopyOut(const CheckpointRange& r, std::string* out) const ABSL_LOCKS_EXCLUDED(mu_);
-  // The ranges read (at most kMaxOfferedRanges), and the digest of each
+  // The ranges read (at most kMaxPartialRanges), and the digest of each
   // sample wholly inside them (nullopt for the others); false once closed.
   bool Describe(const std::vector<CheckpointRange>& samples, std::vector<CheckpointRange>* have,
                 std::vector<std::optional<Digest>>* digests) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -17,7 +17,6 @@
 namespace weightd {
 namespace {
 
-constexpr size_t kMaxSamples = 4096;  // what a holder answers
 
 std::string Abbrev(const Digest& d) { return d.Hex().substr(0, 12); }
 
@@ -29,19 +28,19 @@ absl::Status SampleStorage(const CheckpointLoadOptions& options,
                            const std::vector<CheckpointFile>& files, const StorageReader& storage,
                            PeerPlan& plan) {
   std::mt19937_64 rng(std::random_device{}());
-  const uint64_t piece = std::clamp<uint64_t>(options.peer_sample_bytes, 1, 1 << 20);
+  const uint64_t piece = std::clamp<uint64_t>(options.peer_sample_bytes, 1, kMaxPeerSampleBytes);
   const uint64_t per_file = std::max<uint64_t>(
-      1,
-      std::min<uint64_t>(options.peer_samples_per_file, 4096 / std::max<size_t>(1, files.size())));
+      1, std::min<uint64_t>(options.peer_samples_per_file,
+                            kMaxPeerSamples / std::max<size_t>(1, files.size())));
   for (size_t i = 0; i < files.size(); ++i) {
     const uint64_t len = files[i].data_length();
     if (len == 0) continue;
     if (len <= piece * per_file) {
-      for (uint64_t off = 0; off < len && plan.samples.size() < kMaxSamples; off += piece) {
+      for (uint64_t off = 0; off < len && plan.samples.size() < kMaxPeerSamples; off += piece) {
         plan.samples.push_back({static_cast<uint32_t>(i), off, std::min(piece, len - off)});
       }
     } else {
-      for (uint64_t k = 0; k < per_file && plan.samples.size() < kMaxSamples; ++k) {
+      for (uint64_t k = 0; k < per_file && plan.samples.size() < kMaxPeerSamples; ++k) {
         plan.samples.push_back({static_cast<uint32_t>(i), rng() % (len - piece + 1), piece});
       }
     }
@@ -271,7 +270,7 @@ std::vector<CheckpointRange> SecretPieces(const std::vector<CheckpointFile>& fil
     return out;
   }
   std::mt19937_64 rng(std::random_device{}());
-  const uint64_t piece = std::clamp<uint64_t>(options.peer_sample_bytes, 1, 1 << 20);
+  const uint64_t piece = std::clamp<uint64_t>(options.peer_sample_bytes, 1, kMaxPeerSampleBytes);
   for (size_t i = 0; i < files.size(); ++i) {
     const uint64_t len = files[i].data_length();
     if (len == 0) continue;

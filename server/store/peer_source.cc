@@ -50,7 +50,7 @@ uint64_t PeerQuery::AnswerBound() const {
   for (uint64_t n : tensors_per_file) bound += 11 + 16 * n;
   bound += (11 + 16) * samples.size();
   // A partial holder's flag and ranges (each: tag, length, three varints).
-  bound += 2 + 65536 * (2 + 1 + 5 + 1 + 10 + 1 + 10);
+  bound += 2 + kMaxPartialRanges * (2 + 1 + 5 + 1 + 10 + 1 + 10);
   return bound;
 }
 
@@ -68,6 +68,20 @@ Digest CheckpointKey(const std::vector<CheckpointFileId>& files) {
     b.Update(f.header.bytes.data(), f.header.bytes.size());
   }
   return b.Finish();
+}
+
+absl::Status CheckPeerSamples(const std::vector<CheckpointRange>& samples) {
+  if (samples.size() > kMaxPeerSamples) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(samples.size(), " samples (at most ", kMaxPeerSamples, ")"));
+  }
+  for (const CheckpointRange& r : samples) {
+    if (r.length > kMaxPeerSampleBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a sample of ", r.length, " bytes (at most 1 MiB)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace weightd

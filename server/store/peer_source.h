@@ -58,6 +58,17 @@ struct CheckpointRange {
   uint64_t length = 0;
 };
 
+// The bounds of a FindCheckpoint question and answer, the same for the
+// daemon asking and the one answering: samples in a question, bytes in
+// one sample, ranges a partial holder names (loads sharing out storage
+// each hold every P-th chunk, so a 1 TB checkpoint in 16 MiB chunks needs
+// 65536 / P).
+inline constexpr size_t kMaxPeerSamples = 4096;
+inline constexpr uint64_t kMaxPeerSampleBytes = 1ull << 20;
+inline constexpr size_t kMaxPartialRanges = 65536;
+// OK when `samples` keep the first two: INVALID_ARGUMENT otherwise.
+absl::Status CheckPeerSamples(const std::vector<CheckpointRange>& samples);
+
 // What a peer says it holds.
 struct PeerHolding {
   std::string peer;  // its address

@@ -249,13 +249,11 @@ absl::StatusOr<HeldBytes> FindHeldBytes(const Checkpoint& c, const CheckpointRan
 
 absl::StatusOr<PeerHolding> DescribeHolding(const Checkpoint& c,
                                             const std::vector<CheckpointRange>& samples) {
-  if (samples.size() > 4096) {
-    return absl::InvalidArgumentError(absl::StrCat(samples.size(), " samples; at most 4096"));
-  }
+  WD_RETURN_IF_ERROR(CheckPeerSamples(samples));
   PeerHolding out;
   out.copy = c.copy_id();
   for (const CheckpointRange& r : samples) {
-    WD_ASSIGN_OR_RETURN(HeldBytes held, FindHeldBytes(c, r, 1 << 20));
+    WD_ASSIGN_OR_RETURN(HeldBytes held, FindHeldBytes(c, r, kMaxPeerSampleBytes));
     out.sample_digests.push_back(
         DigestBytes(held.buffer->host_data() + held.offset, r.length));
   }
